@@ -1,0 +1,3 @@
+"""The peerd process: CLI, config, lifecycle, control server, metrics."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,266 @@
+"""The Daemon: owns the data dir, the peer node, the runs, and the control and metrics servers.
+
+start() brings everything up in order and ends in READY; run() waits for a stop request and drains.
+A drain leaves every run (peers drop us at once), stops the servers, leaves the DHT and stops p2pd,
+all within `drain_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon import __version__
+from daemon.config import DaemonConfig
+from daemon.control import ControlServer, UnknownRun
+from daemon.datadir import DataDir
+from daemon.lifecycle import ALLOWED, DaemonState
+from daemon.metrics import DaemonMetrics, MetricsServer
+from peers.membership import DiscoverySettings, Memberships
+from peers.node import NodeSettings, PeerNode
+from peers.node import now as dht_now
+from peers.runs import RunSecret, validate_run_id
+
+logger = logging.getLogger(__name__)
+
+UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    run_id: str
+    peers: int
+    secured: bool
+    joined_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class StatusSnapshot:
+    state: str
+    peer_id: str
+    maddrs: list[str]
+    runs: list[RunSummary]
+    uptime_seconds: float
+    version: str
+    metrics_url: str
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    peer_id: str
+    maddrs: list[str]
+    last_seen_seconds: float
+    version: str
+    role: str
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.state = DaemonState.STARTING
+        self.started = time.monotonic()
+        self.data_dir = DataDir(config.data_dir)
+        self.metrics = DaemonMetrics(
+            version=__version__, states=[s.value for s in DaemonState], peers_by_run=self._peer_counts
+        )
+        self.metrics.set_state(self.state.value)
+        self.metrics_server = MetricsServer(self.metrics, config.metrics.host, config.metrics.port)
+        self.node: PeerNode | None = None
+        self.memberships: Memberships | None = None
+        self.control: ControlServer | None = None
+        self.control_address = config.control_address
+        self.maddrs: list[str] = []
+        self._stop = asyncio.Event()
+        self._stop_reason = ""
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def _set_state(self, new: DaemonState) -> None:
+        if new not in ALLOWED[self.state]:
+            raise RuntimeError(f"bad lifecycle transition {self.state.value} -> {new.value}")
+        logger.info("state %s -> %s", self.state.value, new.value)
+        self.state = new
+        self.metrics.set_state(new.value)
+
+    async def start(self) -> None:
+        """Bring the daemon to READY. Raises DataDirError/OSError/P2PDaemonError on failure,
+        after undoing whatever had started."""
+        cfg = self.config
+        if self.control_address.startswith("unix:") and len(self.control_address) - 5 > UNIX_SOCKET_PATH_MAX:
+            raise OSError(f"control socket path {self.control_address[5:]} is too long for a unix socket; pass --control")
+        secret = self._secret_for_start()
+        self.data_dir.open()
+        try:
+            await self.metrics_server.start()
+            events = self.metrics.peer_events()
+            self.node = await PeerNode.start(
+                NodeSettings(
+                    host_maddrs=[_listen_maddr(cfg.network.host, cfg.network.port)],
+                    identity_path=self.data_dir.identity_path,
+                    initial_peers=cfg.network.initial_peers,
+                    announce_maddrs=cfg.network.announce,
+                    nat_port_map=cfg.network.nat_port_map,
+                    auto_nat=cfg.network.auto_nat,
+                    startup_timeout=cfg.network.startup_timeout,
+                    request_timeout=cfg.network.request_timeout,
+                ),
+                events,
+            )
+            self.metrics.set_peer_id(self.node.peer_id)
+            self.maddrs = await self.node.visible_maddrs()
+            d = cfg.discovery
+            self.memberships = Memberships(
+                self.node,
+                DiscoverySettings(
+                    heartbeat_interval=d.heartbeat_interval,
+                    refresh_interval=d.refresh_interval,
+                    peer_ttl=d.peer_ttl,
+                    goodbye_timeout=d.goodbye_timeout,
+                ),
+                version=__version__,
+                events=events,
+            )
+            await self.memberships.start()
+            for run_id in cfg.runs:
+                await self.memberships.join(run_id, secret(run_id) if secret else None)
+            await self._start_control()
+            self._set_state(DaemonState.READY)
+            await self.control.set_serving(True)
+            self.data_dir.write_ready(self.ready_info())
+        except BaseException:
+            await self._teardown(grace=0)
+            raise
+
+    def _secret_for_start(self):
+        path = self.config.run_secret_file
+        if not path:
+            return None
+        RunSecret.from_file(path, "check")  # fail before starting anything if the file is unusable
+        return lambda run_id: RunSecret.from_file(path, run_id)
+
+    async def _start_control(self) -> None:
+        if self.control_address.startswith("unix:"):
+            Path(self.control_address[5:]).unlink(missing_ok=True)  # stale: we hold the data dir lock
+        self.control = ControlServer(self, self.control_address, self.config.control.max_request_bytes)
+        port = await self.control.start()
+        if not self.control_address.startswith("unix:") and self.control_address.endswith(":0"):
+            self.control_address = f"{self.control_address.rsplit(':', 1)[0]}:{port}"
+
+    def ready_info(self) -> dict:
+        return {
+            "peer_id": self.node.peer_id,
+            "maddrs": self.maddrs,
+            "control": self.control_address,
+            "metrics_url": self.metrics_server.url,
+            "pid": os.getpid(),
+            "version": __version__,
+            "runs": sorted(self.memberships.runs),
+        }
+
+    async def run(self) -> None:
+        """Wait for a stop request (signal or Shutdown RPC), then drain within drain_timeout."""
+        await self._stop.wait()
+        logger.info("draining: %s", self._stop_reason)
+        self._set_state(DaemonState.DRAINING)
+        try:
+            async with asyncio.timeout(self.config.drain_timeout):
+                await self.control.set_serving(False)
+                await self.memberships.leave_all()
+                await self._teardown(grace=1.0)
+        except TimeoutError:
+            logger.error("drain took longer than %.1f s; stopping hard", self.config.drain_timeout)
+            await self._teardown(grace=0)
+            raise
+
+    def request_shutdown(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    async def _teardown(self, grace: float) -> None:
+        """Stop whatever started, in reverse order. Safe to call more than once."""
+        if self.control is not None:
+            await self.control.stop(grace)
+            self.control = None
+            if self.control_address.startswith("unix:"):
+                Path(self.control_address[5:]).unlink(missing_ok=True)
+        if self.node is not None:
+            node, self.node = self.node, None
+            self.memberships = None
+            await node.shutdown()
+        await self.metrics_server.stop()
+        self.data_dir.close()
+        if DaemonState.STOPPED in ALLOWED[self.state]:
+            self._set_state(DaemonState.STOPPED)
+
+    # ---- what the control API calls ------------------------------------------------------------
+
+    def reject(self, reason: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+
+    @staticmethod
+    def check_run_id(run_id: str) -> str:
+        return validate_run_id(run_id)
+
+    def _require_ready(self) -> Memberships:
+        if self.state is not DaemonState.READY or self.memberships is None:
+            raise RuntimeError(f"daemon is {self.state.value}, not READY")
+        return self.memberships
+
+    async def join_run(self, run_id: str, secret_file: str | None) -> bool:
+        memberships = self._require_ready()
+        secret = RunSecret.from_file(secret_file, run_id) if secret_file else None
+        joined = await memberships.join(run_id, secret)
+        self.data_dir.write_ready(self.ready_info())
+        return joined
+
+    async def leave_run(self, run_id: str) -> None:
+        memberships = self._require_ready()
+        if run_id not in memberships.runs:
+            raise UnknownRun(run_id)
+        await memberships.leave(run_id)
+        self.data_dir.write_ready(self.ready_info())
+
+    def _membership(self, run_id: str):
+        if self.memberships is None or run_id not in self.memberships.runs:
+            raise UnknownRun(run_id)
+        return self.memberships.runs[run_id]
+
+    def list_peers(self, run_id: str) -> list[PeerView]:
+        membership = self._membership(run_id)
+        t = dht_now()
+        return [
+            PeerView(e.peer_id, list(e.maddrs), max(t - e.last_seen, 0.0), e.version, e.role)
+            for e in membership.peers()
+        ]
+
+    def status(self) -> StatusSnapshot:
+        t = dht_now()
+        runs = [
+            RunSummary(m.run_id, len(m.table), m.secured, t - m.joined_at)
+            for m in (self.memberships.runs.values() if self.memberships else [])
+        ]
+        return StatusSnapshot(
+            state=self.state.value,
+            peer_id=self.node.peer_id if self.node else "",
+            maddrs=self.maddrs,
+            runs=sorted(runs, key=lambda r: r.run_id),
+            uptime_seconds=time.monotonic() - self.started,
+            version=__version__,
+            metrics_url=self.metrics_server.url,
+            pid=os.getpid(),
+        )
+
+    def _peer_counts(self) -> dict[str, int]:
+        if self.memberships is None:
+            return {}
+        return {run_id: len(m.table) for run_id, m in self.memberships.runs.items()}
+
+
+def _listen_maddr(host: str, port: int) -> str:
+    return f"/ip6/{host}/tcp/{port}" if ":" in host else f"/ip4/{host}/tcp/{port}"

@@ -1,0 +1,317 @@
+"""`peerd`: start a daemon, or talk to a running one over its control API.
+
+Exit codes: 0 success; 1 the daemon or the request failed; 2 bad usage or configuration
+(one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from daemon import __version__
+from daemon.client import ControlClient, control_address
+from daemon.config import OPTIONS, ConfigError, default_data_dir, load_config
+
+logger = logging.getLogger("peerd")
+
+_BOOL_PATHS = {"network.nat_port_map", "network.auto_nat"}
+_APPEND_PATHS = {"runs", "network.announce"}
+_EXTEND_PATHS = {"network.initial_peers"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, as the docs promise
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _fail(code: int, message: str):
+    print(f"peerd: error: {message}", file=sys.stderr)
+    return code
+
+
+# ---- peerd start --------------------------------------------------------------------------------
+
+
+def _add_start(sub) -> None:
+    p = sub.add_parser(
+        "start",
+        help="run a daemon in the foreground",
+        description="Run a peerd daemon in the foreground until SIGTERM/SIGINT or `peerd stop`. "
+        "Settings come from flags > PEERD_* variables > the --config TOML file > defaults; each flag's "
+        "variable is named after it, e.g. --metrics-port is PEERD_METRICS_PORT.",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML config file (variable PEERD_CONFIG)")
+    for o in OPTIONS:
+        help_text = f"{o.help} [{o.env}]"
+        if o.path in _BOOL_PATHS:
+            p.add_argument(o.flag, dest=o.path, action="store_true", help=help_text)
+        elif o.path in _APPEND_PATHS:
+            p.add_argument(o.flag, dest=o.path, action="append", metavar=o.metavar, help=help_text)
+        elif o.path in _EXTEND_PATHS:
+            p.add_argument(o.flag, dest=o.path, action="extend", nargs="+", metavar=o.metavar, help=help_text)
+        else:
+            p.add_argument(o.flag, dest=o.path, metavar=o.metavar, help=help_text)
+    p.set_defaults(func=_cmd_start)
+
+
+def _cmd_start(args: argparse.Namespace) -> int:
+    cli = {k: v for k, v in vars(args).items() if "." in k or k in {o.path for o in OPTIONS}}
+    try:
+        config = load_config(cli, config_file=getattr(args, "config", None))
+    except ConfigError as e:
+        return _fail(2, str(e))
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    for noisy in ("hivemind", "p2pclient"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(config.log_level)))
+
+    import uvloop
+
+    from daemon.app import Daemon
+    from daemon.datadir import DataDirError
+
+    async def serve() -> None:
+        daemon = Daemon(config)
+        loop = asyncio.get_running_loop()
+        signals_seen = 0
+
+        def on_signal(name: str) -> None:
+            nonlocal signals_seen
+            signals_seen += 1
+            if signals_seen == 1:
+                daemon.request_shutdown(name)
+            else:  # p2pd exits by itself when our end of its pipes closes
+                print("peerd: second signal, exiting without draining", file=sys.stderr, flush=True)
+                os._exit(1)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        await daemon.start()
+        info = daemon.ready_info()
+        print(
+            f"peerd {__version__} ready\n  peer ID:  {info['peer_id']}\n"
+            + "".join(f"  address:  {m}\n" for m in info["maddrs"])
+            + f"  control:  {info['control']}\n  metrics:  {info['metrics_url']}\n"
+            + f"  runs:     {', '.join(info['runs']) or '(none)'}\n  ready file: {config.data_dir / 'ready.json'}",
+            flush=True,
+        )
+        await daemon.run()
+
+    try:
+        uvloop.run(serve())
+    except DataDirError as e:
+        return _fail(2, str(e))
+    except (OSError, ValueError) as e:
+        return _fail(1, f"could not start: {e}")
+    except TimeoutError:
+        return _fail(1, "timed out (starting p2pd, reaching the initial peers, or draining)")
+    except Exception as e:  # p2pd and DHT bootstrap failures come as several hivemind types
+        logger.debug("start failed", exc_info=True)
+        return _fail(1, f"could not start: {type(e).__name__}: {e}")
+    return 0
+
+
+# ---- the client subcommands ------------------------------------------------------------------------
+
+
+def _client_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path(os.environ.get("PEERD_DATA_DIR") or default_data_dir()),
+        help="data dir of the daemon to talk to [PEERD_DATA_DIR]",
+    )
+    p.add_argument("--control", default=os.environ.get("PEERD_CONTROL"), help="control address instead of --data-dir [PEERD_CONTROL]")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    return p
+
+
+def _client(args) -> ControlClient:
+    return ControlClient(control_address(args.data_dir, args.control))
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _cmd_status(args) -> int:
+    with _client(args) as c:
+        s = c.status()
+    if args.json:
+        _print_json(
+            {
+                "state": s.state,
+                "peer_id": s.peer_id,
+                "maddrs": list(s.maddrs),
+                "runs": [
+                    {"run_id": r.run_id, "peers": r.peers, "secured": r.secured, "joined_seconds": round(r.joined_seconds, 1)}
+                    for r in s.runs
+                ],
+                "uptime_seconds": round(s.uptime_seconds, 1),
+                "version": s.version,
+                "metrics_url": s.metrics_url,
+                "pid": s.pid,
+            }
+        )
+        return 0
+    print(f"state     {s.state}\npeer ID   {s.peer_id}\nversion   {s.version}\nuptime    {s.uptime_seconds:.0f} s")
+    print(f"pid       {s.pid}\nmetrics   {s.metrics_url}")
+    for m in s.maddrs:
+        print(f"address   {m}")
+    print()
+    rows = [(r.run_id, str(r.peers), "yes" if r.secured else "no", f"{r.joined_seconds:.0f} s") for r in s.runs]
+    _table(("RUN", "PEERS", "SECRET", "JOINED"), rows, empty="not in any run (peerd join RUN_ID)")
+    return 0
+
+
+def _cmd_peers(args) -> int:
+    with _client(args) as c:
+        runs = [args.run] if args.run else [r.run_id for r in c.status().runs]
+        replies = [c.list_peers(run_id) for run_id in runs]
+    if args.json:
+        _print_json(
+            {
+                r.run_id: [
+                    {
+                        "peer_id": p.peer_id,
+                        "maddrs": list(p.maddrs),
+                        "last_seen_seconds": round(p.last_seen_seconds, 2),
+                        "version": p.version,
+                        "role": p.role,
+                    }
+                    for p in r.peers
+                ]
+                for r in replies
+            }
+        )
+        return 0
+    rows = [
+        (r.run_id, p.peer_id, p.role, p.version, f"{p.last_seen_seconds:.1f} s", p.maddrs[0] if p.maddrs else "")
+        for r in replies
+        for p in r.peers
+    ]
+    _table(("RUN", "PEER", "ROLE", "VERSION", "SEEN", "ADDRESS"), rows, empty="no peers")
+    return 0
+
+
+def _cmd_join(args) -> int:
+    secret_file = str(Path(args.run_secret_file).absolute()) if args.run_secret_file else ""
+    with _client(args) as c:
+        joined = c.join(args.run_id, secret_file).joined
+    if args.json:
+        _print_json({"run_id": args.run_id, "joined": joined})
+    else:
+        print(f"joined {args.run_id}" if joined else f"already in {args.run_id}")
+    return 0
+
+
+def _cmd_leave(args) -> int:
+    with _client(args) as c:
+        c.leave(args.run_id)
+    if args.json:
+        _print_json({"run_id": args.run_id, "left": True})
+    else:
+        print(f"left {args.run_id}")
+    return 0
+
+
+def _cmd_stop(args) -> int:
+    with _client(args) as c:
+        pid = c.status().pid
+        c.shutdown()
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:  # another user's daemon: we cannot watch it, trust the RPC
+            break
+        time.sleep(0.1)
+    else:
+        return _fail(1, f"daemon (pid {pid}) still running after {args.wait:.0f} s")
+    if args.json:
+        _print_json({"stopped": True, "pid": pid})
+    else:
+        print(f"stopped (pid {pid})")
+    return 0
+
+
+def _cmd_health(args) -> int:
+    with _client(args) as c:
+        status = c.health()
+    if args.json:
+        _print_json({"status": status})
+    else:
+        print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], empty: str) -> None:
+    if not rows:
+        print(empty)
+        return
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="peerd",
+        description="peerd: a fault-tolerant, decentralized training daemon. "
+        "`peerd start` runs a daemon; the other commands talk to a running one.",
+    )
+    parser.add_argument("--version", action="version", version=f"peerd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    _add_start(sub)
+    parent = _client_parent()
+    p = sub.add_parser("status", parents=[parent], help="what the daemon is doing", description="Show the daemon's state, identity, addresses and runs.")
+    p.set_defaults(func=_cmd_status)
+    p = sub.add_parser("peers", parents=[parent], help="list the live peers of the daemon's runs", description="List the live peers of one run, or of every run the daemon is in.")
+    p.add_argument("--run", help="only this run")
+    p.set_defaults(func=_cmd_peers)
+    p = sub.add_parser("join", parents=[parent], help="join a run", description="Make the daemon join a run: announce itself and track the run's peers.")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--run-secret-file", help="file holding the run's secret (read by the daemon; give a path it can read)")
+    p.set_defaults(func=_cmd_join)
+    p = sub.add_parser("leave", parents=[parent], help="leave a run", description="Make the daemon leave a run; its peers drop it at once.")
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.set_defaults(func=_cmd_leave)
+    p = sub.add_parser("stop", parents=[parent], help="drain and stop the daemon", description="Ask the daemon to drain and exit, and wait until it has.")
+    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the process to exit (default 30)")
+    p.set_defaults(func=_cmd_stop)
+    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING", description="Query the standard gRPC health service; exit 0 only when the daemon is READY.")
+    p.set_defaults(func=_cmd_health)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except grpc.RpcError as e:
+        code = e.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and args.func is not _cmd_start:
+            where = getattr(args, "control", None) or control_address(args.data_dir)
+            return _fail(1, f"no daemon answering at {where} ({code.name}); is `peerd start` running?")
+        return _fail(2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1, f"{code.name}: {e.details()}")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The daemon's one typed config tree, and the only place that reads PEERD_* variables.
+
+Precedence, highest first: command-line flag > PEERD_* environment variable > TOML file (--config)
+> default. Every setting is one row of OPTIONS: its place in the tree, its flag, its variable
+(PEERD_ + the flag's name in capitals) and its help text, so the four sources cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from peers.runs import InvalidRunId, validate_run_id
+
+
+class ConfigError(ValueError):
+    """A setting is unusable; the message names it and is meant to be printed as one line."""
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "peerd"
+
+
+@dataclass(kw_only=True, slots=True)
+class NetworkConfig:
+    host: str = "0.0.0.0"  # libp2p listen address (IPv4 or IPv6 literal)
+    port: int = 31337  # libp2p listen TCP port; 0 lets the OS choose
+    announce: list[str] = field(default_factory=list)  # public multiaddrs to announce instead of the listen ones
+    initial_peers: list[str] = field(default_factory=list)  # multiaddrs of peers to bootstrap from
+    nat_port_map: bool = False  # UPnP/NAT-PMP port mapping: multicasts on the LAN, so opt-in
+    auto_nat: bool = False  # libp2p AutoNAT: asks peers to dial back, so opt-in
+    startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
+    request_timeout: float = 5.0  # one DHT get or store, all hops included
+
+    def __post_init__(self) -> None:
+        _check_ip("host", self.host)
+        _check_port("port", self.port)
+        for name in ("announce", "initial_peers"):
+            for maddr in getattr(self, name):
+                if not maddr.startswith("/"):
+                    raise ConfigError(f"{name}: {maddr!r} is not a multiaddr (e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)")
+        _check_positive("startup_timeout", self.startup_timeout)
+        _check_positive("request_timeout", self.request_timeout)
+
+
+@dataclass(kw_only=True, slots=True)
+class DiscoveryConfig:
+    heartbeat_interval: float = 2.0  # how often this daemon re-announces itself in each run
+    refresh_interval: float = 1.0  # how often it re-reads each run's peer records
+    peer_ttl: float = 10.0  # a peer whose heartbeat stops is dropped after this long
+    goodbye_timeout: float = 2.0  # telling peers we left, all at once, when leaving a run
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval", "refresh_interval", "peer_ttl", "goodbye_timeout"):
+            _check_positive(name, getattr(self, name))
+        if self.peer_ttl < 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"peer_ttl ({self.peer_ttl}) must be at least twice heartbeat_interval ({self.heartbeat_interval}), "
+                "or one late heartbeat would drop a live peer"
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class ControlConfig:
+    address: str = ""  # gRPC address: "unix:/path" or "HOST:PORT"; empty = unix socket in the data dir
+    max_request_bytes: int = 64 * 1024  # larger control requests are refused (RESOURCE_EXHAUSTED)
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    host: str = "0.0.0.0"  # where /metrics listens; Prometheus usually scrapes from another machine
+    port: int = 9400  # 0 lets the OS choose; the chosen URL is in ready.json
+
+    def __post_init__(self) -> None:
+        _check_ip("metrics_host", self.host)
+        _check_port("metrics_port", self.port)
+
+
+@dataclass(kw_only=True, slots=True)
+class DaemonConfig:
+    data_dir: Path = field(default_factory=default_data_dir)  # identity key, control socket, ready.json, lock
+    runs: list[str] = field(default_factory=list)  # runs to join at start
+    run_secret_file: str = ""  # secret for the runs joined at start; empty = open runs
+    log_level: str = "INFO"
+    drain_timeout: float = 10.0  # SIGTERM to exit: leave runs, stop servers, stop p2pd
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser().absolute()
+        for run_id in self.runs:
+            try:
+                validate_run_id(run_id)
+            except InvalidRunId as e:
+                raise ConfigError(f"run: {e}") from None
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
+        self.log_level = self.log_level.upper()
+        _check_positive("drain_timeout", self.drain_timeout)
+
+    @property
+    def control_address(self) -> str:
+        return self.control.address or f"unix:{self.data_dir / 'control.sock'}"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    path: str  # place in the tree, e.g. "network.host"
+    flag: str  # command-line flag; the variable is PEERD_ + its name in capitals
+    help: str
+    metavar: str | None = None
+
+    @property
+    def env(self) -> str:
+        return "PEERD_" + self.flag.lstrip("-").replace("-", "_").upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("data_dir", "--data-dir", "directory for the identity key, control socket, ready.json and lock", "DIR"),
+    Option("runs", "--run", "join this run at start (repeatable)", "RUN_ID"),
+    Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start", "FILE"),
+    Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
+    Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
+    Option("network.host", "--host", "libp2p listen address", "ADDR"),
+    Option("network.port", "--port", "libp2p listen port (0: any free port)", "PORT"),
+    Option("network.announce", "--announce", "public multiaddr to announce (repeatable)", "MADDR"),
+    Option("network.initial_peers", "--initial-peers", "multiaddrs of peers to bootstrap from", "MADDR"),
+    Option("network.nat_port_map", "--nat-port-map", "opt in to UPnP/NAT-PMP port mapping (multicasts on the LAN)"),
+    Option("network.auto_nat", "--auto-nat", "opt in to libp2p AutoNAT (asks peers to dial back)"),
+    Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
+    Option("network.request_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
+    Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
+    Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
+    Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped", "SECONDS"),
+    Option("control.address", "--control", "control API address: unix:/path or HOST:PORT (default: unix socket in the data dir)", "ADDR"),
+    Option("metrics.host", "--metrics-host", "address /metrics listens on", "ADDR"),
+    Option("metrics.port", "--metrics-port", "port of /metrics (0: any free port)", "PORT"),
+)
+
+_SECTIONS = {"network": NetworkConfig, "discovery": DiscoveryConfig, "control": ControlConfig, "metrics": MetricsConfig}
+# Every settable leaf of the tree ("network.host", "data_dir", ...) and its declared type.
+_LEAF_TYPES: dict[str, str] = {
+    **{f.name: f.type for f in dataclasses.fields(DaemonConfig) if f.name not in _SECTIONS},
+    **{f"{s}.{f.name}": f.type for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)},
+}
+
+
+def _leaf_type(path: str) -> str:
+    return _LEAF_TYPES[path]
+
+
+def _coerce(path: str, value: Any, source: str) -> Any:
+    """Turn a value from a file, the environment or argv into the type the tree declares."""
+    kind = _leaf_type(path)
+    where = f"{path} (from {source})"
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if kind == "list[str]":
+        if isinstance(value, str):
+            return [part for part in value.replace(",", " ").split() if part]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
+    if kind in ("int", "float"):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return int(value) if kind == "int" else float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}") from None
+    if not isinstance(value, (str, Path)):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _flatten_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"config file {path}: [{key}] must be a table")
+            for sub, subvalue in value.items():
+                flat[f"{key}.{sub}"] = subvalue
+        else:
+            flat[key] = value
+    unknown = sorted(set(flat) - set(_LEAF_TYPES))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return {k: _coerce(k, v, str(path)) for k, v in flat.items()}
+
+
+def load_config(
+    cli: Mapping[str, Any], *, config_file: str | None = None, environ: Mapping[str, str] | None = None
+) -> DaemonConfig:
+    """Build the tree from the four sources. `cli` maps option paths to values the user typed."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    config_file = config_file or environ.get("PEERD_CONFIG")
+    if config_file:
+        values.update(_flatten_file(Path(config_file)))
+    for option in OPTIONS:
+        if option.env in environ:
+            values[option.path] = _coerce(option.path, environ[option.env], option.env)
+    for path, value in cli.items():
+        values[path] = _coerce(path, value, "command line")
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    top: dict[str, Any] = {}
+    for path, value in values.items():
+        if "." in path:
+            section, leaf = path.split(".", 1)
+            sections[section][leaf] = value
+        else:
+            top[path] = value
+    try:
+        built = {name: _SECTIONS[name](**kwargs) for name, kwargs in sections.items()}
+        return DaemonConfig(**top, **built)
+    except TypeError as e:  # a key the tree does not have; the file check catches most of these first
+        raise ConfigError(str(e)) from None
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name}: must be greater than 0, got {value}")
+
+
+def _check_port(name: str, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{name}: {value} is not a TCP port (0-65535)")
+
+
+def _check_ip(name: str, value: str) -> None:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise ConfigError(f"{name}: {value!r} is not an IP address") from None

@@ -1,0 +1,138 @@
+"""The control API server: gRPC on a unix socket (or TCP), plus the standard health service.
+
+Protobuf stops here: handlers convert requests to plain values, call the Daemon, and convert back.
+Errors map to gRPC codes: bad input INVALID_ARGUMENT, unknown run NOT_FOUND, too large a request
+RESOURCE_EXHAUSTED, not READY yet UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from peers.runs import InvalidRunId, InvalidSecret
+from protos import control_pb2, control_pb2_grpc
+
+if TYPE_CHECKING:
+    from daemon.app import Daemon
+
+logger = logging.getLogger(__name__)
+
+GRPC_HARD_LIMIT = 1024 * 1024  # grpc refuses larger messages before any handler runs
+
+
+class UnknownRun(KeyError):
+    pass
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    def __init__(self, daemon: "Daemon", max_request_bytes: int):
+        self.daemon = daemon
+        self.max_request_bytes = max_request_bytes
+
+    async def _check(self, request, context: grpc.aio.ServicerContext) -> None:
+        size = request.ByteSize()
+        if size > self.max_request_bytes:
+            self.daemon.reject("control_oversized")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request is {size} bytes; the limit is {self.max_request_bytes}")
+
+    async def _run_id(self, run_id: str, context) -> str:
+        try:
+            return self.daemon.check_run_id(run_id)
+        except InvalidRunId as e:
+            self.daemon.reject("control_invalid_run_id")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def Status(self, request, context):
+        await self._check(request, context)
+        s = self.daemon.status()
+        return control_pb2.StatusResponse(
+            state=s.state,
+            peer_id=s.peer_id,
+            maddrs=s.maddrs,
+            runs=[
+                control_pb2.RunStatus(run_id=r.run_id, peers=r.peers, secured=r.secured, joined_seconds=r.joined_seconds)
+                for r in s.runs
+            ],
+            uptime_seconds=s.uptime_seconds,
+            version=s.version,
+            metrics_url=s.metrics_url,
+            pid=s.pid,
+        )
+
+    async def ListPeers(self, request, context):
+        await self._check(request, context)
+        run_id = await self._run_id(request.run_id, context)
+        try:
+            peers = self.daemon.list_peers(run_id)
+        except UnknownRun:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this daemon is not in run {run_id!r}")
+        return control_pb2.ListPeersResponse(
+            run_id=run_id,
+            peers=[
+                control_pb2.PeerEntry(
+                    peer_id=p.peer_id, maddrs=p.maddrs, last_seen_seconds=p.last_seen_seconds, version=p.version, role=p.role
+                )
+                for p in peers
+            ],
+        )
+
+    async def JoinRun(self, request, context):
+        await self._check(request, context)
+        run_id = await self._run_id(request.run_id, context)
+        try:
+            joined = await self.daemon.join_run(run_id, request.secret_file or None)
+        except InvalidSecret as e:
+            self.daemon.reject("control_invalid_secret")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:  # not READY
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return control_pb2.JoinRunResponse(joined=joined)
+
+    async def LeaveRun(self, request, context):
+        await self._check(request, context)
+        run_id = await self._run_id(request.run_id, context)
+        try:
+            await self.daemon.leave_run(run_id)
+        except UnknownRun:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this daemon is not in run {run_id!r}")
+        return control_pb2.LeaveRunResponse()
+
+    async def Shutdown(self, request, context):
+        await self._check(request, context)
+        self.daemon.request_shutdown("Shutdown RPC")
+        return control_pb2.ShutdownResponse()
+
+
+class ControlServer:
+    def __init__(self, daemon: "Daemon", address: str, max_request_bytes: int):
+        self.address = address
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", GRPC_HARD_LIMIT), ("grpc.so_reuseport", 0)]
+        )
+        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(daemon, max_request_bytes), self.server)
+        self.health = health_async.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+
+    async def start(self) -> int:
+        """Listen and serve (health NOT_SERVING until set_serving(True)); returns the bound TCP port."""
+        try:
+            port = self.server.add_insecure_port(self.address)
+        except RuntimeError as e:  # grpc raises RuntimeError when it cannot bind
+            raise OSError(f"cannot listen on control address {self.address}: {e}") from None
+        await self.server.start()
+        await self.set_serving(False)
+        return port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set(control_pb2.DESCRIPTOR.services_by_name["Control"].full_name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)

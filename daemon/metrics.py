@@ -1,0 +1,139 @@
+"""Prometheus metrics of one daemon, and the small asyncio HTTP server that serves /metrics.
+
+Every metric here is listed in docs/metrics.md; tests/test_daemon.py checks that the two agree.
+No label carries a remote peer's ID (only this daemon's own, in peerd_info).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from peers.events import PeerEvents
+
+logger = logging.getLogger(__name__)
+
+disable_created_metrics()  # the *_created series double every counter for no use here
+
+REQUEST_HEAD_LIMIT = 8192  # bytes of request line + headers we read before giving up
+REQUEST_READ_TIMEOUT = 5.0  # seconds a client may take to send its request head
+
+
+class _RunPeersCollector(Collector):
+    """peerd_peers{run}, read from the live tables at scrape time so it is never stale."""
+
+    def __init__(self, peers_by_run: Callable[[], Mapping[str, int]]):
+        self.peers_by_run = peers_by_run
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("peerd_peers", "Live peers in the run's table, this daemon excluded.", labels=["run"])
+        for run_id, count in sorted(self.peers_by_run().items()):
+            family.add_metric([run_id], count)
+        yield family
+
+
+class DaemonMetrics:
+    def __init__(self, *, version: str, states: Iterable[str], peers_by_run: Callable[[], Mapping[str, int]]):
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.version = version
+        self.started = time.monotonic()
+        r = self.registry
+        self.info = Gauge("peerd_info", "Always 1; labels give this daemon's version and peer ID.", ["version", "peer_id"], registry=r)
+        self.state = Gauge("peerd_state", "1 for the daemon's current lifecycle state, 0 for the others.", ["state"], registry=r)
+        self.uptime = Gauge("peerd_uptime_seconds", "Seconds since the daemon process started.", registry=r)
+        self.uptime.set_function(lambda: time.monotonic() - self.started)
+        self.dht_requests = Counter("peerd_dht_requests", "DHT requests made by this daemon.", ["op", "result"], registry=r)
+        self.heartbeats = Counter("peerd_heartbeats", "Heartbeats this daemon tried to store, by result.", ["result"], registry=r)
+        self.rejected = Counter("peerd_rejected", "Inputs refused, by reason (see docs/metrics.md).", ["reason"], registry=r)
+        r.register(_RunPeersCollector(peers_by_run))
+        self._states = tuple(states)
+        for state in self._states:
+            self.state.labels(state).set(0)
+        for op in ("get", "store"):
+            for result in ("ok", "error", "timeout"):
+                self.dht_requests.labels(op, result)
+        for result in ("ok", "error"):
+            self.heartbeats.labels(result)
+
+    def set_state(self, state: str) -> None:
+        for name in self._states:
+            self.state.labels(name).set(1 if name == state else 0)
+
+    def set_peer_id(self, peer_id: str) -> None:
+        self.info.labels(self.version, peer_id).set(1)
+
+    def peer_events(self) -> PeerEvents:
+        return PeerEvents(
+            dht_request=lambda op, result: self.dht_requests.labels(op, result).inc(),
+            heartbeat=lambda result: self.heartbeats.labels(result).inc(),
+            rejected=lambda reason: self.rejected.labels(reason).inc(),
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsServer:
+    """GET /metrics over HTTP/1.x; one response per connection. start() binds, stop() closes."""
+
+    def __init__(self, metrics: DaemonMetrics, host: str, port: int):
+        self.metrics, self.host, self.port = metrics, host, port
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else ("::1" if self.host == "::" else self.host)
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}/metrics"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(REQUEST_READ_TIMEOUT):
+                head = await reader.readuntil(b"\r\n\r\n")
+            if len(head) > REQUEST_HEAD_LIMIT:
+                raise ValueError("request head too large")
+            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
+            path = target.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"only GET\n"
+            elif path == "/metrics":
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.metrics.render()
+            elif path == "/":
+                status, ctype, body = "200 OK", "text/html", b'<a href="/metrics">/metrics</a>\n'
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"not found\n"
+            header = f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            writer.write(header.encode() + (body if method == "GET" else b""))
+            await writer.drain()
+        except (TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            pass  # a broken or slow client gets no answer; nothing to count
+        finally:
+            writer.close()

@@ -1,0 +1,23 @@
+"""Callbacks through which peers/ reports what happened, without knowing about metrics.
+
+The daemon passes an implementation that updates Prometheus metrics; tests pass a recorder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def _ignore(*_args: object) -> None:
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class PeerEvents:
+    # A DHT request finished: op is "get" or "store"; result is "ok", "error" or "timeout".
+    dht_request: Callable[[str, str], None] = field(default=_ignore)
+    # A heartbeat of this daemon was stored ("ok") or not ("error").
+    heartbeat: Callable[[str], None] = field(default=_ignore)
+    # Input from the network was refused; reason is a short snake_case word (see docs/metrics.md).
+    rejected: Callable[[str], None] = field(default=_ignore)

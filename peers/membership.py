@@ -1,0 +1,184 @@
+"""Membership of one run: announce this daemon (heartbeat) and keep the table of the run's peers.
+
+Timing contract (defaults in daemon/config.py, DiscoveryConfig):
+* every `heartbeat_interval` the daemon stores its signed record with expiration now + `peer_ttl`;
+* every `refresh_interval` it reads the run's records and drops peers whose heartbeat has not
+  advanced for `peer_ttl`, so a killed peer leaves the table within
+  peer_ttl + refresh_interval + one DHT request timeout;
+* a peer that leaves on purpose stores a LEFT record and sends it to every known peer directly,
+  so they drop it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from peers.events import PeerEvents
+from peers.node import PeerNode, P2PContext, now
+from peers.records import MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
+from peers.runs import RunSecret, run_dht_key
+from peers.table import PeerEntry, PeerTable
+from protos import records_pb2
+
+logger = logging.getLogger(__name__)
+
+GOODBYE_HANDLER = "peerd.membership.Goodbye"
+
+
+@dataclass(kw_only=True, slots=True)
+class DiscoverySettings:
+    heartbeat_interval: float = 2.0
+    refresh_interval: float = 1.0
+    peer_ttl: float = 10.0
+    goodbye_timeout: float = 2.0  # covers sending LEFT to all peers, concurrently
+
+
+class RunMembership:
+    """This daemon's membership in one run. start() announces; leave() withdraws."""
+
+    def __init__(
+        self,
+        node: PeerNode,
+        run_id: str,
+        secret: RunSecret | None,
+        settings: DiscoverySettings,
+        *,
+        version: str,
+        role: str = "trainer",
+        events: PeerEvents | None = None,
+    ):
+        self.node, self.run_id, self.secret, self.settings = node, run_id, secret, settings
+        self.version, self.role = version, role
+        self.events = events or PeerEvents()
+        self.key = run_dht_key(run_id, secret)
+        self.table = PeerTable(node.peer_id, settings.peer_ttl)
+        self.joined_at = now()
+        self._tasks: list[asyncio.Task] = []
+        self._maddrs: tuple[str, ...] = ()
+
+    @property
+    def secured(self) -> bool:
+        return self.secret is not None
+
+    async def start(self) -> None:
+        """Announce once and read the table once, then keep both going in the background."""
+        self._maddrs = tuple(await self.node.visible_maddrs())
+        await self.heartbeat()
+        await self.refresh()
+        self._tasks = [
+            asyncio.create_task(self._every(self.settings.heartbeat_interval, self.heartbeat), name=f"heartbeat:{self.run_id}"),
+            asyncio.create_task(self._every(self.settings.refresh_interval, self.refresh), name=f"refresh:{self.run_id}"),
+        ]
+
+    async def leave(self) -> None:
+        """Stop heartbeating, publish a LEFT record and tell every known peer directly (bounded)."""
+        await self._cancel_tasks()
+        envelope = self._envelope(MemberState.LEFT)
+        request = records_pb2.GoodbyeRequest(run_key=self.key, envelope=envelope)
+        timeout = self.settings.goodbye_timeout
+        calls = [
+            self.node.call(e.peer_id, GOODBYE_HANDLER, request, records_pb2.GoodbyeResponse, timeout)
+            for e in self.table.entries()
+        ]
+        store = self.node.store(self.key, self.node.peer_id, envelope, now() + self.settings.peer_ttl)
+        results = await asyncio.gather(store, *calls, return_exceptions=True)
+        failed = sum(isinstance(r, BaseException) for r in results[1:])
+        if failed:
+            logger.info("run %s: %d of %d peers did not acknowledge our goodbye", self.run_id, failed, len(calls))
+
+    async def heartbeat(self) -> None:
+        ok = await self.node.store(
+            self.key, self.node.peer_id, self._envelope(MemberState.ACTIVE), now() + self.settings.peer_ttl
+        )
+        self.events.heartbeat("ok" if ok else "error")
+
+    async def refresh(self) -> None:
+        records = await self.node.get(self.key)
+        t = now()
+        for subkey, (value, _expiration) in records.items():
+            self.accept(value, subkey=subkey, at=t)
+        for peer_id in self.table.expire(t):
+            logger.info("run %s: peer %s timed out", self.run_id, peer_id)
+
+    def accept(self, envelope: object, *, subkey: str | None, at: float) -> str | None:
+        """Check a record from the DHT or a peer and apply it; returns the table's verdict or None."""
+        try:
+            record = open_envelope(envelope, run_id=self.run_id, secret=self.secret, subkey=subkey, now=at)
+        except RecordRejected as e:
+            self.events.rejected(e.reason)
+            logger.debug("run %s: rejected record under %r: %s", self.run_id, subkey, e)
+            return None
+        return self.table.observe(record, at)
+
+    def peers(self) -> list[PeerEntry]:
+        return self.table.entries()
+
+    def _envelope(self, state: MemberState) -> bytes:
+        record = MemberRecord(
+            run_id=self.run_id,
+            peer_id=self.node.peer_id,
+            maddrs=self._maddrs,
+            version=self.version,
+            role=self.role,
+            state=state,
+            timestamp=now(),
+        )
+        return seal_record(record, self.node.identity, self.secret)
+
+    async def _every(self, interval: float, action) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await action()
+            except Exception:  # one failed tick must not end the loop; the next one retries
+                logger.exception("run %s: %s failed", self.run_id, getattr(action, "__name__", action))
+
+    async def _cancel_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+
+class Memberships:
+    """All runs this daemon is in, and the one p2p handler that receives goodbyes for any of them."""
+
+    def __init__(self, node: PeerNode, settings: DiscoverySettings, *, version: str, events: PeerEvents):
+        self.node, self.settings, self.version, self.events = node, settings, version, events
+        self.runs: dict[str, RunMembership] = {}
+
+    async def start(self) -> None:
+        await self.node.add_handler(GOODBYE_HANDLER, self._on_goodbye, records_pb2.GoodbyeRequest)
+
+    async def join(self, run_id: str, secret: RunSecret | None) -> bool:
+        """Join run_id; False if already in it. Raises nothing for network trouble: heartbeats retry."""
+        if run_id in self.runs:
+            return False
+        membership = RunMembership(self.node, run_id, secret, self.settings, version=self.version, events=self.events)
+        self.runs[run_id] = membership
+        try:
+            await membership.start()
+        except BaseException:
+            del self.runs[run_id]
+            raise
+        return True
+
+    async def leave(self, run_id: str) -> None:
+        membership = self.runs.pop(run_id)
+        await membership.leave()
+
+    async def leave_all(self) -> None:
+        await asyncio.gather(*(self.leave(run_id) for run_id in list(self.runs)), return_exceptions=True)
+
+    async def _on_goodbye(self, request: records_pb2.GoodbyeRequest, context: P2PContext) -> records_pb2.GoodbyeResponse:
+        target = next((m for m in self.runs.values() if m.key == request.run_key), None)
+        if target is None:
+            self.events.rejected("goodbye_unknown_run")
+        else:
+            # The envelope must be signed by the peer that sent it: nobody can say goodbye for another.
+            verdict = target.accept(request.envelope, subkey=context.remote_id.to_base58(), at=now())
+            if verdict not in (None, "left", "stale"):
+                self.events.rejected("goodbye_not_left")
+        return records_pb2.GoodbyeResponse()

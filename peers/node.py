@@ -1,0 +1,123 @@
+"""One libp2p host and one DHT node, started with safe defaults, with every request timed and counted.
+
+hivemind's P2P turns on UPnP port mapping (which multicasts on the local network) and AutoNAT by
+default. Here both are off unless the caller opts in, so a daemon probes no network unasked.
+The DHT node runs on the caller's event loop (no extra process), and p2pd is our only child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils import get_dht_time
+
+from peers.events import PeerEvents
+from peers.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeSettings:
+    host_maddrs: list[str]
+    identity_path: Path
+    initial_peers: list[str] = field(default_factory=list)
+    announce_maddrs: list[str] = field(default_factory=list)
+    nat_port_map: bool = False  # UPnP/NAT-PMP port mapping: multicasts on the LAN, so opt-in
+    auto_nat: bool = False  # AutoNAT service: asks peers to dial us back, so opt-in
+    startup_timeout: float = 15.0  # covers starting p2pd and bootstrapping to initial_peers
+    request_timeout: float = 5.0  # covers one DHT get or store, all hops included
+
+
+class PeerNode:
+    """The daemon's presence on the network: p2pd, the DHT node and the signing identity."""
+
+    def __init__(self, p2p: P2P, dht: DHTNode, identity: Identity, settings: NodeSettings, events: PeerEvents):
+        self.p2p, self.dht, self.identity = p2p, dht, identity
+        self.settings, self.events = settings, events
+
+    @classmethod
+    async def start(cls, settings: NodeSettings, events: PeerEvents) -> "PeerNode":
+        """Start p2pd and join the DHT; raises on failure, leaving no child process behind."""
+        identity = Identity.load_or_create(settings.identity_path)
+        async with asyncio.timeout(settings.startup_timeout):
+            p2p = await P2P.create(
+                initial_peers=settings.initial_peers or None,
+                host_maddrs=settings.host_maddrs,
+                announce_maddrs=settings.announce_maddrs or None,
+                identity_path=str(settings.identity_path),
+                nat_port_map=settings.nat_port_map,
+                auto_nat=settings.auto_nat,
+                startup_timeout=settings.startup_timeout,
+            )
+            try:
+                dht = await DHTNode.create(
+                    p2p=p2p,
+                    initial_peers=settings.initial_peers or None,
+                    wait_timeout=settings.request_timeout,
+                    bootstrap_timeout=settings.startup_timeout,
+                )
+            except BaseException:
+                await p2p.shutdown()
+                raise
+        return cls(p2p, dht, identity, settings, events)
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    async def get(self, key: str) -> dict[str, tuple[Any, float]]:
+        """Latest subkey -> (value, expiration) of a dictionary key; {} if absent or on failure."""
+        found = await self._request("get", self.dht.get(key, latest=True))
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(sub): (v.value, v.expiration_time) for sub, v in found.value.items()}
+
+    async def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
+        return bool(await self._request("store", self.dht.store(key, value, expiration, subkey=subkey)))
+
+    async def _request(self, op: str, coro) -> Any:
+        try:
+            async with asyncio.timeout(self.settings.request_timeout):
+                result = await coro
+        except TimeoutError:
+            self.events.dht_request(op, "timeout")
+            return None
+        except Exception as e:  # hivemind raises many types on network errors; all mean "no answer"
+            logger.debug("DHT %s failed: %r", op, e)
+            self.events.dht_request(op, "error")
+            return None
+        # A get that finds nothing is a successful answer; a store that no node accepted is not.
+        self.events.dht_request(op, "error" if op == "store" and not result else "ok")
+        return result
+
+    async def add_handler(self, name: str, handler, request_type) -> None:
+        await self.p2p.add_protobuf_handler(name, handler, request_type)
+
+    async def call(self, peer_id: str, name: str, request, response_type, timeout: float):
+        async with asyncio.timeout(timeout):
+            return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request, response_type)
+
+    async def shutdown(self) -> None:
+        """Leave the DHT and stop p2pd (our only child process)."""
+        try:
+            await self.dht.shutdown()
+        finally:
+            await self.p2p.shutdown()
+
+
+def now() -> float:
+    """The clock records are stamped with (hivemind's DHT time: wall-clock seconds)."""
+    return get_dht_time()
+
+
+__all__ = ["NodeSettings", "PeerNode", "P2PContext", "now"]

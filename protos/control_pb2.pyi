@@ -1,0 +1,103 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunStatus(_message.Message):
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SECURED_FIELD_NUMBER: _ClassVar[int]
+    JOINED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    peers: int
+    secured: bool
+    joined_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MADDRS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    peer_id: str
+    maddrs: _containers.RepeatedScalarFieldContainer[str]
+    runs: _containers.RepeatedCompositeFieldContainer[RunStatus]
+    uptime_seconds: float
+    version: str
+    metrics_url: str
+    pid: int
+    def __init__(self, state: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., runs: _Optional[_Iterable[_Union[RunStatus, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., metrics_url: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class ListPeersRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class PeerEntry(_message.Message):
+    __slots__ = ("peer_id", "maddrs", "last_seen_seconds", "version", "role")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MADDRS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    maddrs: _containers.RepeatedScalarFieldContainer[str]
+    last_seen_seconds: float
+    version: str
+    role: str
+    def __init__(self, peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., last_seen_seconds: _Optional[float] = ..., version: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+
+class ListPeersResponse(_message.Message):
+    __slots__ = ("run_id", "peers")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerEntry]
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
+
+class JoinRunRequest(_message.Message):
+    __slots__ = ("run_id", "secret_file")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FILE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    secret_file: str
+    def __init__(self, run_id: _Optional[str] = ..., secret_file: _Optional[str] = ...) -> None: ...
+
+class JoinRunResponse(_message.Message):
+    __slots__ = ("joined",)
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    joined: bool
+    def __init__(self, joined: _Optional[bool] = ...) -> None: ...
+
+class LeaveRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class LeaveRunResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,71 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemberState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMBER_STATE_UNSPECIFIED: _ClassVar[MemberState]
+    MEMBER_STATE_ACTIVE: _ClassVar[MemberState]
+    MEMBER_STATE_LEFT: _ClassVar[MemberState]
+MEMBER_STATE_UNSPECIFIED: MemberState
+MEMBER_STATE_ACTIVE: MemberState
+MEMBER_STATE_LEFT: MemberState
+
+class PeerRecord(_message.Message):
+    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MADDRS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    run_id: str
+    peer_id: str
+    maddrs: _containers.RepeatedScalarFieldContainer[str]
+    version: str
+    role: str
+    state: MemberState
+    timestamp: float
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class SignedRecord(_message.Message):
+    __slots__ = ("record", "public_key", "signature")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    public_key: bytes
+    signature: bytes
+    def __init__(self, record: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class Envelope(_message.Message):
+    __slots__ = ("format_version", "sealed", "nonce", "payload")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    sealed: bool
+    nonce: bytes
+    payload: bytes
+    def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class GoodbyeRequest(_message.Message):
+    __slots__ = ("run_key", "envelope")
+    RUN_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    run_key: str
+    envelope: bytes
+    def __init__(self, run_key: _Optional[str] = ..., envelope: _Optional[bytes] = ...) -> None: ...
+
+class GoodbyeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
