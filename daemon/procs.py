@@ -1,0 +1,117 @@
+"""Start real `peerd start` processes and wait for them to be ready: for the demo, tests and benches.
+
+Readiness comes from each daemon's ready.json, never from its log text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+READY_TIMEOUT = 30.0  # seconds from spawn to ready.json: p2pd start plus DHT bootstrap, with margin
+STOP_TIMEOUT = 20.0  # seconds from SIGTERM to exit; above the daemon's default drain_timeout
+
+
+class DaemonFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalDaemon:
+    """One `peerd start` subprocess on loopback with OS-chosen ports, in its own session."""
+
+    data_dir: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    def start(self, wait: bool = True) -> "LocalDaemon":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        (self.data_dir / "ready.json").unlink(missing_ok=True)
+        self.log_path = self.log_path or self.data_dir.parent / f"{self.data_dir.name}.log"
+        cmd = [
+            sys.executable, "-m", "daemon.cli", "start",
+            "--data-dir", str(self.data_dir),
+            "--host", "127.0.0.1", "--port", "0",
+            "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+            *self.args,
+        ]  # fmt: skip
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_path, "ab") as log:
+            # A new session, so that a test can reap the daemon and p2pd as one process group.
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        path = self.data_dir / "ready.json"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DaemonFailed(f"daemon exited with {self.proc.returncode} before ready; log:\n{self.log_tail()}")
+            try:
+                ready = json.loads(path.read_text())
+                if ready.get("pid") == self.proc.pid:
+                    self.ready = ready
+                    return ready
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        raise DaemonFailed(f"daemon not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def peer_id(self) -> str:
+        return self.ready["peer_id"]
+
+    @property
+    def maddrs(self) -> list[str]:
+        return self.ready["maddrs"]
+
+    @property
+    def metrics_url(self) -> str:
+        return self.ready["metrics_url"]
+
+    @property
+    def control(self) -> str:
+        return self.ready["control"]
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int:
+        """SIGTERM and wait; returns the exit code. Kills the whole group if it does not exit in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_group()
+            raise DaemonFailed(f"daemon did not exit {timeout:.0f} s after SIGTERM; log:\n{self.log_tail()}")
+
+    def kill_group(self) -> None:
+        """SIGKILL the daemon and everything in its session (p2pd included)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
