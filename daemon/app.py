@@ -22,7 +22,7 @@ from daemon.lifecycle import ALLOWED, DaemonState
 from daemon.metrics import DaemonMetrics, MetricsServer
 from peers.membership import DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
-from peers.node import now as dht_now
+from peers.clock import now as dht_now
 from peers.runs import RunSecret, validate_run_id
 
 logger = logging.getLogger(__name__)

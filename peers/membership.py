@@ -16,7 +16,8 @@ import logging
 from dataclasses import dataclass
 
 from peers.events import PeerEvents
-from peers.node import PeerNode, P2PContext, now
+from peers.clock import now
+from peers.node import P2PContext, PeerNode
 from peers.records import MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
 from peers.runs import RunSecret, run_dht_key
 from peers.table import PeerEntry, PeerTable

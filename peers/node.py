@@ -15,10 +15,10 @@ from typing import Any
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID
-from hivemind.utils import get_dht_time
 
 from peers.events import PeerEvents
 from peers.identity import Identity
+from peers.validator import PeerdRecordValidator
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class PeerNode:
             try:
                 dht = await DHTNode.create(
                     p2p=p2p,
+                    record_validator=PeerdRecordValidator(events),
                     initial_peers=settings.initial_peers or None,
                     wait_timeout=settings.request_timeout,
                     bootstrap_timeout=settings.startup_timeout,
@@ -115,9 +116,4 @@ class PeerNode:
             await self.p2p.shutdown()
 
 
-def now() -> float:
-    """The clock records are stamped with (hivemind's DHT time: wall-clock seconds)."""
-    return get_dht_time()
-
-
-__all__ = ["NodeSettings", "PeerNode", "P2PContext", "now"]
+__all__ = ["NodeSettings", "PeerNode", "P2PContext"]

@@ -78,13 +78,7 @@ def open_envelope(
     data: object, *, run_id: str, secret: RunSecret | None, subkey: str | None, now: float
 ) -> MemberRecord:
     """Check and decode a record of run `run_id` published under `subkey` (None: not from the DHT)."""
-    if not isinstance(data, bytes):
-        raise RecordRejected("record_malformed", f"expected bytes, got {type(data).__name__}")
-    if len(data) > MAX_ENVELOPE_BYTES:
-        raise RecordRejected("record_oversized", f"{len(data)} bytes")
-    envelope = _parse(records_pb2.Envelope, data)
-    if envelope.format_version != RECORD_FORMAT_VERSION:
-        raise RecordRejected("record_version", f"format version {envelope.format_version}")
+    envelope = _parse_envelope(data)
     if secret is None:
         if envelope.sealed:
             raise RecordRejected("record_auth", "sealed record in an open run")
@@ -96,13 +90,7 @@ def open_envelope(
             signed_bytes = AESGCM(secret.seal_key).decrypt(envelope.nonce, envelope.payload, _aad(run_id))
         except InvalidTag:
             raise RecordRejected("record_auth", "seal does not verify with the run secret") from None
-    signed = _parse(records_pb2.SignedRecord, signed_bytes)
-    if not verify(signed.public_key, signed.record, signed.signature):
-        raise RecordRejected("record_signature", "signature does not verify")
-    body = _parse(records_pb2.PeerRecord, signed.record)
-    signer = peer_id_from_public_key(signed.public_key)
-    if body.peer_id != signer or (subkey is not None and subkey != signer):
-        raise RecordRejected("record_forged", "record names a peer other than its signer")
+    body = _verify_signed(signed_bytes, subkey)
     if body.run_id != run_id:
         raise RecordRejected("record_wrong_run", "record belongs to another run")
     try:
@@ -122,6 +110,39 @@ def open_envelope(
         state=state,
         timestamp=body.timestamp,
     )
+
+
+def check_storable(data: object, subkey: str) -> None:
+    """What a DHT node can check before storing a record of any run, without its secret.
+
+    The envelope must parse; an open-run record must be signed by the peer named in the subkey
+    (so nobody can overwrite another peer's record). A sealed one is checked by its readers.
+    """
+    envelope = _parse_envelope(data)
+    if not envelope.sealed:
+        _verify_signed(envelope.payload, subkey)
+
+
+def _parse_envelope(data: object) -> records_pb2.Envelope:
+    if not isinstance(data, bytes):
+        raise RecordRejected("record_malformed", f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_ENVELOPE_BYTES:
+        raise RecordRejected("record_oversized", f"{len(data)} bytes")
+    envelope = _parse(records_pb2.Envelope, data)
+    if envelope.format_version != RECORD_FORMAT_VERSION:
+        raise RecordRejected("record_version", f"format version {envelope.format_version}")
+    return envelope
+
+
+def _verify_signed(signed_bytes: bytes, subkey: str | None) -> records_pb2.PeerRecord:
+    signed = _parse(records_pb2.SignedRecord, signed_bytes)
+    if not verify(signed.public_key, signed.record, signed.signature):
+        raise RecordRejected("record_signature", "signature does not verify")
+    body = _parse(records_pb2.PeerRecord, signed.record)
+    signer = peer_id_from_public_key(signed.public_key)
+    if body.peer_id != signer or (subkey is not None and subkey != signer):
+        raise RecordRejected("record_forged", "record names a peer other than its signer")
+    return body
 
 
 def _aad(run_id: str) -> bytes:

@@ -1,0 +1,59 @@
+"""Small helpers shared by tests: bounded waiting, scraping, CLI calls."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    """Poll predicate until it returns a truthy value; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"{what} not reached within {timeout} s (last value: {last!r})")
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """One /metrics scrape as {(sample name, sorted label items): value}."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def families(url: str) -> dict[str, str]:
+    """Metric family names on an endpoint with their types (counters named with _total)."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for f in text_string_to_metric_families(text):
+        out[f.name + "_total" if f.type == "counter" else f.name] = f.type
+    return out
+
+
+def peerd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def peers_json(daemon, run: str) -> list[str]:
+    r = peerd("peers", "--control", daemon.control, "--run", run, "--json")
+    assert r.returncode == 0, r.stderr
+    return sorted(p["peer_id"] for p in json.loads(r.stdout)[run])

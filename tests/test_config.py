@@ -1,0 +1,77 @@
+"""The config tree: precedence, validation, and the CLI's handling of bad input."""
+
+import pytest
+
+from daemon.config import ConfigError, load_config
+from tests.helpers import peerd
+
+
+def test_precedence_cli_over_env_over_file_over_default(tmp_path):
+    f = tmp_path / "peerd.toml"
+    f.write_text('log_level = "debug"\n[network]\nport = 1111\nhost = "127.0.0.1"\n[metrics]\nport = 2222\n[discovery]\npeer_ttl = 12.0\n')
+    env = {"PEERD_PORT": "3333", "PEERD_METRICS_PORT": "4444", "PEERD_RUN": "x,y"}
+    c = load_config({"network.port": "5555"}, config_file=str(f), environ=env)
+    assert c.network.port == 5555  # CLI beats env and file
+    assert c.metrics.port == 4444  # env beats file
+    assert c.network.host == "127.0.0.1" and c.discovery.peer_ttl == 12.0  # file beats default
+    assert c.log_level == "DEBUG"
+    assert c.runs == ["x", "y"]
+    assert c.discovery.heartbeat_interval == 2.0  # default
+
+
+@pytest.mark.parametrize(
+    "cli,message",
+    [
+        ({"network.port": "70000"}, "not a TCP port"),
+        ({"network.port": "abc"}, "expected an integer"),
+        ({"runs": ["bad run"]}, "run ID"),
+        ({"discovery.peer_ttl": "1"}, "at least twice"),
+        ({"network.host": "example.com"}, "not an IP address"),
+        ({"network.initial_peers": ["127.0.0.1:4000"]}, "not a multiaddr"),
+    ],
+)
+def test_bad_values(cli, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cli, environ={})
+
+
+def test_unknown_key_in_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[network]\nprot = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting.*network.prot"):
+        load_config({}, config_file=str(f), environ={})
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["start", "--port", "x"],
+        ["start", "--no-such-flag"],
+        ["start", "--run", "bad/id"],
+    ],
+)
+def test_cli_bad_flag_is_one_line_and_exit_2(args, tmp_path):
+    r = peerd(*args, "--data-dir", str(tmp_path / "d"))
+    assert r.returncode == 2, r
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "d").exists()  # nothing was created
+
+
+def test_cli_broken_config_file(tmp_path):
+    f = tmp_path / "broken.toml"
+    f.write_text("[network\nport = ")
+    r = peerd("start", "--config", str(f), "--data-dir", str(tmp_path / "d"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "broken.toml" in r.stderr, r.stderr
+
+
+def test_client_without_daemon_is_a_clear_error(tmp_path):
+    r = peerd("status", "--data-dir", str(tmp_path))
+    assert r.returncode == 1 and "no daemon answering" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_help_lists_every_subcommand():
+    r = peerd("--help")
+    for sub in ("start", "status", "peers", "join", "leave", "stop", "health"):
+        assert sub in r.stdout
+    for sub in ("start", "status", "peers", "join", "leave", "stop", "health"):
+        assert peerd(sub, "--help").returncode == 0

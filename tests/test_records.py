@@ -1,0 +1,126 @@
+"""Record signing, sealing and every way a record can be refused."""
+
+from pathlib import Path
+
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.serializer import MSGPackSerializer
+
+from peers.events import PeerEvents
+from peers.identity import Identity
+from peers.records import MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
+from peers.runs import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
+from peers.validator import PeerdRecordValidator
+from protos import records_pb2
+
+NOW = 1_800_000_000.0
+
+
+@pytest.fixture(scope="module")
+def alice(tmp_path_factory) -> Identity:
+    return Identity.load_or_create(tmp_path_factory.mktemp("id") / "alice.key")
+
+
+@pytest.fixture(scope="module")
+def mallory(tmp_path_factory) -> Identity:
+    return Identity.load_or_create(tmp_path_factory.mktemp("id") / "mallory.key")
+
+
+def record(identity: Identity, run_id="r1", ts=NOW, state=MemberState.ACTIVE) -> MemberRecord:
+    return MemberRecord(run_id=run_id, peer_id=identity.peer_id, maddrs=("/ip4/127.0.0.1/tcp/5",), version="0.1.0", role="trainer", state=state, timestamp=ts)
+
+
+def rejected(reason, data, **kw):
+    kw = {"run_id": "r1", "secret": None, "subkey": None, "now": NOW, **kw}
+    with pytest.raises(RecordRejected) as e:
+        open_envelope(data, **kw)
+    assert e.value.reason == reason, e.value
+
+
+def test_identity_survives_reload(tmp_path):
+    a = Identity.load_or_create(tmp_path / "k")
+    assert Identity.load_or_create(tmp_path / "k").peer_id == a.peer_id
+
+
+def test_open_run_round_trip(alice):
+    data = seal_record(record(alice), alice, None)
+    got = open_envelope(data, run_id="r1", secret=None, subkey=alice.peer_id, now=NOW)
+    assert got == record(alice)
+
+
+def test_secret_run_round_trip_and_wrong_secret(alice):
+    secret = RunSecret.from_bytes(b"s" * 32, "r1")
+    data = seal_record(record(alice), alice, secret)
+    assert open_envelope(data, run_id="r1", secret=secret, subkey=alice.peer_id, now=NOW).peer_id == alice.peer_id
+    rejected("record_auth", data, secret=RunSecret.from_bytes(b"t" * 32, "r1"))
+    rejected("record_auth", data)  # sealed record read as an open run
+    rejected("record_auth", seal_record(record(alice), alice, None), secret=secret)
+
+
+def test_forged_record_naming_another_peer(alice, mallory):
+    # Mallory signs a record that claims to be Alice.
+    body = records_pb2.PeerRecord(format_version=1, run_id="r1", peer_id=alice.peer_id, state=1, timestamp=NOW).SerializeToString()
+    signed = records_pb2.SignedRecord(record=body, public_key=mallory.public_key_der, signature=mallory.sign(body))
+    data = records_pb2.Envelope(format_version=1, payload=signed.SerializeToString()).SerializeToString()
+    rejected("record_forged", data)
+    # Mallory's own valid record published under Alice's subkey.
+    rejected("record_forged", seal_record(record(mallory), mallory, None), subkey=alice.peer_id)
+
+
+def test_tampered_signature(alice):
+    env = records_pb2.Envelope.FromString(seal_record(record(alice), alice, None))
+    signed = records_pb2.SignedRecord.FromString(env.payload)
+    signed.record = signed.record.replace(b"0.1.0", b"9.9.9")
+    env.payload = signed.SerializeToString()
+    rejected("record_signature", env.SerializeToString())
+
+
+@pytest.mark.parametrize(
+    "data,reason",
+    [
+        (b"\xff\x00garbage", "record_malformed"),
+        (42, "record_malformed"),
+        (b"x" * 20000, "record_oversized"),
+        (records_pb2.Envelope(format_version=7).SerializeToString(), "record_version"),
+    ],
+)
+def test_garbage(data, reason):
+    rejected(reason, data)
+
+
+def test_wrong_run_and_future_timestamp(alice):
+    rejected("record_wrong_run", seal_record(record(alice, run_id="r2"), alice, None))
+    rejected("record_future", seal_record(record(alice, ts=NOW + 3600), alice, None))
+
+
+def test_validator_refuses_what_a_storing_node_can_check(alice, mallory):
+    reasons = []
+    v = PeerdRecordValidator(PeerEvents(rejected=reasons.append))
+    good = seal_record(record(alice, ts=NOW), alice, None)
+
+    def dht_record(value, subkey, ttl=10.0):
+        from peers.clock import now
+
+        return DHTRecord(b"key", MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), now() + ttl)
+
+    assert v.validate(dht_record(good, alice.peer_id))
+    assert not v.validate(dht_record(good, mallory.peer_id))  # Alice's record can't take Mallory's slot
+    assert not v.validate(dht_record(b"junk", alice.peer_id))
+    assert not v.validate(dht_record(good, alice.peer_id, ttl=10_000))
+    assert reasons == ["record_forged", "record_malformed", "record_expiration"]
+
+
+@pytest.mark.parametrize("bad", ["", "a" * 65, "has space", "-leading", "ünïcode", "a/b"])
+def test_invalid_run_ids(bad):
+    with pytest.raises(InvalidRunId):
+        validate_run_id(bad)
+
+
+def test_run_keys_depend_on_the_secret():
+    s1, s2 = RunSecret.from_bytes(b"a" * 16, "r"), RunSecret.from_bytes(b"b" * 16, "r")
+    assert run_dht_key("r", s1) != run_dht_key("r", s2) != run_dht_key("r", None)
+    assert "r" not in run_dht_key("r", s1).split("/")  # the run ID is not readable in a secret run's key
+    with pytest.raises(InvalidSecret):
+        RunSecret.from_bytes(b"short", "r")
+    with pytest.raises(InvalidSecret):
+        RunSecret.from_file(Path("/nonexistent/secret"), "r")
