@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.message import DecodeError
 
 from peers.identity import Identity, peer_id_from_public_key, verify
-from peers.runs import RUN_ID_PATTERN, RunSecret
+from peers.runs import RunSecret
 from protos import records_pb2
 
 RECORD_FORMAT_VERSION = 1
@@ -49,7 +49,7 @@ class MemberRecord:
 
 
 def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | None) -> bytes:
-    """Sign `record` with this daemon's identity; encrypt it with the run secret if there is one."""
+    """Encrypt `record` with the run secret if there is one, then sign it with this daemon's identity."""
     if record.peer_id != identity.peer_id:
         raise ValueError("a daemon only signs records about itself")
     body = records_pb2.PeerRecord(
@@ -62,15 +62,14 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         state=record.state.value,
         timestamp=record.timestamp,
     ).SerializeToString()
-    signed = records_pb2.SignedRecord(
-        record=body, public_key=identity.public_key_der, signature=identity.sign(body)
-    ).SerializeToString()
     envelope = records_pb2.Envelope(format_version=RECORD_FORMAT_VERSION, sealed=secret is not None)
     if secret is None:
-        envelope.payload = signed
+        envelope.payload = body
     else:
         envelope.nonce = os.urandom(12)
-        envelope.payload = AESGCM(secret.seal_key).encrypt(envelope.nonce, signed, _aad(record.run_id))
+        envelope.payload = AESGCM(secret.seal_key).encrypt(envelope.nonce, body, _aad(record.run_id))
+    envelope.public_key = identity.public_key_der
+    envelope.signature = identity.sign(_signed_bytes(envelope))
     return envelope.SerializeToString()
 
 
@@ -78,27 +77,29 @@ def open_envelope(
     data: object, *, run_id: str, secret: RunSecret | None, subkey: str | None, now: float
 ) -> MemberRecord:
     """Check and decode a record of run `run_id` published under `subkey` (None: not from the DHT)."""
-    envelope = _parse_envelope(data)
+    envelope, signer = _verified_envelope(data, subkey)
     if secret is None:
         if envelope.sealed:
             raise RecordRejected("record_auth", "sealed record in an open run")
-        signed_bytes = envelope.payload
+        body_bytes = envelope.payload
     else:
         if not envelope.sealed or len(envelope.nonce) != 12:
             raise RecordRejected("record_auth", "unsealed record in a secret run")
         try:
-            signed_bytes = AESGCM(secret.seal_key).decrypt(envelope.nonce, envelope.payload, _aad(run_id))
+            body_bytes = AESGCM(secret.seal_key).decrypt(envelope.nonce, envelope.payload, _aad(run_id))
         except InvalidTag:
             raise RecordRejected("record_auth", "seal does not verify with the run secret") from None
-    body = _verify_signed(signed_bytes, subkey)
+    body = _parse(records_pb2.PeerRecord, body_bytes)
+    if body.peer_id != signer:
+        raise RecordRejected("record_forged", "record names a peer other than its signer")
     if body.run_id != run_id:
         raise RecordRejected("record_wrong_run", "record belongs to another run")
     try:
         state = MemberState(body.state)
     except ValueError:
         raise RecordRejected("record_malformed", f"unknown member state {body.state}") from None
-    if len(body.maddrs) > MAX_MADDRS or not RUN_ID_PATTERN.fullmatch(body.run_id):
-        raise RecordRejected("record_malformed", "too many addresses or a bad run ID")
+    if len(body.maddrs) > MAX_MADDRS:
+        raise RecordRejected("record_malformed", f"{len(body.maddrs)} addresses")
     if body.timestamp > now + MAX_CLOCK_SKEW_SECONDS:
         raise RecordRejected("record_future", f"timestamp {body.timestamp - now:.0f} s ahead")
     return MemberRecord(
@@ -113,17 +114,13 @@ def open_envelope(
 
 
 def check_storable(data: object, subkey: str) -> None:
-    """What a DHT node can check before storing a record of any run, without its secret.
-
-    The envelope must parse; an open-run record must be signed by the peer named in the subkey
-    (so nobody can overwrite another peer's record). A sealed one is checked by its readers.
-    """
-    envelope = _parse_envelope(data)
-    if not envelope.sealed:
-        _verify_signed(envelope.payload, subkey)
+    """What any DHT node checks before storing a record, without the run's secret: the envelope
+    parses and is signed by the peer named in the subkey, so nobody can overwrite another's slot."""
+    _verified_envelope(data, subkey)
 
 
-def _parse_envelope(data: object) -> records_pb2.Envelope:
+def _verified_envelope(data: object, subkey: str | None) -> tuple[records_pb2.Envelope, str]:
+    """Parse an envelope and check its signature; returns it with the signer's peer ID."""
     if not isinstance(data, bytes):
         raise RecordRejected("record_malformed", f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_ENVELOPE_BYTES:
@@ -131,18 +128,16 @@ def _parse_envelope(data: object) -> records_pb2.Envelope:
     envelope = _parse(records_pb2.Envelope, data)
     if envelope.format_version != RECORD_FORMAT_VERSION:
         raise RecordRejected("record_version", f"format version {envelope.format_version}")
-    return envelope
-
-
-def _verify_signed(signed_bytes: bytes, subkey: str | None) -> records_pb2.PeerRecord:
-    signed = _parse(records_pb2.SignedRecord, signed_bytes)
-    if not verify(signed.public_key, signed.record, signed.signature):
+    if not verify(envelope.public_key, _signed_bytes(envelope), envelope.signature):
         raise RecordRejected("record_signature", "signature does not verify")
-    body = _parse(records_pb2.PeerRecord, signed.record)
-    signer = peer_id_from_public_key(signed.public_key)
-    if body.peer_id != signer or (subkey is not None and subkey != signer):
-        raise RecordRejected("record_forged", "record names a peer other than its signer")
-    return body
+    signer = peer_id_from_public_key(envelope.public_key)
+    if subkey is not None and subkey != signer:
+        raise RecordRejected("record_forged", "stored under another peer's slot")
+    return envelope, signer
+
+
+def _signed_bytes(envelope: records_pb2.Envelope) -> bytes:
+    return b"peerd-envelope-v1" + envelope.nonce + envelope.payload
 
 
 def _aad(run_id: str) -> bytes:

@@ -36,27 +36,21 @@ class PeerRecord(_message.Message):
     timestamp: float
     def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
-class SignedRecord(_message.Message):
-    __slots__ = ("record", "public_key", "signature")
-    RECORD_FIELD_NUMBER: _ClassVar[int]
-    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
-    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    record: bytes
-    public_key: bytes
-    signature: bytes
-    def __init__(self, record: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
-
 class Envelope(_message.Message):
-    __slots__ = ("format_version", "sealed", "nonce", "payload")
+    __slots__ = ("format_version", "sealed", "nonce", "payload", "public_key", "signature")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     sealed: bool
     nonce: bytes
     payload: bytes
-    def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    public_key: bytes
+    signature: bytes
+    def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class GoodbyeRequest(_message.Message):
     __slots__ = ("run_key", "envelope")

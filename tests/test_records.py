@@ -60,18 +60,16 @@ def test_secret_run_round_trip_and_wrong_secret(alice):
 def test_forged_record_naming_another_peer(alice, mallory):
     # Mallory signs a record that claims to be Alice.
     body = records_pb2.PeerRecord(format_version=1, run_id="r1", peer_id=alice.peer_id, state=1, timestamp=NOW).SerializeToString()
-    signed = records_pb2.SignedRecord(record=body, public_key=mallory.public_key_der, signature=mallory.sign(body))
-    data = records_pb2.Envelope(format_version=1, payload=signed.SerializeToString()).SerializeToString()
-    rejected("record_forged", data)
+    envelope = records_pb2.Envelope(format_version=1, payload=body, public_key=mallory.public_key_der)
+    envelope.signature = mallory.sign(b"peerd-envelope-v1" + body)
+    rejected("record_forged", envelope.SerializeToString())
     # Mallory's own valid record published under Alice's subkey.
     rejected("record_forged", seal_record(record(mallory), mallory, None), subkey=alice.peer_id)
 
 
 def test_tampered_signature(alice):
     env = records_pb2.Envelope.FromString(seal_record(record(alice), alice, None))
-    signed = records_pb2.SignedRecord.FromString(env.payload)
-    signed.record = signed.record.replace(b"0.1.0", b"9.9.9")
-    env.payload = signed.SerializeToString()
+    env.payload = env.payload.replace(b"0.1.0", b"9.9.9")
     rejected("record_signature", env.SerializeToString())
 
 
@@ -97,6 +95,7 @@ def test_validator_refuses_what_a_storing_node_can_check(alice, mallory):
     reasons = []
     v = PeerdRecordValidator(PeerEvents(rejected=reasons.append))
     good = seal_record(record(alice, ts=NOW), alice, None)
+    sealed = seal_record(record(alice, ts=NOW), alice, RunSecret.from_bytes(b"k" * 16, "r1"))
 
     def dht_record(value, subkey, ttl=10.0):
         from peers.clock import now
@@ -105,9 +104,11 @@ def test_validator_refuses_what_a_storing_node_can_check(alice, mallory):
 
     assert v.validate(dht_record(good, alice.peer_id))
     assert not v.validate(dht_record(good, mallory.peer_id))  # Alice's record can't take Mallory's slot
+    assert v.validate(dht_record(sealed, alice.peer_id))  # checkable without the run secret
+    assert not v.validate(dht_record(sealed, mallory.peer_id))
     assert not v.validate(dht_record(b"junk", alice.peer_id))
     assert not v.validate(dht_record(good, alice.peer_id, ttl=10_000))
-    assert reasons == ["record_forged", "record_malformed", "record_expiration"]
+    assert reasons == ["record_forged", "record_forged", "record_malformed", "record_expiration"]
 
 
 @pytest.mark.parametrize("bad", ["", "a" * 65, "has space", "-leading", "ünïcode", "a/b"])
