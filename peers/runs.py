@@ -64,8 +64,10 @@ class RunSecret:
         return cls.from_bytes(data, run_id)
 
 
-def run_dht_key(run_id: str, secret: RunSecret | None) -> str:
-    """The DHT key under which the run's members announce themselves (peer ID as subkey)."""
+def run_dht_key(run_id: str, secret: RunSecret | None, what: str = "members") -> str:
+    """A DHT key of the run: "members" (peer ID as subkey) or "manifest" (creator's peer ID as
+    subkey). In a secret run the key is derived from the secret, so it reveals nothing of the run
+    and cannot be found without the secret."""
     if secret is None:
-        return f"peerd/v1/run/{run_id}/members"
-    return f"peerd/v1/sealed-run/{secret.key_id.hex()}/members"
+        return f"peerd/v1/run/{run_id}/{what}"
+    return f"peerd/v1/sealed-run/{secret.key_id.hex()}/{what}"

@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -12,9 +12,18 @@ class MemberState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMBER_STATE_UNSPECIFIED: _ClassVar[MemberState]
     MEMBER_STATE_ACTIVE: _ClassVar[MemberState]
     MEMBER_STATE_LEFT: _ClassVar[MemberState]
+
+class RecordKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECORD_KIND_UNSPECIFIED: _ClassVar[RecordKind]
+    RECORD_KIND_MEMBER: _ClassVar[RecordKind]
+    RECORD_KIND_MANIFEST: _ClassVar[RecordKind]
 MEMBER_STATE_UNSPECIFIED: MemberState
 MEMBER_STATE_ACTIVE: MemberState
 MEMBER_STATE_LEFT: MemberState
+RECORD_KIND_UNSPECIFIED: RecordKind
+RECORD_KIND_MEMBER: RecordKind
+RECORD_KIND_MANIFEST: RecordKind
 
 class PeerRecord(_message.Message):
     __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp")
@@ -37,20 +46,57 @@ class PeerRecord(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("format_version", "sealed", "nonce", "payload", "public_key", "signature")
+    __slots__ = ("format_version", "sealed", "nonce", "payload", "public_key", "signature", "kind")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     sealed: bool
     nonce: bytes
     payload: bytes
     public_key: bytes
     signature: bytes
-    def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    kind: RecordKind
+    def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., kind: _Optional[_Union[RecordKind, str]] = ...) -> None: ...
+
+class AveragingSettings(_message.Message):
+    __slots__ = ("average_every", "max_group_size", "round_timeout")
+    AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    average_every: int
+    max_group_size: int
+    round_timeout: float
+    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ...) -> None: ...
+
+class RunManifest(_message.Message):
+    __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at")
+    class HparamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    HPARAMS_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    CREATOR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    run_id: str
+    task: str
+    hparams: _containers.ScalarMap[str, str]
+    averaging: AveragingSettings
+    creator: str
+    created_at: float
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., task: _Optional[str] = ..., hparams: _Optional[_Mapping[str, str]] = ..., averaging: _Optional[_Union[AveragingSettings, _Mapping]] = ..., creator: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
 
 class GoodbyeRequest(_message.Message):
     __slots__ = ("run_key", "envelope")

@@ -60,8 +60,8 @@ def test_secret_run_round_trip_and_wrong_secret(alice):
 def test_forged_record_naming_another_peer(alice, mallory):
     # Mallory signs a record that claims to be Alice.
     body = records_pb2.PeerRecord(format_version=1, run_id="r1", peer_id=alice.peer_id, state=1, timestamp=NOW).SerializeToString()
-    envelope = records_pb2.Envelope(format_version=1, payload=body, public_key=mallory.public_key_der)
-    envelope.signature = mallory.sign(b"peerd-envelope-v1" + body)
+    envelope = records_pb2.Envelope(format_version=1, payload=body, public_key=mallory.public_key_der, kind=1)
+    envelope.signature = mallory.sign(b"peerd-envelope-v1" + bytes([1]) + body)
     rejected("record_forged", envelope.SerializeToString())
     # Mallory's own valid record published under Alice's subkey.
     rejected("record_forged", seal_record(record(mallory), mallory, None), subkey=alice.peer_id)

@@ -1,0 +1,104 @@
+"""Signed (and, for secret runs, sealed) envelopes: the one format of everything peerd puts in the DHT.
+
+seal() signs with this daemon's identity after encrypting with the run secret, so any DHT node can
+check who wrote an envelope (verified()) while only the run's members can read it (open_payload()).
+Every check that fails raises RecordRejected with the reason counted in peerd_rejected_total.
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.protobuf.message import DecodeError
+
+from peers.identity import Identity, peer_id_from_public_key, verify
+from peers.runs import RunSecret
+from protos import records_pb2
+
+FORMAT_VERSION = 1
+MAX_ENVELOPE_BYTES = 16 * 1024  # a record is about 1 KiB; anything far larger is hostile
+
+
+class RecordKind(Enum):
+    MEMBER = records_pb2.RECORD_KIND_MEMBER  # a PeerRecord: one daemon's membership in one run
+    MANIFEST = records_pb2.RECORD_KIND_MANIFEST  # a RunManifest: what the run trains and how
+
+
+class RecordRejected(ValueError):
+    """A record failed a check; .reason is the label used in peerd_rejected_total."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def seal(kind: RecordKind, body: bytes, identity: Identity, secret: RunSecret | None, run_id: str) -> bytes:
+    envelope = records_pb2.Envelope(format_version=FORMAT_VERSION, sealed=secret is not None, kind=kind.value)
+    if secret is None:
+        envelope.payload = body
+    else:
+        envelope.nonce = os.urandom(12)
+        envelope.payload = AESGCM(secret.seal_key).encrypt(envelope.nonce, body, _aad(kind, run_id))
+    envelope.public_key = identity.public_key_der
+    envelope.signature = identity.sign(_signed_bytes(envelope))
+    return envelope.SerializeToString()
+
+
+def verified(data: object, subkey: str | None) -> tuple[records_pb2.Envelope, str]:
+    """Parse an envelope and check its signature (and, given a subkey, that the signer owns it).
+    Needs no run secret: this is what every DHT node checks before storing. Returns the signer."""
+    if not isinstance(data, bytes):
+        raise RecordRejected("record_malformed", f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_ENVELOPE_BYTES:
+        raise RecordRejected("record_oversized", f"{len(data)} bytes")
+    envelope = parse(records_pb2.Envelope, data)
+    if envelope.format_version != FORMAT_VERSION:
+        raise RecordRejected("record_version", f"format version {envelope.format_version}")
+    if envelope.kind not in {k.value for k in RecordKind}:
+        raise RecordRejected("record_malformed", f"unknown record kind {envelope.kind}")
+    if not verify(envelope.public_key, _signed_bytes(envelope), envelope.signature):
+        raise RecordRejected("record_signature", "signature does not verify")
+    signer = peer_id_from_public_key(envelope.public_key)
+    if subkey is not None and subkey != signer:
+        raise RecordRejected("record_forged", "stored under another peer's slot")
+    return envelope, signer
+
+
+def open_payload(
+    data: object, kind: RecordKind, *, run_id: str, secret: RunSecret | None, subkey: str | None
+) -> tuple[bytes, str]:
+    """Verify an envelope of `kind` and return (its plaintext body, the signer's peer ID)."""
+    envelope, signer = verified(data, subkey)
+    if envelope.kind != kind.value:
+        raise RecordRejected("record_malformed", f"expected a {kind.name} record")
+    if secret is None:
+        if envelope.sealed:
+            raise RecordRejected("record_auth", "sealed record in an open run")
+        return envelope.payload, signer
+    if not envelope.sealed or len(envelope.nonce) != 12:
+        raise RecordRejected("record_auth", "unsealed record in a secret run")
+    try:
+        return AESGCM(secret.seal_key).decrypt(envelope.nonce, envelope.payload, _aad(kind, run_id)), signer
+    except InvalidTag:
+        raise RecordRejected("record_auth", "seal does not verify with the run secret") from None
+
+
+def parse(message_type, data: bytes):
+    message = message_type()
+    try:
+        message.ParseFromString(data)
+    except DecodeError:
+        raise RecordRejected("record_malformed", f"not a {message_type.__name__}") from None
+    return message
+
+
+def _aad(kind: RecordKind, run_id: str) -> bytes:
+    # Binds the ciphertext to its kind and run: a sealed record cannot be replayed as another.
+    return f"peerd-{kind.name.lower()}-v{FORMAT_VERSION}\x00{run_id}".encode()
+
+
+def _signed_bytes(envelope: records_pb2.Envelope) -> bytes:
+    return b"peerd-envelope-v1" + bytes([envelope.kind & 0xFF]) + envelope.nonce + envelope.payload

@@ -1,0 +1,111 @@
+"""Run manifests: what a run trains and how it averages, published once by its creator.
+
+A manifest is signed by its creator (the signer must be the `creator` it names) and sealed with
+the run secret where there is one. Members republish the creator's signed bytes unchanged, so the
+manifest outlives its creator. If two daemons create the same run at once, everyone picks the
+same one: the earliest (created_at, creator).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
+from peers.identity import Identity
+from peers.runs import RunSecret
+from protos import records_pb2
+
+MANIFEST_FORMAT_VERSION = 1
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+MAX_HPARAMS = 64
+MAX_HPARAM_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AveragingSettings:
+    average_every: int = 10  # local optimizer steps between two averaging rounds
+    max_group_size: int = 16  # largest Moshpit group; sizes the virtual grid
+    round_timeout: float = 30.0  # seconds a round may take before members abort it
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.average_every <= 100_000:
+            raise ValueError(f"average_every must be in 1..100000, got {self.average_every}")
+        if not 2 <= self.max_group_size <= 1024:
+            raise ValueError(f"max_group_size must be in 2..1024, got {self.max_group_size}")
+        if not 0.1 <= self.round_timeout <= 3600:
+            raise ValueError(f"round_timeout must be in 0.1..3600 s, got {self.round_timeout}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunManifest:
+    run_id: str
+    task: str
+    hparams: dict[str, str] = field(default_factory=dict)
+    averaging: AveragingSettings = field(default_factory=AveragingSettings)
+    creator: str
+    created_at: float
+
+    def __post_init__(self) -> None:
+        if not TASK_NAME.fullmatch(self.task):
+            raise ValueError(f"task name {self.task[:64]!r} is not a valid name")
+        if len(self.hparams) > MAX_HPARAMS:
+            raise ValueError(f"{len(self.hparams)} hyper-parameters; at most {MAX_HPARAMS}")
+        for key, value in self.hparams.items():
+            if not TASK_NAME.fullmatch(key) or len(value) > MAX_HPARAM_CHARS:
+                raise ValueError(f"hyper-parameter {key[:64]!r} has a bad name or a value over {MAX_HPARAM_CHARS} characters")
+
+    @property
+    def order(self) -> tuple[float, str]:
+        """Among competing manifests of one run, the smallest wins."""
+        return (self.created_at, self.creator)
+
+
+def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret | None) -> bytes:
+    if manifest.creator != identity.peer_id:
+        raise ValueError("only the creator signs a manifest")
+    a = manifest.averaging
+    body = records_pb2.RunManifest(
+        format_version=MANIFEST_FORMAT_VERSION,
+        run_id=manifest.run_id,
+        task=manifest.task,
+        hparams=manifest.hparams,
+        averaging=records_pb2.AveragingSettings(
+            average_every=a.average_every, max_group_size=a.max_group_size, round_timeout=a.round_timeout
+        ),
+        creator=manifest.creator,
+        created_at=manifest.created_at,
+    ).SerializeToString()
+    return seal(RecordKind.MANIFEST, body, identity, secret, manifest.run_id)
+
+
+def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subkey: str | None) -> RunManifest:
+    """Check and decode a manifest of `run_id`; raises RecordRejected saying what is wrong."""
+    body_bytes, signer = open_payload(data, RecordKind.MANIFEST, run_id=run_id, secret=secret, subkey=subkey)
+    body = parse(records_pb2.RunManifest, body_bytes)
+    if body.format_version != MANIFEST_FORMAT_VERSION:
+        raise RecordRejected("record_version", f"manifest format version {body.format_version}")
+    if body.creator != signer:
+        raise RecordRejected("record_forged", "manifest not signed by the creator it names")
+    if body.run_id != run_id:
+        raise RecordRejected("record_wrong_run", "manifest of another run")
+    try:
+        return RunManifest(
+            run_id=body.run_id,
+            task=body.task,
+            hparams=dict(body.hparams),
+            averaging=AveragingSettings(
+                average_every=body.averaging.average_every,
+                max_group_size=body.averaging.max_group_size,
+                round_timeout=body.averaging.round_timeout,
+            ),
+            creator=body.creator,
+            created_at=body.created_at,
+        )
+    except ValueError as e:
+        raise RecordRejected("manifest_invalid", str(e)) from None
+
+
+def choose(manifests: list[RunManifest]) -> RunManifest | None:
+    """The run's manifest among those found: the earliest, ties broken by creator ID."""
+    return min(manifests, key=lambda m: m.order, default=None)

@@ -1,0 +1,71 @@
+import pytest
+
+from peers.envelope import RecordRejected
+from peers.identity import Identity
+from peers.manifest import AveragingSettings, RunManifest, choose, decode_manifest, encode_manifest
+from peers.records import MemberRecord, MemberState, seal_record
+from peers.runs import RunSecret
+
+
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ids")
+    return Identity.load_or_create(d / "a"), Identity.load_or_create(d / "b")
+
+
+def manifest(creator: Identity, **kw) -> RunManifest:
+    return RunManifest(run_id="r", task="digits-mlp", hparams={"lr": "0.1"}, creator=creator.peer_id, created_at=100.0, **kw)
+
+
+def test_round_trip_open_and_sealed(ids):
+    a, _ = ids
+    m = manifest(a, averaging=AveragingSettings(average_every=5))
+    assert decode_manifest(encode_manifest(m, a, None), run_id="r", secret=None, subkey=a.peer_id) == m
+    s = RunSecret.from_bytes(b"x" * 16, "r")
+    assert decode_manifest(encode_manifest(m, a, s), run_id="r", secret=s, subkey=a.peer_id) == m
+    with pytest.raises(RecordRejected) as e:
+        decode_manifest(encode_manifest(m, a, s), run_id="r", secret=RunSecret.from_bytes(b"y" * 16, "r"), subkey=None)
+    assert e.value.reason == "record_auth"
+
+
+def test_only_the_creator_can_sign(ids):
+    a, b = ids
+    with pytest.raises(ValueError):
+        encode_manifest(manifest(a), b, None)
+    with pytest.raises(RecordRejected) as e:
+        decode_manifest(encode_manifest(manifest(a), a, None), run_id="r", secret=None, subkey=b.peer_id)
+    assert e.value.reason == "record_forged"
+
+
+def test_a_member_record_is_not_a_manifest(ids):
+    a, _ = ids
+    rec = MemberRecord(run_id="r", peer_id=a.peer_id, maddrs=(), version="0", role="trainer", state=MemberState.ACTIVE, timestamp=1.0)
+    with pytest.raises(RecordRejected) as e:
+        decode_manifest(seal_record(rec, a, None), run_id="r", secret=None, subkey=None)
+    assert e.value.reason == "record_malformed"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"task": "bad task"},
+        {"hparams": {"bad key": "1"}},
+        {"hparams": {"k": "x" * 300}},
+        {"averaging": "zero"},
+    ],
+)
+def test_invalid_manifests(ids, kw):
+    a, _ = ids
+    with pytest.raises((ValueError, TypeError)):
+        if kw.get("averaging") == "zero":
+            AveragingSettings(average_every=0)
+        else:
+            RunManifest(run_id="r", creator=a.peer_id, created_at=1.0, **{"task": "t", **kw})
+
+
+def test_choose_the_earliest(ids):
+    a, b = ids
+    early = RunManifest(run_id="r", task="x", creator=b.peer_id, created_at=1.0)
+    late = RunManifest(run_id="r", task="y", creator=a.peer_id, created_at=2.0)
+    assert choose([late, early]) == early
+    assert choose([]) is None
