@@ -87,18 +87,25 @@ def _cmd_start(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         signals_seen = 0
 
+        starting = asyncio.create_task(daemon.start(), name="start")
+
         def on_signal(name: str) -> None:
             nonlocal signals_seen
             signals_seen += 1
             if signals_seen == 1:
                 daemon.request_shutdown(name)
+                starting.cancel()  # a signal during start-up undoes what started, then exits
             else:  # p2pd exits by itself when our end of its pipes closes
                 print("peerd: second signal, exiting without draining", file=sys.stderr, flush=True)
                 os._exit(1)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig.name)
-        await daemon.start()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            print("peerd: stopped during start-up", file=sys.stderr, flush=True)
+            return
         info = daemon.ready_info()
         print(
             f"peerd {__version__} ready\n  peer ID:  {info['peer_id']}\n"
@@ -113,10 +120,10 @@ def _cmd_start(args: argparse.Namespace) -> int:
         uvloop.run(serve())
     except DataDirError as e:
         return _fail(2, str(e))
+    except TimeoutError:  # before OSError: TimeoutError is one of its subclasses
+        return _fail(1, "timed out (starting p2pd, reaching the initial peers, or draining)")
     except (OSError, ValueError) as e:
         return _fail(1, f"could not start: {e}")
-    except TimeoutError:
-        return _fail(1, "timed out (starting p2pd, reaching the initial peers, or draining)")
     except Exception as e:  # p2pd and DHT bootstrap failures come as several hivemind types
         logger.debug("start failed", exc_info=True)
         return _fail(1, f"could not start: {type(e).__name__}: {e}")

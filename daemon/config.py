@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from peers.runs import InvalidRunId, validate_run_id
+from peers.validator import MAX_RECORD_TTL
+
+MAX_PEER_TTL = MAX_RECORD_TTL / 2
 
 
 class ConfigError(ValueError):
@@ -59,6 +62,8 @@ class DiscoveryConfig:
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "refresh_interval", "peer_ttl", "goodbye_timeout"):
             _check_positive(name, getattr(self, name))
+        if self.peer_ttl > MAX_PEER_TTL:
+            raise ConfigError(f"peer_ttl ({self.peer_ttl}) must be at most {MAX_PEER_TTL} s: DHT nodes refuse longer-lived records")
         if self.peer_ttl < 2 * self.heartbeat_interval:
             raise ConfigError(
                 f"peer_ttl ({self.peer_ttl}) must be at least twice heartbeat_interval ({self.heartbeat_interval}), "
@@ -70,6 +75,10 @@ class DiscoveryConfig:
 class ControlConfig:
     address: str = ""  # gRPC address: "unix:/path" or "HOST:PORT"; empty = unix socket in the data dir
     max_request_bytes: int = 64 * 1024  # larger control requests are refused (RESOURCE_EXHAUSTED)
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.max_request_bytes <= 1024 * 1024:
+            raise ConfigError(f"max_request_bytes must be in 1024..1048576 (gRPC's hard limit), got {self.max_request_bytes}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -140,7 +149,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
     Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped", "SECONDS"),
+    Option("discovery.goodbye_timeout", "--goodbye-timeout", "seconds allowed for telling a run's peers we leave", "SECONDS"),
     Option("control.address", "--control", "control API address: unix:/path or HOST:PORT (default: unix socket in the data dir)", "ADDR"),
+    Option("control.max_request_bytes", "--control-max-request-bytes", "larger control requests are refused", "BYTES"),
     Option("metrics.host", "--metrics-host", "address /metrics listens on", "ADDR"),
     Option("metrics.port", "--metrics-port", "port of /metrics (0: any free port)", "PORT"),
 )

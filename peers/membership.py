@@ -33,7 +33,7 @@ class DiscoverySettings:
     heartbeat_interval: float = 2.0
     refresh_interval: float = 1.0
     peer_ttl: float = 10.0
-    goodbye_timeout: float = 2.0  # covers sending LEFT to all peers, concurrently
+    goodbye_timeout: float = 2.0  # covers storing the LEFT record and telling all peers, concurrently
 
 
 class RunMembership:
@@ -84,7 +84,14 @@ class RunMembership:
             for e in self.table.entries()
         ]
         store = self.node.store(self.key, self.node.peer_id, envelope, now() + self.settings.peer_ttl)
-        results = await asyncio.gather(store, *calls, return_exceptions=True)
+        try:
+            # One bound for the whole goodbye: if p2pd is already gone (Ctrl-C in a terminal
+            # signals it too), the drain must not wait out every DHT timeout.
+            async with asyncio.timeout(timeout):
+                results = await asyncio.gather(store, *calls, return_exceptions=True)
+        except TimeoutError:
+            logger.info("run %s: goodbye not finished within %.1f s", self.run_id, timeout)
+            return
         failed = sum(isinstance(r, BaseException) for r in results[1:])
         if failed:
             logger.info("run %s: %d of %d peers did not acknowledge our goodbye", self.run_id, failed, len(calls))
