@@ -1,0 +1,34 @@
+"""What every benchmark in bench/ shares: one JSON line per measurement on stdout, progress on stderr.
+
+A result line always has bench, metric, ours, baseline, ratio (ours / baseline, null when either is
+missing) and unit; extra fields (n, samples, target, note, ...) follow. The last line a benchmark
+prints is its headline.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from typing import Any
+
+
+def progress(bench: str, message: str) -> None:
+    print(f"[{bench}] {message}", file=sys.stderr, flush=True)
+
+
+def result(bench: str, metric: str, ours: float | None, baseline: float | None, unit: str, **extra: Any) -> dict:
+    """Build one result; `emit` prints it. Kept apart so a benchmark can hold its headline until last."""
+    ratio = round(ours / baseline, 3) if ours is not None and baseline else None
+    return {"bench": bench, "metric": metric, "ours": ours, "baseline": baseline, "ratio": ratio, "unit": unit, **extra}
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+    ratio = "" if record["ratio"] is None else f"  (ratio {record['ratio']})"
+    ours, baseline, unit = record["ours"], record["baseline"], record["unit"]
+    progress(record["bench"], f"{record['metric']}: ours {ours} vs baseline {baseline} {unit}{ratio}")
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
