@@ -20,6 +20,8 @@ from daemon.control import ControlServer, UnknownRun
 from daemon.datadir import DataDir
 from daemon.lifecycle import ALLOWED, DaemonState
 from daemon.metrics import DaemonMetrics, MetricsServer
+from daemon import runs as run_setup
+from daemon.runs import RunHandle
 from peers.membership import DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
 from peers.clock import now as dht_now
@@ -36,6 +38,15 @@ class RunSummary:
     peers: int
     secured: bool
     joined_seconds: float
+    task: str = ""
+    train_state: str = ""
+    step: int = 0
+    loss: float = 0.0
+    samples: int = 0
+    samples_per_second: float = 0.0
+    eval_metric: str = ""
+    eval_score: float = 0.0
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +77,12 @@ class Daemon:
         self.started = time.monotonic()
         self.data_dir = DataDir(config.data_dir)
         self.metrics = DaemonMetrics(
-            version=__version__, states=[s.value for s in DaemonState], peers_by_run=self._peer_counts
+            version=__version__,
+            states=[s.value for s in DaemonState],
+            peers_by_run=self._peer_counts,
+            runs=lambda: self.status().runs,
         )
+        self.runs: dict[str, RunHandle] = {}
         self.metrics.set_state(self.state.value)
         self.metrics_server = MetricsServer(self.metrics, config.metrics.host, config.metrics.port)
         self.node: PeerNode | None = None
@@ -127,7 +142,7 @@ class Daemon:
             )
             await self.memberships.start()
             for run_id in cfg.runs:
-                await self.memberships.join(run_id, secret(run_id) if secret else None)
+                await self._join(run_id, secret(run_id) if secret else None, cfg.train.task, cfg.train.hparams_dict())
             await self._start_control()
             self._set_state(DaemonState.READY)
             await self.control.set_serving(True)
@@ -170,6 +185,7 @@ class Daemon:
         try:
             async with asyncio.timeout(self.config.drain_timeout):
                 await self.control.set_serving(False)
+                await asyncio.gather(*(self._stop_run(h) for h in self.runs.values()))
                 await self.memberships.leave_all()
                 await self._teardown(grace=1.0)
         except TimeoutError:
@@ -189,6 +205,8 @@ class Daemon:
             self.control = None
             if self.control_address.startswith("unix:"):
                 Path(self.control_address[5:]).unlink(missing_ok=True)
+        for handle in self.runs.values():
+            await self._stop_run(handle)
         if self.node is not None:
             node, self.node = self.node, None
             self.memberships = None
@@ -212,17 +230,48 @@ class Daemon:
             raise RuntimeError(f"daemon is {self.state.value}, not READY")
         return self.memberships
 
-    async def join_run(self, run_id: str, secret_file: str | None) -> bool:
-        memberships = self._require_ready()
+    async def join_run(self, run_id: str, secret_file: str | None, task: str = "", settings: dict[str, str] | None = None) -> bool:
+        """Join a run (creating it when `task` is given and it has no manifest). Raises RunRefused,
+        InvalidSecret, or RuntimeError when not READY; a refused join changes nothing."""
+        self._require_ready()
         secret = RunSecret.from_file(secret_file, run_id) if secret_file else None
-        joined = await memberships.join(run_id, secret)
+        joined = await self._join(run_id, secret, task, settings or {})
         self.data_dir.write_ready(self.ready_info())
         return joined
 
+    async def _join(self, run_id: str, secret: RunSecret | None, task: str, settings: dict[str, str]) -> bool:
+        if run_id in self.runs:
+            current = self.runs[run_id].manifest
+            if task and (current is None or current.task != task):
+                raise run_setup.RunRefused(f"already in run {run_id!r}, which trains {current.task if current else 'nothing'!r}, not {task!r}")
+            return False
+        resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject)
+        await self.memberships.join(run_id, secret)
+        handle = RunHandle(run_id, None, None)
+        if resolved is not None:
+            manifest, data = resolved
+            handle.manifest = manifest
+            handle.trainer = run_setup.make_trainer(manifest, self.node, self.config.data_dir, self.config.train)
+            handle.trainer.start()
+            handle.republisher = asyncio.create_task(
+                run_setup.republish(self.node, manifest, data, secret), name=f"manifest:{run_id}"
+            )
+        self.runs[run_id] = handle
+        return True
+
+    async def _stop_run(self, handle: RunHandle) -> None:
+        if handle.republisher is not None:
+            handle.republisher.cancel()
+            handle.republisher = None
+        if handle.trainer is not None:
+            await asyncio.to_thread(handle.trainer.stop)
+
     async def leave_run(self, run_id: str) -> None:
         memberships = self._require_ready()
-        if run_id not in memberships.runs:
+        if run_id not in self.runs:
             raise UnknownRun(run_id)
+        handle = self.runs.pop(run_id)
+        await self._stop_run(handle)
         await memberships.leave(run_id)
         self.data_dir.write_ready(self.ready_info())
 
@@ -241,10 +290,27 @@ class Daemon:
 
     def status(self) -> StatusSnapshot:
         t = dht_now()
-        runs = [
-            RunSummary(m.run_id, len(m.table), m.secured, t - m.joined_at)
-            for m in (self.memberships.runs.values() if self.memberships else [])
-        ]
+        runs = []
+        for m in self.memberships.runs.values() if self.memberships else []:
+            handle = self.runs.get(m.run_id)
+            tr = handle.trainer if handle else None
+            runs.append(
+                RunSummary(
+                    m.run_id,
+                    len(m.table),
+                    m.secured,
+                    t - m.joined_at,
+                    task=handle.manifest.task if handle and handle.manifest else "",
+                    train_state=tr.state.value if tr else "",
+                    step=tr.step if tr else 0,
+                    loss=tr.loss if tr else 0.0,
+                    samples=tr.samples if tr else 0,
+                    samples_per_second=tr.samples_per_second if tr else 0.0,
+                    eval_metric=tr.eval.metric if tr and tr.eval else "",
+                    eval_score=tr.eval.score if tr and tr.eval else 0.0,
+                    error=tr.error if tr else "",
+                )
+            )
         return StatusSnapshot(
             state=self.state.value,
             peer_id=self.node.peer_id if self.node else "",

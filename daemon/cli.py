@@ -25,7 +25,7 @@ from daemon.config import OPTIONS, ConfigError, default_data_dir, load_config
 logger = logging.getLogger("peerd")
 
 _BOOL_PATHS = {"network.nat_port_map", "network.auto_nat"}
-_APPEND_PATHS = {"runs", "network.announce"}
+_APPEND_PATHS = {"runs", "network.announce", "train.hparams"}
 _EXTEND_PATHS = {"network.initial_peers"}
 
 
@@ -81,6 +81,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     from daemon.app import Daemon
     from daemon.datadir import DataDirError
+    from daemon.runs import RunRefused
 
     async def serve() -> None:
         daemon = Daemon(config)
@@ -118,7 +119,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(serve())
-    except DataDirError as e:
+    except (DataDirError, RunRefused) as e:
         return _fail(2, str(e))
     except TimeoutError:  # before OSError: TimeoutError is one of its subclasses
         return _fail(1, "timed out (starting p2pd, reaching the initial peers, or draining)")
@@ -164,7 +165,20 @@ def _cmd_status(args) -> int:
                 "peer_id": s.peer_id,
                 "maddrs": list(s.maddrs),
                 "runs": [
-                    {"run_id": r.run_id, "peers": r.peers, "secured": r.secured, "joined_seconds": round(r.joined_seconds, 1)}
+                    {
+                        "run_id": r.run_id,
+                        "peers": r.peers,
+                        "secured": r.secured,
+                        "joined_seconds": round(r.joined_seconds, 1),
+                        "task": r.task,
+                        "train_state": r.train_state,
+                        "step": r.step,
+                        "loss": r.loss,
+                        "samples_per_second": round(r.samples_per_second, 1),
+                        "eval_metric": r.eval_metric,
+                        "eval_score": r.eval_score,
+                        "error": r.error,
+                    }
                     for r in s.runs
                 ],
                 "uptime_seconds": round(s.uptime_seconds, 1),
@@ -179,8 +193,24 @@ def _cmd_status(args) -> int:
     for m in s.maddrs:
         print(f"address   {m}")
     print()
-    rows = [(r.run_id, str(r.peers), "yes" if r.secured else "no", f"{r.joined_seconds:.0f} s") for r in s.runs]
-    _table(("RUN", "PEERS", "SECRET", "JOINED"), rows, empty="not in any run (peerd join RUN_ID)")
+    rows = [
+        (
+            r.run_id,
+            str(r.peers),
+            "yes" if r.secured else "no",
+            r.task or "-",
+            r.train_state or "-",
+            str(r.step) if r.task else "-",
+            f"{r.loss:.4f}" if r.task else "-",
+            f"{r.samples_per_second:.0f}" if r.task else "-",
+            f"{r.eval_metric} {r.eval_score:.4f}" if r.eval_metric else "-",
+        )
+        for r in s.runs
+    ]
+    _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOSS", "SAMPLES/S", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
+    for r in s.runs:
+        if r.error:
+            print(f"{r.run_id}: training failed: {r.error}")
     return 0
 
 
@@ -216,8 +246,12 @@ def _cmd_peers(args) -> int:
 
 def _cmd_join(args) -> int:
     secret_file = str(Path(args.run_secret_file).absolute()) if args.run_secret_file else ""
+    bad = [s for s in args.settings if "=" not in s]
+    if bad:
+        return _fail(2, f"--set {bad[0]!r} is not KEY=VALUE")
+    settings = dict(s.split("=", 1) for s in args.settings)
     with _client(args) as c:
-        joined = c.join(args.run_id, secret_file).joined
+        joined = c.join(args.run_id, secret_file, args.task, settings).joined
     if args.json:
         _print_json({"run_id": args.run_id, "joined": joined})
     else:
@@ -294,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("join", parents=[parent], help="join a run", description="Make the daemon join a run: announce itself and track the run's peers.")
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument("--run-secret-file", help="file holding the run's secret (read by the daemon; give a path it can read)")
+    p.add_argument("--task", default="", help="task of the run, if this join creates it (e.g. digits-mlp)")
+    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE", help="hyper-parameter or averaging.SETTING of a new run (repeatable)")
     p.set_defaults(func=_cmd_join)
     p = sub.add_parser("leave", parents=[parent], help="leave a run", description="Make the daemon leave a run; its peers drop it at once.")
     p.add_argument("run_id", metavar="RUN_ID")
@@ -315,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and args.func is not _cmd_start:
             where = getattr(args, "control", None) or control_address(args.data_dir)
             return _fail(1, f"no daemon answering at {where} ({code.name}); is `peerd start` running?")
-        return _fail(2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1, f"{code.name}: {e.details()}")
+        return _fail(2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) else 1, f"{code.name}: {e.details()}")
     except KeyboardInterrupt:
         return 130
 

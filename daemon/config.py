@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from peers.runs import InvalidRunId, validate_run_id
-from peers.validator import MAX_RECORD_TTL
+from peers.runs import MAX_RECORD_TTL, InvalidRunId, validate_run_id
 
 MAX_PEER_TTL = MAX_RECORD_TTL / 2
 
@@ -92,6 +91,31 @@ class MetricsConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    task: str = ""  # task of the runs created at start (a new run needs one; an existing run names its own)
+    hparams: list[str] = field(default_factory=list)  # "key=value" for a new run; "averaging.KEY=value" sets averaging
+    threads: int = 1  # torch intra-op threads of the trainer; several daemons on one machine want 1 each
+    checkpoint_every: int = 100  # optimizer steps between two checkpoints in the data dir
+    eval_every: int = 50  # optimizer steps between two evaluations (peerd_eval_score)
+    max_steps: int = 0  # stop training a run after this many local steps; 0 = never (demos, tests)
+
+    def __post_init__(self) -> None:
+        for item in self.hparams:
+            if "=" not in item or not item.split("=", 1)[0]:
+                raise ConfigError(f"set: {item!r} is not KEY=VALUE")
+        if not 1 <= self.threads <= 256:
+            raise ConfigError(f"torch_threads must be in 1..256, got {self.threads}")
+        for name in ("checkpoint_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if self.max_steps < 0:
+            raise ConfigError("max_steps must be >= 0")
+
+    def hparams_dict(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.hparams)
+
+
+@dataclass(kw_only=True, slots=True)
 class DaemonConfig:
     data_dir: Path = field(default_factory=default_data_dir)  # identity key, control socket, ready.json, lock
     runs: list[str] = field(default_factory=list)  # runs to join at start
@@ -102,6 +126,7 @@ class DaemonConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().absolute()
@@ -154,9 +179,21 @@ OPTIONS: tuple[Option, ...] = (
     Option("control.max_request_bytes", "--control-max-request-bytes", "larger control requests are refused", "BYTES"),
     Option("metrics.host", "--metrics-host", "address /metrics listens on", "ADDR"),
     Option("metrics.port", "--metrics-port", "port of /metrics (0: any free port)", "PORT"),
+    Option("train.task", "--task", "task of a run created at start (e.g. digits-mlp, charlm)", "NAME"),
+    Option("train.hparams", "--set", "hyper-parameter of a run created at start, KEY=VALUE (repeatable)", "KEY=VALUE"),
+    Option("train.threads", "--torch-threads", "torch threads of the trainer", "N"),
+    Option("train.checkpoint_every", "--checkpoint-every", "steps between checkpoints", "STEPS"),
+    Option("train.eval_every", "--eval-every", "steps between evaluations", "STEPS"),
+    Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
 )
 
-_SECTIONS = {"network": NetworkConfig, "discovery": DiscoveryConfig, "control": ControlConfig, "metrics": MetricsConfig}
+_SECTIONS = {
+    "network": NetworkConfig,
+    "discovery": DiscoveryConfig,
+    "control": ControlConfig,
+    "metrics": MetricsConfig,
+    "train": TrainConfig,
+}
 # Every settable leaf of the tree ("network.host", "data_dir", ...) and its declared type.
 _LEAF_TYPES: dict[str, str] = {
     **{f.name: f.type for f in dataclasses.fields(DaemonConfig) if f.name not in _SECTIONS},

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from daemon.runs import RunRefused
 from peers.runs import InvalidRunId, InvalidSecret
 from protos import control_pb2, control_pb2_grpc
 
@@ -55,7 +56,20 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             peer_id=s.peer_id,
             maddrs=s.maddrs,
             runs=[
-                control_pb2.RunStatus(run_id=r.run_id, peers=r.peers, secured=r.secured, joined_seconds=r.joined_seconds)
+                control_pb2.RunStatus(
+                    run_id=r.run_id,
+                    peers=r.peers,
+                    secured=r.secured,
+                    joined_seconds=r.joined_seconds,
+                    task=r.task,
+                    train_state=r.train_state,
+                    step=r.step,
+                    loss=r.loss,
+                    samples_per_second=r.samples_per_second,
+                    eval_metric=r.eval_metric,
+                    eval_score=r.eval_score,
+                    error=r.error,
+                )
                 for r in s.runs
             ],
             uptime_seconds=s.uptime_seconds,
@@ -85,7 +99,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         run_id = await self._run_id(request.run_id, context)
         try:
-            joined = await self.daemon.join_run(run_id, request.secret_file or None)
+            joined = await self.daemon.join_run(run_id, request.secret_file or None, request.task, dict(request.settings))
+        except RunRefused as e:
+            self.daemon.reject("control_run_refused")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except InvalidSecret as e:
             self.daemon.reject("control_invalid_secret")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -22,7 +22,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from peers.events import PeerEvents
@@ -48,8 +48,37 @@ class _RunPeersCollector(Collector):
         yield family
 
 
+class _TrainingCollector(Collector):
+    """Per-run training figures, read from the trainers at scrape time (no work on the hot path)."""
+
+    def __init__(self, runs: Callable[[], Iterable]):
+        self.runs = runs
+
+    def collect(self) -> Iterable:
+        step = GaugeMetricFamily("peerd_train_step", "Local optimizer steps taken in the run.", labels=["run"])
+        loss = GaugeMetricFamily("peerd_train_loss", "Training loss of the run's last step.", labels=["run"])
+        samples = CounterMetricFamily("peerd_samples", "Training samples this daemon processed in the run.", labels=["run"])
+        score = GaugeMetricFamily("peerd_eval_score", "Latest evaluation score of the run (see docs/metrics.md).", labels=["run"])
+        for r in self.runs():
+            if not r.task:
+                continue
+            step.add_metric([r.run_id], r.step)
+            loss.add_metric([r.run_id], r.loss)
+            samples.add_metric([r.run_id], r.samples)
+            if r.eval_metric:
+                score.add_metric([r.run_id], r.eval_score)
+        yield from (step, loss, samples, score)
+
+
 class DaemonMetrics:
-    def __init__(self, *, version: str, states: Iterable[str], peers_by_run: Callable[[], Mapping[str, int]]):
+    def __init__(
+        self,
+        *,
+        version: str,
+        states: Iterable[str],
+        peers_by_run: Callable[[], Mapping[str, int]],
+        runs: Callable[[], Iterable] = lambda: (),
+    ):
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -65,6 +94,7 @@ class DaemonMetrics:
         self.heartbeats = Counter("peerd_heartbeats", "Heartbeats this daemon tried to store, by result.", ["result"], registry=r)
         self.rejected = Counter("peerd_rejected", "Inputs refused, by reason (see docs/metrics.md).", ["reason"], registry=r)
         r.register(_RunPeersCollector(peers_by_run))
+        r.register(_TrainingCollector(runs))
         self._states = tuple(states)
         for state in self._states:
             self.state.labels(state).set(0)

@@ -25,6 +25,7 @@ MAX_ENVELOPE_BYTES = 16 * 1024  # a record is about 1 KiB; anything far larger i
 class RecordKind(Enum):
     MEMBER = records_pb2.RECORD_KIND_MEMBER  # a PeerRecord: one daemon's membership in one run
     MANIFEST = records_pb2.RECORD_KIND_MANIFEST  # a RunManifest: what the run trains and how
+    GROUP_ENTRY = records_pb2.RECORD_KIND_GROUP_ENTRY  # a GroupEntry: one peer's bid for one round's group
 
 
 class RecordRejected(ValueError):

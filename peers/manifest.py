@@ -12,8 +12,9 @@ import re
 from dataclasses import dataclass, field
 
 from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
+from peers.clock import now
 from peers.identity import Identity
-from peers.runs import RunSecret
+from peers.runs import RunSecret, run_dht_key
 from protos import records_pb2
 
 MANIFEST_FORMAT_VERSION = 1
@@ -109,3 +110,21 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
 def choose(manifests: list[RunManifest]) -> RunManifest | None:
     """The run's manifest among those found: the earliest, ties broken by creator ID."""
     return min(manifests, key=lambda m: m.order, default=None)
+
+
+async def fetch(node, run_id: str, secret: RunSecret | None, on_rejected) -> tuple[RunManifest, bytes] | None:
+    """Read the run's manifests from the DHT; returns the chosen one with its signed bytes, or None.
+    Invalid ones are counted through on_rejected(reason) and ignored."""
+    found: list[tuple[RunManifest, bytes]] = []
+    for subkey, (value, _expiration) in (await node.get(run_dht_key(run_id, secret, "manifest"))).items():
+        try:
+            found.append((decode_manifest(value, run_id=run_id, secret=secret, subkey=subkey), value))
+        except RecordRejected as e:
+            on_rejected(e.reason)
+    best = choose([m for m, _ in found])
+    return next(((m, b) for m, b in found if m is best), None)
+
+
+async def publish(node, manifest: RunManifest, data: bytes, secret: RunSecret | None, ttl: float) -> bool:
+    """Store the creator-signed bytes under the creator's slot; any member may republish them."""
+    return await node.store(run_dht_key(manifest.run_id, secret, "manifest"), manifest.creator, data, now() + ttl)

@@ -11,6 +11,9 @@ from pathlib import Path
 # Letters, digits, '.', '_' and '-', starting with a letter or digit; short enough for a label value.
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MIN_SECRET_BYTES = 16
+# No peerd DHT record may ask to live longer: a far-future expiration would let a record outlive
+# every later write to the same slot (hivemind keeps the value with the latest expiration).
+MAX_RECORD_TTL = 600.0
 MAX_SECRET_BYTES = 4096
 
 

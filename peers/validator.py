@@ -13,10 +13,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from peers.events import PeerEvents
 from peers.records import RecordRejected, check_storable
 from peers.clock import now
-
-# No peerd record needs to live longer; a far-future expiration would let a record outlive any
-# later heartbeat of the same subkey (hivemind keeps the value with the latest expiration).
-MAX_RECORD_TTL = 600.0
+from peers.runs import MAX_RECORD_TTL
 
 
 class PeerdRecordValidator(RecordValidatorBase):

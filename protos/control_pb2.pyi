@@ -11,16 +11,32 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
     JOINED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    EVAL_METRIC_FIELD_NUMBER: _ClassVar[int]
+    EVAL_SCORE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: int
     secured: bool
     joined_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ...) -> None: ...
+    task: str
+    train_state: str
+    step: int
+    loss: float
+    samples_per_second: float
+    eval_metric: str
+    eval_score: float
+    error: str
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")
@@ -71,12 +87,23 @@ class ListPeersResponse(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerEntry, _Mapping]]] = ...) -> None: ...
 
 class JoinRunRequest(_message.Message):
-    __slots__ = ("run_id", "secret_file")
+    __slots__ = ("run_id", "secret_file", "task", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FILE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     secret_file: str
-    def __init__(self, run_id: _Optional[str] = ..., secret_file: _Optional[str] = ...) -> None: ...
+    task: str
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, run_id: _Optional[str] = ..., secret_file: _Optional[str] = ..., task: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JoinRunResponse(_message.Message):
     __slots__ = ("joined",)

@@ -18,12 +18,29 @@ class RecordKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECORD_KIND_UNSPECIFIED: _ClassVar[RecordKind]
     RECORD_KIND_MEMBER: _ClassVar[RecordKind]
     RECORD_KIND_MANIFEST: _ClassVar[RecordKind]
+    RECORD_KIND_GROUP_ENTRY: _ClassVar[RecordKind]
+
+class JoinStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    JOIN_STATUS_UNSPECIFIED: _ClassVar[JoinStatus]
+    JOIN_STATUS_ACCEPTED: _ClassVar[JoinStatus]
+    JOIN_STATUS_REFUSED: _ClassVar[JoinStatus]
+    JOIN_STATUS_NOT_LEADER: _ClassVar[JoinStatus]
+    JOIN_STATUS_LATE: _ClassVar[JoinStatus]
+    JOIN_STATUS_GROUP_FULL: _ClassVar[JoinStatus]
 MEMBER_STATE_UNSPECIFIED: MemberState
 MEMBER_STATE_ACTIVE: MemberState
 MEMBER_STATE_LEFT: MemberState
 RECORD_KIND_UNSPECIFIED: RecordKind
 RECORD_KIND_MEMBER: RecordKind
 RECORD_KIND_MANIFEST: RecordKind
+RECORD_KIND_GROUP_ENTRY: RecordKind
+JOIN_STATUS_UNSPECIFIED: JoinStatus
+JOIN_STATUS_ACCEPTED: JoinStatus
+JOIN_STATUS_REFUSED: JoinStatus
+JOIN_STATUS_NOT_LEADER: JoinStatus
+JOIN_STATUS_LATE: JoinStatus
+JOIN_STATUS_GROUP_FULL: JoinStatus
 
 class PeerRecord(_message.Message):
     __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp")
@@ -109,3 +126,47 @@ class GoodbyeRequest(_message.Message):
 class GoodbyeResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GroupEntry(_message.Message):
+    __slots__ = ("format_version", "group_key", "round", "engine_addr", "weight", "timestamp")
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    format_version: int
+    group_key: str
+    round: int
+    engine_addr: str
+    weight: float
+    timestamp: float
+    def __init__(self, format_version: _Optional[int] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class JoinGroupRequest(_message.Message):
+    __slots__ = ("group_key", "round", "envelope")
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ENVELOPE_FIELD_NUMBER: _ClassVar[int]
+    group_key: str
+    round: int
+    envelope: bytes
+    def __init__(self, group_key: _Optional[str] = ..., round: _Optional[int] = ..., envelope: _Optional[bytes] = ...) -> None: ...
+
+class GroupMember(_message.Message):
+    __slots__ = ("peer_id", "engine_addr", "weight")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    engine_addr: str
+    weight: float
+    def __init__(self, peer_id: _Optional[str] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class JoinGroupResponse(_message.Message):
+    __slots__ = ("status", "members")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    status: JoinStatus
+    members: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    def __init__(self, status: _Optional[_Union[JoinStatus, str]] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...

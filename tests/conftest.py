@@ -8,7 +8,7 @@ import secrets
 import pytest
 
 from daemon.procs import LocalDaemon
-from tests.helpers import peers_json, wait_for
+from tests.helpers import peer_ids, wait_for
 
 _started: list[LocalDaemon] = []
 
@@ -56,5 +56,5 @@ def cluster(spawn, secret_file):
     daemons = [a, b, c]
     for d in daemons:
         others = sorted(x.peer_id for x in daemons if x is not d)
-        wait_for(lambda: peers_json(d, CLUSTER_RUN) == others, timeout=20, what=f"{d.data_dir.name} sees the other two")
+        wait_for(lambda: peer_ids(d, CLUSTER_RUN) == others, timeout=20, what=f"{d.data_dir.name} sees the other two")
     return daemons

@@ -53,7 +53,16 @@ def peerd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     )
 
 
+def peer_ids(daemon, run: str) -> list[str]:
+    """The run's peer table over the control API, in-process (fast enough to poll)."""
+    from daemon.client import ControlClient
+
+    with ControlClient(daemon.control) as c:
+        return sorted(p.peer_id for p in c.list_peers(run).peers)
+
+
 def peers_json(daemon, run: str) -> list[str]:
+    """The same through `peerd peers --json`, as a user would run it."""
     r = peerd("peers", "--control", daemon.control, "--run", run, "--json")
     assert r.returncode == 0, r.stderr
     return sorted(p["peer_id"] for p in json.loads(r.stdout)[run])

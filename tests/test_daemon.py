@@ -21,7 +21,7 @@ from peers.runs import RunSecret, run_dht_key
 from peers.clock import now
 from protos import control_pb2
 from tests.conftest import CLUSTER_RUN
-from tests.helpers import ROOT, families, peerd, peers_json, scrape, wait_for
+from tests.helpers import ROOT, families, peer_ids, peerd, peers_json, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -91,9 +91,9 @@ def test_wrong_secret_sees_nobody_and_nobody_sees_it(spawn, cluster, tmp_path):
     try:
         # Nothing should happen, so wait long enough for it to have happened: two heartbeats and refreshes.
         time.sleep(5)
-        assert peers_json(intruder, CLUSTER_RUN) == []
+        assert peer_ids(intruder, CLUSTER_RUN) == []
         for d in cluster:
-            assert intruder.peer_id not in peers_json(d, CLUSTER_RUN)
+            assert intruder.peer_id not in peer_ids(d, CLUSTER_RUN)
     finally:
         assert intruder.stop() == 0
 
@@ -129,7 +129,7 @@ def test_forged_and_malformed_dht_records_are_refused_and_counted(cluster, secre
     wait_for(lambda: sum(_rejected(d) for d in cluster) > sum(before.values()), timeout=10, what="rejections counted")
     time.sleep(2)  # two refresh cycles: the victim must still be listed everywhere
     for d in cluster:
-        assert peers_json(d, CLUSTER_RUN) == sorted(x.peer_id for x in cluster if x is not d)
+        assert peer_ids(d, CLUSTER_RUN) == sorted(x.peer_id for x in cluster if x is not d)
 
 
 def _rejected(d) -> float:
@@ -173,30 +173,30 @@ def test_join_and_leave_an_open_run_over_the_cli(cluster):
         r = peerd("join", "beta", "--control", d.control)
         assert r.returncode == 0 and "joined beta" in r.stdout, r
     assert peerd("join", "beta", "--control", a.control).stdout.strip() == "already in beta"
-    wait_for(lambda: peers_json(a, "beta") == [b.peer_id], timeout=10, what="a sees b in beta")
+    wait_for(lambda: peer_ids(a, "beta") == [b.peer_id], timeout=10, what="a sees b in beta")
     t0 = time.monotonic()
     assert peerd("leave", "beta", "--control", b.control).returncode == 0
-    wait_for(lambda: peers_json(a, "beta") == [], timeout=3, what="a drops b at once after it left")
+    wait_for(lambda: peer_ids(a, "beta") == [], timeout=3, what="a drops b at once after it left")
     assert time.monotonic() - t0 < PEER_TTL / 2
     assert peerd("leave", "beta", "--control", a.control).returncode == 0
-    assert peers_json(a, CLUSTER_RUN) == sorted([cluster[1].peer_id, cluster[2].peer_id])
+    assert peer_ids(a, CLUSTER_RUN) == sorted([cluster[1].peer_id, cluster[2].peer_id])
 
 
 def _join_cluster(spawn, cluster, secret_file, name):
     d = spawn(name, ["--run", CLUSTER_RUN, "--run-secret-file", str(secret_file), "--initial-peers", cluster[0].maddrs[0]])
     for other in cluster:
-        wait_for(lambda: d.peer_id in peers_json(other, CLUSTER_RUN), timeout=15, what=f"{other.data_dir.name} sees {name}")
+        wait_for(lambda: d.peer_id in peer_ids(other, CLUSTER_RUN), timeout=15, what=f"{other.data_dir.name} sees {name}")
     return d
 
 
 def test_sigterm_drains_leaves_at_once_and_leaves_no_child(spawn, cluster, secret_file):
     d = _join_cluster(spawn, cluster, secret_file, "leaver")
     assert len(session_pids(d.pid)) >= 2  # the daemon and its p2pd
-    t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(15) == 0
+    t0 = time.monotonic()  # from its exit: by then it has said goodbye
     for other in cluster:
-        wait_for(lambda: d.peer_id not in peers_json(other, CLUSTER_RUN), timeout=3, what="peers drop it at once")
+        wait_for(lambda: d.peer_id not in peer_ids(other, CLUSTER_RUN), timeout=3, what="peers drop it at once")
     assert time.monotonic() - t0 < PEER_TTL / 2, "dropped by goodbye, not by TTL"
     wait_for(lambda: session_pids(d.pid) == [], timeout=5, what="no process of the daemon's session left")
     assert not (d.data_dir / "ready.json").exists()
@@ -208,7 +208,7 @@ def test_sigkill_leaves_the_tables_within_the_ttl(spawn, cluster, secret_file):
     os.kill(d.pid, signal.SIGKILL)
     t0 = time.monotonic()
     for other in cluster:
-        wait_for(lambda: d.peer_id not in peers_json(other, CLUSTER_RUN), timeout=15, what="the killed peer leaves", interval=0.2)
+        wait_for(lambda: d.peer_id not in peer_ids(other, CLUSTER_RUN), timeout=15, what="the killed peer leaves", interval=0.2)
     assert time.monotonic() - t0 <= 15
     # p2pd notices its parent is gone (its pipes close) and exits by itself.
     wait_for(lambda: session_pids(d.pid) == [], timeout=10, what="p2pd exits after its daemon is killed")

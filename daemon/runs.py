@@ -1,0 +1,159 @@
+"""Joining a run: find (or create) its manifest, check its task is installed, start its trainer.
+
+A run with no manifest and no --task is joined for discovery only (membership, peers, no
+training). Code is never loaded from the network: a manifest only names an installed task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon.checkpoint import CheckpointStore
+from daemon.config import TrainConfig
+from daemon.tasks import HparamsError, Task, TaskLoadError, TaskNotFound, get_task
+from daemon.trainer import Trainer, seed_from
+from peers import manifest as manifests
+from peers.clock import now
+from peers.manifest import AveragingSettings, RunManifest
+from peers.node import PeerNode
+from peers.runs import RunSecret
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_TTL = 300.0  # seconds a published manifest lives without being republished
+MANIFEST_REPUBLISH = 60.0  # seconds between republications by each member
+
+
+class RunRefused(ValueError):
+    """The run cannot be joined as asked; the message says why, in one line."""
+
+
+@dataclass
+class RunHandle:
+    run_id: str
+    manifest: RunManifest | None
+    trainer: Trainer | None
+    republisher: asyncio.Task | None = None
+
+
+def hparams_from_text(task: Task, text: dict[str, str]):
+    """Typed hyper-parameters from KEY=VALUE text, by the types the task declares."""
+    types = {f.name: f.type for f in dataclasses.fields(task.hparams_type)}
+    values: dict[str, object] = {}
+    for key, raw in text.items():
+        kind = types.get(key)
+        kind = getattr(kind, "__name__", kind)
+        try:
+            if kind in ("int",):
+                values[key] = int(raw)
+            elif kind in ("float",):
+                values[key] = float(raw)
+            elif kind in ("bool",):
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                values[key] = raw.lower() in ("true", "1")
+            else:
+                values[key] = raw  # str, or an unknown key that parse_hparams reports by name
+        except ValueError:
+            raise HparamsError(f"{task.name}: hyper-parameter {key!r}: {raw!r} is not a {kind}") from None
+    return task.parse_hparams(values)
+
+
+def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSettings]:
+    hparams = {k: v for k, v in text.items() if not k.startswith("averaging.")}
+    averaging = {k.removeprefix("averaging."): v for k, v in text.items() if k.startswith("averaging.")}
+    fields = {f.name: f.type for f in dataclasses.fields(AveragingSettings)}
+    unknown = sorted(set(averaging) - set(fields))
+    if unknown:
+        raise RunRefused(f"unknown averaging setting(s): {', '.join(unknown)} (known: {', '.join(fields)})")
+    try:
+        typed = {k: (int(v) if fields[k] == "int" else float(v)) for k, v in averaging.items()}
+        return hparams, AveragingSettings(**typed)
+    except ValueError as e:
+        raise RunRefused(f"averaging: {e}") from None
+
+
+def _installed(name: str) -> Task:
+    try:
+        return get_task(name)
+    except (TaskNotFound, TaskLoadError, ValueError) as e:
+        raise RunRefused(str(e)) from None
+
+
+async def resolve(
+    node: PeerNode, run_id: str, secret: RunSecret | None, task_name: str, settings: dict[str, str], on_rejected
+) -> tuple[RunManifest, bytes] | None:
+    """The run's manifest: the one in the DHT, or a new one if task_name is given and there is none.
+    Raises RunRefused when the run cannot be trained here as asked."""
+    found = await manifests.fetch(node, run_id, secret, on_rejected)
+    if found is not None:
+        manifest, data = found
+        if task_name and task_name != manifest.task:
+            raise RunRefused(f"run {run_id!r} trains task {manifest.task!r}, not {task_name!r}")
+        if settings:
+            raise RunRefused(f"run {run_id!r} exists: its hyper-parameters are fixed by its manifest; drop --set")
+        task = _installed(manifest.task)
+        try:
+            hparams_from_text(task, manifest.hparams)
+        except (HparamsError, TypeError) as e:
+            raise RunRefused(f"run {run_id!r} has a manifest this daemon cannot use: {e}") from None
+        return manifest, data
+    if not task_name:
+        return None  # discovery only
+    task = _installed(task_name)
+    hparam_text, averaging = _split_settings(settings)
+    try:
+        hparams = hparams_from_text(task, hparam_text)
+    except (HparamsError, TypeError) as e:
+        raise RunRefused(str(e)) from None
+    manifest = RunManifest(
+        run_id=run_id,
+        task=task.name,
+        hparams={k: str(v) for k, v in hparams.to_dict().items()},  # the complete set: defaults may change
+        averaging=averaging,
+        creator=node.peer_id,
+        created_at=now(),
+    )
+    data = manifests.encode_manifest(manifest, node.identity, secret)
+    await manifests.publish(node, manifest, data, secret, MANIFEST_TTL)
+    # Two daemons may create the run at once: everyone settles on the earliest manifest.
+    settled = await manifests.fetch(node, run_id, secret, on_rejected)
+    return settled if settled is not None else (manifest, data)
+
+
+def manifest_digest(manifest: RunManifest) -> str:
+    """Identifies the run a checkpoint belongs to (stable across republications and restarts)."""
+    text = json.dumps(dataclasses.asdict(manifest), sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def make_trainer(manifest: RunManifest, node: PeerNode, data_dir: Path, train: TrainConfig) -> Trainer:
+    task = _installed(manifest.task)
+    return Trainer(
+        run_id=manifest.run_id,
+        task=task,
+        hparams=hparams_from_text(task, manifest.hparams),
+        # Every peer starts from the same parameters; each sees its own stream of samples.
+        init_seed=seed_from(manifest.run_id, manifest.creator, repr(manifest.created_at)),
+        peer_seed=seed_from(manifest.run_id, node.peer_id),
+        store=CheckpointStore(data_dir / "runs" / manifest.run_id / "checkpoints"),
+        manifest_digest=manifest_digest(manifest),
+        threads=train.threads,
+        checkpoint_every=train.checkpoint_every,
+        eval_every=train.eval_every,
+        max_steps=train.max_steps,
+    )
+
+
+async def republish(node: PeerNode, manifest: RunManifest, data: bytes, secret: RunSecret | None) -> None:
+    """Keep the manifest in the DHT while this daemon is in the run (runs as a background task)."""
+    while True:
+        await asyncio.sleep(MANIFEST_REPUBLISH)
+        if not await manifests.publish(node, manifest, data, secret, MANIFEST_TTL):
+            logger.info("run %s: republishing the manifest failed; next try in %.0f s", manifest.run_id, MANIFEST_REPUBLISH)

@@ -1,0 +1,303 @@
+"""Matchmaking: turn the peers that published under one Moshpit group key into one agreed group.
+
+Protocol of one round t (every wait bounded; settings in MatchmakingSettings):
+1. Each peer stores a signed (sealed in secret runs) GroupEntry under the group key, subkey = its
+   peer ID: round, engine address, weight, timestamp. The expiration covers the store itself, the
+   join window and the joins (`MatchmakingSettings.entry_ttl` plus one DHT request timeout).
+2. `join_window` seconds after its store, each peer reads the key. The leader is the smallest
+   peer ID among the valid entries (the reader's own entry always counts).
+3. Followers send JoinGroupRequest to the leader and wait up to `join_timeout` for the answer.
+   The leader accepts joins until `assemble_slack` seconds after its own read, then decides with
+   `decide_group` (itself and the joiners, ordered by peer ID, capped at max_group_size) and
+   answers every pending join with the same ordered member list. That list is its own result.
+
+Timeouts: `join_window` covers DHT propagation of everyone's entries before the read;
+`assemble_slack` covers followers that read later than the leader (clock skew, a slower get) and
+the join RPC; `join_timeout` covers a follower's whole wait for the leader's decision (it must
+exceed assemble_slack). A DHT store or get is bounded by NodeSettings.request_timeout.
+
+Contract: every member of a returned Group received the same members, order and leader. A peer
+gets no group (None with a reason) when it is alone, when the leader it elected is dead or slow,
+or when views differed (the callee was not the leader, or had already decided). Entries that
+fail their checks and joins from an unknown group or from a peer other than the entry's signer
+are refused and counted through PeerEvents.rejected. There is no acknowledgement phase: a
+follower whose join_timeout fires while the leader's answer is in flight gets None although the
+leader counts it in; the collective round must treat it as a member that contributed nothing.
+Peers are expected to call form_group for a round within about join_window of each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from peers.clock import now
+from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
+from peers.events import PeerEvents
+from peers.node import P2PContext, PeerNode
+from peers.records import MAX_CLOCK_SKEW_SECONDS
+from peers.runs import RunSecret
+from protos import records_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+JOIN_HANDLER = "peerd.matchmaking.JoinGroup"
+ENTRY_FORMAT_VERSION = 1
+MAX_ADDR_CHARS = 256
+
+__all__ = ["Entry", "Group", "Matched", "Member", "Matchmaker", "MatchmakingSettings", "decide_group"]
+
+
+@dataclass(kw_only=True, slots=True)
+class MatchmakingSettings:
+    join_window: float = 1.0  # from my store to my read of the key: lets everyone's entries propagate
+    assemble_slack: float = 1.0  # the leader takes joins this long after its read: later readers, RPC
+    join_timeout: float = 3.0  # a follower's whole wait for the leader's decision
+    max_group_size: int = 32  # G: the leader keeps the first G peers by peer ID
+
+    def __post_init__(self) -> None:
+        if min(self.join_window, self.assemble_slack) < 0 or self.join_timeout <= self.assemble_slack:
+            raise ValueError("timeouts must be >= 0 and join_timeout > assemble_slack")
+        if self.max_group_size < 2:
+            raise ValueError(f"max_group_size must be at least 2, got {self.max_group_size}")
+
+    @property
+    def entry_ttl(self) -> float:
+        """How long an entry must stay readable after its store: up to the last follower's join."""
+        return self.join_window + self.assemble_slack + self.join_timeout
+
+
+class Member(NamedTuple):
+    peer_id: str
+    engine_addr: str  # "host:port" of the member's collective engine
+    weight: float  # samples since its last round
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A checked GroupEntry: what one peer said about itself for one round under one key."""
+
+    member: Member
+    key: str
+    round_t: int
+    timestamp: float
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One round's group, identical at every member except `my_index`."""
+
+    run: str  # the run namespace (run ID, or the opaque namespace of a secret run)
+    round_t: int
+    key: str
+    members: tuple[Member, ...]  # ordered by peer ID; members[0] is the leader
+    my_index: int
+
+    @property
+    def leader(self) -> str:  # the smallest peer ID, which decided the group
+        return self.members[0].peer_id
+
+
+@dataclass(frozen=True, slots=True)
+class Matched:
+    """The outcome of form_group: a group, or None and why."""
+
+    group: Group | None
+    reason: str
+
+
+def admissible(entry: Entry, *, key: str, round_t: int, now: float, max_age: float) -> str | None:
+    """Why `entry` cannot take part in the group of (key, round_t) at time `now`, or None if it can."""
+    if entry.key != key or entry.round_t != round_t:
+        return "entry_wrong_round"
+    if entry.timestamp < now - max_age:
+        return "entry_stale"
+    if entry.timestamp > now + MAX_CLOCK_SKEW_SECONDS:
+        return "record_future"
+    return None
+
+
+def decide_group(
+    entries: Iterable[Entry], *, key: str, round_t: int, now: float, max_age: float, max_group_size: int
+) -> tuple[tuple[Member, ...], str]:
+    """The leader's decision: admissible entries, one per peer (its latest), ordered by peer ID,
+    the first `max_group_size` kept. Returns (members, a human-readable reason)."""
+    latest: dict[str, Entry] = {}
+    excluded: dict[str, int] = {}
+    for e in entries:
+        why = admissible(e, key=key, round_t=round_t, now=now, max_age=max_age)
+        if why is not None:
+            excluded[why] = excluded.get(why, 0) + 1
+        elif e.member.peer_id not in latest or e.timestamp > latest[e.member.peer_id].timestamp:
+            latest[e.member.peer_id] = e
+    ordered = [latest[p].member for p in sorted(latest)]
+    kept = tuple(ordered[:max_group_size])
+    reason = f"{len(kept)} member(s)"
+    if len(ordered) > len(kept):
+        reason += f", {len(ordered) - len(kept)} over max_group_size {max_group_size}"
+    for why, n in sorted(excluded.items()):
+        reason += f", {n} {why}"
+    return kept, reason
+
+
+def open_entry(data: object, *, namespace: str, secret: RunSecret | None, subkey: str) -> Entry:
+    """Verify an entry envelope signed by `subkey` and decode it; raises RecordRejected."""
+    body_bytes, signer = open_payload(data, RecordKind.GROUP_ENTRY, run_id=namespace, secret=secret, subkey=subkey)
+    body = parse(pb.GroupEntry, body_bytes)
+    if body.format_version != ENTRY_FORMAT_VERSION:
+        raise RecordRejected("record_version", f"group entry format {body.format_version}")
+    host, _, port = body.engine_addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(body.engine_addr) > MAX_ADDR_CHARS:
+        raise RecordRejected("record_malformed", "engine address is not host:port")
+    if not math.isfinite(body.weight) or body.weight < 0 or not math.isfinite(body.timestamp):
+        raise RecordRejected("record_malformed", "weight or timestamp out of range")
+    return Entry(Member(signer, body.engine_addr, body.weight), body.group_key, body.round, body.timestamp)
+
+
+@dataclass(slots=True)
+class _Session:
+    """The state of one form_group call that followers may join: (key, round) while it runs."""
+
+    entry: Entry
+    namespace: str
+    secret: RunSecret | None
+    joins: dict[str, Entry] = field(default_factory=dict)
+    decision: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Matchmaker:
+    """Forms this daemon's groups; start() registers the join handler on the node (once)."""
+
+    def __init__(self, node: PeerNode, settings: MatchmakingSettings, events: PeerEvents | None = None):
+        self.node, self.settings, self.events = node, settings, events or node.events
+        self._sessions: dict[tuple[str, int], _Session] = {}
+
+    async def start(self) -> None:
+        await self.node.add_handler(JOIN_HANDLER, self._on_join, pb.JoinGroupRequest)
+
+    async def publish(self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member) -> bytes:
+        """Step 1 alone (also a seam for tests): store my signed entry; returns its envelope."""
+        if me.peer_id != self.node.peer_id:
+            raise ValueError("a daemon only publishes entries about itself")
+        body = pb.GroupEntry(format_version=ENTRY_FORMAT_VERSION, group_key=key, round=round_t,
+                             engine_addr=me.engine_addr, weight=me.weight, timestamp=now()).SerializeToString()
+        envelope = seal(RecordKind.GROUP_ENTRY, body, self.node.identity, secret, namespace)
+        expiration = now() + self.node.settings.request_timeout + self.settings.entry_ttl
+        if not await self.node.store(key, me.peer_id, envelope, expiration):
+            logger.info("group %s: my entry was not stored; only peers that see it can join me", key)
+        return envelope
+
+    async def form_group(
+        self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member
+    ) -> Matched:
+        """Form the group of (key, round_t); see the module docstring for the protocol and timeouts."""
+        sk = (key, round_t)
+        if sk in self._sessions:
+            raise RuntimeError(f"already forming the group {key} of round {round_t}")
+        session = self._sessions[sk] = _Session(Entry(me, key, round_t, now()), namespace, secret)
+        try:
+            envelope = await self.publish(namespace, secret, round_t, key, me)
+            await asyncio.sleep(self.settings.join_window)
+            leader = min([me.peer_id, *await self._read(namespace, secret, round_t, key)])
+            if leader == me.peer_id:
+                return await self._lead(session, namespace, round_t, key)
+            session.decision.set_result(None)  # not the leader: refuse whoever joins us
+            return await self._follow(leader, envelope, namespace, round_t, key)
+        finally:
+            if not session.decision.done():
+                session.decision.set_result(None)
+            # Joins that arrive a little late get an honest LATE, not an "unknown group" refusal.
+            asyncio.get_running_loop().call_later(self.settings.join_timeout, self._forget, sk, session)
+
+    async def _read(self, namespace: str, secret: RunSecret | None, round_t: int, key: str) -> list[str]:
+        """Peer IDs of the valid entries under the key; invalid ones are counted and dropped."""
+        valid, t = [], now()
+        for subkey, (value, _expiration) in (await self.node.get(key)).items():
+            try:
+                entry = open_entry(value, namespace=namespace, secret=secret, subkey=subkey)
+                why = admissible(entry, key=key, round_t=round_t, now=t, max_age=self._max_age)
+                if why is not None:
+                    raise RecordRejected(why, f"entry of {subkey}")
+            except RecordRejected as e:
+                self.events.rejected(e.reason)
+                continue
+            valid.append(entry.member.peer_id)
+        return valid
+
+    async def _lead(self, session: _Session, namespace: str, round_t: int, key: str) -> Matched:
+        await asyncio.sleep(self.settings.assemble_slack)
+        members, reason = decide_group(
+            [session.entry, *session.joins.values()], key=key, round_t=round_t, now=now(),
+            max_age=self._max_age, max_group_size=self.settings.max_group_size,
+        )
+        session.decision.set_result(members)
+        if len(members) < 2:
+            return Matched(None, f"alone: nobody joined ({reason})")
+        return Matched(Group(namespace, round_t, key, members, 0), f"leader: {reason}")
+
+    async def _follow(self, leader: str, envelope: bytes, namespace: str, round_t: int, key: str) -> Matched:
+        request = pb.JoinGroupRequest(group_key=key, round=round_t, envelope=envelope)
+        try:
+            timeout = self.settings.join_timeout
+            response = await self.node.call(leader, JOIN_HANDLER, request, pb.JoinGroupResponse, timeout)
+        except TimeoutError:
+            return Matched(None, f"leader {leader} did not answer within {timeout} s")
+        except Exception as e:  # p2pd raises several types when the leader is gone
+            return Matched(None, f"leader {leader} unreachable: {type(e).__name__}")
+        if response.status != pb.JOIN_STATUS_ACCEPTED:
+            return Matched(None, f"leader {leader} answered {pb.JoinStatus.Name(response.status)}")
+        members = tuple(Member(m.peer_id, m.engine_addr, m.weight) for m in response.members)
+        ids = [m.peer_id for m in members]
+        if not ids or ids[0] != leader or self.node.peer_id not in ids or ids != sorted(set(ids)):
+            self.events.rejected("join_bad_answer")
+            return Matched(None, f"leader {leader} answered an inconsistent group")
+        return Matched(Group(namespace, round_t, key, members, ids.index(self.node.peer_id)), "follower")
+
+    async def _on_join(self, request: pb.JoinGroupRequest, context: P2PContext) -> pb.JoinGroupResponse:
+        sk = (request.group_key, request.round)
+        session = self._sessions.get(sk)
+        if session is None:
+            self.events.rejected("join_unknown_group")
+            return pb.JoinGroupResponse(status=pb.JOIN_STATUS_REFUSED)
+        try:
+            # Signed by the caller itself: nobody can join (or push out) a group in another's name.
+            caller = context.remote_id.to_base58()
+            entry = open_entry(request.envelope, namespace=session.namespace, secret=session.secret, subkey=caller)
+            why = admissible(entry, key=sk[0], round_t=sk[1], now=now(), max_age=self._max_age)
+            if why is not None:
+                raise RecordRejected(why, "join for another group or round")
+            if caller < self.node.peer_id:  # an honest joiner elects the smallest ID it knows, its own included
+                raise RecordRejected("join_not_leader", "a peer with a smaller ID cannot elect us")
+        except RecordRejected as e:
+            self.events.rejected(e.reason)
+            return pb.JoinGroupResponse(status=pb.JOIN_STATUS_REFUSED)
+        if session.decision.done():
+            late = session.decision.result() is not None
+            return pb.JoinGroupResponse(status=pb.JOIN_STATUS_LATE if late else pb.JOIN_STATUS_NOT_LEADER)
+        session.joins[caller] = entry
+        try:
+            async with asyncio.timeout(self.settings.join_timeout):  # backstop: form_group always decides
+                members = await asyncio.shield(session.decision)
+        except TimeoutError:
+            return pb.JoinGroupResponse(status=pb.JOIN_STATUS_LATE)
+        finally:
+            if not session.decision.done():  # the joiner gave up (or we did): it must not be counted in
+                session.joins.pop(caller, None)
+        if members is None:
+            return pb.JoinGroupResponse(status=pb.JOIN_STATUS_NOT_LEADER)
+        if entry.member.peer_id not in {m.peer_id for m in members}:
+            return pb.JoinGroupResponse(status=pb.JOIN_STATUS_GROUP_FULL)
+        wire = [pb.GroupMember(peer_id=m.peer_id, engine_addr=m.engine_addr, weight=m.weight) for m in members]
+        return pb.JoinGroupResponse(status=pb.JOIN_STATUS_ACCEPTED, members=wire)
+
+    @property
+    def _max_age(self) -> float:
+        return self.node.settings.request_timeout + self.settings.entry_ttl
+
+    def _forget(self, sk: tuple[str, int], session: _Session) -> None:
+        if self._sessions.get(sk) is session:
+            del self._sessions[sk]

@@ -1,0 +1,180 @@
+"""Matchmaking: the leader's pure decision, and real PeerNodes on loopback forming groups."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from contextlib import asynccontextmanager
+
+import pytest
+
+from peers.clock import now
+from peers.envelope import RecordKind, seal
+from peers.events import PeerEvents
+from peers.matchmaking import (
+    ENTRY_FORMAT_VERSION, JOIN_HANDLER, Entry, Matchmaker, MatchmakingSettings, Member, decide_group,
+)
+from peers.node import NodeSettings, PeerNode
+from peers.runs import RunSecret
+from protos import records_pb2 as pb
+
+KEY, ROUND = "peerd/v1/run/mm/moshpit/4/0/*", 0
+FAST = MatchmakingSettings(join_window=0.5, assemble_slack=0.5, join_timeout=3.0)
+
+
+def entry(peer: str, *, t: float = 100.0, key: str = KEY, round_t: int = ROUND) -> Entry:
+    return Entry(Member(peer, f"127.0.0.1:{1000 + len(peer)}", 1.0), key, round_t, t)
+
+
+def decide(entries, *, now=100.0, cap=32):
+    return decide_group(entries, key=KEY, round_t=ROUND, now=now, max_age=10.0, max_group_size=cap)
+
+
+def test_decision_orders_by_peer_id_and_keeps_each_peers_latest_entry():
+    members, reason = decide([entry("c"), entry("a"), entry("b", t=99.0), entry("b", t=99.5)])
+    assert [m.peer_id for m in members] == ["a", "b", "c"]
+    assert reason == "3 member(s)"
+
+
+def test_decision_caps_at_max_group_size_by_peer_id_order():
+    members, reason = decide([entry(p) for p in "edcba"], cap=3)
+    assert [m.peer_id for m in members] == ["a", "b", "c"]
+    assert "2 over max_group_size 3" in reason
+
+
+def test_decision_excludes_stale_future_and_wrong_round_entries():
+    entries = [
+        entry("a"),
+        entry("b", t=80.0),  # older than max_age
+        entry("c", t=100.0 + 3600),  # beyond the clock skew allowed
+        entry("d", round_t=ROUND + 1),
+        entry("e", key=KEY + "x"),
+    ]
+    members, reason = decide(entries)
+    assert [m.peer_id for m in members] == ["a"]
+    assert "2 entry_wrong_round" in reason and "1 entry_stale" in reason and "1 record_future" in reason
+
+
+def test_settings_refuse_a_join_timeout_shorter_than_the_assembly():
+    with pytest.raises(ValueError):
+        MatchmakingSettings(assemble_slack=2.0, join_timeout=1.0)
+
+
+@asynccontextmanager
+async def started(n: int, tmp_path, rejected: list[str]):
+    """n PeerNodes on loopback, each with a started Matchmaker; every node shut down on exit."""
+    events = PeerEvents(rejected=rejected.append)
+
+    def settings(i: int, initial: list[str]) -> NodeSettings:
+        return NodeSettings(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / f"n{i}.key", initial_peers=initial
+        )
+
+    nodes: list[PeerNode] = []
+    try:
+        nodes.append(await PeerNode.start(settings(0, []), events))
+        first = (await nodes[0].visible_maddrs())[0]
+        for node in await asyncio.gather(*(PeerNode.start(settings(i, [first]), events) for i in range(1, n))):
+            nodes.append(node)
+        matchmakers = [Matchmaker(node, FAST) for node in nodes]
+        for m in matchmakers:
+            await m.start()
+        yield matchmakers
+    finally:
+        await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
+
+
+def me(m: Matchmaker, weight: float = 1.0) -> Member:
+    return Member(m.node.peer_id, f"127.0.0.1:{7000 + hash(m.node.peer_id) % 1000}", weight)
+
+
+async def form(matchmakers, key: str, secret=None, namespace="mm"):
+    calls = (m.form_group(namespace, secret, ROUND, key, me(m, i)) for i, m in enumerate(matchmakers))
+    return await asyncio.gather(*calls)
+
+
+def assert_one_group(results, matchmakers, key):
+    groups = [r.group for r in results]
+    assert all(g is not None for g in groups), [r.reason for r in results]
+    expected = tuple(sorted((me(m, i) for i, m in enumerate(matchmakers)), key=lambda x: x.peer_id))
+    for m, g in zip(matchmakers, groups):
+        assert (g.key, g.round_t, g.members, g.leader) == (key, ROUND, expected, expected[0].peer_id)
+        assert g.members[g.my_index].peer_id == m.node.peer_id
+
+
+def test_four_peers_under_one_key_all_receive_the_same_group(tmp_path):
+    async def scenario():
+        rejected: list[str] = []
+        async with started(4, tmp_path, rejected) as mms:
+            secret = RunSecret.from_bytes(b"s" * 32, "mm")
+            results = await form(mms, KEY, secret, namespace="opaque-ns")
+            assert_one_group(results, mms, KEY)
+            assert sum(r.reason.startswith("leader") for r in results) == 1
+        assert rejected == []
+
+    asyncio.run(scenario())
+
+
+def test_two_keys_form_two_disjoint_groups(tmp_path):
+    async def scenario():
+        async with started(4, tmp_path, []) as mms:
+            other = KEY.replace("*", "1.*")
+            first, second = await asyncio.gather(form(mms[:2], KEY), form(mms[2:], other))
+            assert_one_group(first, mms[:2], KEY)
+            assert_one_group(second, mms[2:], other)
+
+    asyncio.run(scenario())
+
+
+def test_a_follower_that_dies_after_publishing_is_left_out(tmp_path):
+    async def scenario():
+        async with started(4, tmp_path, []) as mms:
+            mms.sort(key=lambda m: m.node.peer_id)
+            dead = mms.pop()  # the largest peer ID: never the leader
+            await dead.publish("mm", None, ROUND, KEY, me(dead))
+            await dead.node.shutdown()
+            assert dead.node.peer_id in await mms[0].node.get(KEY)  # its entry outlives it
+            assert_one_group(await form(mms, KEY), mms, KEY)
+
+    asyncio.run(scenario())
+
+
+def test_when_the_elected_leader_dies_every_survivor_gets_none(tmp_path):
+    async def scenario():
+        async with started(3, tmp_path, []) as mms:
+            mms.sort(key=lambda m: m.node.peer_id)
+            dead = mms.pop(0)  # the smallest peer ID: everyone elects it
+            await dead.publish("mm", None, ROUND, KEY, me(dead))
+            await dead.node.shutdown()
+            results = await form(mms, KEY)
+            assert [r.group for r in results] == [None, None]
+            assert all(dead.node.peer_id in r.reason for r in results), [r.reason for r in results]
+
+    asyncio.run(scenario())
+
+
+def test_a_forged_join_is_refused_and_counted(tmp_path):
+    async def scenario():
+        rejected: list[str] = []
+        async with started(3, tmp_path, rejected) as mms:
+            a, b, mallory = mms
+            leader = min(a, b, key=lambda m: m.node.peer_id)
+            victim = b if leader is a else a
+            forming = [asyncio.create_task(m.form_group("mm", None, ROUND, KEY, me(m, i))) for i, m in enumerate([a, b])]
+            await asyncio.sleep(0)  # each task has run to its first await: its session is open
+            # An entry signed by the victim, sent by Mallory: the signer is not the caller.
+            body = pb.GroupEntry(format_version=ENTRY_FORMAT_VERSION, group_key=KEY, round=ROUND,
+                                 engine_addr="10.0.0.1:1", weight=1e9, timestamp=now())
+            forged = seal(RecordKind.GROUP_ENTRY, body.SerializeToString(), victim.node.identity, None, "mm")
+            calls = [
+                pb.JoinGroupRequest(group_key=KEY, round=ROUND, envelope=forged),
+                pb.JoinGroupRequest(group_key=KEY + "/nope", round=ROUND, envelope=forged),
+            ]
+            for call in calls:
+                answer = await mallory.node.call(leader.node.peer_id, JOIN_HANDLER, call, pb.JoinGroupResponse, 5.0)
+                assert answer.status == pb.JOIN_STATUS_REFUSED
+            results = await asyncio.gather(*forming)
+            assert_one_group(results, [a, b], KEY)
+        assert Counter(rejected) == {"record_forged": 1, "join_unknown_group": 1}
+
+    asyncio.run(scenario())
