@@ -22,6 +22,9 @@ from daemon.lifecycle import ALLOWED, DaemonState
 from daemon.metrics import DaemonMetrics, MetricsServer
 from daemon import runs as run_setup
 from daemon.runs import RunHandle
+from peers.averaging import MoshpitAverager
+from peers.collective.group import MAX_GROUP
+from peers.matchmaking import Matchmaker, MatchmakingSettings
 from peers.membership import DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
 from peers.clock import now as dht_now
@@ -87,6 +90,7 @@ class Daemon:
         self.metrics_server = MetricsServer(self.metrics, config.metrics.host, config.metrics.port)
         self.node: PeerNode | None = None
         self.memberships: Memberships | None = None
+        self.matchmaker: Matchmaker | None = None
         self.control: ControlServer | None = None
         self.control_address = config.control_address
         self.maddrs: list[str] = []
@@ -141,6 +145,8 @@ class Daemon:
                 events=events,
             )
             await self.memberships.start()
+            self.matchmaker = Matchmaker(self.node, MatchmakingSettings(max_group_size=MAX_GROUP), events)
+            await self.matchmaker.start()
             for run_id in cfg.runs:
                 await self._join(run_id, secret(run_id) if secret else None, cfg.train.task, cfg.train.hparams_dict())
             await self._start_control()
@@ -251,7 +257,31 @@ class Daemon:
         if resolved is not None:
             manifest, data = resolved
             handle.manifest = manifest
-            handle.trainer = run_setup.make_trainer(manifest, self.node, self.config.data_dir, self.config.train)
+            membership = self.memberships.runs[run_id]
+            averager = MoshpitAverager(
+                run_id=run_id,
+                secret=secret,
+                peer_id=self.node.peer_id,
+                matchmaker=self.matchmaker,
+                bind_host=self.config.network.host,
+                advertise_host=self._advertise_host(),
+                max_group_size=manifest.averaging.max_group_size,
+                events=self.metrics.peer_events(),
+            )
+
+            async def run_round(vector, weight, round_t):
+                return await averager.average(vector, weight, round_t, [e.peer_id for e in membership.peers()])
+
+            average = run_setup.round_bridge(handle, asyncio.get_running_loop(), run_round, manifest.averaging.round_timeout)
+            handle.trainer = run_setup.make_trainer(
+                manifest,
+                self.node,
+                self.config.data_dir,
+                self.config.train,
+                average=average,
+                on_round=lambda result: self.metrics.observe_round(run_id, result),
+                peers=lambda: len(membership.table),  # an int read from the trainer thread
+            )
             handle.trainer.start()
             handle.republisher = asyncio.create_task(
                 run_setup.republish(self.node, manifest, data, secret), name=f"manifest:{run_id}"
@@ -259,7 +289,21 @@ class Daemon:
         self.runs[run_id] = handle
         return True
 
+    def _advertise_host(self) -> str:
+        """The address peers dial for this daemon's collective engine: the listen host, or for a
+        wildcard listen the first non-loopback IPv4 address libp2p sees, else loopback."""
+        host = self.config.network.host
+        if host not in ("0.0.0.0", "::"):
+            return host
+        for maddr in self.maddrs:
+            parts = maddr.split("/")
+            if len(parts) > 2 and parts[1] == "ip4" and not parts[2].startswith("127."):
+                return parts[2]
+        return "127.0.0.1"
+
     async def _stop_run(self, handle: RunHandle) -> None:
+        if handle.round_future is not None:
+            handle.round_future.cancel()
         if handle.republisher is not None:
             handle.republisher.cancel()
             handle.republisher = None

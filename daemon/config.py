@@ -98,6 +98,8 @@ class TrainConfig:
     checkpoint_every: int = 100  # optimizer steps between two checkpoints in the data dir
     eval_every: int = 50  # optimizer steps between two evaluations (peerd_eval_score)
     max_steps: int = 0  # stop training a run after this many local steps; 0 = never (demos, tests)
+    min_peers: int = 1  # wait until the run has this many live peers (this daemon included) before training
+    min_peers_timeout: float = 60.0  # ... but at most this many seconds; then train with whoever is there
 
     def __post_init__(self) -> None:
         for item in self.hparams:
@@ -110,6 +112,10 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if self.max_steps < 0:
             raise ConfigError("max_steps must be >= 0")
+        if self.min_peers < 1:
+            raise ConfigError("min_peers must be at least 1")
+        if not self.min_peers_timeout > 0:
+            raise ConfigError("min_peers_timeout must be greater than 0")
 
     def hparams_dict(self) -> dict[str, str]:
         return dict(item.split("=", 1) for item in self.hparams)
@@ -185,6 +191,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.checkpoint_every", "--checkpoint-every", "steps between checkpoints", "STEPS"),
     Option("train.eval_every", "--eval-every", "steps between evaluations", "STEPS"),
     Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
+    Option("train.min_peers", "--min-peers", "live peers (this daemon included) to wait for before training", "N"),
+    Option("train.min_peers_timeout", "--min-peers-timeout", "longest wait for --min-peers", "SECONDS"),
 )
 
 _SECTIONS = {

@@ -17,6 +17,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     GCCollector,
+    Histogram,
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
@@ -93,6 +94,17 @@ class DaemonMetrics:
         self.dht_requests = Counter("peerd_dht_requests", "DHT requests made by this daemon.", ["op", "result"], registry=r)
         self.heartbeats = Counter("peerd_heartbeats", "Heartbeats this daemon tried to store, by result.", ["result"], registry=r)
         self.rejected = Counter("peerd_rejected", "Inputs refused, by reason (see docs/metrics.md).", ["reason"], registry=r)
+        self.rounds = Counter("peerd_rounds", "Averaging rounds by outcome: completed, aborted, no_group.", ["run", "outcome"], registry=r)
+        self.round_duration = Histogram(
+            "peerd_round_duration_seconds",
+            "Duration of averaging rounds that formed a group (matchmaking excluded).",
+            ["run"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.group_size = Gauge("peerd_group_size", "Members of the run's latest averaging group, this daemon included.", ["run"], registry=r)
+        self.sent_bytes = Counter("peerd_sent_bytes", "Bytes the collective engine sent, by transport.", ["transport"], registry=r)
+        self.received_bytes = Counter("peerd_received_bytes", "Bytes the collective engine accepted, by transport.", ["transport"], registry=r)
         r.register(_RunPeersCollector(peers_by_run))
         r.register(_TrainingCollector(runs))
         self._states = tuple(states)
@@ -103,6 +115,18 @@ class DaemonMetrics:
                 self.dht_requests.labels(op, result)
         for result in ("ok", "error"):
             self.heartbeats.labels(result)
+
+    def observe_round(self, run_id: str, result) -> None:
+        """Record one averaging round (called from the trainer thread; the client is thread-safe)."""
+        outcome = result.outcome
+        if outcome is None:
+            self.rounds.labels(run_id, "no_group").inc()
+        else:
+            self.rounds.labels(run_id, outcome.status.value).inc()
+            self.round_duration.labels(run_id).observe(outcome.duration)
+            self.sent_bytes.labels("tcp").inc(outcome.bytes_sent)
+            self.received_bytes.labels("tcp").inc(outcome.bytes_received)
+        self.group_size.labels(run_id).set(result.group_size)
 
     def set_state(self, state: str) -> None:
         for name in self._states:

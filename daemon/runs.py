@@ -7,6 +7,7 @@ training). Code is never loaded from the network: a manifest only names an insta
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -20,6 +21,7 @@ from daemon.tasks import HparamsError, Task, TaskLoadError, TaskNotFound, get_ta
 from daemon.trainer import Trainer, seed_from
 from peers import manifest as manifests
 from peers.clock import now
+from peers.averaging import RoundResult
 from peers.manifest import AveragingSettings, RunManifest
 from peers.node import PeerNode
 from peers.runs import RunSecret
@@ -28,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_TTL = 300.0  # seconds a published manifest lives without being republished
 MANIFEST_REPUBLISH = 60.0  # seconds between republications by each member
+CANCEL_GRACE = 5.0  # seconds a cancelled round may take to restore the vector it was writing
 
 
 class RunRefused(ValueError):
@@ -40,6 +43,28 @@ class RunHandle:
     manifest: RunManifest | None
     trainer: Trainer | None
     republisher: asyncio.Task | None = None
+    round_future: concurrent.futures.Future | None = None  # the averaging round the trainer waits for
+
+
+def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, timeout: float):
+    """A blocking `average(vector, weight, round_t)` for the trainer thread: runs `run_round` on the
+    event loop and waits at most `timeout` (the run's round_timeout). A round that times out or is
+    cancelled (leave, drain) is cancelled on the loop and leaves the vector as it was."""
+
+    def average(vector, weight: float, round_t: int) -> RoundResult:
+        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t), loop)
+        handle.round_future = future
+        try:
+            return future.result(timeout)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            # The engine restores the vector when cancelled; wait for that before the thread reuses it.
+            concurrent.futures.wait([future], timeout=CANCEL_GRACE)
+            return RoundResult(round_t, 1, None, "round timed out or was cancelled")
+        finally:
+            handle.round_future = None
+
+    return average
 
 
 def hparams_from_text(task: Task, text: dict[str, str]):
@@ -133,7 +158,9 @@ def manifest_digest(manifest: RunManifest) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def make_trainer(manifest: RunManifest, node: PeerNode, data_dir: Path, train: TrainConfig) -> Trainer:
+def make_trainer(
+    manifest: RunManifest, node: PeerNode, data_dir: Path, train: TrainConfig, *, average=None, on_round=None, peers=None
+) -> Trainer:
     task = _installed(manifest.task)
     return Trainer(
         run_id=manifest.run_id,
@@ -148,6 +175,11 @@ def make_trainer(manifest: RunManifest, node: PeerNode, data_dir: Path, train: T
         checkpoint_every=train.checkpoint_every,
         eval_every=train.eval_every,
         max_steps=train.max_steps,
+        average_every=manifest.averaging.average_every,
+        average=average,
+        on_round=on_round,
+        ready_to_train=(lambda: peers() + 1 >= train.min_peers) if peers is not None else None,
+        ready_timeout=train.min_peers_timeout,
     )
 
 

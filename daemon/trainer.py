@@ -3,8 +3,9 @@
 Compute runs in the thread so the event loop stays free for the network. The loop reads the
 trainer's counters (plain attributes, written by the thread only) for status and metrics.
 
-Averaging between peers plugs in at `average_every` (see docs/algorithms.md); until the
-collective engine is wired in, a trainer trains alone and says so in its status (averaging: off).
+Every `average_every` steps the thread hands a flat copy of the parameters to `average` (a Moshpit
+round run on the event loop, see peers/averaging.py) and waits for it; a COMPLETED round's result
+replaces the parameters, anything else leaves them as they were (docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import threading
 import time
 from enum import Enum
+from typing import Callable
 
 import torch
 
@@ -54,8 +56,19 @@ class Trainer:
         checkpoint_every: int,
         eval_every: int,
         max_steps: int,
+        average_every: int = 0,
+        average: Callable[[torch.Tensor, float, int], object] | None = None,
+        on_round: Callable[[object], None] | None = None,
+        ready_to_train: Callable[[], bool] | None = None,
+        ready_timeout: float = 0.0,
     ):
+        self.ready_to_train, self.ready_timeout = ready_to_train, ready_timeout
         self.run_id, self.task, self.hparams = run_id, task, hparams
+        self.average_every, self.average = average_every, average
+        self.on_round = on_round or (lambda result: None)
+        self.last_round = None  # the RoundResult of the latest averaging round
+        self._flat: torch.Tensor | None = None  # reused by every round: no allocation per round
+        self._samples_since_round = 0
         self.init_seed, self.peer_seed = init_seed, peer_seed
         self.store, self.manifest_digest = store, manifest_digest
         self.threads, self.checkpoint_every, self.eval_every, self.max_steps = threads, checkpoint_every, eval_every, max_steps
@@ -99,6 +112,10 @@ class Trainer:
 
     def _train(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         data = self.task.data(self.hparams, self.peer_seed)
+        if self.ready_to_train is not None:  # e.g. enough peers: a lone creator would run ahead
+            deadline = time.monotonic() + self.ready_timeout
+            while not self.ready_to_train() and time.monotonic() < deadline and not self._stop.wait(0.2):
+                pass
         self.state = TrainState.TRAINING
         window_start, window_samples = time.monotonic(), 0
         while not self._stop.is_set():
@@ -113,12 +130,15 @@ class Trainer:
             optimizer.step()
             self.step += 1
             self.samples += batch.samples
+            self._samples_since_round += batch.samples
             window_samples += batch.samples
             self.loss = float(loss.detach())  # CPU tensors: no device sync to avoid
             elapsed = time.monotonic() - window_start
             if elapsed >= 2.0:
                 self.samples_per_second = window_samples / elapsed
                 window_start, window_samples = time.monotonic(), 0
+            if self.average is not None and self.step % self.average_every == 0:
+                self._average_round(model)
             if self.step % self.eval_every == 0:
                 self.eval = self.task.evaluate(model, self.hparams)
             if self.step % self.checkpoint_every == 0:
@@ -129,6 +149,25 @@ class Trainer:
             self.eval = self.task.evaluate(model, self.hparams)
         if self.step > self.resumed_from:
             self._checkpoint(model, optimizer)
+
+    @torch.no_grad()
+    def _average_round(self, model: torch.nn.Module) -> None:
+        params = list(model.parameters())
+        if self._flat is None:
+            self._flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
+        offset = 0
+        for p in params:
+            self._flat[offset : offset + p.numel()].copy_(p.view(-1))
+            offset += p.numel()
+        result = self.average(self._flat, float(self._samples_since_round), self.step // self.average_every)
+        self.last_round = result
+        if getattr(result, "completed", False):
+            offset = 0
+            for p in params:
+                p.view(-1).copy_(self._flat[offset : offset + p.numel()])
+                offset += p.numel()
+            self._samples_since_round = 0  # otherwise they count toward the next round's weight
+        self.on_round(result)
 
     def _checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         state = {

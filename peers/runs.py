@@ -67,6 +67,11 @@ class RunSecret:
         return cls.from_bytes(data, run_id)
 
 
+def run_namespace(run_id: str, secret: RunSecret | None) -> str:
+    """How the run names itself in DHT keys: its ID, or an opaque ID derived from its secret."""
+    return run_id if secret is None else f"sealed-{secret.key_id.hex()}"
+
+
 def run_dht_key(run_id: str, secret: RunSecret | None, what: str = "members") -> str:
     """A DHT key of the run: "members" (peer ID as subkey) or "manifest" (creator's peer ID as
     subkey). In a secret run the key is derived from the secret, so it reveals nothing of the run

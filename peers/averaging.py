@@ -1,0 +1,93 @@
+"""One Moshpit averaging round of a run: place peers on the grid, form the round's group, all-reduce.
+
+Round t of a run with live peers P (this daemon included):
+1. the grid shape comes from |P| (peers/moshpit.grid_shape), coordinates from the shared view of P
+   (view_coords, re-drawn every sweep of d rounds), the group key from the coordinates with
+   dimension t mod d masked out;
+2. peers/matchmaking forms the group under that key (one leader, one agreed member order);
+3. the collective engine all-reduces the flat parameter vector within the group, weighted by the
+   samples each member processed since its previous round. Each round listens on a fresh transport
+   whose address goes into the matchmaking entry: a transport holds incoming bytes unread until its
+   round's engine attaches, so a fast member cannot reach a slow one's previous round. The Outcome says whether every member
+   of the group holds the same result (COMPLETED) or its own unchanged vector (ABORTED).
+
+A round that forms no group (alone, leader gone, views differed) changes nothing and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from peers.collective import AllReduceSettings, Group, GroupAllReduce, Outcome, TcpTransport
+from peers.events import PeerEvents
+from peers.matchmaking import Matchmaker, Member
+from peers.moshpit import grid_shape, group_key, view_coords
+from peers.runs import RunSecret, run_namespace
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    round_t: int
+    group_size: int  # members of the round's group, this daemon included (1: no group)
+    outcome: Outcome | None  # None when no group formed
+    reason: str
+
+    @property
+    def completed(self) -> bool:
+        return self.outcome is not None and self.outcome.completed
+
+
+class MoshpitAverager:
+    """Runs the averaging rounds of one run on the daemon's event loop."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        secret: RunSecret | None,
+        peer_id: str,
+        matchmaker: Matchmaker,
+        bind_host: str,
+        advertise_host: str,
+        max_group_size: int,
+        settings: AllReduceSettings | None = None,
+        events: PeerEvents | None = None,
+    ):
+        self.run_id, self.secret, self.peer_id = run_id, secret, peer_id
+        self.namespace = run_namespace(run_id, secret)
+        self.matchmaker, self.bind_host, self.advertise_host = matchmaker, bind_host, advertise_host
+        self.max_group_size = max_group_size
+        self.settings = settings or AllReduceSettings()
+        self.events = events or PeerEvents()
+
+    async def average(self, vector: torch.Tensor, weight: float, round_t: int, live_peers: list[str]) -> RoundResult:
+        """Average `vector` (flat float32, in place) with this round's group."""
+        view = sorted({self.peer_id, *live_peers})
+        if len(view) == 1:
+            return RoundResult(round_t, 1, None, "alone in the run")
+        shape = grid_shape(len(view), self.max_group_size)
+        coords = view_coords(view, shape, run_id=self.namespace, epoch=round_t // shape.d)
+        key = group_key(self.namespace, round_t, coords[self.peer_id], shape)
+        transport = TcpTransport(self.bind_host, 0, events=self.events)
+        port = (await transport.start()).rsplit(":", 1)[1]
+        try:
+            me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
+            matched = await self.matchmaker.form_group(self.namespace, self.secret, round_t, key, me)
+            if matched.group is None:
+                return RoundResult(round_t, 1, None, f"no group: {matched.reason}")
+            g = matched.group
+            group = Group(self.run_id, [m.peer_id for m in g.members], [m.engine_addr for m in g.members], g.my_index)
+            engine = GroupAllReduce(group, transport, vector.numel(), settings=self.settings, events=self.events)
+            try:
+                # A fresh engine's first round is number 1; the group key already names round_t.
+                outcome = await engine.all_reduce(vector, float(weight), 1)
+            finally:
+                await engine.close()
+            return RoundResult(round_t, group.size, outcome, outcome.reason)
+        finally:
+            await transport.close()

@@ -1,0 +1,29 @@
+"""The collective engine: group all-reduce (reduce-scatter + all-gather) over interchangeable transports.
+
+    transport = TcpTransport("127.0.0.1", 0); address = await transport.start()
+    engine = GroupAllReduce(Group(run_id, members, addresses, me), transport, numel)
+    outcome = await engine.all_reduce(tensor, weight, round_no)   # -> Outcome
+
+wire.py (the header), transport.py (the interface) and tcp.py (direct TCP), group.py (members,
+shards, chunks, timeouts), rounds.py (what a round has seen), inbox.py (receiving and checking,
+the tensor's backup), reduction.py (this member's shard), decision.py (complete or abort, the
+digest), allreduce.py (the round and its contract), outcome.py (what a round returns).
+"""
+
+from peers.collective.allreduce import GroupAllReduce
+from peers.collective.group import AllReduceSettings, Group, shard_bounds
+from peers.collective.outcome import Outcome, Status
+from peers.collective.tcp import TcpTransport
+from peers.collective.transport import FilteredTransport, Transport
+
+__all__ = [
+    "AllReduceSettings",
+    "FilteredTransport",
+    "Group",
+    "GroupAllReduce",
+    "Outcome",
+    "Status",
+    "TcpTransport",
+    "Transport",
+    "shard_bounds",
+]

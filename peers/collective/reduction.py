@@ -1,0 +1,111 @@
+"""Reducing this member's own shard, chunk by chunk, in place in the caller's tensor.
+
+Chunk c ends as sum_k(w_k v_k) / sum_k(w_k) over the contributions v_k that reached it in time,
+this member's own included (read from the backup: the chunk of x is the accumulator). Each
+contribution is folded in (`fold`) as soon as it has arrived, while the kernel's copy of it is
+still in cache; `finish` scales the chunk once all are in or the contribute deadline passed, and
+checks it once. Only if that check fails (rare) is every part checked on its own: those with NaN
+or Inf are refused ("contribution_nonfinite"), left out of that chunk only, and the chunk is
+summed again from the parts, which are all still in their buffers.
+
+The arithmetic is numpy's, on one thread, on purpose: torch would spread each chunk over its
+intra-op threads, and with several processes (or a trainer) on few cores those threads spin and
+multiply the CPU a round costs (5x in bench.engine_allreduce with torch's default thread count).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from peers.collective.decision import sum64
+from peers.collective.inbox import Inbox
+from peers.collective.rounds import RoundState, bits
+from peers.events import PeerEvents
+
+
+class ShardReducer:
+    def __init__(self, inbox: Inbox, me: int, events: PeerEvents):
+        self.inbox, self.me, self.events = inbox, me, events
+        self.base = inbox.bounds[me][0]
+        start, end = inbox.bounds[me]
+        self._scaled = np.zeros(min(inbox.chunk, end - start), dtype=np.float32)  # w * v, before adding
+        self.x: np.ndarray | None = None
+        self.weight = 0.0
+
+    def begin(self, st: RoundState, x: np.ndarray, weight: float) -> None:
+        """Start a round: fold in what arrived before it opened."""
+        self.x, self.weight = x, weight
+        for k in self.inbox.inbox:
+            for c in bits(st.contrib_have[k]):
+                self.fold(st, k, c)
+
+    def end(self) -> None:
+        self.x = None
+
+    def fold(self, st: RoundState, k: int, c: int) -> None:
+        """Add member k's chunk c to the accumulator (checked later, in finish)."""
+        out, v = self._started(st, c), self._part(k, c)
+        scaled = self._scaled[: len(v)]
+        np.multiply(v, np.float32(st.weights[k]), out=scaled)
+        np.add(out, scaled, out=out)
+        st.acc_mask[c] |= 1 << k
+        st.acc_weight[c] += st.weights[k]
+
+    def finish(self, st: RoundState) -> bool:
+        """Scale chunk st.reduced into the weighted mean and record it as this owner's result.
+        False if nothing usable reached it (the chunk is then gone: the round cannot complete)."""
+        c = st.reduced
+        out = self._started(st, c)
+        st.reduced += 1
+        if st.acc_weight[c] > 0:
+            np.multiply(out, np.float32(1.0 / st.acc_weight[c]), out=out)
+        if not (st.acc_weight[c] > 0 and _finite(out)):
+            self._recompute(st, c, out)
+        mask, total = st.acc_mask[c], st.acc_weight[c]
+        if not mask or not total > 0:
+            st.result_gone[self.me] |= 1 << c
+            return False
+        st.result_have[self.me] |= 1 << c
+        st.result_mask[self.me][c], st.result_weight[self.me][c] = mask, total
+        st.result_sum[self.me][c] = sum64(out)
+        return True
+
+    def _recompute(self, st: RoundState, c: int, out: np.ndarray) -> None:
+        """Sum chunk c again from the parts that are finite; refuse the others."""
+        weights = {k: (self.weight if k == self.me else st.weights[k]) for k in bits(st.acc_mask[c])}
+        good = {k: w for k, w in weights.items() if _finite(self._part(k, c))}
+        for _ in weights.keys() - good.keys():
+            self.events.rejected("contribution_nonfinite")
+        total = sum(good.values())
+        st.acc_mask[c], st.acc_weight[c] = sum(1 << k for k in good), total
+        if total > 0:
+            out.fill(0.0)
+            for k, w in good.items():
+                out += self._part(k, c) * np.float32(w / total)
+            if not _finite(out):  # finite parts whose mean overflows float32
+                st.acc_mask[c] = 0
+
+    def _part(self, k: int, c: int) -> np.ndarray:
+        """Member k's contribution to chunk c of my shard (my own is in the backup)."""
+        start, end = self.inbox.chunks[self.me][c]
+        if k == self.me:
+            return self.inbox.backup_np[start:end]
+        return self.inbox.inbox_np[k][start - self.base : end - self.base]
+
+    def _started(self, st: RoundState, c: int) -> np.ndarray:
+        """Chunk c of x as an accumulator, holding this member's own weighted contribution."""
+        start, end = self.inbox.chunks[self.me][c]
+        out = self.x[start:end]
+        if not st.acc_started >> c & 1:
+            st.acc_started |= 1 << c
+            self.inbox.back_up(st, self.me, c)
+            np.multiply(self._part(self.me, c), np.float32(self.weight), out=out)
+            st.acc_mask[c], st.acc_weight[c] = 1 << self.me, self.weight
+        return out
+
+
+def _finite(a: np.ndarray) -> bool:
+    # max and min propagate NaN, and meet +Inf and -Inf: two passes that stay on one thread.
+    return bool(a.size == 0 or (math.isfinite(a.max()) and math.isfinite(a.min())))

@@ -1,0 +1,123 @@
+"""What the collective engine needs from a transport, and nothing about how one works.
+
+A transport moves framed messages (a `wire.Header` plus its payload) between group members. The
+engine never touches sockets: it sends through `Link`s it asked for by address, and receives by
+being the transport's `Sink`. For each incoming header the sink says where its payload goes: a
+writable buffer of exactly `header.length` bytes (so a transport can receive straight into the
+tensor it belongs to), SKIP (read and discard it) or DROP (close that connection). A stream
+transport (tcp.py, later libp2p streams) delivers whole messages in order per connection; a datagram
+transport would deliver packets, with `header.offset` saying where each one goes.
+
+`FilteredTransport` is the seam through which tests and emulations lose messages by rule.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Callable, Protocol
+
+from peers.collective.wire import Header
+
+
+class Action(enum.Enum):
+    SKIP = "skip"  # read the payload and throw it away; the connection stays up
+    DROP = "drop"  # close the connection: its sender is broken or not one of ours
+
+
+class Inbound(Protocol):
+    """One incoming connection, as the sink sees it."""
+
+    member: int | None  # the group member this connection speaks for; set by the sink
+
+    def discard_payload(self) -> None:
+        """Throw away the rest of the payload being received (its buffer is no longer the sink's to fill)."""
+
+    def close(self) -> None: ...
+
+
+class Sink(Protocol):
+    """Where a transport delivers what it receives (the engine). Called on the event loop."""
+
+    def on_header(self, link: Inbound, header: Header) -> memoryview | Action: ...
+
+    def on_payload(self, link: Inbound, header: Header) -> None: ...
+
+    def on_lost(self, link: Inbound) -> None: ...
+
+
+class Link(abc.ABC):
+    """An outgoing connection to one member. Sends never block: they queue; drain() waits."""
+
+    @abc.abstractmethod
+    def send(self, header: Header, payload: memoryview | None = None) -> int:
+        """Queue one message; returns the bytes queued (0 if the link is closed or the message dropped).
+
+        The payload buffer is sent from where it lies, without a copy: it must not change until
+        drain() returns or the link is closed."""
+
+    @abc.abstractmethod
+    async def drain(self) -> None:
+        """Return once everything queued has been handed to the network (or the link closed)."""
+
+    @property
+    @abc.abstractmethod
+    def closed(self) -> bool: ...
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close at once, discarding whatever is still queued."""
+
+
+class Transport(abc.ABC):
+    @abc.abstractmethod
+    async def start(self) -> str:
+        """Start listening; returns the address other members connect to."""
+
+    @abc.abstractmethod
+    def attach(self, sink: Sink) -> None:
+        """Deliver incoming messages to sink. Connections that arrive before this wait for it."""
+
+    @abc.abstractmethod
+    async def connect(self, address: str) -> Link:
+        """Open a link to a member's address; raises OSError if it cannot. The caller bounds the time."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class FilteredTransport(Transport):
+    """Wraps a transport; messages for which drop(address, header) is true are silently not sent."""
+
+    def __init__(self, inner: Transport, drop: Callable[[str, Header], bool]):
+        self.inner, self.drop = inner, drop
+
+    async def start(self) -> str:
+        return await self.inner.start()
+
+    def attach(self, sink: Sink) -> None:
+        self.inner.attach(sink)
+
+    async def connect(self, address: str) -> Link:
+        return _FilteredLink(await self.inner.connect(address), lambda header: self.drop(address, header))
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class _FilteredLink(Link):
+    def __init__(self, inner: Link, drop: Callable[[Header], bool]):
+        self.inner, self.drop = inner, drop
+
+    def send(self, header: Header, payload: memoryview | None = None) -> int:
+        return 0 if self.drop(header) else self.inner.send(header, payload)
+
+    async def drain(self) -> None:
+        await self.inner.drain()
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,122 @@
+"""The collective engine's wire format: one fixed binary header in front of every message.
+
+Layout (little-endian, 72 bytes, struct format `HEADER_FORMAT`):
+
+| offset | size | field    | type | meaning                                                          |
+|-------:|-----:|----------|------|------------------------------------------------------------------|
+|      0 |    4 | magic    | 4s   | b"PDCL": anything else is not ours; the stream is dropped        |
+|      4 |    1 | version  | B    | WIRE_VERSION; another version is refused                         |
+|      5 |    1 | kind     | B    | Kind: CONTRIBUTION, RESULT or VERDICT                            |
+|      6 |    1 | dtype    | B    | DType of the payload's elements                                  |
+|      7 |    1 | flags    | B    | VERDICT: 1 = ok, 0 = abort; otherwise 0                          |
+|      8 |    8 | run_tag  | 8s   | blake2b-64 of the run ID: messages of another run are refused    |
+|     16 |    8 | round    | Q    | round number (consecutive per group, chosen by the caller)       |
+|     24 |    2 | sender   | H    | sender's index in the group                                      |
+|     26 |    2 | shard    | H    | shard the payload belongs to (its owner's index)                 |
+|     28 |    4 | code     | I    | VERDICT: AbortCode when flags = 0; otherwise 0                   |
+|     32 |    8 | length   | Q    | payload bytes that follow the header (= count * dtype size)      |
+|     40 |    8 | count    | Q    | payload elements                                                 |
+|     48 |    8 | offset   | Q    | element offset of the payload in its shard (0 on streams; for    |
+|        |      |          |      | datagram transports that cut a shard into packets)              |
+|     56 |    8 | weight   | d    | CONTRIBUTION: the sender's weight; RESULT: total weight included |
+|     64 |    8 | mask     | Q    | RESULT: bit i set = member i's contribution is included          |
+
+`decode` checks only what needs no context (magic, version, kind, dtype, length = count * size);
+whether a header fits the group and the round is decided by `peers.collective.admission`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from typing import NamedTuple
+
+MAGIC = b"PDCL"
+WIRE_VERSION = 1
+HEADER_FORMAT = "<4sBBBB8sQHHIQQQdQ"
+HEADER = struct.Struct(HEADER_FORMAT)
+HEADER_SIZE = HEADER.size  # 72
+MAX_PAYLOAD = 1 << 34  # 16 GiB: far above any shard, far below what would overflow arithmetic
+DIGEST_SIZE = 16  # bytes of a VERDICT payload
+
+
+class Kind(enum.IntEnum):
+    CONTRIBUTION = 1  # a member's slice of shard j, sent to owner j (reduce-scatter)
+    RESULT = 2  # owner j's reduced shard j, sent to every member (all-gather)
+    VERDICT = 3  # a member's digest of the whole result, or its decision to abort
+
+
+class DType(enum.IntEnum):
+    BYTES = 0  # opaque bytes (VERDICT payloads)
+    FLOAT32 = 1  # IEEE 754 binary32, little-endian
+
+
+DTYPE_SIZE = {DType.BYTES: 1, DType.FLOAT32: 4}
+_KINDS = {k.value: k for k in Kind}
+_DTYPES = {d.value: d for d in DType}
+
+
+class AbortCode(enum.IntEnum):
+    NONE = 0  # not an abort
+    MISSING_SHARD = 1  # the sender lacks a reduced shard (owner dead, slow or unreachable)
+    MISMATCH = 2  # the sender saw a digest that differs from its own
+    ECHO = 3  # the sender relays another member's abort
+    EMPTY_SHARD = 4  # an owner had no finite contribution at all for its shard
+
+
+class WireError(ValueError):
+    """A header that is not a valid message of this format; `reason` is the rejection counter's label."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def run_tag(run_id: str) -> bytes:
+    return hashlib.blake2b(run_id.encode(), digest_size=8).digest()
+
+
+class Header(NamedTuple):  # a tuple: built for every message, so it must be cheap
+    kind: Kind
+    run_tag: bytes
+    round: int
+    sender: int
+    shard: int
+    count: int = 0
+    dtype: DType = DType.FLOAT32
+    flags: int = 0
+    code: int = 0
+    offset: int = 0
+    weight: float = 0.0
+    mask: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.count * DTYPE_SIZE[self.dtype]
+
+    def pack(self) -> bytes:
+        return HEADER.pack(
+            MAGIC, WIRE_VERSION, self.kind, self.dtype, self.flags, self.run_tag, self.round,
+            self.sender, self.shard, self.code, self.length, self.count, self.offset, self.weight, self.mask,
+        )  # fmt: skip
+
+
+def decode(data: bytes | bytearray | memoryview) -> Header:
+    """Parse one header; raises WireError with the rejection reason if it is not a valid one."""
+    if len(data) != HEADER_SIZE:
+        raise WireError("wire_truncated", f"{len(data)} bytes")
+    magic, version, kind, dtype, flags, tag, rnd, sender, shard, code, length, count, offset, weight, mask = (
+        HEADER.unpack(data)
+    )
+    if magic != MAGIC:
+        raise WireError("wire_bad_magic", repr(magic))
+    if version != WIRE_VERSION:
+        raise WireError("wire_bad_version", str(version))
+    if kind not in _KINDS:
+        raise WireError("wire_bad_kind", str(kind))
+    if dtype not in _DTYPES:
+        raise WireError("wire_bad_dtype", str(dtype))
+    if length > MAX_PAYLOAD or length != count * DTYPE_SIZE[_DTYPES[dtype]]:
+        raise WireError("wire_bad_size", f"length {length}, count {count}")
+    return Header(_KINDS[kind], tag, rnd, sender, shard, count, _DTYPES[dtype], flags, code, offset, weight, mask)
