@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from peers.membership import DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
 from peers.clock import now as dht_now
 from peers.runs import RunSecret, validate_run_id
+from peers.statesync import StateServer
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,12 @@ class RunSummary:
     eval_metric: str = ""
     eval_score: float = 0.0
     error: str = ""
+    local_step: int = 0
+    last_round: int = 0
+    last_round_outcome: str = ""
+    group_size: int = 0
+    param_divergence: float = math.nan
+    last_round_digest: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,7 @@ class Daemon:
         self.node: PeerNode | None = None
         self.memberships: Memberships | None = None
         self.matchmaker: Matchmaker | None = None
+        self.state_server: StateServer | None = None
         self.control: ControlServer | None = None
         self.control_address = config.control_address
         self.maddrs: list[str] = []
@@ -147,6 +156,8 @@ class Daemon:
             await self.memberships.start()
             self.matchmaker = Matchmaker(self.node, MatchmakingSettings(max_group_size=MAX_GROUP), events)
             await self.matchmaker.start()
+            self.state_server = StateServer(self.node, events)
+            await self.state_server.start()
             for run_id in cfg.runs:
                 await self._join(run_id, secret(run_id) if secret else None, cfg.train.task, cfg.train.hparams_dict())
             await self._start_control()
@@ -272,8 +283,10 @@ class Daemon:
             async def run_round(vector, weight, round_t):
                 return await averager.average(vector, weight, round_t, [e.peer_id for e in membership.peers()])
 
-            average = run_setup.round_bridge(handle, asyncio.get_running_loop(), run_round, manifest.averaging.round_timeout)
-            handle.trainer = run_setup.make_trainer(
+            loop = asyncio.get_running_loop()
+            average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
+            sync = run_setup.sync_bridge(handle, loop, self.node, run_id, secret, membership, self.metrics.peer_events())
+            handle.trainer = trainer = run_setup.make_trainer(
                 manifest,
                 self.node,
                 self.config.data_dir,
@@ -281,8 +294,13 @@ class Daemon:
                 average=average,
                 on_round=lambda result: self.metrics.observe_round(run_id, result),
                 peers=lambda: len(membership.table),  # an int read from the trainer thread
+                peer_steps=lambda: [e.step for e in membership.peers()],
+                sync=sync,
+                on_sync=lambda result: self.metrics.observe_sync(run_id, result),
             )
-            handle.trainer.start()
+            membership.step_of = lambda: trainer.global_step
+            self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
+            trainer.start()
             handle.republisher = asyncio.create_task(
                 run_setup.republish(self.node, manifest, data, secret), name=f"manifest:{run_id}"
             )
@@ -302,6 +320,8 @@ class Daemon:
         return "127.0.0.1"
 
     async def _stop_run(self, handle: RunHandle) -> None:
+        if self.state_server is not None:
+            self.state_server.stop_serving(handle.run_id)
         if handle.round_future is not None:
             handle.round_future.cancel()
         if handle.republisher is not None:
@@ -338,6 +358,7 @@ class Daemon:
         for m in self.memberships.runs.values() if self.memberships else []:
             handle = self.runs.get(m.run_id)
             tr = handle.trainer if handle else None
+            lr = tr.last_round if tr else None
             runs.append(
                 RunSummary(
                     m.run_id,
@@ -353,6 +374,12 @@ class Daemon:
                     eval_metric=tr.eval.metric if tr and tr.eval else "",
                     eval_score=tr.eval.score if tr and tr.eval else 0.0,
                     error=tr.error if tr else "",
+                    local_step=tr.local_step if tr else 0,
+                    last_round=lr.round_t if lr else 0,
+                    last_round_outcome=lr.outcome_name if lr else "",
+                    group_size=lr.group_size if lr else 0,
+                    param_divergence=tr.param_divergence if tr else math.nan,
+                    last_round_digest=lr.outcome.digest.hex() if lr and lr.completed else "",
                 )
             )
         return StatusSnapshot(

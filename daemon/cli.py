@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -74,6 +76,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
     for noisy in ("hivemind", "p2pclient"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(config.log_level)))
 
@@ -178,6 +181,12 @@ def _cmd_status(args) -> int:
                         "eval_metric": r.eval_metric,
                         "eval_score": r.eval_score,
                         "error": r.error,
+                        "local_step": r.local_step,
+                        "last_round": r.last_round,
+                        "last_round_outcome": r.last_round_outcome,
+                        "group_size": r.group_size,
+                        "last_round_digest": r.last_round_digest,
+                        "param_divergence": None if math.isnan(r.param_divergence) else r.param_divergence,
                     }
                     for r in s.runs
                 ],
@@ -201,13 +210,15 @@ def _cmd_status(args) -> int:
             r.task or "-",
             r.train_state or "-",
             str(r.step) if r.task else "-",
+            str(r.local_step) if r.task else "-",
             f"{r.loss:.4f}" if r.task else "-",
             f"{r.samples_per_second:.0f}" if r.task else "-",
+            f"{r.last_round} {r.last_round_outcome} ({r.group_size})" if r.last_round_outcome else "-",
             f"{r.eval_metric} {r.eval_score:.4f}" if r.eval_metric else "-",
         )
         for r in s.runs
     ]
-    _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOSS", "SAMPLES/S", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
+    _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOCAL", "LOSS", "SAMPLES/S", "LAST ROUND (GROUP)", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
     for r in s.runs:
         if r.error:
             print(f"{r.run_id}: training failed: {r.error}")

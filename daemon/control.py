@@ -69,6 +69,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     eval_metric=r.eval_metric,
                     eval_score=r.eval_score,
                     error=r.error,
+                    local_step=r.local_step,
+                    last_round=r.last_round,
+                    last_round_outcome=r.last_round_outcome,
+                    group_size=r.group_size,
+                    param_divergence=r.param_divergence,
+                    last_round_digest=r.last_round_digest,
                 )
                 for r in s.runs
             ],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Callable, Iterable, Mapping
 
@@ -56,7 +57,11 @@ class _TrainingCollector(Collector):
         self.runs = runs
 
     def collect(self) -> Iterable:
-        step = GaugeMetricFamily("peerd_train_step", "Local optimizer steps taken in the run.", labels=["run"])
+        step = GaugeMetricFamily("peerd_train_step", "Global step of the run's state this daemon holds.", labels=["run"])
+        local = CounterMetricFamily("peerd_local_steps", "Optimizer steps this daemon computed in the run.", labels=["run"])
+        divergence = GaugeMetricFamily(
+            "peerd_param_divergence", "L2 distance of the parameters from the group mean at the last completed round.", labels=["run"]
+        )
         loss = GaugeMetricFamily("peerd_train_loss", "Training loss of the run's last step.", labels=["run"])
         samples = CounterMetricFamily("peerd_samples", "Training samples this daemon processed in the run.", labels=["run"])
         score = GaugeMetricFamily("peerd_eval_score", "Latest evaluation score of the run (see docs/metrics.md).", labels=["run"])
@@ -64,11 +69,14 @@ class _TrainingCollector(Collector):
             if not r.task:
                 continue
             step.add_metric([r.run_id], r.step)
+            local.add_metric([r.run_id], r.local_step)
+            if not math.isnan(r.param_divergence):
+                divergence.add_metric([r.run_id], r.param_divergence)
             loss.add_metric([r.run_id], r.loss)
             samples.add_metric([r.run_id], r.samples)
             if r.eval_metric:
                 score.add_metric([r.run_id], r.eval_score)
-        yield from (step, loss, samples, score)
+        yield from (step, local, loss, samples, score, divergence)
 
 
 class DaemonMetrics:
@@ -102,6 +110,10 @@ class DaemonMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.state_syncs = Counter(
+            "peerd_state_syncs", "Downloads of the run's state from peers, by result: ok, failed.", ["run", "result"], registry=r
+        )
+        self.state_sync_bytes = Counter("peerd_state_sync_bytes", "Bytes of run state downloaded from peers.", ["run"], registry=r)
         self.group_size = Gauge("peerd_group_size", "Members of the run's latest averaging group, this daemon included.", ["run"], registry=r)
         self.sent_bytes = Counter("peerd_sent_bytes", "Bytes the collective engine sent, by transport.", ["transport"], registry=r)
         self.received_bytes = Counter("peerd_received_bytes", "Bytes the collective engine accepted, by transport.", ["transport"], registry=r)
@@ -119,14 +131,17 @@ class DaemonMetrics:
     def observe_round(self, run_id: str, result) -> None:
         """Record one averaging round (called from the trainer thread; the client is thread-safe)."""
         outcome = result.outcome
-        if outcome is None:
-            self.rounds.labels(run_id, "no_group").inc()
-        else:
-            self.rounds.labels(run_id, outcome.status.value).inc()
+        self.rounds.labels(run_id, result.outcome_name).inc()
+        if outcome is not None:
             self.round_duration.labels(run_id).observe(outcome.duration)
             self.sent_bytes.labels("tcp").inc(outcome.bytes_sent)
             self.received_bytes.labels("tcp").inc(outcome.bytes_received)
         self.group_size.labels(run_id).set(result.group_size)
+
+    def observe_sync(self, run_id: str, result) -> None:
+        """Record one state download (called from the trainer thread)."""
+        self.state_syncs.labels(run_id, "ok" if result.ok else "failed").inc()
+        self.state_sync_bytes.labels(run_id).inc(getattr(result, "bytes", 0))
 
     def set_state(self, state: str) -> None:
         for name in self._states:

@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from daemon.checkpoint import CheckpointStore
 from daemon.config import TrainConfig
 from daemon.tasks import HparamsError, Task, TaskLoadError, TaskNotFound, get_task
@@ -25,12 +27,14 @@ from peers.averaging import RoundResult
 from peers.manifest import AveragingSettings, RunManifest
 from peers.node import PeerNode
 from peers.runs import RunSecret
+from peers.statesync import FetchResult, fetch_state
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_TTL = 300.0  # seconds a published manifest lives without being republished
 MANIFEST_REPUBLISH = 60.0  # seconds between republications by each member
 CANCEL_GRACE = 5.0  # seconds a cancelled round may take to restore the vector it was writing
+SYNC_TIMEOUT = 120.0  # seconds one download of the run's state may take
 
 
 class RunRefused(ValueError):
@@ -65,6 +69,44 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
             handle.round_future = None
 
     return average
+
+
+def sync_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNode, run_id: str, secret, membership, events):
+    """A blocking `sync(min_step, out)` for the trainer thread: downloads the run's state from the
+    live peers that announce at least min_step (peers/statesync.py), at most SYNC_TIMEOUT seconds,
+    and copies it into `out` only when complete and verified. Downloads land in one buffer of the
+    bridge's own, so a failed download's verified chunks survive until the next call resumes them."""
+    partial, buffer = None, None
+
+    def sync(min_step: int, out: torch.Tensor) -> FetchResult:
+        nonlocal partial, buffer
+        donors = [e.peer_id for e in membership.peers() if e.step >= min_step]
+        if not donors:
+            return FetchResult(ok=False, reason="no live peer is ahead")
+        if buffer is None or buffer.numel() != out.numel():
+            buffer, partial = torch.empty_like(out), None
+        coro = fetch_state(
+            node, run_id, secret, donors, min_step=min_step, out=buffer, resume=partial, timeout=SYNC_TIMEOUT, events=events
+        )
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+        handle.round_future = future  # cancelled like a round when the run stops
+        try:
+            result = future.result(SYNC_TIMEOUT + CANCEL_GRACE)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            return FetchResult(ok=False, reason="state download cancelled")
+        finally:
+            handle.round_future = None
+        if result.ok and result.tensor is not None and result.tensor.numel() == out.numel():
+            out.copy_(result.tensor)
+            partial = None
+        elif result.ok:
+            return FetchResult(ok=False, reason=f"the run's state has {result.tensor.numel()} values, ours {out.numel()}")
+        else:
+            partial = result.partial
+        return result
+
+    return sync
 
 
 def hparams_from_text(task: Task, text: dict[str, str]):
@@ -159,7 +201,17 @@ def manifest_digest(manifest: RunManifest) -> str:
 
 
 def make_trainer(
-    manifest: RunManifest, node: PeerNode, data_dir: Path, train: TrainConfig, *, average=None, on_round=None, peers=None
+    manifest: RunManifest,
+    node: PeerNode,
+    data_dir: Path,
+    train: TrainConfig,
+    *,
+    average=None,
+    on_round=None,
+    peers=None,
+    peer_steps=None,
+    sync=None,
+    on_sync=None,
 ) -> Trainer:
     task = _installed(manifest.task)
     return Trainer(
@@ -178,6 +230,9 @@ def make_trainer(
         average_every=manifest.averaging.average_every,
         average=average,
         on_round=on_round,
+        peer_steps=peer_steps,
+        sync=sync,
+        on_sync=on_sync,
         ready_to_train=(lambda: peers() + 1 >= train.min_peers) if peers is not None else None,
         ready_timeout=train.min_peers_timeout,
     )

@@ -3,9 +3,18 @@
 Compute runs in the thread so the event loop stays free for the network. The loop reads the
 trainer's counters (plain attributes, written by the thread only) for status and metrics.
 
-Every `average_every` steps the thread hands a flat copy of the parameters to `average` (a Moshpit
-round run on the event loop, see peers/averaging.py) and waits for it; a COMPLETED round's result
-replaces the parameters, anything else leaves them as they were (docs/algorithms.md).
+The run's *state vector* is one flat float32 vector: the parameters, then each parameter's
+floating-point optimizer state (momentum, Adam moments) in a fixed order, the same layout on every
+peer. Every `average_every` steps the thread copies the state into it and hands it to `average` (a
+Moshpit round run on the event loop, see peers/averaging.py); a COMPLETED round's result replaces
+the state, anything else leaves it as it was. The vector left after each round is published as this
+daemon's snapshot, which peers that fell behind download (peers/statesync.py).
+
+Steps: `global_step` is the step of the state this daemon holds: it counts the run's synchronous
+steps (every peer takes the same `average_every` local steps per round, and a round only groups
+peers of the same round number), jumps forward when the state is downloaded from peers, and never
+goes backwards. `local_step` counts the optimizer steps this daemon computed itself.
+(docs/algorithms.md)
 """
 
 from __future__ import annotations
@@ -21,11 +30,13 @@ from typing import Callable
 import torch
 
 from daemon.checkpoint import CheckpointStore
+from peers.statesync import Snapshot
 from daemon.tasks import EvalResult, Hparams, Task
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 30.0  # seconds to wait for the thread: one step, one evaluation and one checkpoint
+CATCH_UP_PATIENCE = 10.0  # seconds a trainer behind its peers keeps trying to download their state
 
 
 class TrainState(Enum):
@@ -41,7 +52,70 @@ def seed_from(*parts: str) -> int:
     return int.from_bytes(hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
+@torch.no_grad()
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], int]:
+    """The tensors of the state vector, in order, and how many of them (the first) are parameters.
+
+    Optimizer state is created lazily by torch on the first step; a fixed layout needs it from the
+    start, so it is materialized with one zero-gradient step whose effects are undone (parameters
+    restored, state tensors zeroed, which is what SGD's momentum and Adam's moments and step count
+    start from). Only state tensors shaped like their parameter are part of the vector (Adam's
+    scalar step count stays local)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(not optimizer.state.get(p) for p in params):
+        saved = [(p.detach().clone(), p.grad) for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for p, (value, grad) in zip(params, saved):
+            p.copy_(value)
+            p.grad = grad
+            for v in optimizer.state[p].values():
+                if torch.is_tensor(v):
+                    v.zero_()
+    extra = [
+        v
+        for p in params
+        for _, v in sorted(optimizer.state[p].items())
+        if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape
+    ]
+    return params + extra, len(params)
+
+
+def gather(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for t in tensors:
+        flat[offset : offset + t.numel()].copy_(t.detach().view(-1))
+        offset += t.numel()
+
+
+def scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.view(-1).copy_(flat[offset : offset + t.numel()])
+            offset += t.numel()
+
+
+@torch.no_grad()
+def distance(flat: torch.Tensor, tensors: list[torch.Tensor]) -> float:
+    """L2 distance between the tensors and their slices of flat (no allocation beyond one tensor)."""
+    total, offset = 0.0, 0
+    for t in tensors:
+        total += float(torch.sub(t.view(-1), flat[offset : offset + t.numel()]).square_().sum())
+        offset += t.numel()
+    return math.sqrt(total)
+
+
 class Trainer:
+    """Trains one run. Callbacks, all blocking and called from the trainer thread:
+    - average(vector, weight, round_t) -> RoundResult: one Moshpit round (peers/averaging.py);
+    - peer_steps() -> list[int]: the global steps live peers announced in their heartbeats;
+    - sync(min_step, out) -> result with .ok, .step, .reason: download the run's state vector from
+      peers into `out` (peers/statesync.py);
+    - ready_to_train() -> bool: polled before the first step until true or `ready_timeout`.
+    """
+
     def __init__(
         self,
         *,
@@ -59,6 +133,9 @@ class Trainer:
         average_every: int = 0,
         average: Callable[[torch.Tensor, float, int], object] | None = None,
         on_round: Callable[[object], None] | None = None,
+        peer_steps: Callable[[], list[int]] | None = None,
+        sync: Callable[[int, torch.Tensor], object] | None = None,
+        on_sync: Callable[[object], None] | None = None,
         ready_to_train: Callable[[], bool] | None = None,
         ready_timeout: float = 0.0,
     ):
@@ -66,15 +143,23 @@ class Trainer:
         self.run_id, self.task, self.hparams = run_id, task, hparams
         self.average_every, self.average = average_every, average
         self.on_round = on_round or (lambda result: None)
+        self.peer_steps, self.sync = peer_steps or (lambda: []), sync
+        self.on_sync = on_sync or (lambda result: None)
         self.last_round = None  # the RoundResult of the latest averaging round
+        self.param_divergence = math.nan  # distance to the group's mean at the last completed round
+        self.snapshot: Snapshot | None = None  # the state vector served to peers; replaced, never changed
         self._flat: torch.Tensor | None = None  # reused by every round: no allocation per round
+        self._tensors: list[torch.Tensor] = []
+        self._n_params = 0  # the first _n_params state tensors are the parameters
         self._samples_since_round = 0
         self.init_seed, self.peer_seed = init_seed, peer_seed
         self.store, self.manifest_digest = store, manifest_digest
         self.threads, self.checkpoint_every, self.eval_every, self.max_steps = threads, checkpoint_every, eval_every, max_steps
         self.state = TrainState.LOADING
-        self.step = 0
+        self.global_step = 0
+        self.local_step = 0
         self.resumed_from = 0
+        self.synced_from = 0  # global step of the last state downloaded from peers (0: never)
         self.loss = math.nan
         self.samples = 0
         self.samples_per_second = 0.0
@@ -82,6 +167,10 @@ class Trainer:
         self.error = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"trainer:{run_id}", daemon=True)
+
+    @property
+    def step(self) -> int:
+        return self.global_step
 
     def start(self) -> None:
         self._thread.start()
@@ -101,9 +190,12 @@ class Trainer:
             if checkpoint is not None and checkpoint.state.get("manifest") == self.manifest_digest:
                 model.load_state_dict(checkpoint.state["model"])
                 optimizer.load_state_dict(checkpoint.state["optimizer"])
-                self.step = self.resumed_from = checkpoint.step
+                self.global_step = self.resumed_from = checkpoint.step
+                self.local_step = checkpoint.state.get("local_step", checkpoint.step)
                 self.samples = checkpoint.state.get("samples", 0)
-                logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.step)
+                logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
+            self._tensors, self._n_params = state_tensors(model, optimizer)
+            self._flat = torch.empty(sum(t.numel() for t in self._tensors), dtype=torch.float32)
             self._train(model, optimizer)
         except Exception as e:  # a task bug must not take the daemon down; it is shown in status
             logger.exception("run %s: trainer failed", self.run_id)
@@ -116,10 +208,11 @@ class Trainer:
             deadline = time.monotonic() + self.ready_timeout
             while not self.ready_to_train() and time.monotonic() < deadline and not self._stop.wait(0.2):
                 pass
+        self._catch_up()  # a late joiner or a restart whose checkpoint is older than the run
         self.state = TrainState.TRAINING
         window_start, window_samples = time.monotonic(), 0
         while not self._stop.is_set():
-            if self.max_steps and self.step >= self.max_steps:
+            if self.max_steps and self.global_step >= self.max_steps:
                 self.state = TrainState.FINISHED
                 break
             batch = next(data)
@@ -128,7 +221,8 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            self.step += 1
+            self.global_step += 1
+            self.local_step += 1
             self.samples += batch.samples
             self._samples_since_round += batch.samples
             window_samples += batch.samples
@@ -137,36 +231,65 @@ class Trainer:
             if elapsed >= 2.0:
                 self.samples_per_second = window_samples / elapsed
                 window_start, window_samples = time.monotonic(), 0
-            if self.average is not None and self.step % self.average_every == 0:
-                self._average_round(model)
-            if self.step % self.eval_every == 0:
+            if self.average is not None and self.global_step % self.average_every == 0:
+                if not self._catch_up():  # a round among peers far ahead would find nobody
+                    self._average_round()
+            if self.global_step % self.eval_every == 0:
                 self.eval = self.task.evaluate(model, self.hparams)
-            if self.step % self.checkpoint_every == 0:
+            if self.global_step % self.checkpoint_every == 0:
                 self._checkpoint(model, optimizer)
         if self.state is TrainState.TRAINING:
             self.state = TrainState.STOPPED
-        if self.eval is None or self.step % self.eval_every:
+        if self.eval is None or self.global_step % self.eval_every:
             self.eval = self.task.evaluate(model, self.hparams)
-        if self.step > self.resumed_from:
+        if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)
 
+    def _catch_up(self) -> bool:
+        """Download the run's state if live peers are at least one round ahead; True if it did.
+
+        Peers announce their step as soon as they take it, but serve the state of their latest
+        round: peers one round ahead and still in that round have nothing newer yet. So a failed
+        download is retried, once a second, for at most CATCH_UP_PATIENCE seconds."""
+        if self.sync is None or not self.average_every:
+            return False
+        deadline = time.monotonic() + CATCH_UP_PATIENCE
+        result = None
+        while max(self.peer_steps(), default=0) >= self.global_step + self.average_every:
+            if result is None:
+                logger.info("run %s: at step %d, peers at %d: downloading the run's state", self.run_id, self.global_step, max(self.peer_steps()))
+            result = self.sync(self.global_step + 1, self._flat)
+            if getattr(result, "ok", False) and result.step > self.global_step:
+                scatter(self._flat, self._tensors)
+                self.global_step = self.synced_from = result.step
+                self._samples_since_round = 0
+                self.snapshot = Snapshot(self.global_step, self._flat.clone())
+                logger.info("run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step)
+                self.on_sync(result)
+                return True
+            if time.monotonic() > deadline or self._stop.wait(1.0):
+                break
+        if result is not None:
+            logger.info("run %s: state download failed (%s); training on", self.run_id, getattr(result, "reason", "?"))
+            self.on_sync(result)
+        return False
+
     @torch.no_grad()
-    def _average_round(self, model: torch.nn.Module) -> None:
-        params = list(model.parameters())
-        if self._flat is None:
-            self._flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32)
-        offset = 0
-        for p in params:
-            self._flat[offset : offset + p.numel()].copy_(p.view(-1))
-            offset += p.numel()
-        result = self.average(self._flat, float(self._samples_since_round), self.step // self.average_every)
+    def _average_round(self) -> None:
+        gather(self._tensors, self._flat)
+        result = self.average(self._flat, float(self._samples_since_round), self.global_step // self.average_every)
         self.last_round = result
+        if not getattr(result, "completed", False):
+            logger.info("run %s: round %d at step %d not completed: %s", self.run_id, self.global_step // self.average_every,
+                        self.global_step, getattr(result, "reason", result))
         if getattr(result, "completed", False):
-            offset = 0
-            for p in params:
-                p.view(-1).copy_(self._flat[offset : offset + p.numel()])
-                offset += p.numel()
+            # Before the result replaces them: how far this member's parameters were from the mean.
+            self.param_divergence = distance(self._flat, self._tensors[: self._n_params])
+            scatter(self._flat, self._tensors)
             self._samples_since_round = 0  # otherwise they count toward the next round's weight
+        # What peers download: the group's mean after a completed round (the same bytes on every
+        # member, so several donors can serve it), else this daemon's own state.
+        self.snapshot = Snapshot(self.global_step, self._flat.clone())
         self.on_round(result)
 
     def _checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -175,5 +298,6 @@ class Trainer:
             "optimizer": optimizer.state_dict(),
             "manifest": self.manifest_digest,
             "samples": self.samples,
+            "local_step": self.local_step,
         }
-        self.store.save(self.step, state)
+        self.store.save(self.global_step, state)

@@ -41,6 +41,11 @@ class RoundResult:
     def completed(self) -> bool:
         return self.outcome is not None and self.outcome.completed
 
+    @property
+    def outcome_name(self) -> str:
+        """completed, aborted or no_group: the `outcome` label of peerd_rounds_total."""
+        return "no_group" if self.outcome is None else self.outcome.status.value
+
 
 class MoshpitAverager:
     """Runs the averaging rounds of one run on the daemon's event loop."""

@@ -7,7 +7,8 @@ Protocol of one round t (every wait bounded; settings in MatchmakingSettings):
 2. `join_window` seconds after its store, each peer reads the key. The leader is the smallest
    peer ID among the valid entries (the reader's own entry always counts).
 3. Followers send JoinGroupRequest to the leader and wait up to `join_timeout` for the answer.
-   The leader accepts joins until `assemble_slack` seconds after its own read, then decides with
+   The leader accepts joins until `assemble_slack` seconds after its own read (or until every
+   peer its read showed has joined, whichever is first), then decides with
    `decide_group` (itself and the joiners, ordered by peer ID, capped at max_group_size) and
    answers every pending join with the same ordered member list. That list is its own result.
 
@@ -167,6 +168,12 @@ class _Session:
     secret: RunSecret | None
     joins: dict[str, Entry] = field(default_factory=dict)
     decision: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    expected: frozenset[str] = frozenset()  # the leader's read: once all of these joined it decides
+    assembled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def check_assembled(self) -> None:
+        if self.expected and self.expected <= self.joins.keys():
+            self.assembled.set()
 
 
 class Matchmaker:
@@ -202,8 +209,11 @@ class Matchmaker:
         try:
             envelope = await self.publish(namespace, secret, round_t, key, me)
             await asyncio.sleep(self.settings.join_window)
-            leader = min([me.peer_id, *await self._read(namespace, secret, round_t, key)])
+            seen = await self._read(namespace, secret, round_t, key)
+            leader = min([me.peer_id, *seen])
             if leader == me.peer_id:
+                session.expected = frozenset(seen) - {me.peer_id}
+                session.check_assembled()
                 return await self._lead(session, namespace, round_t, key)
             session.decision.set_result(None)  # not the leader: refuse whoever joins us
             return await self._follow(leader, envelope, namespace, round_t, key)
@@ -229,7 +239,11 @@ class Matchmaker:
         return valid
 
     async def _lead(self, session: _Session, namespace: str, round_t: int, key: str) -> Matched:
-        await asyncio.sleep(self.settings.assemble_slack)
+        try:  # everyone the read showed has joined: no need to wait out the slack
+            async with asyncio.timeout(self.settings.assemble_slack):
+                await session.assembled.wait()
+        except TimeoutError:
+            pass
         members, reason = decide_group(
             [session.entry, *session.joins.values()], key=key, round_t=round_t, now=now(),
             max_age=self._max_age, max_group_size=self.settings.max_group_size,
@@ -279,6 +293,7 @@ class Matchmaker:
             late = session.decision.result() is not None
             return pb.JoinGroupResponse(status=pb.JOIN_STATUS_LATE if late else pb.JOIN_STATUS_NOT_LEADER)
         session.joins[caller] = entry
+        session.check_assembled()
         try:
             async with asyncio.timeout(self.settings.join_timeout):  # backstop: form_group always decides
                 members = await asyncio.shield(session.decision)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from peers.events import PeerEvents
 from peers.clock import now
@@ -58,6 +59,7 @@ class RunMembership:
         self.joined_at = now()
         self._tasks: list[asyncio.Task] = []
         self._maddrs: tuple[str, ...] = ()
+        self.step_of: Callable[[], int] = lambda: 0  # this daemon's global step, put into each heartbeat
 
     @property
     def secured(self) -> bool:
@@ -132,6 +134,7 @@ class RunMembership:
             role=self.role,
             state=state,
             timestamp=now(),
+            step=self.step_of() if state is MemberState.ACTIVE else 0,
         )
         return seal_record(record, self.node.identity, self.secret)
 

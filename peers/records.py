@@ -35,6 +35,7 @@ class MemberRecord:
     role: str
     state: MemberState
     timestamp: float
+    step: int = 0  # the peer's global step in the run; 0 when it does not train
 
 
 def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | None) -> bytes:
@@ -50,6 +51,7 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         role=record.role,
         state=record.state.value,
         timestamp=record.timestamp,
+        step=record.step,
     ).SerializeToString()
     return seal(RecordKind.MEMBER, body, identity, secret, record.run_id)
 
@@ -80,6 +82,7 @@ def open_envelope(
         role=body.role[:32],
         state=state,
         timestamp=body.timestamp,
+        step=body.step,
     )
 
 

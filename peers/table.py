@@ -15,6 +15,7 @@ class PeerEntry:
     role: str
     timestamp: float  # the newest record timestamp seen (the peer's clock)
     last_seen: float  # our clock when that record was first seen
+    step: int = 0  # the peer's global step in its newest record
 
 
 class PeerTable:
@@ -46,12 +47,12 @@ class PeerTable:
             # First sight: trust the record's age only as far as it makes the peer look older.
             age = min(max(now - record.timestamp, 0.0), self.ttl)
             self._entries[record.peer_id] = PeerEntry(
-                record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age
+                record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step
             )
             return "new"
         if record.timestamp <= entry.timestamp:
             return "stale"
-        entry.maddrs, entry.version, entry.role = record.maddrs, record.version, record.role
+        entry.maddrs, entry.version, entry.role, entry.step = record.maddrs, record.version, record.role, record.step
         entry.timestamp, entry.last_seen = record.timestamp, now
         return "refreshed"
 

@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,12 @@ class RunStatus(_message.Message):
     EVAL_METRIC_FIELD_NUMBER: _ClassVar[int]
     EVAL_SCORE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARAM_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_DIGEST_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: int
     secured: bool
@@ -36,7 +42,13 @@ class RunStatus(_message.Message):
     eval_metric: str
     eval_score: float
     error: str
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    local_step: int
+    last_round: int
+    last_round_outcome: str
+    group_size: int
+    param_divergence: float
+    last_round_digest: str
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")

@@ -43,7 +43,7 @@ JOIN_STATUS_LATE: JoinStatus
 JOIN_STATUS_GROUP_FULL: JoinStatus
 
 class PeerRecord(_message.Message):
-    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp")
+    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class PeerRecord(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     run_id: str
     peer_id: str
@@ -60,7 +61,8 @@ class PeerRecord(_message.Message):
     role: str
     state: MemberState
     timestamp: float
-    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    step: int
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("format_version", "sealed", "nonce", "payload", "public_key", "signature", "kind")

@@ -1,7 +1,6 @@
 """Real daemons train a real task: manifests, trainer, metrics, checkpoints and restarts.
 
-Averaging between peers is not wired in yet (issue 3 is in progress): each daemon trains its own
-replica from the run's shared initialization; these tests cover everything around that.
+Training together (averaging, failures, late joiners) is in tests/test_cluster_training.py.
 """
 
 from __future__ import annotations
@@ -56,7 +55,8 @@ def test_a_joiner_trains_the_runs_task_and_a_mismatch_is_refused(spawn):
     creator = spawn("creator", ["--run", "shared", *TRAIN])
     joiner = spawn("joiner", ["--run", "shared", "--max-steps", "20", "--initial-peers", creator.maddrs[0]])
     r = wait_for(lambda: (s := run_status(joiner, "shared")).train_state == "FINISHED" and s, timeout=60, what="joiner trains")
-    assert r.task == "digits-mlp" and r.step == 20
+    # It trains the run's task; the creator is far ahead, so it downloads the run's state first.
+    assert r.task == "digits-mlp" and r.step >= 20
     # The run exists: another task, or hyper-parameters, cannot be imposed on it.
     bad = peerd("join", "shared", "--task", "charlm", "--control", joiner.control)
     assert bad.returncode == 2 and "trains" in bad.stderr, bad

@@ -1,0 +1,185 @@
+"""Several real daemons train one run together: accuracy, and failures in the middle of it.
+
+Each daemon is a `peerd start` subprocess on loopback. Accuracy is compared with
+`train_single_process` on the same sample budget, computed in the test. The failure test kills one
+daemon (SIGKILL), freezes another (SIGSTOP, later SIGCONT) and starts one late, and checks what
+issue 3 promises: the run goes on, no global step goes backwards, live peers end a round holding the
+same parameters (equal result digests, so distance 0), and the late and the frozen peers catch up by
+downloading the run's state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from daemon.client import ControlClient
+from daemon.tasks import get_task, train_single_process
+from tests.helpers import scrape, wait_for
+
+pytestmark = pytest.mark.slow
+
+RUN_ARGS = ["--eval-every", "1000", "--checkpoint-every", "50", "--torch-threads", "1"]
+FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4"]
+
+
+def status(d, run: str):
+    with ControlClient(d.control) as c:
+        return next(r for r in c.status().runs if r.run_id == run)
+
+
+def test_three_daemons_reach_single_process_accuracy(spawn):
+    """SGD with momentum: local SGD then behaves like large-batch SGD. With Adam, averaging 3 peers'
+    second moments (each from batch-32 gradients, noisier than one batch-96 gradient) shrinks the
+    effective step; an in-process simulation of this very loop stayed 0.8 points behind at 300 and
+    450 steps, so the Adam comparison would sit on the 1-point edge (docs/algorithms.md)."""
+    steps, every, batch = 300, 10, 32
+    hparams = {"optimizer": "sgd", "lr": "0.05"}
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}"]
+    create += [arg for k, v in hparams.items() for arg in ("--set", f"{k}={v}")]
+    args = ["--run", "acc", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS]
+    a = spawn("acc-a", [*args, *create])
+    others = [spawn(f"acc-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]
+    for d in others:
+        d.wait_ready()
+    daemons = [a, *others]
+    for d in daemons:
+        wait_for(lambda: status(d, "acc").train_state == "FINISHED", timeout=240, what=f"{d.data_dir.name} finishes")
+    finals = [status(d, "acc") for d in daemons]
+    task = get_task("digits-mlp")
+    h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
+    # The same sample budget: S steps of 3 x 32 samples. Mean of three seeds: one seed alone varies
+    # by about half a point on this 360-image test set.
+    single = sum(train_single_process(task, h, steps=steps, batch_size=3 * batch, seed=s).score for s in range(3)) / 3
+    for r in finals:
+        assert r.step == steps and r.local_step == steps, r
+        assert r.last_round_outcome == "completed" and r.group_size == 3, r
+        assert r.eval_metric == "accuracy"
+        assert r.eval_score >= single - 0.01, (r.eval_score, single)
+    # The last round ended with every member holding the same bytes: the same evaluation.
+    assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
+    m = scrape(a.metrics_url)
+    assert m[("peerd_rounds_total", (("outcome", "completed"), ("run", "acc")))] >= steps // every - 2
+    assert m[("peerd_group_size", (("run", "acc"),))] == 3
+    for d in daemons:
+        assert d.stop() == 0
+
+
+class StepWatch:
+    """Polls each daemon's global step in the background and records any decrease."""
+
+    def __init__(self, daemons, run: str):
+        self.daemons, self.run = list(daemons), run
+        self.last: dict[str, int] = {}
+        self.regressions: list[str] = []
+        self.frozen: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def add(self, d) -> None:
+        self.daemons.append(d)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.3):
+            for d in list(self.daemons):
+                name = d.data_dir.name
+                if name in self.frozen or d.proc.poll() is not None:
+                    continue
+                try:
+                    step = status(d, self.run).step
+                except Exception:
+                    continue
+                if step < self.last.get(name, 0):
+                    self.regressions.append(f"{name}: {self.last[name]} -> {step}")
+                self.last[name] = max(step, self.last.get(name, 0))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn):
+    every = 10
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}"]
+    args = ["--run", "churn", "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    a = spawn("churn-a", [*args, *create])
+    b, c = (spawn(f"churn-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
+    b.wait_ready()
+    c.wait_ready()
+    watch = StepWatch([a, b, c], "churn")
+    try:
+        try:
+            wait_for(lambda: status(a, "churn").last_round_outcome == "completed", timeout=60, what="a first round")
+        except AssertionError:
+            for d in (b, c):
+                os.kill(d.pid, signal.SIGUSR1)
+            time.sleep(1)
+            raise AssertionError("\n".join(d.log_tail(80) for d in (b, c)))
+
+        c.proc.send_signal(signal.SIGKILL)  # mid-run, quite likely mid-round
+        c.proc.wait(10)
+        killed_at = status(a, "churn").step
+        wait_for(lambda: status(a, "churn").step >= killed_at + 3 * every, timeout=60, what="a trains on after the kill")
+
+        watch.frozen.add(b.data_dir.name)
+        os.kill(b.pid, signal.SIGSTOP)
+        frozen_at = status(a, "churn").step
+        wait_for(lambda: status(a, "churn").step >= frozen_at + 3 * every, timeout=60, what="a trains on while b is frozen")
+
+        late = spawn("churn-late", [*args, "--min-peers", "1", "--initial-peers", a.maddrs[0]])
+        watch.add(late)
+        wait_for(lambda: status(late, "churn").step >= status(a, "churn").step - every, timeout=60, what="late joiner catches up")
+        late_status = status(late, "churn")
+        assert late_status.local_step < late_status.step, late_status  # it downloaded, not recomputed
+
+        os.kill(b.pid, signal.SIGCONT)
+        watch.frozen.discard(b.data_dir.name)
+        wait_for(lambda: status(b, "churn").step >= status(a, "churn").step - every, timeout=60, what="b catches up")
+
+        # Live peers converge on one state: a round in which all three completed with the same result.
+        def agreed():
+            rs = [status(d, "churn") for d in (a, b, late)]
+            same_round = len({r.last_round for r in rs}) == 1 and all(r.last_round_outcome == "completed" for r in rs)
+            return same_round and len({r.last_round_digest for r in rs}) == 1 and all(r.group_size == 3 for r in rs) and rs
+
+        rs = wait_for(agreed, timeout=60, interval=0.05, what="a round all three live peers complete together")
+        for r in rs:
+            # Distance to the group mean just before that round (parameter norm here: about 7-10).
+            # Measured 0.01-0.17 over three runs; the stated bound is 1.0.
+            assert r.param_divergence < 1.0, r
+        for d, result in ((late, "ok"), (b, "ok")):
+            m = scrape(d.metrics_url)
+            assert m.get(("peerd_state_syncs_total", (("result", result), ("run", "churn"))), 0) >= 1, d.log_tail(40)
+        assert not watch.regressions, watch.regressions
+    finally:
+        watch.stop()
+        for d in (a, b, c):
+            if d.proc.poll() is None:
+                os.kill(d.pid, signal.SIGCONT)
+    for d in (a, b, late):
+        assert d.stop() == 0
+
+
+def test_the_readme_demo_trains_and_the_loss_falls(tmp_path):
+    """`./dev demo` runs `python -m daemon.demo`; here in a short mode that ends by itself."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon.demo", "--steps", "100", "--interval", "1", "--duration", "150", "--dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "every daemon finished" in out.stdout and "stopped; exit codes [0, 0, 0]" in out.stdout, out.stdout[-3000:]
+    assert out.stdout.count("metrics http://127.0.0.1:") == 3
+    losses = [float(x) for x in re.findall(r"peer0  step +\d+  loss (\d+\.\d+)", out.stdout)]
+    assert len(losses) >= 2 and losses[-1] < 0.6 * losses[0], losses
+    assert re.search(r"round \d+ completed \(3\)", out.stdout), out.stdout[-3000:]
