@@ -58,6 +58,7 @@ class RunSummary:
     group_size: int = 0
     param_divergence: float = math.nan
     last_round_digest: str = ""
+    last_round_links: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +278,8 @@ class Daemon:
                 bind_host=self.config.network.host,
                 advertise_host=self._advertise_host(),
                 max_group_size=manifest.averaging.max_group_size,
+                p2p=self.node.p2p,
+                transport_mode=self.config.network.transport,
                 events=self.metrics.peer_events(),
             )
 
@@ -380,6 +383,7 @@ class Daemon:
                     group_size=lr.group_size if lr else 0,
                     param_divergence=tr.param_divergence if tr else math.nan,
                     last_round_digest=lr.outcome.digest.hex() if lr and lr.completed else "",
+                    last_round_links=lr.links_summary if lr else "",
                 )
             )
         return StatusSnapshot(

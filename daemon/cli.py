@@ -186,6 +186,7 @@ def _cmd_status(args) -> int:
                         "last_round_outcome": r.last_round_outcome,
                         "group_size": r.group_size,
                         "last_round_digest": r.last_round_digest,
+                        "last_round_links": r.last_round_links,
                         "param_divergence": None if math.isnan(r.param_divergence) else r.param_divergence,
                     }
                     for r in s.runs
@@ -213,12 +214,13 @@ def _cmd_status(args) -> int:
             str(r.local_step) if r.task else "-",
             f"{r.loss:.4f}" if r.task else "-",
             f"{r.samples_per_second:.0f}" if r.task else "-",
-            f"{r.last_round} {r.last_round_outcome} ({r.group_size})" if r.last_round_outcome else "-",
+            f"{r.last_round} {r.last_round_outcome} ({r.group_size}{', ' + r.last_round_links if r.last_round_links else ''})"
+            if r.last_round_outcome else "-",
             f"{r.eval_metric} {r.eval_score:.4f}" if r.eval_metric else "-",
         )
         for r in s.runs
     ]
-    _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOCAL", "LOSS", "SAMPLES/S", "LAST ROUND (GROUP)", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
+    _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOCAL", "LOSS", "SAMPLES/S", "LAST ROUND (GROUP, LINKS)", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
     for r in s.runs:
         if r.error:
             print(f"{r.run_id}: training failed: {r.error}")

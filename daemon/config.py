@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     """A setting is unusable; the message names it and is meant to be printed as one line."""
 
 
+# Mirrors peers.collective.fallback.MODES; kept here so the CLI does not import the engine to parse flags.
+TRANSPORT_MODES = ("reliable", "tcp", "libp2p")
+
+
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "peerd"
@@ -39,9 +43,12 @@ class NetworkConfig:
     auto_nat: bool = False  # libp2p AutoNAT: asks peers to dial back, so opt-in
     startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
     request_timeout: float = 5.0  # one DHT get or store, all hops included
+    transport: str = "reliable"  # averaging links: reliable (direct TCP, else libp2p streams), tcp, libp2p
 
     def __post_init__(self) -> None:
         _check_ip("host", self.host)
+        if self.transport not in TRANSPORT_MODES:
+            raise ConfigError(f"transport: {self.transport!r} is not one of {', '.join(TRANSPORT_MODES)}")
         _check_port("port", self.port)
         for name in ("announce", "initial_peers"):
             for maddr in getattr(self, name):
@@ -177,6 +184,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("network.auto_nat", "--auto-nat", "opt in to libp2p AutoNAT (asks peers to dial back)"),
     Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
     Option("network.request_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
+    Option("network.transport", "--transport", "averaging links: reliable (direct TCP, else libp2p streams), tcp or libp2p", "MODE"),
     Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
     Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped", "SECONDS"),

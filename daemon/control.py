@@ -75,6 +75,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     group_size=r.group_size,
                     param_divergence=r.param_divergence,
                     last_round_digest=r.last_round_digest,
+                    last_round_links=r.last_round_links,
                 )
                 for r in s.runs
             ],

@@ -116,7 +116,8 @@ class DaemonMetrics:
         self.state_sync_bytes = Counter("peerd_state_sync_bytes", "Bytes of run state downloaded from peers.", ["run"], registry=r)
         self.group_size = Gauge("peerd_group_size", "Members of the run's latest averaging group, this daemon included.", ["run"], registry=r)
         self.sent_bytes = Counter("peerd_sent_bytes", "Bytes the collective engine sent, by transport.", ["transport"], registry=r)
-        self.received_bytes = Counter("peerd_received_bytes", "Bytes the collective engine accepted, by transport.", ["transport"], registry=r)
+        self.received_bytes = Counter("peerd_received_bytes", "Bytes the collective engine received, by transport.", ["transport"], registry=r)
+        self.links = Counter("peerd_links", "Links to group members opened by averaging rounds, by transport.", ["transport"], registry=r)
         r.register(_RunPeersCollector(peers_by_run))
         r.register(_TrainingCollector(runs))
         self._states = tuple(states)
@@ -127,6 +128,9 @@ class DaemonMetrics:
                 self.dht_requests.labels(op, result)
         for result in ("ok", "error"):
             self.heartbeats.labels(result)
+        for transport in ("tcp", "libp2p"):
+            for counter in (self.sent_bytes, self.received_bytes, self.links):
+                counter.labels(transport)
 
     def observe_round(self, run_id: str, result) -> None:
         """Record one averaging round (called from the trainer thread; the client is thread-safe)."""
@@ -134,8 +138,11 @@ class DaemonMetrics:
         self.rounds.labels(run_id, result.outcome_name).inc()
         if outcome is not None:
             self.round_duration.labels(run_id).observe(outcome.duration)
-            self.sent_bytes.labels("tcp").inc(outcome.bytes_sent)
-            self.received_bytes.labels("tcp").inc(outcome.bytes_received)
+        for transport, (sent, received) in result.bytes_by_transport.items():
+            self.sent_bytes.labels(transport).inc(sent)
+            self.received_bytes.labels(transport).inc(received)
+        for transport in result.links.values():
+            self.links.labels(transport).inc()
         self.group_size.labels(run_id).set(result.group_size)
 
     def observe_sync(self, run_id: str, result) -> None:

@@ -17,11 +17,15 @@ A round that forms no group (alone, leader gone, views differed) changes nothing
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from hivemind.p2p import P2P
+
 from peers.collective import AllReduceSettings, Group, GroupAllReduce, Outcome, TcpTransport
+from peers.collective.fallback import FallbackTransport, member_address
+from peers.collective.p2p import P2PTransport
 from peers.events import PeerEvents
 from peers.matchmaking import Matchmaker, Member
 from peers.moshpit import grid_shape, group_key, view_coords
@@ -36,10 +40,18 @@ class RoundResult:
     group_size: int  # members of the round's group, this daemon included (1: no group)
     outcome: Outcome | None  # None when no group formed
     reason: str
+    links: dict[str, str] = field(default_factory=dict)  # peer ID -> "tcp" or "libp2p", per member reached
+    bytes_by_transport: dict[str, tuple[int, int]] = field(default_factory=dict)  # transport -> (sent, received)
 
     @property
     def completed(self) -> bool:
         return self.outcome is not None and self.outcome.completed
+
+    @property
+    def links_summary(self) -> str:
+        """'tcp:2 libp2p:1': how many members this round reached through each transport."""
+        kinds = sorted(set(self.links.values()), key=lambda k: (k != "tcp", k))
+        return " ".join(f"{k}:{sum(v == k for v in self.links.values())}" for k in kinds)
 
     @property
     def outcome_name(self) -> str:
@@ -60,6 +72,8 @@ class MoshpitAverager:
         bind_host: str,
         advertise_host: str,
         max_group_size: int,
+        p2p: P2P | None = None,
+        transport_mode: str = "reliable",
         settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None,
     ):
@@ -67,6 +81,7 @@ class MoshpitAverager:
         self.namespace = run_namespace(run_id, secret)
         self.matchmaker, self.bind_host, self.advertise_host = matchmaker, bind_host, advertise_host
         self.max_group_size = max_group_size
+        self.p2p, self.transport_mode = p2p, transport_mode
         self.settings = settings or AllReduceSettings()
         self.events = events or PeerEvents()
 
@@ -78,21 +93,30 @@ class MoshpitAverager:
         shape = grid_shape(len(view), self.max_group_size)
         coords = view_coords(view, shape, run_id=self.namespace, epoch=round_t // shape.d)
         key = group_key(self.namespace, round_t, coords[self.peer_id], shape)
-        transport = TcpTransport(self.bind_host, 0, events=self.events)
-        port = (await transport.start()).rsplit(":", 1)[1]
+        direct = TcpTransport(self.bind_host, 0, events=self.events)
+        port = (await direct.start()).rsplit(":", 1)[1]
+        relay = P2PTransport(self.p2p, port, events=self.events) if self.p2p is not None else None
+        transport = FallbackTransport(direct, relay, mode=self.transport_mode if relay else "tcp")
         try:
+            if relay is not None:
+                await relay.start()
             me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
             matched = await self.matchmaker.form_group(self.namespace, self.secret, round_t, key, me)
             if matched.group is None:
                 return RoundResult(round_t, 1, None, f"no group: {matched.reason}")
             g = matched.group
-            group = Group(self.run_id, [m.peer_id for m in g.members], [m.engine_addr for m in g.members], g.my_index)
+            addresses = [member_address(m.engine_addr, m.peer_id) for m in g.members]
+            group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
             engine = GroupAllReduce(group, transport, vector.numel(), settings=self.settings, events=self.events)
             try:
                 # A fresh engine's first round is number 1; the group key already names round_t.
                 outcome = await engine.all_reduce(vector, float(weight), 1)
             finally:
                 await engine.close()
-            return RoundResult(round_t, group.size, outcome, outcome.reason)
+            links = {group.members[k]: transport.choices[a] for k, a in enumerate(addresses) if a in transport.choices}
+            if "libp2p" in links.values():
+                logger.info("round %d: reached %d of %d members through libp2p streams", round_t,
+                            sum(v == "libp2p" for v in links.values()), len(links))
+            return RoundResult(round_t, group.size, outcome, outcome.reason, links, transport.bytes_by_transport())
         finally:
             await transport.close()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -66,3 +68,24 @@ def peers_json(daemon, run: str) -> list[str]:
     r = peerd("peers", "--control", daemon.control, "--run", run, "--json")
     assert r.returncode == 0, r.stderr
     return sorted(p["peer_id"] for p in json.loads(r.stdout)[run])
+
+
+@asynccontextmanager
+async def peer_nodes(n: int, tmp_path, events=None):
+    """n real PeerNodes (p2pd + DHT) on loopback, node 0 first and the others bootstrapped to it;
+    all shut down on exit."""
+    from peers.events import PeerEvents
+    from peers.node import NodeSettings, PeerNode
+
+    def settings(i: int, initial: list[str]) -> NodeSettings:
+        return NodeSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / f"n{i}.key", initial_peers=initial)
+
+    events = events or PeerEvents()
+    nodes: list[PeerNode] = []
+    try:
+        nodes.append(await PeerNode.start(settings(0, []), events))
+        first = (await nodes[0].visible_maddrs())[0]
+        nodes += await asyncio.gather(*(PeerNode.start(settings(i, [first]), events) for i in range(1, n)))
+        yield nodes
+    finally:
+        await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)

@@ -43,7 +43,9 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
     create += [arg for k, v in hparams.items() for arg in ("--set", f"{k}={v}")]
     args = ["--run", "acc", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS]
     a = spawn("acc-a", [*args, *create])
-    others = [spawn(f"acc-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]
+    # c reaches its group only through libp2p streams (as behind a NAT); a and b dial directly.
+    others = [spawn(f"acc-{n}", [*args, "--initial-peers", a.maddrs[0], *extra], wait=False)
+              for n, extra in (("b", []), ("c", ["--transport", "libp2p"]))]
     for d in others:
         d.wait_ready()
     daemons = [a, *others]
@@ -65,6 +67,11 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
     m = scrape(a.metrics_url)
     assert m[("peerd_rounds_total", (("outcome", "completed"), ("run", "acc")))] >= steps // every - 2
     assert m[("peerd_group_size", (("run", "acc"),))] == 3
+    assert finals[2].last_round_links == "libp2p:2" and finals[0].last_round_links == "tcp:2", finals
+    c_metrics = scrape(others[1].metrics_url)
+    assert c_metrics[("peerd_sent_bytes_total", (("transport", "libp2p"),))] > 0
+    assert c_metrics[("peerd_sent_bytes_total", (("transport", "tcp"),))] == 0
+    assert c_metrics[("peerd_links_total", (("transport", "libp2p"),))] >= 2 * (steps // every - 2)
     for d in daemons:
         assert d.stop() == 0
 

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
 
 from peers.events import PeerEvents
-from peers.node import NodeSettings, PeerNode
 from peers.runs import RunSecret, run_dht_key
 from peers.statesync import (
     CHUNK_HANDLER, INFO_HANDLER, Snapshot, StateServer, SnapshotInfo, choose_snapshot, fetch_state, state_tag,
 )
 from protos import state_pb2 as pb
+from tests.helpers import peer_nodes as started
 
 RUN = "sync"
 CHUNK = 256 << 10
@@ -56,7 +55,7 @@ def test_snapshots_and_servers_refuse_bad_shapes():
 class HandlerSeam:
     """A PeerNode as a StateServer sees it, whose chunk handler goes through wrap(handler, node)."""
 
-    def __init__(self, node: PeerNode, wrap):
+    def __init__(self, node, wrap):
         self._node, self._wrap = node, wrap
 
     def __getattr__(self, name):
@@ -66,24 +65,6 @@ class HandlerSeam:
         if name == CHUNK_HANDLER:
             handler = self._wrap(handler, self._node)
         await self._node.add_handler(name, handler, request_type)
-
-
-@asynccontextmanager
-async def started(n: int, tmp_path):
-    """n PeerNodes on loopback (node 0 first, the others bootstrapped to it); all shut down on exit."""
-
-    def settings(i: int, initial: list[str]) -> NodeSettings:
-        key = tmp_path / f"n{i}.key"
-        return NodeSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=key, initial_peers=initial)
-
-    nodes: list[PeerNode] = []
-    try:
-        nodes.append(await PeerNode.start(settings(0, []), PeerEvents()))
-        first = (await nodes[0].visible_maddrs())[0]
-        nodes += await asyncio.gather(*(PeerNode.start(settings(i, [first]), PeerEvents()) for i in range(1, n)))
-        yield nodes
-    finally:
-        await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
 
 
 async def serve(node, provider, rejected: list[str], *, secret=None, wrap=None, keep=3) -> StateServer:

@@ -62,6 +62,8 @@ class TcpTransport(Transport):
         self.host, self.port, self.socket_buffer = host, port, socket_buffer
         self.events = events or PeerEvents()
         self.address = ""
+        self.bytes_sent = 0  # headers and payloads queued on dialed connections, for per-transport metrics
+        self.bytes_received = 0  # bytes read from accepted connections, skipped payloads included
         self._sink: Sink | None = None
         self._server: asyncio.Server | None = None
         self._inbound: set[_Inbound] = set()
@@ -124,6 +126,7 @@ class _Outbound(asyncio.Protocol, Link):
             self.transport.write(header.pack())
         else:
             self.transport.writelines((header.pack(), payload))
+        self.owner.bytes_sent += HEADER_SIZE + header.length
         return HEADER_SIZE + header.length
 
     def pause_writing(self) -> None:
@@ -196,6 +199,7 @@ class _Inbound(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
+        self.owner.bytes_received += nbytes
         if self._filled < self._want or self._closed:
             return
         if self._state == _HEADER:
