@@ -1,0 +1,2 @@
+"""`peerd lab`: hosts as Linux network namespaces on one machine, real daemons in them, shaped links
+and a schedule of faults (docs/lab.md)."""

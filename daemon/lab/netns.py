@@ -1,0 +1,349 @@
+"""The lab's network: hosts as Linux network namespaces on one bridge, and how their links are shaped.
+
+Everything a lab creates is named after its id (`pdlab-<id>`), so that tearing a lab down, after a
+clean exit, a crash half-way through a build, or a SIGKILL of the lab process, is one function that
+finds its pieces by name: `destroy(lab_id)`. That name is the cleanup registry; nothing else needs
+to be remembered. Per lab:
+
+    bridge pdlab-<id>             10.77.K.1/24, so the root namespace can reach every host's /metrics;
+                                  its alias holds the lab process's pid and start time, and the work dir
+    $TMPDIR/pdlab-<id>/           work dir: the hosts' data dirs and logs
+    netns  pdlab-<id>-<host>      one per host: lo, and eth0 at 10.77.K.(i+2)/24
+    veth   pdlab-<id>-<i>         the bridge end of host i's link (the other end is eth0 in its netns)
+    nft    table bridge pdlab-<id>  one `forward` chain: partitions and packet loss, per named counter
+
+Shaping (see docs/lab.md): a host's `rate_mbit` is a tbf qdisc on both ends of its veth, so uplink
+and downlink are limited apart; its `loss_pct` drops that share of the packets *delivered to* it,
+in the bridge's forward hook, i.e. after they left the sender: the sender's TCP sees a loss on the
+wire, not a local error. GSO is capped at one MTU on every eth0, so a drop is one packet, never a
+64 KiB super-packet. There is no added latency: this kernel has no netem.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pdlab-"
+LAB_ID = re.compile(r"pdlab-([0-9a-f]{4})(?![0-9a-f])")
+CMD_TIMEOUT = 20.0  # seconds for one ip/tc/nft/sysctl command
+KILL_TIMEOUT = 10.0  # seconds for SIGKILLed processes of a namespace to be gone
+TBF_LATENCY_MS = 20  # queue of each tbf: a packet waits at most this long, then is dropped
+LOSS_SCALE = 10000  # numgen range: loss_pct has a resolution of 0.01 %
+PROTOCOLS = ("all", "tcp", "udp")
+OWNER_TAG = "peerd-lab-owner"
+
+
+class LabError(RuntimeError):
+    """A network command failed; the message names the command and what it printed."""
+
+
+def sh(*args: str, input: str | None = None, check: bool = True) -> str:
+    """Run one command; its stdout. With check=False a failure returns "" (e.g. deleting what is gone)."""
+    r = subprocess.run(args, input=input, capture_output=True, text=True, timeout=CMD_TIMEOUT)
+    if r.returncode != 0:
+        if check:
+            raise LabError(f"`{' '.join(args)}` failed ({r.returncode}): {(r.stderr or r.stdout).strip()}")
+        return ""
+    return r.stdout
+
+
+def environment_problem() -> str | None:
+    """None when this process can build a lab, else one line saying why not."""
+    if os.name != "posix" or not Path("/proc/self/ns/net").exists():
+        return "peerd lab needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "peerd lab needs root (it creates network namespaces, links and nftables tables)"
+    missing = [tool for tool in ("ip", "tc", "nft", "sysctl") if shutil.which(tool) is None]
+    if missing:
+        return f"peerd lab needs {', '.join(missing)} (Debian: iproute2, nftables, procps)"
+    probe = f"{PREFIX}{secrets.token_hex(2)}-probe"
+    try:
+        sh("ip", "netns", "add", probe)
+    except (LabError, OSError, subprocess.TimeoutExpired) as e:
+        return f"cannot create a network namespace here: {e}"
+    sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkShape:
+    """One host's link. rate_mbit 0 = unlimited; loss applies to packets delivered to the host."""
+
+    rate_mbit: float = 0.0
+    loss_pct: float = 0.0
+    loss_protocol: str = "all"  # all, tcp or udp
+    loss_ports: tuple[int, ...] = ()  # only packets from or to these ports (tcp and udp); () = every packet
+
+
+@dataclass(slots=True)
+class Host:
+    name: str
+    index: int
+    netns: str
+    ip: str
+    port: str  # the bridge end of its veth
+    shape: LinkShape = field(default_factory=LinkShape)
+
+    def exec_prefix(self) -> list[str]:
+        """Prefix a command with this to run it in the host's namespace (`ip netns exec` execs, no fork)."""
+        return ["ip", "netns", "exec", self.netns]
+
+
+def render_rules(table: str, hosts: list[Host], side: dict[str, int]) -> str:
+    """The nft script that replaces the forward chain in one transaction: cuts between hosts on
+    different sides, then each host's random loss. Pure; `side` maps host name to a side number
+    (hosts absent from it are on side 0)."""
+    lines = [f"flush chain bridge {table} forward"]
+    sides: dict[int, list[str]] = {}
+    for h in hosts:
+        sides.setdefault(side.get(h.name, 0), []).append(h.port)
+    if len(sides) > 1:
+        for h in hosts:
+            same = ", ".join(f'"{p}"' for p in sides[side.get(h.name, 0)])
+            lines.append(f'add rule bridge {table} forward oifname "{h.port}" iifname != {{ {same} }} counter name "cut-{h.name}" drop')
+    for h in hosts:
+        s = h.shape
+        if s.loss_pct <= 0:
+            continue
+        drop = f'numgen random mod {LOSS_SCALE} < {round(s.loss_pct * LOSS_SCALE / 100)} counter name "loss-{h.name}" drop'
+        match = f'add rule bridge {table} forward oifname "{h.port}"'
+        proto = {"all": "{ tcp, udp }"}.get(s.loss_protocol, s.loss_protocol)
+        if s.loss_ports:
+            ports = ", ".join(str(p) for p in s.loss_ports)
+            lines.append(f"{match} meta l4proto {proto} th dport {{ {ports} }} {drop}")
+            # The other direction of the same flows; a packet between two listed ports is drawn once.
+            lines.append(f"{match} meta l4proto {proto} th sport {{ {ports} }} th dport != {{ {ports} }} {drop}")
+        elif s.loss_protocol != "all":
+            lines.append(f"{match} meta l4proto {proto} {drop}")
+        else:
+            lines.append(f"{match} {drop}")
+    return "\n".join(lines) + "\n"
+
+
+def _tbf(rate_mbit: float) -> list[str]:
+    rate = rate_mbit * 1e6
+    burst = max(int(rate / 8 * 0.004), 16 * 1024)  # 4 ms of traffic, at least 16 KiB: several MTUs
+    return ["tbf", "rate", f"{rate:.0f}bit", "burst", str(burst), "latency", f"{TBF_LATENCY_MS}ms"]
+
+
+class Network:
+    """One lab's bridge, hosts and rules. Build with `create()` then `add_host()`; `destroy()` always."""
+
+    def __init__(self, lab_id: str | None = None):
+        self.id = lab_id or secrets.token_hex(2)
+        self.name = f"{PREFIX}{self.id}"
+        self.dir = Path(tempfile.gettempdir()) / self.name
+        self.hosts: dict[str, Host] = {}
+        self.side: dict[str, int] = {}
+        self.subnet_k: int | None = None
+
+    @property
+    def bridge_ip(self) -> str:
+        return f"10.77.{self.subnet_k}.1"
+
+    def create(self) -> "Network":
+        """The bridge first: its alias names the lab's owner and work dir (`peerd lab clean` reads it)."""
+        self.subnet_k = _free_subnet()
+        sh("ip", "link", "add", self.name, "type", "bridge")
+        sh("ip", "link", "set", self.name, "alias", f"{OWNER_TAG} {_owner(os.getpid())} {self.dir}")
+        self.dir.mkdir(mode=0o700)
+        sh("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.name)
+        sh("ip", "link", "set", self.name, "up")
+        script = f"add table bridge {self.name}\nadd chain bridge {self.name} forward {{ type filter hook forward priority 0; policy accept; }}\n"
+        sh("nft", "-f", "-", input=script)
+        return self
+
+    def add_host(self, name: str, shape: LinkShape = LinkShape(), congestion_control: str | None = None) -> Host:
+        i = len(self.hosts)
+        h = Host(name, i, f"{self.name}-{name}", f"10.77.{self.subnet_k}.{i + 2}", f"{self.name}-{i}", shape)
+        inner = f"{self.name}-{i}h"  # renamed eth0 once inside
+        sh("ip", "netns", "add", h.netns)
+        sh("ip", "link", "add", h.port, "type", "veth", "peer", "name", inner)
+        sh("ip", "link", "set", inner, "netns", h.netns)
+        sh("ip", "link", "set", h.port, "master", self.name, "up")
+        ns = ["ip", "-n", h.netns]
+        sh(*ns, "link", "set", "lo", "up")
+        sh(*ns, "link", "set", inner, "name", "eth0", "gso_max_size", "1500")
+        sh(*ns, "addr", "add", f"{h.ip}/24", "dev", "eth0")
+        sh(*ns, "link", "set", "eth0", "up")
+        sh("nft", "add", "counter", "bridge", self.name, f"loss-{name}")
+        sh("nft", "add", "counter", "bridge", self.name, f"cut-{name}")
+        self.hosts[name] = h
+        if congestion_control:
+            self.set_congestion_control(h, congestion_control)
+        self.shape(name, shape)
+        return h
+
+    def set_congestion_control(self, h: Host, algorithm: str) -> str:
+        """Set the namespace's TCP congestion control; returns what the kernel then reports."""
+        try:
+            sh(*h.exec_prefix(), "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={algorithm}")
+        except LabError as e:
+            available = sh(*h.exec_prefix(), "sysctl", "-n", "net.ipv4.tcp_available_congestion_control").strip()
+            raise LabError(
+                f"cannot use TCP congestion control {algorithm!r} inside a network namespace "
+                f"(available: {available}; a namespace may only pick what the host allows): {e}"
+            ) from None
+        return self.congestion_control(h)
+
+    def congestion_control(self, h: Host) -> str:
+        return sh(*h.exec_prefix(), "sysctl", "-n", "net.ipv4.tcp_congestion_control").strip()
+
+    def shape(self, name: str, shape: LinkShape) -> None:
+        h = self.hosts[name]
+        h.shape = shape
+        for where in (["-n", h.netns, "qdisc"], ["qdisc"]):  # uplink: eth0 in the host; downlink: the bridge end
+            dev = "eth0" if len(where) > 1 else h.port
+            if shape.rate_mbit > 0:
+                sh("tc", *where, "replace", "dev", dev, "root", *_tbf(shape.rate_mbit))
+            else:
+                sh("tc", *where, "del", "dev", dev, "root", check=False)  # fails when there was none
+        self.apply_rules()
+
+    def partition(self, sides: list[set[str]]) -> None:
+        """Cut every host of one set from every host outside it; hosts in no set form one more side."""
+        self.side = {name: k + 1 for k, names in enumerate(sides) for name in names}
+        self.apply_rules()
+
+    def heal(self) -> None:
+        self.side = {}
+        self.apply_rules()
+
+    def apply_rules(self) -> None:
+        sh("nft", "-f", "-", input=render_rules(self.name, list(self.hosts.values()), self.side))
+
+    def dropped(self) -> dict[str, dict[str, int]]:
+        """Packets dropped so far on the way to each host: {host: {"loss": n, "cut": n}}."""
+        out = json.loads(sh("nft", "-j", "list", "counters", "table", "bridge", self.name))
+        drops: dict[str, dict[str, int]] = {name: {"loss": 0, "cut": 0} for name in self.hosts}
+        for item in out.get("nftables", []):
+            c = item.get("counter")
+            if c:
+                kind, _, host = c["name"].partition("-")
+                if host in drops:
+                    drops[host][kind] = c["packets"]
+        return drops
+
+    def link_stats(self, name: str) -> dict[str, int]:
+        """eth0's byte and packet counters, and TCP's retransmitted segments, in the host's namespace."""
+        h = self.hosts[name]
+        link = json.loads(sh("ip", "-n", h.netns, "-j", "-s", "link", "show", "eth0"))[0]["stats64"]
+        snmp = sh(*h.exec_prefix(), "cat", "/proc/net/snmp").splitlines()
+        tcp = [line.split()[1:] for line in snmp if line.startswith("Tcp:")]
+        retrans = int(dict(zip(tcp[0], tcp[1])).get("RetransSegs", 0)) if len(tcp) == 2 else 0
+        return {
+            "rx_bytes": link["rx"]["bytes"], "tx_bytes": link["tx"]["bytes"],
+            "rx_packets": link["rx"]["packets"], "tx_packets": link["tx"]["packets"],
+            "tcp_retransmitted_segments": retrans,
+        }  # fmt: skip
+
+    def destroy(self) -> list[str]:
+        return destroy(self.id)
+
+
+def _free_subnet() -> int:
+    used = set(re.findall(r"inet 10\.77\.(\d+)\.", sh("ip", "-4", "-o", "addr", "show")))
+    for k in range(256):
+        if str(k) not in used:
+            return k
+    raise LabError("no free 10.77.K.0/24 subnet left in the root namespace (run `peerd lab clean`)")
+
+
+def _owner(pid: int) -> str:
+    """pid:start time, the start in clock ticks since boot: with the pid, names one process for good."""
+    try:
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = "gone"
+    return f"{pid}:{start}"
+
+
+def _alias(lab_id: str) -> list[str]:
+    """[owner, work dir] from the lab's bridge alias, or [] when the bridge is gone or has none."""
+    out = sh("ip", "-o", "link", "show", f"{PREFIX}{lab_id}", check=False)
+    m = re.search(rf"alias {OWNER_TAG} (\S+) (\S+)", out)
+    return [m.group(1), m.group(2)] if m else []
+
+
+def owner_alive(lab_id: str) -> bool:
+    """Whether the process that built this lab still runs (a pid alone could have been reused)."""
+    alias = _alias(lab_id)
+    return bool(alias) and _owner(int(alias[0].split(":")[0])) == alias[0]
+
+
+def labs() -> set[str]:
+    """Ids of every lab that left something on this machine: namespaces, links, tables, or work dirs
+    in this process's temp dir (a lab's work dir elsewhere is found through its bridge's alias)."""
+    found = set(LAB_ID.findall(sh("ip", "netns", "list")))
+    found |= set(LAB_ID.findall(sh("ip", "-o", "link", "show")))
+    found |= set(LAB_ID.findall(sh("nft", "list", "tables")))
+    found |= {m.group(1) for p in Path(tempfile.gettempdir()).glob(f"{PREFIX}*") if (m := LAB_ID.fullmatch(p.name))}
+    return found
+
+
+def destroy(lab_id: str) -> list[str]:
+    """Remove everything of one lab, whatever state it is in; returns what was removed. Order:
+    the processes in its namespaces (SIGKILL, waited for), the bridge ends of its veths (which takes
+    the other ends with them at once; a namespace's own cleanup is asynchronous), the bridge, the
+    namespaces, the nftables table, the work dir."""
+    name = f"{PREFIX}{lab_id}"
+    removed: list[str] = []
+    alias = _alias(lab_id)
+    work = Path(alias[1]) if alias else Path(tempfile.gettempdir()) / name
+    namespaces = [n.split()[0] for n in sh("ip", "netns", "list").splitlines() if n.startswith(f"{name}-")]
+    pids = [int(p) for ns in namespaces for p in sh("ip", "netns", "pids", ns, check=False).split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)  # stopped (frozen) processes die too
+            removed.append(f"process {pid}")
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + KILL_TIMEOUT
+    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    links = re.findall(rf"^\d+: ({re.escape(name)}(?:-\d+)?)[@:]", sh("ip", "-o", "link", "show"), re.M)
+    for link in sorted(links, key=len, reverse=True):  # veths before the bridge
+        sh("ip", "link", "del", link, check=False)  # a veth may already be gone with its namespace
+        removed.append(f"link {link}")
+    for ns in namespaces:
+        sh("ip", "netns", "del", ns, check=False)
+        removed.append(f"netns {ns}")
+    if re.search(rf"^table bridge {re.escape(name)}$", sh("nft", "list", "tables"), re.M):
+        sh("nft", "delete", "table", "bridge", name)
+        removed.append(f"nft table bridge {name}")
+    if work.name == name and work.exists():  # never anything but a lab's own dir
+        shutil.rmtree(work, ignore_errors=True)
+        removed.append(f"dir {work}")
+    return removed
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def clean(force: bool = False) -> tuple[list[str], list[str]]:
+    """Destroy the leftovers of labs whose process is gone (every lab with force).
+    Returns (what was removed, ids of labs skipped because their process still runs)."""
+    removed, skipped = [], []
+    for lab_id in sorted(labs()):
+        if not force and owner_alive(lab_id):
+            skipped.append(lab_id)
+            continue
+        removed += destroy(lab_id)
+    return removed, skipped
