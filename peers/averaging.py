@@ -25,6 +25,7 @@ from hivemind.p2p import P2P
 
 from peers.collective import AllReduceSettings, Group, GroupAllReduce, Outcome, TcpTransport
 from peers.collective.fallback import FallbackTransport, member_address
+from peers.collective.linkauth import LinkAuth
 from peers.collective.p2p import P2PTransport
 from peers.events import PeerEvents
 from peers.matchmaking import Matchmaker, Member
@@ -93,9 +94,11 @@ class MoshpitAverager:
         shape = grid_shape(len(view), self.max_group_size)
         coords = view_coords(view, shape, run_id=self.namespace, epoch=round_t // shape.d)
         key = group_key(self.namespace, round_t, coords[self.peer_id], shape)
-        direct = TcpTransport(self.bind_host, 0, events=self.events)
+        # In a secret run every link proves it holds the secret, for this round's group key only.
+        auth = LinkAuth(self.secret.engine_key, key) if self.secret is not None else None
+        direct = TcpTransport(self.bind_host, 0, events=self.events, auth=auth)
         port = (await direct.start()).rsplit(":", 1)[1]
-        relay = P2PTransport(self.p2p, port, events=self.events) if self.p2p is not None else None
+        relay = P2PTransport(self.p2p, port, events=self.events, auth=auth) if self.p2p is not None else None
         transport = FallbackTransport(direct, relay, mode=self.transport_mode if relay else "tcp")
         try:
             if relay is not None:

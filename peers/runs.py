@@ -45,6 +45,7 @@ class RunSecret:
 
     key_id: bytes  # derives the run's DHT key: without the secret the key cannot be found
     seal_key: bytes  # AES-256-GCM key for the run's DHT records
+    engine_key: bytes  # keys the collective engine's link hellos (peers/collective/linkauth.py)
 
     @classmethod
     def from_bytes(cls, secret: bytes, run_id: str) -> "RunSecret":
@@ -53,7 +54,7 @@ class RunSecret:
             raise InvalidSecret(f"run secret is {len(secret)} bytes; at least {MIN_SECRET_BYTES} are required")
         prk = hmac.new(b"peerd run secret v1", secret, hashlib.sha256).digest()  # HKDF-extract
         expand = lambda label: hmac.new(prk, f"{label}\x00{run_id}".encode(), hashlib.sha256).digest()
-        return cls(key_id=expand("dht-key"), seal_key=expand("record-seal"))
+        return cls(key_id=expand("dht-key"), seal_key=expand("record-seal"), engine_key=expand("engine-link"))
 
     @classmethod
     def from_file(cls, path: str | Path, run_id: str) -> "RunSecret":

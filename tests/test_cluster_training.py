@@ -110,10 +110,11 @@ class StepWatch:
         self._thread.join(5)
 
 
-def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn):
+def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secret_file):
+    """A secret run, so that every engine link also opens with the secret's hello (linkauth.py)."""
     every = 10
     create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}"]
-    args = ["--run", "churn", "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    args = ["--run", "churn", "--run-secret-file", str(secret_file), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("churn-a", [*args, *create])
     b, c = (spawn(f"churn-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
     b.wait_ready()
@@ -162,6 +163,8 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn):
         for d, result in ((late, "ok"), (b, "ok")):
             m = scrape(d.metrics_url)
             assert m.get(("peerd_state_syncs_total", (("result", result), ("run", "churn"))), 0) >= 1, d.log_tail(40)
+        for d in (a, b, late):  # members of the run always hold the secret: no link of theirs was refused
+            assert scrape(d.metrics_url).get(("peerd_rejected_total", (("reason", "wire_bad_hello"),)), 0) == 0
         assert not watch.regressions, watch.regressions
     finally:
         watch.stop()

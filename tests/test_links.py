@@ -1,7 +1,8 @@
-"""The reliable path's fallback: members that cannot be dialed directly are reached over libp2p streams.
+"""The reliable path's links: the libp2p fallback for members that cannot be dialed directly, and the
+hello that keeps parties without the run's secret off a secret run's links.
 
-Real p2pd nodes on loopback. A member that is "behind a firewall" advertises a TCP address nobody
-listens on (connection refused, the seam), so the others reach it through its libp2p handler.
+Real p2pd nodes and TCP on loopback. A member that is "behind a firewall" advertises a TCP address
+nobody listens on (connection refused, the seam), so the others reach it through its libp2p handler.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 
 from peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
 from peers.collective.fallback import FallbackTransport, member_address
+from peers.collective.linkauth import HELLO_SIZE, LinkAuth
 from peers.collective.p2p import P2PTransport
-from peers.collective.wire import HEADER_SIZE
+from peers.collective.wire import HEADER_SIZE, Header, Kind, run_tag
 from peers.events import PeerEvents
 from tests.helpers import peer_nodes
 
@@ -29,14 +31,15 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-async def reduce_over(nodes, *, unreachable: set[int], mode: str = "reliable", numel: int = 300_000, rejected=None):
+async def reduce_over(nodes, *, unreachable: set[int], mode: str = "reliable", numel: int = 300_000, rejected=None,
+                      auth: LinkAuth | None = None):
     """One all-reduce among the nodes' members; members in `unreachable` advertise a dead TCP port."""
     events = PeerEvents(rejected=(rejected.append if rejected is not None else lambda r: None))
     transports, addresses = [], []
     for i, node in enumerate(nodes):
-        direct = TcpTransport("127.0.0.1", 0, events=events)
+        direct = TcpTransport("127.0.0.1", 0, events=events, auth=auth)
         port = (await direct.start()).rsplit(":", 1)[1]
-        relay = P2PTransport(node.p2p, port, events=events)
+        relay = P2PTransport(node.p2p, port, events=events, auth=auth)
         await relay.start()
         transports.append(FallbackTransport(direct, relay, mode=mode))
         advertised = f"127.0.0.1:{closed_port()}" if i in unreachable else f"127.0.0.1:{port}"
@@ -63,7 +66,11 @@ async def reduce_over(nodes, *, unreachable: set[int], mode: str = "reliable", n
 def test_an_undialable_member_is_reached_over_libp2p_and_the_round_is_exact(tmp_path):
     async def scenario():
         async with peer_nodes(3, tmp_path) as nodes:
-            outcomes, tensors, expected, transports, addresses = await reduce_over(nodes, unreachable={2})
+            rejected: list[str] = []
+            auth = LinkAuth(b"k" * 32, "group-key")  # as in a secret run: every link opens with a hello
+            outcomes, tensors, expected, transports, addresses = await reduce_over(
+                nodes, unreachable={2}, rejected=rejected, auth=auth)
+            assert rejected == []
             assert all(o.completed for o in outcomes), [o.reason for o in outcomes]
             assert len({o.digest for o in outcomes}) == 1
             for t in tensors:
@@ -123,5 +130,60 @@ def test_garbage_on_a_libp2p_stream_is_refused_and_counted(tmp_path):
             assert rejected == ["wire_bad_magic"] and seen == ["lost"]
             writer.close()
             await relay.close()
+
+    asyncio.run(scenario())
+
+
+def test_hellos_hold_only_for_their_key_round_and_listener():
+    auth = LinkAuth(b"k" * 32, "peerd/v1/run/x/moshpit/3/0/*")
+    hello = auth.hello("4000")
+    assert len(hello) == HELLO_SIZE and auth.check(hello, "4000")
+    assert auth.hello("4000") != hello  # a fresh nonce every time
+    assert not auth.check(hello, "4001")  # another listener
+    assert not LinkAuth(b"k" * 32, "peerd/v1/run/x/moshpit/3/1/*").check(hello, "4000")  # another round
+    assert not LinkAuth(b"j" * 32, "peerd/v1/run/x/moshpit/3/0/*").check(hello, "4000")  # another secret
+    assert not auth.check(hello[:-1], "4000") and not auth.check(b"\x00" * HELLO_SIZE, "4000")
+
+
+def test_a_dialer_without_the_secret_is_cut_off_before_its_header_is_read():
+    """A real TCP listener with auth: a valid hello gets through, a forged or missing one is counted
+    and the connection closed before the sink sees a single header."""
+
+    async def scenario():
+        rejected: list[str] = []
+        auth = LinkAuth(b"k" * 32, "group")
+        listener = TcpTransport("127.0.0.1", 0, events=PeerEvents(rejected=rejected.append), auth=auth)
+        port = (await listener.start()).rsplit(":", 1)[1]
+        headers: list[Header] = []
+        lost = asyncio.Event()
+
+        class Sink:
+            def on_header(self, link, header):
+                headers.append(header)
+                return None
+
+            def on_payload(self, link, header): ...
+
+            def on_lost(self, link):
+                lost.set()
+
+        listener.attach(Sink())
+        header = Header(kind=Kind.VERDICT, run_tag=run_tag(RUN), round=1, sender=0, shard=0, count=0)
+        forged, good = LinkAuth(b"x" * 32, "group").hello(port), auth.hello(port)
+        for first_bytes, accepted in ((forged, False), (b"", False), (good, True)):
+            lost.clear()
+            _, writer = await asyncio.open_connection("127.0.0.1", int(port))
+            writer.write(first_bytes + header.pack() + header.pack())
+            await writer.drain()
+            async with asyncio.timeout(5):
+                if accepted:
+                    while len(headers) < 2:
+                        await asyncio.sleep(0.01)
+                else:
+                    await lost.wait()
+                    assert headers == []
+            writer.close()
+        assert len(headers) == 2 and rejected == ["wire_bad_hello", "wire_bad_hello"]
+        await listener.close()
 
     asyncio.run(scenario())

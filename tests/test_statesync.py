@@ -198,7 +198,7 @@ def test_a_secret_run_serves_only_peers_that_hold_the_secret(tmp_path):
             assert not r.ok and r.partial is None
             assert Counter(rejected) == {"state_unknown_run": 2}
             # Whoever reads the DHT knows key_id (it names the run's keys), but not the seal key.
-            eavesdropper = RunSecret(key_id=secret.key_id, seal_key=b"x" * 32)
+            eavesdropper = RunSecret(key_id=secret.key_id, seal_key=b"x" * 32, engine_key=b"x" * 32)
             r = await fetch_state(me, RUN, eavesdropper, donors, request_timeout=5, timeout=10)
             assert not r.ok and Counter(rejected) == {"state_unknown_run": 2, "state_bad_tag": 2}
             # A request captured from `me` is refused when another peer sends it.

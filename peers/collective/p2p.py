@@ -20,6 +20,7 @@ import logging
 
 from hivemind.p2p import P2P, PeerID
 
+from peers.collective.linkauth import HELLO_SIZE, LinkAuth
 from peers.collective.transport import Action, Link, Sink, Transport
 from peers.collective.wire import HEADER_SIZE, Header, WireError, decode
 from peers.events import PeerEvents
@@ -44,8 +45,8 @@ class P2PTransport(Transport):
     `tag` must be unique among this daemon's transports that are open at the same time (the
     averager uses its TCP transport's port). Streams that arrive before attach() wait for it."""
 
-    def __init__(self, p2p: P2P, tag: str, *, events: PeerEvents | None = None):
-        self.p2p, self.name = p2p, HANDLER_PREFIX + tag
+    def __init__(self, p2p: P2P, tag: str, *, events: PeerEvents | None = None, auth: LinkAuth | None = None):
+        self.p2p, self.name, self.auth = p2p, HANDLER_PREFIX + tag, auth
         self.events = events or PeerEvents()
         self.address = ""
         self.bytes_sent = 0  # headers and payloads handed to p2pd, for per-transport metrics
@@ -79,6 +80,8 @@ class P2PTransport(Transport):
             raise OSError(f"libp2p stream to {peer_id[:12]}... failed: {e}") from e
         link = _StreamLink(self, reader, writer)
         self._links.add(link)
+        if self.auth is not None:
+            writer.write(self.auth.hello(name))
         return link
 
     async def close(self) -> None:
@@ -157,7 +160,11 @@ class _InboundStream:
         self._discard = True
 
     async def pump(self, reader: asyncio.StreamReader) -> None:
-        sink = self.owner._sink
+        sink, auth = self.owner._sink, self.owner.auth
+        if auth is not None and not auth.check(await reader.readexactly(HELLO_SIZE), self.owner.name):
+            self.owner.events.rejected("wire_bad_hello")
+            logger.debug("dropping libp2p stream from %s: bad hello", self.peer_id)
+            return
         while not self._closed:
             raw = await reader.readexactly(HEADER_SIZE)
             try:
