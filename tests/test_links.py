@@ -102,32 +102,37 @@ def test_mode_libp2p_uses_only_streams_and_mode_tcp_refuses_to_fall_back(tmp_pat
     asyncio.run(scenario())
 
 
+class RecordingSink:
+    """A sink that records headers (payloads must be empty) and sets `lost` when a link ends."""
+
+    def __init__(self):
+        self.headers: list[Header] = []
+        self.lost = asyncio.Event()
+
+    def on_header(self, link, header):
+        self.headers.append(header)
+        return memoryview(b"")
+
+    def on_payload(self, link, header) -> None: ...
+
+    def on_lost(self, link) -> None:
+        self.lost.set()
+
+
 def test_garbage_on_a_libp2p_stream_is_refused_and_counted(tmp_path):
     async def scenario():
         rejected: list[str] = []
         async with peer_nodes(2, tmp_path) as (a, b):
             relay = P2PTransport(a.p2p, "9", events=PeerEvents(rejected=rejected.append))
             await relay.start()
-            seen: list[object] = []
-
-            class Sink:
-                def on_header(self, link, header):
-                    seen.append(header)
-                    return None
-
-                def on_payload(self, link, header): ...
-
-                def on_lost(self, link):
-                    seen.append("lost")
-
-            relay.attach(Sink())
+            sink = RecordingSink()
+            relay.attach(sink)
             _, _, writer = await b.p2p.call_binary_stream_handler(a.p2p.peer_id, relay.name)
             writer.write(b"\x00" * HEADER_SIZE)
             await writer.drain()
             async with asyncio.timeout(10):
-                while "lost" not in seen:
-                    await asyncio.sleep(0.05)
-            assert rejected == ["wire_bad_magic"] and seen == ["lost"]
+                await sink.lost.wait()
+            assert rejected == ["wire_bad_magic"] and sink.headers == []
             writer.close()
             await relay.close()
 
@@ -154,20 +159,9 @@ def test_a_dialer_without_the_secret_is_cut_off_before_its_header_is_read():
         auth = LinkAuth(b"k" * 32, "group")
         listener = TcpTransport("127.0.0.1", 0, events=PeerEvents(rejected=rejected.append), auth=auth)
         port = (await listener.start()).rsplit(":", 1)[1]
-        headers: list[Header] = []
-        lost = asyncio.Event()
-
-        class Sink:
-            def on_header(self, link, header):
-                headers.append(header)
-                return None
-
-            def on_payload(self, link, header): ...
-
-            def on_lost(self, link):
-                lost.set()
-
-        listener.attach(Sink())
+        sink = RecordingSink()
+        headers, lost = sink.headers, sink.lost
+        listener.attach(sink)
         header = Header(kind=Kind.VERDICT, run_tag=run_tag(RUN), round=1, sender=0, shard=0, count=0)
         forged, good = LinkAuth(b"x" * 32, "group").hello(port), auth.hello(port)
         for first_bytes, accepted in ((forged, False), (b"", False), (good, True)):
