@@ -314,6 +314,31 @@ def _cmd_health(args) -> int:
     return 0 if status == "SERVING" else 1
 
 
+# ---- peerd lab (issue 4; daemon/lab/, imported only when used) ----------------------------------------
+
+
+def _add_lab(sub) -> None:
+    p = sub.add_parser("lab", help="network lab: real daemons in network namespaces, shaped links, faults (docs/lab.md)",
+                       description="Build hosts as Linux network namespaces on one machine, run a real daemon in each, "
+                       "shape their links and play a scenario of faults (root; docs/lab.md).")  # fmt: skip
+    lab = p.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND", parser_class=_Parser)
+    r = lab.add_parser("run", help="run a scenario and print its report", description="Run SCENARIO.toml and print its report.")
+    r.add_argument("scenario", metavar="SCENARIO.toml")
+    r.add_argument("--json", dest="json_out", metavar="OUT", help="also write the report as JSON to OUT (- for stdout)")
+    r.add_argument("--logs", metavar="DIR", help="copy every daemon's log to DIR before the lab is removed")
+    r.set_defaults(func=lambda a: _lab().run_command(a.scenario, a.json_out, a.logs))
+    c = lab.add_parser("clean", help="remove what crashed labs left behind", description="Remove the namespaces, links, "
+                       "nftables tables, processes and work dirs of labs whose `peerd lab` process is gone.")  # fmt: skip
+    c.add_argument("--force", action="store_true", help="also remove labs whose process still runs")
+    c.set_defaults(func=lambda a: _lab().clean_command(a.force))
+
+
+def _lab():
+    from daemon.lab import cli
+
+    return cli
+
+
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], empty: str) -> None:
     if not rows:
         print(empty)
@@ -352,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stop)
     p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING", description="Query the standard gRPC health service; exit 0 only when the daemon is READY.")
     p.set_defaults(func=_cmd_health)
+    _add_lab(sub)
     return parser
 
 

@@ -10,15 +10,19 @@ digits-mlp through a partition and a freeze gives a report whose figures hold to
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from daemon.lab import netns
 from daemon.lab.netns import Host, LinkShape, render_rules
 from daemon.lab.scenario import ScenarioError, load, parse
-from tests.helpers import ROOT
+from tests.helpers import ROOT, peerd, wait_for
 
 # ---- scenario validation: no root needed ---------------------------------------------------------------
 
@@ -117,6 +121,19 @@ def test_load_names_the_file(tmp_path):
     bad.write_text("duration = \n")
     with pytest.raises(ScenarioError, match="not valid TOML"):
         load(bad)
+    r = peerd("lab", "run", str(bad))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not valid TOML" in r.stderr, r.stderr
+
+
+def test_without_root_it_refuses_with_one_line(monkeypatch, capsys, tmp_path):
+    from daemon.lab.cli import run_command
+
+    path = tmp_path / "ok.toml"
+    path.write_text('duration = 10\n[[host]]\nname = "a"\n')
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert run_command(str(path), None, None) == 2
+    err = capsys.readouterr().err
+    assert err == "peerd: error: peerd lab needs root (it creates network namespaces, links and nftables tables)\n"
 
 
 def test_rules_cut_between_sides_and_drop_on_the_receiving_port():
@@ -234,3 +251,172 @@ def test_loss_rate_and_partition_are_real(lab):
     assert in_ns(b, CONNECT, a.ip, "5").communicate(timeout=20)[0].strip() == "open"
     rx.kill()
     rx.wait()
+
+
+@needs_lab
+@pytest.mark.timeout(60)
+def test_nothing_remains_after_an_exception_half_way_through_a_build():
+    from daemon.lab.runner import Lab
+
+    s = parse({"duration": 5, "congestion_control": "cubic", "host": [{"name": "a"}, {"name": "b"}]})
+    lab = Lab(s)
+    with pytest.raises(netns.LabError, match="cannot use TCP congestion control 'cubic' inside a network namespace"):
+        lab.run()  # cubic: allowed on the host, refused inside a namespace by this kernel
+    assert leftovers(lab.net.id) == []
+
+
+ONE_HOST = 'duration = 60\nstart_timeout = 60\n[[host]]\nname = "a"\n'
+
+
+def start_lab(tmp_path, text: str) -> tuple[subprocess.Popen, str]:
+    """`peerd lab run` as a user runs it, with its work dir under tmp_path; returns it and its lab id
+    once a process runs in its namespace."""
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    env = {**__import__("os").environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "lab", "run", str(path)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    work = wait_for(lambda: list(tmp_path.glob("pdlab-*")), timeout=30, what="the lab's work dir")[0]
+    lab_id = work.name.removeprefix("pdlab-")
+    wait_for(lambda: netns.sh("ip", "netns", "pids", f"pdlab-{lab_id}-a", check=False).strip(), timeout=30, what="a daemon in the lab")
+    return proc, lab_id
+
+
+@needs_lab
+@pytest.mark.timeout(90)
+def test_sigint_removes_everything(tmp_path):
+    proc, lab_id = start_lab(tmp_path, ONE_HOST)
+    assert leftovers(lab_id)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=40)
+    assert proc.returncode == 130, err
+    assert "interrupted; the lab was removed" in err
+    assert leftovers(lab_id) == []
+
+
+@needs_lab
+@pytest.mark.timeout(90)
+def test_sigkill_then_peerd_lab_clean_removes_everything(tmp_path):
+    proc, lab_id = start_lab(tmp_path, ONE_HOST)
+    proc.kill()
+    proc.wait(10)
+    assert leftovers(lab_id), "the daemon outlives a SIGKILLed lab until `peerd lab clean`"
+    r = peerd("lab", "clean", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"removed netns pdlab-{lab_id}-a" in r.stdout and f"removed dir {tmp_path}/pdlab-{lab_id}" in r.stdout
+    assert leftovers(lab_id) == []
+
+
+@needs_lab
+@pytest.mark.timeout(60)
+def test_clean_keeps_the_lab_of_a_live_process(lab):
+    lab.add_host("a")
+    r = peerd("lab", "clean", timeout=60)
+    assert r.returncode == 0 and f"kept pdlab-{lab.id}: its `peerd lab` process still runs" in r.stdout, r.stdout
+    assert leftovers(lab.id)
+
+
+
+def run_scenario(tmp_path, text: str) -> tuple[dict, str]:
+    """`peerd lab run --json` as a user runs it; the report and the printed table."""
+    path, out = tmp_path / "s.toml", tmp_path / "report.json"
+    path.write_text(text)
+    r = peerd("lab", "run", str(path), "--json", str(out), "--logs", str(tmp_path / "logs"), timeout=170)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "added RTT: none (no netem)" in r.stdout, r.stdout
+    assert report["added_rtt"] == "none (no netem)"
+    assert leftovers(report["lab"].removeprefix("pdlab-")) == []
+    for name, h in report["hosts"].items():
+        assert h["state"] == "running" and h["exit_codes"] == [0], (name, h)
+        assert h["step"] > report["timeline"][name][0][1], (name, h)  # every host progressed
+        assert h["rounds"]["completed"] >= 1 and h["engine_sent_bytes"] > 0 and h["link_rx_bytes"] > 0, (name, h)
+        assert h["checkpoint_steps"], (name, h)
+    assert report["nothing_lost"] and report["step_regressions"] == [] and report["torn_checkpoints"] == []
+    assert "nothing lost: yes" in r.stdout
+    return report, r.stdout
+
+
+LOSSY_FREEZE = """
+name = "lab-test-freeze"
+duration = 22
+congestion_control = "reno"
+[run]
+id = "freeze"
+settings = { "averaging.average_every" = 10 }
+[link]
+rate_mbit = 100
+loss_pct = 5
+[[host]]
+name = "a"
+[[host]]
+name = "b"
+[[host]]
+name = "c"
+[[fault]]
+at = 4
+action = "freeze"
+hosts = ["b"]
+[[fault]]
+at = 12
+action = "thaw"
+hosts = ["b"]
+"""
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_three_daemons_train_over_5_percent_loss_through_a_freeze(tmp_path):
+    report, table = run_scenario(tmp_path, LOSSY_FREEZE)
+    assert report["congestion_control"] == {"a": "reno", "b": "reno", "c": "reno"} and "TCP congestion control: reno" in table
+    for name, h in report["hosts"].items():
+        assert h["lost_packets_random"] > 0 and h["tcp_retransmitted_segments"] > 0, (name, h)
+    freeze, thaw = report["faults"]
+    assert (freeze["action"], freeze["hosts"], thaw["action"]) == ("freeze", ["b"], "thaw")
+    # a and c drop b within peer TTL + refresh + DHT timeout (4 + 0.5 + 2 s, plus a poll), and average on without it.
+    assert freeze["noticed_s"] is not None and freeze["noticed_s"] < 8, freeze
+    assert freeze["resumed_s"] is not None, freeze
+    assert thaw["noticed_s"] is not None and thaw["resumed_s"] is not None, thaw
+    assert report["max_param_divergence"]["value"] >= 0
+
+
+PARTITION = """
+name = "lab-test-partition"
+duration = 26
+[run]
+id = "split"
+settings = { "averaging.average_every" = 10 }
+[link]
+rate_mbit = 100
+[[host]]
+name = "a"
+[[host]]
+name = "b"
+[[host]]
+name = "c"
+[[fault]]
+at = 3
+action = "partition"
+hosts = ["c"]
+[[fault]]
+at = 11
+action = "heal"
+"""
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_partition_cuts_both_sides_and_the_report_says_whether_the_run_re_merged(tmp_path):
+    report, table = run_scenario(tmp_path, PARTITION)
+    partition, heal = report["faults"]
+    assert report["hosts"]["c"]["lost_packets_partition"] > 0 and report["hosts"]["a"]["lost_packets_partition"] > 0
+    # Each side drops the other and trains on: a with b (rounds), c alone (steps).
+    assert partition["noticed_s"] is not None and partition["resumed_s"] is not None, partition
+    row = next(line for line in table.splitlines() if line.startswith("11.0  heal"))
+    if heal["resumed_s"] is None:
+        assert heal["noticed_s"] is None and row.endswith("not within the run"), row
+        # What this lab found (docs/lab.md): after the heal no daemon finds the other side again.
+        pytest.xfail("the daemons do not re-discover each other after a partition heals")
+    assert heal["noticed_s"] is not None, heal
