@@ -1,0 +1,110 @@
+"""What the DeAR scheduler needs from a collective: asynchronous reduce-scatter and all-gather.
+
+    rs = collective.reduce_scatter(flat)   # returns at once; the bytes move in the background
+    ag = collective.all_gather(rs)         # returns at once; runs after rs
+    collective.wait(ag)                    # flat now holds the mean over ranks, on every rank
+
+The contract every backend keeps (gloo.py over torch.distributed; fake.py in-process for tests; a
+backend over peerd's own engine later):
+
+* **Buffers.** `flat` is a contiguous 1-D float32 tensor whose length is a multiple of `world`;
+  shard r is `flat[r*s:(r+1)*s]` with s = len / world, and rank r owns shard r. The caller passes the
+  same buffers step after step (a backend may keep scratch space per size) and touches neither a
+  buffer nor its shards from the call until `wait` on its last op returned.
+* **Reduce-scatter.** When the op completes, the owner's shard of `flat` holds the *mean* over all
+  ranks of their shard of the matching call (equal weights). The other shards hold anything (the
+  fake backend fills them with NaN): read them only after an all-gather.
+* **All-gather.** `all_gather(rs)` takes a completed-or-pending reduce-scatter handle of this
+  backend; when it completes, every shard of `rs.flat` holds its owner's bytes, so the whole buffer
+  is identical on every rank.
+* **Order.** Ops run in the order they are called, one after another (a FIFO), and every rank must
+  issue the same sequence of ops (same kinds, same lengths), from one thread, as with any collective
+  library. Nothing else synchronises the ranks.
+* **Time.** A backend stamps each handle with `started` and `finished` (time.monotonic seconds: when
+  the op began and stopped moving bytes, not when it was queued): the scheduler measures overlap and
+  the tuner fits link costs from them.
+* **Failure.** An op whose peer died (connection closed) fails at once; one whose peer froze fails
+  after the backend's `timeout` (the time one op may take, start to finish). After any failure the
+  collective is *broken*: every queued and later op fails with the same reason. `wait` never hangs:
+  it returns or raises CollectiveError at most `timeout` after the op ahead of it finished (so at
+  most (ops queued ahead + 1) x timeout after the call). A broken group stays broken: the caller
+  drops it, and its replicas may differ (some buckets updated, others not) until state is re-synced.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class CollectiveError(RuntimeError):
+    """An op failed (a peer died or froze, the backend broke); the collective is unusable after it."""
+
+
+class Kind(enum.Enum):
+    REDUCE_SCATTER = "reduce_scatter"  # the owner's shard becomes the mean over ranks of that shard
+    ALL_GATHER = "all_gather"  # every shard becomes its owner's bytes: the whole buffer agrees
+
+
+@dataclass(eq=False, slots=True)
+class Handle:
+    """One op, queued or done. Written by the backend only; `done` is set once, after the rest."""
+
+    kind: Kind
+    flat: torch.Tensor
+    seq: int  # position of the op in this collective's sequence, from 0
+    started: float = math.nan  # time.monotonic() when the op began moving bytes
+    finished: float = math.nan  # time.monotonic() when it completed or failed
+    error: str = ""  # why it failed; "" if it succeeded
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    @property
+    def seconds(self) -> float:
+        return self.finished - self.started
+
+
+class Collective(Protocol):
+    """An ordered stream of asynchronous reduce-scatters and all-gathers within one fixed group."""
+
+    world: int  # ranks in the group
+    rank: int  # this process's rank, in [0, world)
+    timeout: float  # seconds one op may take before it fails (see the module docstring)
+
+    def reduce_scatter(self, flat: torch.Tensor) -> Handle:
+        """Queue a reduce-scatter of `flat` (mean into the owner's shard); never blocks."""
+        ...
+
+    def all_gather(self, handle: Handle) -> Handle:
+        """Queue the all-gather of a reduce-scatter's result into the same buffer; never blocks."""
+        ...
+
+    def wait(self, handle: Handle) -> None:
+        """Block until the op completed; raise CollectiveError if it failed or the group broke."""
+        ...
+
+    def close(self) -> None:
+        """Stop accepting ops and release the backend's threads; queued ops fail."""
+        ...
+
+
+def check_buffer(flat: torch.Tensor, world: int) -> None:
+    """What every backend refuses before queueing: the buffer contract above."""
+    if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"need a contiguous 1-D float32 buffer, got {flat.dtype} of shape {tuple(flat.shape)}")
+    if flat.numel() == 0 or flat.numel() % world:
+        raise ValueError(f"buffer of {flat.numel()} elements cannot be cut into {world} equal shards")
+
+
+def shard(flat: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `flat` (a view)."""
+    size = flat.numel() // world
+    return flat[rank * size : (rank + 1) * size]
