@@ -151,6 +151,39 @@ def test_rules_cut_between_sides_and_drop_on_the_receiving_port():
     assert render_rules("T", hosts[:1], {}) == "flush chain bridge T forward\n"
 
 
+def test_report_times_faults_from_made_up_samples():
+    """The report's arithmetic on a made-up record: no daemons, no clock."""
+    from daemon.lab.report import build, table
+    from daemon.lab.runner import Event, Record, Sample
+
+    s = scenario(host=[{"name": "a"}, {"name": "b"}, {"name": "c"}], fault=[{"at": 10, "action": "kill", "hosts": ["c"]}])
+    ids = {"a": "Qa", "b": "Qb", "c": "Qc"}
+
+    def sample(t, host, step, last_round, peers, pid=1, outcome="completed", **metrics):
+        return Sample(t=t, host=host, pid=pid, step=step, local_step=step, loss=0.5, last_round=last_round,
+                      outcome=outcome, group_size=3, peers=frozenset(peers), divergence=0.1 * t, eval_score=0.9,
+                      metrics={"rounds_completed": last_round, **metrics})  # fmt: skip
+
+    record = Record(s, "abcd", peer_ids=ids, final_state={"a": "running", "b": "running", "c": "killed"})
+    record.events = [Event(10.0, s.faults[0], frozenset({"a", "b"}), {"a": 0, "b": 0, "c": 0})]
+    record.samples = [
+        sample(9, "a", 90, 9, {"Qb", "Qc"}), sample(9, "b", 90, 9, {"Qa", "Qc"}), sample(9, "c", 90, 9, {"Qa", "Qb"}),
+        sample(12, "a", 100, 9, {"Qb"}), sample(13, "b", 100, 9, {"Qa", "Qc"}),
+        sample(14, "b", 110, 10, {"Qa"}), sample(15, "a", 110, 10, {"Qb"}),
+        sample(16, "a", 105, 10, {"Qb"}),  # a regression within one process
+    ]  # fmt: skip
+    r = build(record)
+    (kill,) = r["faults"]
+    assert kill["noticed_s"] == 4.0  # b dropped c at 14, a at 12: the slower counts
+    assert kill["resumed_s"] == 5.0  # a's first round after the kill completed at 15, b's at 14
+    assert r["hosts"]["a"]["step_regressions"] == ["step 110 -> 105 at t=16.0 s"] and not r["nothing_lost"]
+    assert r["hosts"]["c"]["step"] == 90 and r["hosts"]["a"]["rounds"]["completed"] == 10
+    assert r["max_param_divergence"] == {"value": 1.6, "host": "a", "t": 16.0}
+    text = table(r)
+    assert "kill c" in text and "4.0 s" in text and "5.0 s" in text and "nothing lost: NO" in text
+    assert "added RTT: none (no netem)" in text
+
+
 # ---- the real lab: root and network namespaces ----------------------------------------------------------
 
 PROBLEM = netns.environment_problem() if sys.platform == "linux" else "not Linux"
@@ -420,3 +453,23 @@ def test_a_partition_cuts_both_sides_and_the_report_says_whether_the_run_re_merg
         # What this lab found (docs/lab.md): after the heal no daemon finds the other side again.
         pytest.xfail("the daemons do not re-discover each other after a partition heals")
     assert heal["noticed_s"] is not None, heal
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_lab_baselines_quick_prints_json_lines():
+    """Smoke test of bench.lab_baselines: it runs to the end and prints the promised lines. No
+    figure is asserted (docs/benchmarks.md holds the measured ones), only that every system ran."""
+    r = subprocess.run([sys.executable, "-m", "bench.lab_baselines", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=220)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(records) == 3, r.stdout
+    for rec in records:
+        assert {"bench", "metric", "ours", "baseline", "ratio", "unit"} <= rec.keys() and rec["unit"] == "s"
+        assert rec["cc"] == "reno" and rec["added_rtt_ms"] == 0 and "no added latency" in rec["emulated"]
+        assert rec["ours"] and rec["baseline"] and rec["hivemind_s"], rec  # every system finished its round
+        assert rec["peerd_outcomes"] == ["completed"]
+    assert records[1]["packets_dropped"] > 0 and records[0]["packets_dropped"] == 0
+    assert records[-1]["metric"] == "round_s_peerd_vs_gloo_reno_5pct"
+    assert not [line for line in netns.sh("ip", "netns", "list").splitlines() if "-h0" in line and line.startswith("pdlab-")]

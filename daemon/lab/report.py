@@ -8,7 +8,8 @@ For each join or fault:
   every running host; after a join, restart or thaw: that host) completed an averaging round that
   it had not completed before the event, or, for a host with no running partner on its side of a
   partition, took a training step.
-Times count from the moment the lab acted (for a join or restart: the new daemon's ready file).
+Times count from the moment the lab acted: for a join or restart, from the spawn of the new daemon,
+so its start-up is included (ready_s: until it first answered).
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def _fault(record: Record, e: Event, by_host: dict[str, list[Sample]]) -> dict[s
         "what": f.describe(),
         "noticed_s": _slowest({o: _first(by_host[o], e.t, want) for o, want in wants.items()}, e.t),
         "resumed_s": _slowest({p: _first(by_host[p], e.t, want) for p, want in resumed.items()}, e.t),
+        "ready_s": _slowest({n: _first(by_host[n], e.t, lambda s: True) for n in targets}, e.t)
+        if f.action in ("join", "restart") else None,
     }
 
 
@@ -183,10 +186,11 @@ def table(report: dict[str, Any]) -> str:
     if report["faults"]:
         lines.append("")
         rows = [
-            (f"{f['t']:.1f}", f["what"], _v(f["noticed_s"], "{:.1f} s", "-"), _v(f["resumed_s"], "{:.1f} s", "not within the run"))
+            (f"{f['t']:.1f}", f["what"], _v(f["ready_s"], "{:.1f} s", ""), _v(f["noticed_s"], "{:.1f} s", "-"),
+             _v(f["resumed_s"], "{:.1f} s", "not within the run"))
             for f in report["faults"]
-        ]
-        lines += _columns(("AT S", "EVENT", "NOTICED AFTER", "TRAINING WENT ON AFTER"), rows)
+        ]  # fmt: skip
+        lines += _columns(("AT S", "EVENT", "READY AFTER", "NOTICED AFTER", "TRAINING WENT ON AFTER"), rows)
     d = report["max_param_divergence"]
     lines.append("")
     lines.append(

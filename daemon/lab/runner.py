@@ -25,7 +25,7 @@ from typing import Callable
 
 from daemon.lab.netns import Host, Network
 from daemon.lab.scenario import Fault, Scenario
-from daemon.procs import LocalDaemon
+from daemon.procs import DaemonFailed, LocalDaemon
 
 logger = logging.getLogger(__name__)
 
@@ -258,21 +258,30 @@ class Lab:
         while waiting:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"hosts {', '.join(sorted(waiting))} not training after {self.s.start_timeout:.0f} s")
-            for name in sorted(waiting):
+            for name in names:
                 d = self.daemons[name]
-                if not d.ready:
-                    if d.proc.poll() is not None:
-                        raise RuntimeError(f"host {name}: daemon exited with {d.proc.returncode}; log:\n{d.log_tail()}")
-                    if (d.data_dir / "ready.json").exists():
-                        d.wait_ready(POLL_TIMEOUT)
-                    continue
+                if d.proc.poll() is not None:
+                    raise DaemonFailed(f"host {name}: daemon exited with {d.proc.returncode}; log:\n{d.log_tail()}")
+            for name, d in self._live().items():
                 sample = poll_daemon(name, d, self.s.run.id, 0.0)
                 if sample is not None and sample.step > 0:
                     waiting.discard(name)
             time.sleep(POLL_INTERVAL)
 
     def _live(self) -> dict[str, LocalDaemon]:
-        return {n: d for n, d in list(self.daemons.items()) if self.state[n] == "running" and d.ready}
+        """Running, unfrozen daemons that are ready (a daemon that is starting is checked, not waited for)."""
+        live = {}
+        for name, d in list(self.daemons.items()):
+            if self.state[name] != "running":
+                continue
+            if not d.ready and (d.data_dir / "ready.json").exists():
+                try:
+                    d.wait_ready(POLL_TIMEOUT)
+                except DaemonFailed:
+                    continue
+            if d.ready:
+                live[name] = d
+        return live
 
     def _sleep_until(self, at: float) -> None:
         # The schedule's clock, not synchronization: faults happen at their times whatever the daemons do.
@@ -297,7 +306,7 @@ class Lab:
                 os.killpg(d.pid, signal.SIGCONT)
                 self.state[name] = "running"
             elif f.action in ("join", "restart"):
-                self._start(name).wait_ready()  # the event's time is then: from ready, not from spawn
+                self._start(name)  # not waited for: the schedule keeps its times; the collector sees it when ready
             elif f.action == "link":
                 self.net.shape(name, replace(self.net.hosts[name].shape, **f.link))
         if f.action == "partition":

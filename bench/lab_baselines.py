@@ -1,0 +1,273 @@
+"""One averaging round over shaped links in the network lab: peerd's reliable engine vs gloo vs hivemind.
+
+    python -m bench.lab_baselines [--quick] [--mib 64] [--hosts 4] [--rate 100] [--loss 0,1,5,10] [--cc reno,bbr]
+
+The hosts are `peerd lab` network namespaces (daemon/lab/netns.py) on one bridge: each link is
+limited to `--rate` Mbit/s in both directions (tbf on both ends of its veth) and drops `--loss` % of
+the packets delivered to the host (nftables, bridge forward hook: a loss on the wire, not a local
+error); every host's TCP uses one congestion control, `--cc` (reno or bbr; cubic cannot be chosen
+inside a namespace here). No latency is added (no netem on this kernel): the RTT is under 1 ms.
+For each (cc, loss), one process per host joins its host's namespace, then:
+(1) peerd: peers.collective.GroupAllReduce over TcpTransport bound to the host's address, and
+(2) torch.distributed gloo all_reduce (GLOO_SOCKET_IFNAME=eth0), in the same processes, one round
+    of each in turn (which goes first alternates), as bench/engine_allreduce does on loopback;
+(3) hivemind DecentralizedAverager.step() in other processes afterwards (DHT bound to the host's
+    address, no UPnP, no AutoNAT; group size fixed to --hosts; its step includes matchmaking).
+Every wait is bounded by --round-timeout (a hung system is reported as failed, not waited for);
+a round's time is its slowest process's; the figure is the median over --rounds rounds. JSON lines:
+one per (cc, loss), the last one the headline: peerd vs gloo, reno, 5 % loss. The lab (namespaces,
+links, tables, processes) is removed on exit, Ctrl-C or SIGTERM; after a SIGKILL, `peerd lab clean`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+from bench.common import emit, progress, result
+from bench.engine_allreduce import PR_SET_PDEATHSIG, Cluster, _data
+
+BENCH = "lab_baselines"
+SETUP_TIMEOUT = 120.0  # seconds for the processes of one system to start and report their address
+CLONE_NEWNET = 0x40000000  # linux/sched.h
+
+
+def _enter(netns: str) -> None:
+    """Move this (still single-threaded) process into a lab host's namespace: every thread, child
+    process and socket it makes afterwards lives there (os.setns only exists from Python 3.12)."""
+    fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns} failed")
+    finally:
+        os.close(fd)
+
+
+def _worker(system: str, rank: int, n: int, numel: int, rounds: int, conn, barrier, scratch: str, netns: str, ip: str, timeout: float) -> None:
+    os.setpgrp()  # own process group: the parent kills it with all its children in one call
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # and the kernel kills it if the parent dies
+    _enter(netns)
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the namespace's only link; gloo would guess from the hostname
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        run = {"duel": _duel, "hivemind": _hivemind}[system]
+        conn.send(("done", run(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout)))
+    except Exception as e:  # report, do not hang the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _timed(barrier, timeout: float, step) -> float | None:
+    barrier.wait(timeout + 60)  # the others may still be in the previous round's timeout
+    t0 = time.perf_counter()
+    ok = step()
+    return time.perf_counter() - t0 if ok else None
+
+
+def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
+    import torch.distributed as dist
+    import uvloop
+
+    from peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
+
+    loop = uvloop.new_event_loop()
+    transport = TcpTransport(ip, 0)
+    conn.send(("address", loop.run_until_complete(transport.start())))
+    group = Group("bench", [f"peer{i}" for i in range(n)], conn.recv(), rank)
+    # Owners wait for contributions up to half the limit, members for results up to all of it.
+    settings = AllReduceSettings(connect_timeout=10.0, contribute_timeout=timeout / 2, gather_timeout=timeout, verdict_timeout=5.0, drain_timeout=2.0)
+    engine = GroupAllReduce(group, transport, numel, settings=settings)
+    dist.init_process_group("gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+    x, y = _data(rank, numel), _data(rank, numel)
+    report = {"peerd": [], "gloo": [], "outcomes": []}
+    gloo_broken = False
+
+    def peerd(r: int) -> bool:
+        outcome = loop.run_until_complete(engine.all_reduce(x, float(rank + 1), r))
+        report["outcomes"].append(outcome.status.value)
+        return outcome.completed
+
+    def gloo(r: int) -> bool:
+        nonlocal gloo_broken
+        if gloo_broken:  # a gloo group that timed out is unusable
+            return False
+        try:
+            dist.all_reduce(y)
+        except RuntimeError:
+            gloo_broken = True
+            return False
+        y.div_(n)  # keeps the sums bounded over rounds; inside the timing, and negligible at these rates
+        return True
+
+    for r in range(1, rounds + 1):
+        for name, step in (("peerd", peerd), ("gloo", gloo)) if r % 2 else (("gloo", gloo), ("peerd", peerd)):
+            report[name].append(_timed(barrier, timeout, lambda: step(r)))
+    if not gloo_broken:
+        dist.destroy_process_group()
+    loop.run_until_complete(engine.close())
+    loop.run_until_complete(transport.close())
+    loop.close()
+    return report
+
+
+def _hivemind(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
+    import logging
+
+    import hivemind
+
+    mp.set_start_method("fork", force=True)  # hivemind's DHT and averager are fork-started processes
+    logging.getLogger("hivemind").setLevel(logging.ERROR)
+    initial = None
+    if rank:
+        conn.send(("address", None))
+        initial = conn.recv()
+    # The host's address only, and never UPnP/NAT-PMP or AutoNAT: nothing leaves the lab.
+    dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=[f"/ip4/{ip}/tcp/0"], nat_port_map=False, auto_nat=False)
+    if not rank:
+        conn.send(("address", [str(m) for m in dht.get_visible_maddrs()]))
+        conn.recv()
+    averager = hivemind.averaging.DecentralizedAverager(
+        averaged_tensors=[_data(rank, numel)], dht=dht, prefix="bench", target_group_size=n, min_group_size=n,
+        min_matchmaking_time=2.0, request_timeout=2.0, allreduce_timeout=timeout, start=True,
+    )  # fmt: skip
+    times = [_timed(barrier, timeout, lambda: averager.step(timeout=timeout) is not None) for _ in range(rounds)]
+    averager.shutdown()
+    dht.shutdown()
+    return {"hivemind": times}
+
+
+class LabCluster(Cluster):
+    """engine_allreduce's Cluster (recv, kill), with one worker per lab host, inside its namespace."""
+
+    def __init__(self, system: str, hosts: list, numel: int, rounds: int, timeout: float):
+        ctx = mp.get_context("spawn")
+        self.scratch = tempfile.mkdtemp(prefix="peerd-lab-bench-")
+        self.barrier = barrier = ctx.Barrier(len(hosts))
+        self.conns, self.procs = [], []
+        for rank, h in enumerate(hosts):
+            parent, child = ctx.Pipe()
+            args = (system, rank, len(hosts), numel, rounds, child, barrier, self.scratch, h.netns, h.ip, timeout)
+            p = ctx.Process(target=_worker, args=args)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+
+def run_system(system: str, hosts: list, numel: int, rounds: int, timeout: float) -> list[dict]:
+    cluster, n = LabCluster(system, hosts, numel, rounds, timeout), len(hosts)
+    try:
+        first = [cluster.recv(rank, SETUP_TIMEOUT) for rank in range(n)]
+        if system == "hivemind":  # hosts 1.. join through host 0's DHT address
+            for rank in range(1, n):
+                cluster.conns[rank].send(first[0])
+            cluster.conns[0].send(None)
+        else:
+            for c in cluster.conns:
+                c.send(first)
+        return [cluster.recv(rank, SETUP_TIMEOUT + (timeout + 60) * rounds * 2) for rank in range(n)]
+    finally:
+        cluster.kill(grace=10.0)
+
+
+def round_time(reports: list[dict], key: str) -> tuple[float | None, list]:
+    """A round's time is its slowest process's (None if any failed); the median over rounds that all completed."""
+    rounds = [None if any(r[key][i] is None for r in reports) else max(r[key][i] for r in reports) for i in range(len(reports[0][key]))]
+    done = [t for t in rounds if t is not None]
+    return (round(statistics.median(done), 3) if done else None), [None if t is None else round(t, 3) for t in rounds]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 MiB, reno only, loss 0 and 5 %%: a smoke run")
+    parser.add_argument("--mib", type=float, default=64.0, help="vector size in MiB of float32 (64 = 16M values)")
+    parser.add_argument("--hosts", type=int, default=4)
+    parser.add_argument("--rate", type=float, default=100.0, help="link rate in Mbit/s, both directions")
+    parser.add_argument("--loss", default="0,1,5,10", help="packet loss settings in %%, comma-separated")
+    parser.add_argument("--cc", default="bbr,reno", help="TCP congestion controls, comma-separated")
+    parser.add_argument("--rounds", type=int, default=1, help="measured rounds per system and setting")
+    parser.add_argument("--round-timeout", type=float, default=150.0, help="seconds a round may take before it counts as failed")
+    parser.add_argument("--skip-hivemind", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.mib, args.loss, args.cc = 4.0, "0,5", "reno"
+    losses = [float(x) for x in args.loss.split(",")]
+    ccs = args.cc.split(",")
+
+    from daemon.lab.netns import LinkShape, Network, environment_problem
+
+    problem = environment_problem()
+    if problem:
+        print(f"{BENCH}: {problem}", file=sys.stderr)
+        return 2
+
+    def interrupt(signum, frame):  # so that the finally blocks kill every process and remove the lab
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    numel = int(args.mib * (1 << 20)) // 4
+    net = Network()
+    progress(BENCH, f"{args.hosts} hosts at {args.rate:g} Mbit/s, {numel * 4 / (1 << 20):.0f} MiB float32, loss {losses} %, TCP {ccs}, lab {net.name}")
+    records, started = [], time.monotonic()
+    try:
+        net.create()
+        hosts = [net.add_host(f"h{i}", LinkShape(rate_mbit=args.rate)) for i in range(args.hosts)]
+        for cc in ccs:
+            for h in hosts:
+                net.set_congestion_control(h, cc)
+            for loss in losses:
+                for h in hosts:
+                    net.shape(h.name, LinkShape(rate_mbit=args.rate, loss_pct=loss))
+                records.append(measure(args, net, hosts, numel, cc, loss))
+    except KeyboardInterrupt:
+        progress(BENCH, "interrupted; every process started here was killed and the lab removed")
+        return 130
+    finally:
+        net.destroy()
+    headline = next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0), records[-1])
+    emit({**headline, "metric": f"round_s_peerd_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct",
+          "total_s": round(time.monotonic() - started, 1),
+          "note": "headline: seconds of one averaging round, peerd's reliable engine vs gloo; ratio = peerd / gloo "
+          "time, < 1 means peerd is faster"})  # fmt: skip
+    return 0
+
+
+def measure(args, net, hosts, numel: int, cc: str, loss: float) -> dict:
+    """One (cc, loss) setting: every system, one JSON line."""
+    before = net.dropped()
+    progress(BENCH, f"{cc}, {loss:g} % loss: peerd and gloo in turn, {args.rounds} round(s) each")
+    duel = run_system("duel", hosts, numel, args.rounds, args.round_timeout)
+    p, p_rounds = round_time(duel, "peerd")
+    g, g_rounds = round_time(duel, "gloo")
+    h, h_rounds = None, []
+    if not args.skip_hivemind:
+        progress(BENCH, f"{cc}, {loss:g} % loss: hivemind, {args.rounds} round(s)")
+        h, h_rounds = round_time(run_system("hivemind", hosts, numel, args.rounds, args.round_timeout), "hivemind")
+    after = net.dropped()
+    record = result(
+        BENCH, f"round_s_{cc}_{loss:g}pct", p, g, "s",
+        cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), bytes=numel * 4, added_rtt_ms=0,
+        hivemind_s=h, ratio_vs_hivemind=round(p / h, 3) if p and h else None,
+        peerd_rounds_s=p_rounds, gloo_rounds_s=g_rounds, hivemind_rounds_s=h_rounds,
+        peerd_outcomes=sorted({o for r in duel for o in r["outcomes"]}),
+        packets_dropped=sum(after[n]["loss"] - before[n]["loss"] for n in after), cores=os.cpu_count(),
+        emulated=f"{len(hosts)} network namespaces on one bridge; tbf {args.rate:g} Mbit/s both directions; "
+        f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; no added latency (no netem)",
+        note="ratio = peerd / gloo round time; < 1 means peerd is faster; None = failed or timed out",
+    )  # fmt: skip
+    emit(record)
+    return record
+
+
+if __name__ == "__main__":
+    sys.exit(main())
