@@ -21,3 +21,12 @@ class PeerEvents:
     heartbeat: Callable[[str], None] = field(default=_ignore)
     # Input from the network was refused; reason is a short snake_case word (see docs/metrics.md).
     rejected: Callable[[str], None] = field(default=_ignore)
+    # A UDP datagram of the collective engine was dropped unread; reason as in docs/loss-tolerance.md.
+    packet_rejected: Callable[[str], None] = field(default=_ignore)
+    # n datagrams were handed to the kernel (or dropped by an emulation rule, standing for path loss).
+    packets_sent: Callable[[int], None] = field(default=_ignore)
+    # n datagrams a member expected in a round never arrived in time (gaps in the packet grid).
+    packets_lost: Callable[[int], None] = field(default=_ignore)
+    # An owner reduced `packets` packets of its shard each holding `fraction` of the group's
+    # contributions (k/size); called once per distinct fraction per round, not per packet.
+    shard_coverage: Callable[[float, int], None] = field(default=_ignore)

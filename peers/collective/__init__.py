@@ -4,26 +4,38 @@
     engine = GroupAllReduce(Group(run_id, members, addresses, me), transport, numel)
     outcome = await engine.all_reduce(tensor, weight, round_no)   # -> Outcome
 
+Loss-tolerant mode (UDP datagrams, nothing retransmitted; docs/loss-tolerance.md):
+
+    transport = UdpTransport(host, 0, secret=engine_key, session=group_key, max_datagram=1472, rate_bps=...)
+    engine = LossyAllReduce(Group(run_id, members, addresses, me), transport, numel)
+    outcome = await engine.all_reduce(tensor, weight, round_no)   # COMPLETED, PARTIAL or ABORTED
+
 wire.py (the header), transport.py (the interface) and tcp.py (direct TCP), group.py (members,
 shards, chunks, timeouts), rounds.py (what a round has seen), inbox.py (receiving and checking,
 the tensor's backup), reduction.py (this member's shard), decision.py (complete or abort, the
-digest), allreduce.py (the round and its contract), outcome.py (what a round returns).
+digest), allreduce.py (the round and its contract), outcome.py (what a round returns);
+datagram.py (one authenticated UDP datagram), udp.py (the datagram transport), lossy.py (the
+loss-tolerant rule and packet grid), packets.py (receiving packets), lossy_allreduce.py (the round).
 """
 
 from peers.collective.allreduce import GroupAllReduce
 from peers.collective.group import AllReduceSettings, Group, shard_bounds
+from peers.collective.lossy_allreduce import LossyAllReduce
 from peers.collective.outcome import Outcome, Status
 from peers.collective.tcp import TcpTransport
 from peers.collective.transport import FilteredTransport, Transport
+from peers.collective.udp import UdpTransport
 
 __all__ = [
     "AllReduceSettings",
     "FilteredTransport",
     "Group",
     "GroupAllReduce",
+    "LossyAllReduce",
     "Outcome",
     "Status",
     "TcpTransport",
     "Transport",
+    "UdpTransport",
     "shard_bounds",
 ]

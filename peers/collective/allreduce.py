@@ -76,9 +76,7 @@ class GroupAllReduce:
         self.group, self.transport, self.numel = group, transport, numel
         self.settings = settings or AllReduceSettings()
         self.events = events or PeerEvents()
-        self.inbox = Inbox(group, numel, self.settings.chunk_elements, self.events)
-        self.reducer = ShardReducer(self.inbox, group.me, self.events)
-        self.inbox.fold = self.reducer.fold
+        self.inbox = self._make_inbox()
         self.links: dict[int, Link | None] = {k: None for k in range(group.size) if k != group.me}
         self._busy = False
         transport.attach(self.inbox)
@@ -103,6 +101,13 @@ class GroupAllReduce:
             self.reducer.end()
             self._busy = False
         return self._outcome(st, decision, reason, digest, time.perf_counter() - began)
+
+    def _make_inbox(self) -> Inbox:
+        """The sink, and `self.reducer` for this member's shard (loss-tolerant rounds use others)."""
+        inbox = Inbox(self.group, self.numel, self.settings.chunk_elements, self.events)
+        self.reducer = ShardReducer(inbox, self.group.me, self.events)
+        inbox.fold = self.reducer.fold
+        return inbox
 
     async def close(self) -> None:
         """Close this engine's links; the transport stays open (its owner closes it)."""
@@ -242,4 +247,5 @@ class GroupAllReduce:
             bytes_received=st.bytes_received,
             duration=duration,
             digest=digest if done else b"",
+            held=(float(done),) * size,
         )

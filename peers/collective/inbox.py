@@ -72,7 +72,7 @@ class Inbox:
     def open(self, number: int, x: torch.Tensor) -> RoundState:
         self._discard(lambda n: n != number)  # e.g. parked for a round the caller skipped: not into backup
         nxt = self.next
-        st = nxt if nxt is not None and nxt.number == number else RoundState.new(number, self.nchunks, self.group.me)
+        st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
         self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
         self.x, self._x_bytes = x.numpy(), as_bytes(x)
         for j, parked in enumerate(st.parked):
@@ -167,8 +167,10 @@ class Inbox:
             dest = self._admit_contribution(st, h)
         elif h.kind is Kind.RESULT:
             dest = self._admit_result(st, h)
-        else:
+        elif h.kind is Kind.VERDICT:
             dest = self._admit_verdict(h)
+        else:
+            return self._refuse("wire_bad_kind", Action.DROP)  # DONE belongs to loss-tolerant rounds
         if not isinstance(dest, Action):
             self._bind(link, h.sender)
             self._filling[link] = h.round
@@ -288,8 +290,11 @@ class Inbox:
         if number != self.round + 1:
             return None
         if create and (self.next is None or self.next.number != number):
-            self.next = RoundState.new(number, self.nchunks, self.group.me)
+            self.next = self._new_state(number)
         return self.next if self.next is not None and self.next.number == number else None
+
+    def _new_state(self, number: int) -> RoundState:
+        return RoundState.new(number, self.nchunks, self.group.me)
 
     def _bind(self, link: Inbound, member: int) -> None:
         """A member speaks on one connection: a newer one (it reconnected) replaces the older."""

@@ -13,11 +13,10 @@ Layout (little-endian, 72 bytes, struct format `HEADER_FORMAT`):
 |     16 |    8 | round    | Q    | round number (consecutive per group, chosen by the caller)       |
 |     24 |    2 | sender   | H    | sender's index in the group                                      |
 |     26 |    2 | shard    | H    | shard the payload belongs to (its owner's index)                 |
-|     28 |    4 | code     | I    | VERDICT: AbortCode when flags = 0; otherwise 0                   |
+|     28 |    4 | code     | I    | VERDICT: AbortCode when flags = 0; DONE: the Kind it ends        |
 |     32 |    8 | length   | Q    | payload bytes that follow the header (= count * dtype size)      |
 |     40 |    8 | count    | Q    | payload elements                                                 |
-|     48 |    8 | offset   | Q    | element offset of the payload in its shard (0 on streams; for    |
-|        |      |          |      | datagram transports that cut a shard into packets)              |
+|     48 |    8 | offset   | Q    | element offset of the payload in its shard; DONE: packets sent   |
 |     56 |    8 | weight   | d    | CONTRIBUTION: the sender's weight; RESULT: total weight included |
 |     64 |    8 | mask     | Q    | RESULT: bit i set = member i's contribution is included          |
 
@@ -45,6 +44,7 @@ class Kind(enum.IntEnum):
     CONTRIBUTION = 1  # a member's slice of shard j, sent to owner j (reduce-scatter)
     RESULT = 2  # owner j's reduced shard j, sent to every member (all-gather)
     VERDICT = 3  # a member's digest of the whole result, or its decision to abort
+    DONE = 4  # loss-tolerant rounds: the sender sent all it will of one phase to you (see lossy_allreduce.py)
 
 
 class DType(enum.IntEnum):

@@ -1,0 +1,231 @@
+"""The receiving side of a loss-tolerant round: every datagram checked against the packet grid and
+the round before it touches a buffer, and what arrived recorded per packet.
+
+Buffers, the round lifecycle (`until`), and the backup of x before a chunk is first overwritten are
+the reliable Inbox's (inbox.py); what differs:
+* the unit is a packet of the grid (lossy.PacketGrid), delivered at most once, in any order;
+* nothing waits for a missing packet: an owner settles chunk c of its shard for sender k once k's
+  chunk c is complete, a later chunk of k's arrived (k sends in order), k said DONE, or k is gone;
+  a member settles owner j's shard once it is complete, j said DONE, or j is gone;
+* RESULT packets land straight in x, where a missing one leaves this member's own value;
+* early datagrams (of round + 1): contributions are buffered when the inbox buffers are free
+  (between rounds, or once this member's shard is reduced), results are refused ("wire_early"):
+  parking them the way the reliable inbox does buys nothing when a member may miss packets anyway.
+Every refused datagram is counted by `PeerEvents.packet_rejected(reason)`; control messages (DONE,
+over the reliable transport) by `PeerEvents.rejected(reason)`, like every other stream message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from peers.collective.datagram import OVERHEAD
+from peers.collective.group import Group
+from peers.collective.inbox import Inbox, as_bytes
+from peers.collective.lossy import PacketGrid
+from peers.collective.rounds import Phase
+from peers.collective.transport import Action, Inbound
+from peers.collective.wire import HEADER_SIZE, Header, Kind
+from peers.events import PeerEvents
+
+_EMPTY = memoryview(b"")
+
+
+@dataclass(slots=True)
+class PacketRound:
+    """What arrived for one round. Dicts are keyed by the other members; lists are indexed by shard."""
+
+    number: int
+    have: dict[int, np.ndarray]  # per sender: which packets of my shard arrived (bool)
+    got: dict[int, list[int]]  # per sender: packets of my shard arrived, per chunk
+    front: dict[int, int]  # per sender: the highest chunk of my shard heard of (-1: none)
+    weights: dict[int, float]  # per sender: its weight this round, from its first packet
+    held: list[np.ndarray]  # per shard: packets of the owner's result that are in x here (bool)
+    held_count: list[int]
+    rmask: list[np.ndarray]  # per shard, per packet: contributors to the owner's result (uint64)
+    rweight: list[np.ndarray]  # per shard, per packet: their total weight (float64)
+    backed: list[int]  # per shard: chunks of x copied to backup (restored if the round aborts)
+    told: dict[int, int] = field(default_factory=dict)  # sender -> packets of my shard it says it sent
+    result_told: dict[int, int] = field(default_factory=dict)  # owner -> packets of its shard it sent
+    reduced: int = 0  # chunks of this member's own shard reduced and sent
+    lost: int = 0  # members whose control link closed, or whom this member could not reach
+    heard: int = 0  # members from whom a datagram of this round was accepted
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @classmethod
+    def new(cls, number: int, grid: PacketGrid, me: int) -> "PacketRound":
+        n, mine = len(grid.bounds), grid.packets(me)
+        others = [k for k in range(n) if k != me]
+        return cls(
+            number=number, have={k: np.zeros(mine, bool) for k in others},
+            got={k: [0] * (len(grid.first[me]) - 1) for k in others}, front=dict.fromkeys(others, -1), weights={},
+            held=[np.zeros(grid.packets(j), bool) for j in range(n)], held_count=[0] * n,
+            rmask=[np.zeros(grid.packets(j), np.uint64) for j in range(n)],
+            rweight=[np.zeros(grid.packets(j)) for j in range(n)], backed=[0] * n,
+        )  # fmt: skip
+
+
+class LossyInbox(Inbox):
+    """The transport's sink for one group in loss-tolerant mode (see the module docstring)."""
+
+    def __init__(self, group: Group, numel: int, chunk: int, stride: int, events: PeerEvents):
+        super().__init__(group, numel, chunk, events)
+        self.grid = PacketGrid(self.bounds, chunk, stride)
+        self.others = [k for k in range(group.size) if k != group.me]
+        self._pending: tuple[PacketRound, int, int] | None = None  # (round, chunk, packet) between the two calls
+
+    def open(self, number: int, x: torch.Tensor) -> PacketRound:
+        nxt = self.next
+        st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
+        self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
+        self.x, self._x_bytes = x.numpy(), as_bytes(x)
+        return st
+
+    def close(self) -> None:
+        self.current, self.phase, self.x, self._x_bytes = None, Phase.IDLE, None, None
+
+    def _new_state(self, number: int) -> PacketRound:
+        return PacketRound.new(number, self.grid, self.group.me)
+
+    def settled(self, st: PacketRound, c: int) -> bool:
+        """Nothing more will come for chunk c of my shard (see the module docstring)."""
+        want = self.grid.first[self.group.me][c + 1] - self.grid.first[self.group.me][c]
+        return all(
+            st.got[k][c] >= want or st.front[k] > c or k in st.told or st.lost >> k & 1 for k in self.others
+        )
+
+    def gathered(self, st: PacketRound) -> bool:
+        """Nothing more will come of any other owner's result."""
+        return all(
+            st.held_count[j] >= self.grid.packets(j) or j in st.result_told or st.lost >> j & 1 for j in self.others
+        )
+
+    def missing(self, st: PacketRound) -> int:
+        """Datagrams this member should have received this round and did not, by the grid and the
+        DONE counts (members never heard from this round are counted by the outcome, not here)."""
+        me, lost = self.group.me, 0
+        for k in self.others:
+            if st.heard >> k & 1 or k in st.told or k in st.result_told:
+                got = sum(st.got[k])
+                lost += max(0, st.told.get(k, self.grid.packets(me)) - got)
+                lost += max(0, st.result_told.get(k, self.grid.packets(k)) - st.held_count[k])
+        return lost
+
+    # ---- the Sink interface --------------------------------------------------------------------
+
+    def on_header(self, link: Inbound, h: Header) -> memoryview | Action:
+        if not getattr(link, "datagram", False):
+            return self._control(link, h)
+        g = self.group
+        if h.run_tag != g.tag:
+            return self._drop("wire_wrong_run")
+        if h.sender >= g.size or h.sender == g.me:
+            return self._drop("wire_not_in_group")
+        if not (math.isfinite(h.weight) and h.weight >= 0):
+            return self._drop("wire_bad_weight")
+        st = self._state(h.round, create=True)
+        if st is None:
+            return self._drop("wire_wrong_round")
+        if h.kind is Kind.CONTRIBUTION:
+            return self._admit_contribution(st, h)
+        return self._admit_result(st, h)
+
+    def on_payload(self, link: Inbound, h: Header) -> None:
+        if not getattr(link, "datagram", False):
+            self._control_payload(h)
+            return
+        (st, c, p), self._pending = self._pending, None
+        k, changed = h.sender, False
+        if h.kind is Kind.CONTRIBUTION:
+            st.have[k][p] = True
+            st.got[k][c] += 1
+            st.weights[k] = h.weight
+            changed = st.front[k] < c or st.got[k][c] == self.grid.first[self.group.me][c + 1] - self.grid.first[self.group.me][c]
+            st.front[k] = max(st.front[k], c)
+        else:
+            st.held[k][p] = True
+            st.held_count[k] += 1
+            st.rmask[k][p], st.rweight[k][p] = h.mask, h.weight
+            changed = st.held_count[k] == self.grid.packets(k)
+        st.heard |= 1 << k
+        st.bytes_received += OVERHEAD + h.length
+        if changed:  # only these can settle something: no wake-up per packet
+            self._changed()
+
+    def _admit_contribution(self, st: PacketRound, h: Header) -> memoryview | Action:
+        me, k = self.group.me, h.sender
+        if h.shard != me:
+            return self._drop("wire_bad_shard")
+        where = self.grid.locate(me, h.offset, h.count)
+        if where is None:
+            return self._drop("wire_bad_offset")
+        c, p = where
+        if st.have[k][p]:
+            return self._drop("wire_duplicate")
+        if st.weights.get(k, h.weight) != h.weight:
+            return self._drop("wire_bad_weight")  # one weight per sender and round
+        if st is self.current and (self.phase is not Phase.CONTRIBUTE or c < st.reduced):
+            return self._drop("contribution_late")  # its owner reduced that chunk without it
+        if st is self.next and self.phase is Phase.CONTRIBUTE:
+            return self._drop("wire_early")  # its buffer serves the round in progress
+        self._pending = (st, c, p)
+        return self._inbox_bytes[k][h.offset * 4 : (h.offset + h.count) * 4]
+
+    def _admit_result(self, st: PacketRound, h: Header) -> memoryview | Action:
+        j = h.sender
+        if h.shard != j:
+            return self._drop("wire_bad_shard")
+        if not h.weight > 0:
+            return self._drop("wire_bad_weight")
+        if not h.mask or h.mask >> self.group.size:
+            return self._drop("wire_bad_mask")
+        where = self.grid.locate(j, h.offset, h.count)
+        if where is None:
+            return self._drop("wire_bad_offset")
+        if st is not self.current:
+            return self._drop("wire_early")
+        c, p = where
+        if st.held[j][p]:
+            return self._drop("wire_duplicate")
+        if self.phase is Phase.DECIDE:
+            return self._drop("result_late")  # this member stopped gathering
+        self.back_up(st, j, c)
+        self._pending = (st, c, p)
+        start = self.bounds[j][0] + h.offset
+        return self._x_bytes[start * 4 : (start + h.count) * 4]
+
+    def _drop(self, reason: str) -> Action:
+        self.events.packet_rejected(reason)
+        return Action.SKIP
+
+    # ---- control messages (over the reliable transport) ----------------------------------------
+
+    def _control(self, link: Inbound, h: Header) -> memoryview | Action:
+        g = self.group
+        if h.run_tag != g.tag:
+            return self._refuse("wire_wrong_run", Action.DROP)
+        if h.sender >= g.size or h.sender == g.me:
+            return self._refuse("wire_not_in_group", Action.DROP)
+        if link.member is not None and link.member != h.sender:
+            return self._refuse("wire_sender_mismatch", Action.DROP)
+        if h.kind is not Kind.DONE or h.length or h.code not in (Kind.CONTRIBUTION, Kind.RESULT):
+            return self._refuse("wire_bad_kind", Action.DROP)  # data travels as datagrams only
+        if h.shard != (g.me if h.code == Kind.CONTRIBUTION else h.sender):
+            return self._refuse("wire_bad_shard", Action.DROP)
+        if self._state(h.round, create=True) is None:
+            return self._refuse("wire_wrong_round", Action.SKIP)
+        self._bind(link, h.sender)
+        return _EMPTY  # a zero-length payload: on_payload follows at once
+
+    def _control_payload(self, h: Header) -> None:
+        st = self._state(h.round, create=False)
+        if st is None:
+            return
+        (st.told if h.code == Kind.CONTRIBUTION else st.result_told)[h.sender] = h.offset
+        st.bytes_received += HEADER_SIZE
+        self._changed()

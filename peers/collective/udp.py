@@ -1,0 +1,393 @@
+"""UDP datagrams for the bulk of a loss-tolerant round, a reliable transport for its few control messages.
+
+    transport = UdpTransport("127.0.0.1", 0, secret=engine_key, session=group_key)
+    address = await transport.start()          # "host:port": UDP and the control TCP share the port
+    engine = LossyAllReduce(group, transport, numel)
+
+Which message goes where. CONTRIBUTION and RESULT payloads are cut into datagrams of at most
+`max_datagram` bytes (datagram.py: header, payload, GMAC tag) and never retransmitted. Control
+messages (DONE: "I sent you all I will this phase") go over `control`, a reliable transport (by
+default a TcpTransport on the same port; the daemon may pass its FallbackTransport). Why not
+redundant copies over UDP: a lost DONE costs a whole deadline (seconds), and at 10 % loss three
+copies still leave 0.1 % per link and phase, i.e. a few % of rounds of a 4-member group; TCP
+delivers a lone small message within a retransmission timeout, and it is a few bytes per round.
+Order: a link sends everything in the order it was queued, DONE included (it leaves only after the
+datagrams before it were handed to the kernel), and before a control message reaches the sink every
+datagram already waiting in the UDP socket is read, so on one path a DONE does not overtake its data.
+
+Sending: one FIFO per transport, drained by one task, paced by a token bucket at `rate_bps` (None:
+unpaced; set it to the link rate, measured or configured, or the receiver's buffer and the path
+drop what the sender pushes beyond it). `gso=True` hands the kernel up to 64 datagrams per syscall
+(UDP_SEGMENT; about 3x the send rate here). On loopback and veth a GSO batch travels as one
+packet, so netem or nftables drops it whole: emulated loss becomes bursts of up to 64 datagrams.
+Receiving: the socket is read with recvmsg until empty (bounded per callback); UDP_GRO lets the
+kernel hand over several datagrams per call when the sender used GSO; SO_RXQ_OVFL reports the
+datagrams the kernel dropped because the receive buffer was full (`kernel_drops`).
+`drop(address, header)` is the seam through which tests and benchmarks lose datagrams by rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import logging
+import socket
+import struct
+from typing import Callable
+
+from peers.collective.datagram import HEADER_SIZE as DGRAM_HEADER
+from peers.collective.datagram import MAX_DATAGRAM, MIN_DATAGRAM, OVERHEAD, TAG_SIZE, DatagramCodec, DatagramError
+from peers.collective.linkauth import LinkAuth
+from peers.collective.tcp import TcpTransport, split_address
+from peers.collective.transport import Action, Link, Sink, Transport
+from peers.collective.wire import HEADER_SIZE, Header, Kind
+from peers.events import PeerEvents
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATAGRAM = 1472  # a 1500-byte path MTU minus IPv4 and UDP headers
+SOCKET_BUFFER = 32 << 20  # SO_RCVBUF/SO_SNDBUF asked for: a whole shard of a round in flight
+READ_BURST = 512  # recvmsg calls per readiness callback, so other callbacks get their turn
+YIELD_BYTES = 256 << 10  # unpaced, the sender yields to the loop after this many bytes (receives run)
+WRITABLE_TIMEOUT = 1.0  # seconds a full send buffer may take to drain before the batch is dropped
+BIND_ATTEMPTS = 8  # port-0 tries at a port free for both TCP and UDP
+GSO_SEGMENTS = 64  # UDP_MAX_SEGMENTS of older kernels
+SOL_UDP, UDP_SEGMENT, UDP_GRO, SO_RXQ_OVFL, SO_RCVBUFFORCE, SO_SNDBUFFORCE = 17, 103, 104, 40, 33, 32
+MSG_TRUNC = int(socket.MSG_TRUNC)  # a plain int: the enum's & costs more than the rest of a read
+_ANCILLARY = socket.CMSG_SPACE(4) * 2
+_DATA_KINDS = (Kind.CONTRIBUTION, Kind.RESULT)
+
+
+class UdpTransport(Transport):
+    """Datagrams on host:port, control messages on `control` (which must listen on the same port).
+
+    control: the reliable transport for DONE messages; by default a TcpTransport on the same port
+    with `auth` (a secret run's LinkAuth), re-bound if the OS gave it a port some UDP socket holds.
+    secret: the run secret's engine key (None in an open run: datagrams are then checked for integrity,
+    not origin); session: shared by every member of the group and never reused with the same round
+    numbers (the Moshpit group key); both key the datagram tags (datagram.py). max_datagram: bytes
+    per datagram, UDP header excluded; every member of a group must use the same value (it fixes the
+    packet grid). rate_bps: send rate in bits/s, None for unpaced; may be changed at any time."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None, session: bytes | str = b"",
+        control: Transport | None = None, auth: LinkAuth | None = None, max_datagram: int = DEFAULT_DATAGRAM, rate_bps: float | None = None,
+        socket_buffer: int = SOCKET_BUFFER, gso: bool = False, events: PeerEvents | None = None,
+        drop: Callable[[str, Header], bool] | None = None,
+    ):  # fmt: skip
+        if not MIN_DATAGRAM <= max_datagram <= MAX_DATAGRAM:
+            raise ValueError(f"max_datagram must be {MIN_DATAGRAM} to {MAX_DATAGRAM} bytes, not {max_datagram}")
+        self.host, self.port, self.max_datagram, self.rate_bps = host, port, max_datagram, rate_bps
+        self.packet_elements = (max_datagram - OVERHEAD) // 4  # part of the wire contract (packet grid)
+        self.socket_buffer, self.gso, self.drop = socket_buffer, gso, drop
+        self.events = events or PeerEvents()
+        self.codec = DatagramCodec(secret, session)
+        self._own_control, self.auth = control is None, auth
+        self.control = control or TcpTransport(host, port, events=self.events, auth=auth)
+        self.address = ""
+        self.sock: socket.socket | None = None
+        self.packets_sent = self.bytes_sent = self.bytes_received = self.kernel_drops = 0
+        self._sink: Sink | None = None
+        self._inbound = _Datagrams()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: collections.deque[tuple[_UdpLink, Header, memoryview | None]] = collections.deque()
+        self._done_elements = 0  # of the message at the head of the queue
+        self._flusher: asyncio.Task | None = None
+        self._tokens, self._stamp = 0.0, 0.0
+        self._send = memoryview(bytearray(MAX_DATAGRAM + 1))
+        self._recv = memoryview(bytearray(1 << 16))
+
+    # ---- Transport ---------------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        self._loop = asyncio.get_running_loop()
+        for attempt in range(BIND_ATTEMPTS):
+            address = await self.control.start()
+            port = split_address(address.partition("|")[0])[1]
+            try:
+                self.sock = self._socket(port)
+                break
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE or not self._own_control or self.port or attempt + 1 == BIND_ATTEMPTS:
+                    raise
+                await self.control.close()  # the OS gave TCP a port some UDP socket holds: try another
+                self.control = TcpTransport(self.host, 0, events=self.events, auth=self.auth)
+        self.address = address
+        return address
+
+    def _socket(self, port: int) -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+                try:  # beyond net.core.rmem_max/wmem_max only with CAP_NET_ADMIN
+                    sock.setsockopt(socket.SOL_SOCKET, force, self.socket_buffer)
+                except OSError:
+                    sock.setsockopt(socket.SOL_SOCKET, plain, self.socket_buffer)
+            sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
+            sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+            if self.gso:  # every datagram but a message's last is max-sized: the socket's segment size
+                sock.setsockopt(SOL_UDP, UDP_SEGMENT, self._full_size())
+            sock.bind((self.host, port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def attach(self, sink: Sink) -> None:
+        if self._sink is not None:
+            raise RuntimeError("this transport already delivers to a sink")
+        self._sink = sink
+        self.control.attach(_ControlSink(self, sink))
+        self._loop.add_reader(self.sock.fileno(), self.read_datagrams)  # until now datagrams wait in the socket
+
+    async def connect(self, address: str) -> Link:
+        host, port = split_address(address.partition("|")[0])
+        info = await self._loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM, family=self.sock.family)
+        control = await self.control.connect(address)
+        return _UdpLink(self, info[0][4], address, control)
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        for link, _, _ in self._queue:
+            link._settle()
+        self._queue.clear()
+        if self.sock is not None:
+            if self._sink is not None:
+                self._loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+        await self.control.close()
+
+    def bytes_by_transport(self) -> dict[str, tuple[int, int]]:
+        """{transport: (bytes sent, bytes received)}: "udp" for datagrams, the control transport's own."""
+        inner = getattr(self.control, "bytes_by_transport", None)
+        control = inner() if inner else {"tcp": (self.control.bytes_sent, self.control.bytes_received)}
+        return {"udp": (self.bytes_sent, self.bytes_received), **control}
+
+    def _full_size(self) -> int:
+        return OVERHEAD + 4 * self.packet_elements
+
+    # ---- sending -----------------------------------------------------------------------------------
+
+    def datagrams(self, count: int) -> int:
+        """Datagrams a message of `count` elements travels in."""
+        return max(1, -(-count // self.packet_elements))
+
+    def _enqueue(self, link: _UdpLink, header: Header, payload: memoryview | None) -> None:
+        self._queue.append((link, header, payload))
+        if self._flusher is None:
+            self._flusher = self._loop.create_task(self._flush())
+
+    async def _flush(self) -> None:
+        """Send the queue in order, a batch of datagrams of the head message at a time, paced."""
+        since_yield = 0
+        try:
+            while self._queue:
+                link, h, payload = self._queue[0]
+                if link._closed or h.kind not in _DATA_KINDS:
+                    if not link._closed:
+                        link.control.send(h, payload)
+                    self._pop()
+                    continue
+                nbytes, segments = self._batch(h, payload)
+                if self.rate_bps:
+                    await self._pace(nbytes)
+                elif since_yield >= YIELD_BYTES:
+                    since_yield = 0
+                    await asyncio.sleep(0)
+                since_yield += nbytes
+                if not link._closed:
+                    await self._transmit(link, nbytes, segments)
+                if self._done_elements >= h.count:
+                    self._pop()
+        finally:
+            self._flusher = None
+
+    def _pop(self) -> None:
+        link = self._queue.popleft()[0]
+        self._done_elements = 0
+        link._settle()
+
+    def _batch(self, h: Header, payload: memoryview) -> tuple[int, list[tuple[int, int]]]:
+        """Seal the next datagrams of the head message into the send buffer: (bytes, [(start, size)]),
+        as many as one UDP_SEGMENT send takes (sent one by one without GSO)."""
+        stride, buf, link = self.packet_elements, self._send, self._queue[0][0]
+        limit = min(GSO_SEGMENTS * self._full_size(), MAX_DATAGRAM)  # one GSO send, or one burst of sendto
+        pos, segments = 0, []
+        while self._done_elements < h.count and pos + self._full_size() <= limit:
+            e0 = self._done_elements
+            e1 = min(e0 + stride, h.count)
+            self._done_elements = e1
+            if self.drop is not None and self.drop(link.address, h._replace(offset=h.offset + e0, count=e1 - e0)):
+                self.packets_sent += 1  # it stands for a datagram lost on the path: it counts as sent
+                self.events.packets_sent(1)
+                continue
+            size = self.codec.seal_into(buf, pos, h, h.offset + e0, payload[e0 * 4 : e1 * 4])
+            segments.append((pos, size))
+            pos += size
+            if size < self._full_size():
+                break  # a short datagram can only be the last segment of a GSO send
+        return pos, segments
+
+    async def _pace(self, nbytes: int) -> None:
+        """Token bucket: at most a 2 ms (and 64 KiB) burst above rate_bps."""
+        rate, now = self.rate_bps / 8, self._loop.time()
+        burst = max(rate * 0.002, 1 << 16)
+        self._tokens, self._stamp = min(burst, self._tokens + (now - self._stamp) * rate), now
+        if self._tokens < nbytes:
+            await asyncio.sleep((nbytes - self._tokens) / rate)
+            now = self._loop.time()
+            self._tokens, self._stamp = self._tokens + (now - self._stamp) * rate, now
+        self._tokens -= nbytes
+
+    async def _transmit(self, link: _UdpLink, nbytes: int, segments: list[tuple[int, int]]) -> None:
+        if not segments:
+            return
+        sends = [(0, nbytes)] if self.gso else segments
+        for start, size in sends:
+            for _ in range(2):  # the second try after the send buffer had room again
+                try:
+                    self.sock.sendto(self._send[start : start + size], link.addr)
+                    break
+                except BlockingIOError:
+                    if not await self._writable():
+                        break
+                except OSError as e:  # e.g. ENOBUFS, unreachable: like loss on the path
+                    logger.debug("udp send to %s failed: %s", link.address, e)
+                    break
+        self.packets_sent += len(segments)
+        self.bytes_sent += nbytes
+        self.events.packets_sent(len(segments))
+
+    async def _writable(self) -> bool:
+        ready = self._loop.create_future()
+        self._loop.add_writer(self.sock.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            async with asyncio.timeout(WRITABLE_TIMEOUT):
+                await ready
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._loop.remove_writer(self.sock.fileno())
+
+    # ---- receiving ---------------------------------------------------------------------------------
+
+    def read_datagrams(self) -> None:
+        """Deliver what waits in the socket (at most READ_BURST reads; readiness calls again for more)."""
+        sock, buf = self.sock, self._recv
+        for _ in range(READ_BURST):
+            try:
+                n, ancillary, flags, _ = sock.recvmsg_into([buf], _ANCILLARY)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                continue  # an ICMP error queued on the socket; the next read gets data again
+            segment = n
+            for level, kind, data in ancillary:
+                if level == SOL_UDP and kind == UDP_GRO:
+                    segment = struct.unpack("i", data[:4])[0]
+                elif level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL:
+                    self.kernel_drops = struct.unpack("I", data[:4])[0]
+            if flags & MSG_TRUNC:
+                self.events.packet_rejected("dgram_oversized")
+                continue
+            for start in range(0, max(n, 1), segment or 1):  # an empty datagram is delivered (and refused)
+                self._deliver(buf[start : min(start + segment, n)])
+
+    def _deliver(self, data: memoryview) -> None:
+        if len(data) > self.max_datagram:
+            self.events.packet_rejected("dgram_oversized")
+            return
+        try:
+            h = self.codec.open(data)
+        except DatagramError as e:
+            self.events.packet_rejected(e.reason)
+            return
+        dest = self._sink.on_header(self._inbound, h)
+        if isinstance(dest, Action):
+            return  # the sink counted why
+        dest[:] = data[DGRAM_HEADER:-TAG_SIZE]
+        self.bytes_received += len(data)
+        self._sink.on_payload(self._inbound, h)
+
+
+class _Datagrams:
+    """The Inbound every datagram arrives on: it speaks for no member (each datagram names its sender
+    under the tag) and has nothing to close."""
+
+    member = None
+    datagram = True
+
+    def discard_payload(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _ControlSink:
+    """The sink as the control transport sees it: datagrams that wait in the UDP socket go first."""
+
+    def __init__(self, owner: UdpTransport, sink: Sink):
+        self.owner, self.sink = owner, sink
+
+    def on_header(self, link, header: Header):
+        self.owner.read_datagrams()
+        return self.sink.on_header(link, header)
+
+    def on_payload(self, link, header: Header) -> None:
+        self.sink.on_payload(link, header)
+
+    def on_lost(self, link) -> None:
+        self.sink.on_lost(link)
+
+
+class _UdpLink(Link):
+    """Data kinds as datagrams, everything else over the member's control link, all in queue order."""
+
+    def __init__(self, owner: UdpTransport, addr: tuple, address: str, control: Link):
+        self.owner, self.addr, self.address, self.control = owner, addr, address, control
+        self.queued = 0  # messages in the owner's queue
+        self._idle: asyncio.Future | None = None
+        self._closed = False
+
+    def send(self, header: Header, payload: memoryview | None = None) -> int:
+        if self.closed:
+            return 0
+        if header.kind in _DATA_KINDS:
+            if header.length > len(payload or b"") or not header.count:
+                raise ValueError("a datagram message needs a payload of header.count elements")
+            size = self.owner.datagrams(header.count) * OVERHEAD + header.length
+        else:
+            size = HEADER_SIZE + header.length
+        self.queued += 1
+        self.owner._enqueue(self, header, payload)
+        return size
+
+    def _settle(self) -> None:
+        self.queued -= 1
+        if self.queued <= 0 and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+
+    async def drain(self) -> None:
+        if self.queued > 0 and not self._closed:
+            if self._idle is None or self._idle.done():
+                self._idle = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._idle)
+        await self.control.drain()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.control.closed
+
+    def close(self) -> None:
+        self._closed = True  # the flusher skips what is still queued
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
+        self.control.close()
