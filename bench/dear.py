@@ -234,7 +234,6 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
         "dear_bucket_bytes": retune.bucket_bytes,
         "dear_buckets": samples["dear"][-1]["buckets"],
         "retune": retune.reason,
-        "tuner_fit": tuner.fit()[1],
     }
 
 
@@ -276,7 +275,6 @@ def main(argv: list[str] | None = None) -> None:
         "dear_bucket_bytes": report["dear_bucket_bytes"],
         "dear_buckets": report["dear_buckets"],
         "retune": report["retune"],
-        "tuner_fit": report["tuner_fit"],
         "seconds": round(time.monotonic() - started, 1),
         "note": (
             f"loopback on one machine with {os.cpu_count()} cores shared by {args.world} ranks' compute and all of their "

@@ -92,7 +92,7 @@ class Collective(Protocol):
         ...
 
     def close(self) -> None:
-        """Stop accepting ops and release the backend's threads; queued ops fail."""
+        """Stop accepting ops (later calls raise CollectiveError); ops already queued run or fail first."""
         ...
 
 

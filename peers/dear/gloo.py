@@ -32,7 +32,7 @@ from peers.dear.collective import CollectiveError, Handle, Kind, check_buffer, s
 logger = logging.getLogger(__name__)
 
 STALL_GRACE = 5.0  # seconds beyond `timeout` before wait() stops trusting gloo to honour its own timeout
-JOIN_TIMEOUT = 5.0  # seconds close() waits for the thread once the queue is empty
+JOIN_TIMEOUT = 5.0  # seconds close() waits for the thread to finish the queued ops and stop
 
 
 class GlooCollective:
@@ -99,14 +99,6 @@ class GlooCollective:
             self._progress = handle.finished = time.monotonic()
             handle.error = self._error
             handle.done.set()
-        while True:  # closed: fail what is still queued rather than leave a waiter hanging
-            try:
-                handle = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if handle is not None:
-                handle.error = self._error or "collective is closed"
-                handle.done.set()
 
     def _run(self, handle: Handle) -> None:
         flat, world = handle.flat, self.world

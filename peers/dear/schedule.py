@@ -40,6 +40,7 @@ state before training on.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
@@ -153,7 +154,8 @@ class DeAR:
         self._agree.fill_(math.nan if proposal is None else proposal / KIB)  # KiB: exact in float32
         self._all_reduce(self._agree)
         decision = self.tuner.decide(self.plan.bucket_bytes, float(self._agree[0]) * KIB)
-        logger.info("rank %d: retune at step %d: mine %s (%s); %s", self.collective.rank, self.steps, proposal, why, decision.reason)
+        decision = dataclasses.replace(decision, reason=f"{decision.reason} (rank {self.collective.rank}: {why})")
+        logger.info("retune at step %d: %s", self.steps, decision.reason)
         if decision.replan:
             self._remove_hooks()
             self._install(plan_buckets(self.model, decision.bucket_bytes, self.collective.world))
