@@ -96,6 +96,39 @@ class Collective(Protocol):
         ...
 
 
+class CollectiveBase:
+    """What backends share: checking calls against the contract and numbering ops in call order.
+
+    A subclass sets `world`, `rank`, `timeout`, implements `wait` and `close`, and `_issue(handle)`,
+    which starts or queues the op and must not block."""
+
+    world: int
+
+    def __init__(self) -> None:
+        self._seq = 0
+        self._closed = False
+
+    def reduce_scatter(self, flat: torch.Tensor) -> Handle:
+        check_buffer(flat, self.world)
+        return self._submit(Kind.REDUCE_SCATTER, flat)
+
+    def all_gather(self, handle: Handle) -> Handle:
+        if handle.kind is not Kind.REDUCE_SCATTER:
+            raise ValueError("all_gather takes a reduce-scatter handle")
+        return self._submit(Kind.ALL_GATHER, handle.flat)
+
+    def _submit(self, kind: Kind, flat: torch.Tensor) -> Handle:
+        if self._closed:
+            raise CollectiveError("collective is closed")
+        handle = Handle(kind, flat, self._seq)
+        self._seq += 1
+        self._issue(handle)
+        return handle
+
+    def _issue(self, handle: Handle) -> None:
+        raise NotImplementedError
+
+
 def check_buffer(flat: torch.Tensor, world: int) -> None:
     """What every backend refuses before queueing: the buffer contract above."""
     if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from peers.dear.collective import CollectiveError, Handle, Kind, check_buffer, shard
+from peers.dear.collective import CollectiveBase, CollectiveError, Handle, Kind, shard
 
 
 class FakeFabric:
@@ -83,24 +83,14 @@ class FakeFabric:
         handle.done.set()
 
 
-class FakeCollective:
+class FakeCollective(CollectiveBase):
     """One rank's view of a FakeFabric; follows the Collective protocol."""
 
     timeout = 0.0  # nothing ever waits
 
     def __init__(self, fabric: FakeFabric, rank: int):
+        super().__init__()
         self.fabric, self.rank, self.world = fabric, rank, fabric.world
-        self._seq = 0
-        self._closed = False
-
-    def reduce_scatter(self, flat: torch.Tensor) -> Handle:
-        check_buffer(flat, self.world)
-        return self._submit(Kind.REDUCE_SCATTER, flat)
-
-    def all_gather(self, handle: Handle) -> Handle:
-        if handle.kind is not Kind.REDUCE_SCATTER:
-            raise ValueError("all_gather takes a reduce-scatter handle")
-        return self._submit(Kind.ALL_GATHER, handle.flat)
 
     def wait(self, handle: Handle) -> None:
         if not handle.done.is_set():
@@ -113,10 +103,5 @@ class FakeCollective:
     def close(self) -> None:
         self._closed = True
 
-    def _submit(self, kind: Kind, flat: torch.Tensor) -> Handle:
-        if self._closed:
-            raise CollectiveError("collective is closed")
-        handle = Handle(kind, flat, self._seq)
-        self._seq += 1
+    def _issue(self, handle: Handle) -> None:
         self.fabric._issue(self.rank, handle)
-        return handle

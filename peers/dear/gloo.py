@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from peers.dear.collective import CollectiveError, Handle, Kind, check_buffer, shard
+from peers.dear.collective import CollectiveBase, CollectiveError, Handle, Kind, shard
 
 logger = logging.getLogger(__name__)
 
@@ -35,32 +35,22 @@ STALL_GRACE = 5.0  # seconds beyond `timeout` before wait() stops trusting gloo 
 JOIN_TIMEOUT = 5.0  # seconds close() waits for the thread to finish the queued ops and stop
 
 
-class GlooCollective:
+class GlooCollective(CollectiveBase):
     """Collective over a gloo process group (the default one unless `group` is given).
 
     `timeout` must be the process group's own timeout: it is what `wait` bounds each op by."""
 
     def __init__(self, *, timeout: float, group: dist.ProcessGroup | None = None):
+        super().__init__()
         self.group, self.timeout = group, timeout
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._scratch = torch.empty(0)  # all-to-all output; one op at a time, so one buffer
         self._queue: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
-        self._seq = 0
         self._error = ""  # set once, by the thread or by wait(); the collective is broken after it
-        self._closed = False
         self._progress = time.monotonic()  # when the thread last started or finished an op
         self._thread = threading.Thread(target=self._serve, name=f"dear-gloo-{self.rank}", daemon=True)
         self._thread.start()
-
-    def reduce_scatter(self, flat: torch.Tensor) -> Handle:
-        check_buffer(flat, self.world)
-        return self._submit(Kind.REDUCE_SCATTER, flat)
-
-    def all_gather(self, handle: Handle) -> Handle:
-        if handle.kind is not Kind.REDUCE_SCATTER:
-            raise ValueError("all_gather takes a reduce-scatter handle")
-        return self._submit(Kind.ALL_GATHER, handle.flat)
 
     def wait(self, handle: Handle) -> None:
         while not handle.done.wait(self.timeout):
@@ -79,13 +69,8 @@ class GlooCollective:
         if self._thread.is_alive():  # stuck inside gloo: it is a daemon thread, the process can still exit
             logger.warning("%s did not stop within %.0f s", self._thread.name, JOIN_TIMEOUT)
 
-    def _submit(self, kind: Kind, flat: torch.Tensor) -> Handle:
-        if self._closed:
-            raise CollectiveError("collective is closed")
-        handle = Handle(kind, flat, self._seq)
-        self._seq += 1
+    def _issue(self, handle: Handle) -> None:
         self._queue.put(handle)
-        return handle
 
     def _serve(self) -> None:
         while (handle := self._queue.get()) is not None:

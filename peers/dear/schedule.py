@@ -149,6 +149,7 @@ class DeAR:
         """Every rank, at the same step: flush, average the ranks' proposed bucket sizes with one
         small all-reduce, and re-plan the buckets if the tuner's rule says so (tuner.py)."""
         self.flush()
+        self._all_reduce(self._agree, observe=False)  # lines the ranks up: the next op's time is the link's alone
         self._all_reduce(self._agree)  # a transfer of a few bytes is all latency: it anchors alpha
         proposal, why = self.tuner.propose(self.plan.nbytes)
         self._agree.fill_(math.nan if proposal is None else proposal / KIB)  # KiB: exact in float32
@@ -255,12 +256,14 @@ class DeAR:
             self._finish(ledger)
             self._applying = None
 
-    def _all_reduce(self, flat: torch.Tensor) -> None:
-        """Outside any step: reduce-scatter + all-gather, waited for, timings given to the tuner."""
+    def _all_reduce(self, flat: torch.Tensor, observe: bool = True) -> None:
+        """Outside any step: reduce-scatter + all-gather, waited for; timings to the tuner if `observe`.
+
+        An op's time includes waiting for the last rank to join it; observed ops should start aligned."""
         rs = self._call(self.collective.reduce_scatter, flat)
         ag = self._call(self.collective.all_gather, rs)
         self._wait(ag, None)
-        for h in (rs, ag):
+        for h in (rs, ag) if observe else ():
             self.tuner.observe(h.nbytes, h.seconds)
 
     def _finish(self, ledger: StepLedger) -> None:
