@@ -159,7 +159,7 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, steps: int, op_timeout: float) -> dict:
+def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, steps: int, op_timeout: float, emulate: bool) -> dict:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -168,28 +168,36 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
     from peers.dear import DeAR, DeARSettings, FusionTuner, Mode
     from peers.dear.gloo import GlooCollective
 
-    collective = GlooCollective(timeout=op_timeout)
     model = _mlp(width, depth)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
+    numel = sum(p.numel() for p in model.parameters())
+    flat = torch.zeros(-(-numel // world) * world)
+    wire_share = (world - 1) / world  # of a buffer's bytes, what each rank sends in one half of an all-reduce
 
     def batch(n: int):
         return torch.randn(n, width, generator=g), torch.randn(n, width, generator=g)
 
-    # Calibration: compute of 64 samples against one all-reduce (reduce-scatter + all-gather) of every gradient.
-    x, y = batch(CALIBRATION_BATCH)
-    compute = _slowest(_median_time(lambda: F.mse_loss(model(x), y).backward(), 3))
-    model.zero_grad(set_to_none=True)
-    numel = sum(p.numel() for p in model.parameters())
-    flat = torch.zeros(-(-numel // world) * world)
-
     def all_reduce() -> None:
         collective.wait(collective.all_gather(collective.reduce_scatter(flat)))
 
-    comm = _slowest(_median_time(all_reduce, 3))
-    size = torch.tensor([min(4096, max(8, round(CALIBRATION_BATCH * comm / compute)))])
-    dist.broadcast(size, 0)  # every rank uses rank 0's figure
+    # Calibration: compute of 64 samples (forward + backward) against one all-reduce of every gradient.
+    x, y = batch(CALIBRATION_BATCH)
+    F.mse_loss(model(x), y).backward()  # warm-up: the first backward allocates
+    compute = _slowest(_median_time(lambda: F.mse_loss(model(x), y).backward(), 5))
+    model.zero_grad(set_to_none=True)
+    if emulate:  # a link whose all-reduce of the gradients takes as long as that compute
+        rate = 2 * wire_share * flat.numel() * 4 / compute
+        collective = GlooCollective(timeout=op_timeout, min_seconds=lambda nbytes: nbytes * wire_share / rate)
+        size = torch.tensor([CALIBRATION_BATCH])
+    else:
+        rate = None
+        collective = GlooCollective(timeout=op_timeout)
+        comm = _slowest(_median_time(all_reduce, 3))
+        size = torch.tensor([min(4096, max(8, round(CALIBRATION_BATCH * comm / compute)))])
+        dist.broadcast(size, 0)  # every rank uses rank 0's figure
     x, y = batch(int(size))
+    modes = tuple(m for m in MODES if not (emulate and m == "torch_ddp"))  # torch DDP's traffic cannot be paced
 
     settings = {
         "dear": DeARSettings(bucket_bytes=1 << 20),
@@ -233,16 +241,16 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
         out.update(overlap=dear.overlap_ratio, comm_s=dear.comm_seconds_total / n, buckets=len(dear.plan.buckets))
         return out
 
-    for mode in MODES:  # warm-up, and observations for the tuner
+    for mode in modes:  # warm-up, and observations for the tuner
         dist.barrier()
         run(mode, 2)
     probe = DeAR(model, optimizer, collective, settings["dear"], tuner=tuner)
     retune = probe.retune()
     probe.close()
     settings["dear"] = DeARSettings(bucket_bytes=retune.bucket_bytes)
-    samples: dict[str, list] = {m: [] for m in MODES}
+    samples: dict[str, list] = {m: [] for m in modes}
     for r in range(rounds):
-        for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
             dist.barrier()
             out = run(mode, steps)
             out["seconds"] = _slowest(out["seconds"])
@@ -250,7 +258,8 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
     collective.close()
     return {
         "samples": samples,
-        "calibration": {"compute_64_s": compute, "comm_s": comm, "batch": int(size)},
+        "batch": int(size),
+        "link_bytes_per_second": rate,
         "params": sum(p.numel() for p in model.parameters()),
         "dear_bucket_bytes": retune.bucket_bytes,
         "dear_buckets": samples["dear"][-1]["buckets"],
@@ -258,39 +267,39 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.dear", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small model and few rounds: a smoke run")
-    parser.add_argument("--world", type=int, default=2, help="processes (ranks) on this machine")
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=8, help="steps per mode per round")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.width, args.depth, args.rounds, args.steps = 256, 4, 2, 3
+def _variant(args: argparse.Namespace, emulate: bool) -> None:
+    """One group of processes through every mode; prints its results, DeAR against (b) last."""
     op_timeout = 120.0
-    load0 = os.getloadavg()[0]
-    progress(BENCH, f"{args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode")
-    started = time.monotonic()
+    load0, started = os.getloadavg()[0], time.monotonic()
+    link = "an emulated link (comm = compute)" if emulate else "loopback"
+    progress(BENCH, f"{link}: {args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode")
     reports = run_group(
-        _bench_rank, args.world, args.width, args.depth, args.rounds, args.steps, op_timeout,
+        _bench_rank, args.world, args.width, args.depth, args.rounds, args.steps, op_timeout, emulate,
         timeout=120 + args.rounds * 300, op_timeout=op_timeout,
     )  # fmt: skip
     for rank, (status, value) in enumerate(reports):
         if status != "ok":
             raise SystemExit(f"rank {rank}: {status}: {value}")
     report = reports[0][1]
-    median = {m: statistics.median(s["seconds"] for s in report["samples"][m]) for m in MODES}
-    cpu = {m: round(statistics.median(s["cpu_s"] for s in report["samples"][m]), 4) for m in MODES}
-    overlap = {m: round(statistics.median(s["overlap"] for s in ss), 3) for m, ss in report["samples"].items() if "overlap" in ss[0]}
+    samples = report["samples"]
+    median = {m: statistics.median(s["seconds"] for s in ss) for m, ss in samples.items()}
+    cpu = {m: round(statistics.median(s["cpu_s"] for s in ss), 4) for m, ss in samples.items()}
+    overlap = {m: round(statistics.median(s["overlap"] for s in ss), 3) for m, ss in samples.items() if "overlap" in ss[0]}
     compute, comm = median["compute_only"], median["comm_only"]
     serial, perfect = compute + comm, max(compute, comm)
     share = (serial - median["dear"]) / (serial - perfect)
+    where = (
+        f"an emulated link of {report['link_bytes_per_second'] / 1e6:.0f} MB/s per rank (each op lasts at least its bytes on the "
+        "wire / that rate, gloo's thread sleeping the rest: the wire's time is off the CPU, but the bytes are still copied "
+        "over loopback by the cores)"
+        if emulate
+        else "loopback"
+    )
     common = {
+        "link": "emulated" if emulate else "loopback",
         "n": args.world,
         "params": report["params"],
-        "batch": report["calibration"]["batch"],
+        "batch": report["batch"],
         "cores": os.cpu_count(),
         "load_1min_at_start": round(load0, 2),
         "load_1min_at_end": round(os.getloadavg()[0], 2),
@@ -304,21 +313,40 @@ def main(argv: list[str] | None = None) -> None:
         "retune": report["retune"],
         "seconds": round(time.monotonic() - started, 1),
         "note": (
-            f"loopback on one machine: {os.cpu_count()} cores run {args.world} ranks' compute and all of their communication "
-            f"(kernel copies, gloo threads, local sums). Compute alone took {compute:.3f} s per step, communication alone "
-            f"{comm:.3f} s: {serial:.3f} s one after the other, {perfect:.3f} s if perfectly overlapped. DeAR took "
-            f"{median['dear']:.3f} s, {share:.0%} of that possible gain, while hiding {overlap['dear']:.0%} of its communication: "
-            "hidden communication still takes the cores from compute. Other jobs shared the machine (load above)."
+            f"{where}; {os.cpu_count()} cores run {args.world} ranks' compute and all of their communication (kernel copies, "
+            f"gloo threads, local sums). Compute alone took {compute:.3f} s per step, communication alone {comm:.3f} s: "
+            f"{serial:.3f} s one after the other, {perfect:.3f} s if perfectly overlapped. DeAR took {median['dear']:.3f} s, "
+            f"{share:.0%} of that possible gain, while hiding {overlap['dear']:.0%} of its communication: hidden "
+            "communication still takes the cores from compute. Other jobs shared the machine (load above)."
         ),
     }
-    emit(result(BENCH, "compute_vs_comm_seconds_per_step", round(compute, 4), round(comm, 4), "s", **common))
+    prefix = "emulated_link_" if emulate else ""
+    emit(result(BENCH, f"{prefix}compute_vs_comm_seconds_per_step", round(compute, 4), round(comm, 4), "s", **common))
 
     def speed(mode: str) -> float:
         return round(1.0 / median[mode], 3)
 
     for baseline, label in (("after_backward", "a"), ("dear_nofusion", "c"), ("torch_ddp", "native")):
-        emit(result(BENCH, f"steps_per_second_vs_{baseline}", speed("dear"), speed(baseline), "steps/s", baseline_label=label, **common))
-    emit(result(BENCH, "steps_per_second_vs_ddp25", speed("dear"), speed("ddp25"), "steps/s", baseline_label="b", target=1.2, **common))
+        if baseline in median:
+            emit(result(BENCH, f"{prefix}steps_per_second_vs_{baseline}", speed("dear"), speed(baseline), "steps/s", baseline_label=label, **common))
+    emit(result(BENCH, f"{prefix}steps_per_second_vs_ddp25", speed("dear"), speed("ddp25"), "steps/s", baseline_label="b", target=1.2, **common))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.dear", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small model and few rounds: a smoke run")
+    parser.add_argument("--world", type=int, default=2, help="processes (ranks) on this machine")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=8, help="steps per mode per round")
+    parser.add_argument("--skip-emulated", action="store_true", help="only the loopback run")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.width, args.depth, args.rounds, args.steps = 256, 4, 2, 3
+    if not args.skip_emulated:
+        _variant(args, emulate=True)
+    _variant(args, emulate=False)  # the headline, DeAR against (b) on plain loopback, comes last
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -59,17 +60,24 @@ class BucketPlan:
         return [b.nbytes for b in self.buckets]
 
 
-def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, nn.Module, int]]:
-    """(name, parameter, owning module, owner's registration index) in registration order.
+class Owned(NamedTuple):
+    name: str  # qualified parameter name
+    param: nn.Parameter
+    module: nn.Module  # the module that registers it
+    order: int  # the module's position in registration order
+
+
+def trainable_parameters(model: nn.Module) -> list[Owned]:
+    """The model's trainable parameters in registration order, each with its owning module.
 
     A parameter shared by several modules belongs to the first that registers it."""
     seen: set[int] = set()
     out = []
-    for index, (prefix, module) in enumerate(model.named_modules()):
+    for order, (prefix, module) in enumerate(model.named_modules()):
         for name, p in module.named_parameters(recurse=False):
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
-                out.append((f"{prefix}.{name}" if prefix else name, p, module, index))
+                out.append(Owned(f"{prefix}.{name}" if prefix else name, p, module, order))
     return out
 
 
@@ -82,34 +90,33 @@ def plan_buckets(model: nn.Module, bucket_bytes: float, world: int) -> BucketPla
     params = trainable_parameters(model)
     if not params:
         raise ValueError("the model has no trainable parameters")
-    for name, p, _, _ in params:
-        if p.dtype != torch.float32:
-            raise ValueError(f"parameter {name} is {p.dtype}; DeAR buckets hold float32 only")
-    groups: list[list] = [[]]
+    for entry in params:
+        if entry.param.dtype != torch.float32:
+            raise ValueError(f"parameter {entry.name} is {entry.param.dtype}; DeAR buckets hold float32 only")
+    groups: list[list[Owned]] = [[]]
     filled = 0
     for entry in reversed(params):
         if groups[-1] and filled >= bucket_bytes:
             groups.append([])
             filled = 0
         groups[-1].append(entry)
-        filled += entry[1].numel() * 4
-    sizes = [_padded(sum(p.numel() for _, p, _, _ in g), world) for g in groups]
+        filled += entry.param.numel() * 4
+    sizes = [_padded(sum(e.param.numel() for e in g), world) for g in groups]
     flat = torch.zeros(sum(sizes))
     buckets, start = [], 0
     for index, (group, size) in enumerate(zip(groups, sizes)):
-        offsets, at = [], 0
-        for _, p, _, _ in group:
-            offsets.append(at)
-            at += p.numel()
-        owners = {id(m): (i, m) for _, _, m, i in group}
+        offsets = [0]
+        for e in group[:-1]:
+            offsets.append(offsets[-1] + e.param.numel())
+        owners = {e.order: e.module for e in group}
         buckets.append(
             Bucket(
                 index=index,
-                params=tuple(p for _, p, _, _ in group),
+                params=tuple(e.param for e in group),
                 offsets=tuple(offsets),
                 buffer=flat[start : start + size],
-                modules=tuple(m for _, m in sorted(owners.values(), key=lambda im: im[0])),
-                names=tuple(name for name, _, _, _ in group),
+                modules=tuple(owners[order] for order in sorted(owners)),
+                names=tuple(e.name for e in group),
             )
         )
         start += size

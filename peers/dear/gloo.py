@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,11 +39,15 @@ JOIN_TIMEOUT = 5.0  # seconds close() waits for the thread to finish the queued 
 class GlooCollective(CollectiveBase):
     """Collective over a gloo process group (the default one unless `group` is given).
 
-    `timeout` must be the process group's own timeout: it is what `wait` bounds each op by."""
+    `timeout` must be the process group's own timeout: it is what `wait` bounds each op by.
+    `min_seconds` is a seam for benchmarks that emulate a slower link: an op of b bytes lasts at
+    least min_seconds(b), the thread sleeping the rest (off the CPU, as a wire would be)."""
 
-    def __init__(self, *, timeout: float, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self, *, timeout: float, group: dist.ProcessGroup | None = None, min_seconds: Callable[[int], float] | None = None,
+    ):  # fmt: skip
         super().__init__()
-        self.group, self.timeout = group, timeout
+        self.group, self.timeout, self.min_seconds = group, timeout, min_seconds
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._scratch = torch.empty(0)  # all-to-all output; one op at a time, so one buffer
@@ -78,6 +83,8 @@ class GlooCollective(CollectiveBase):
             if not self._error:
                 try:
                     self._run(handle)
+                    if self.min_seconds is not None:
+                        time.sleep(max(0.0, handle.started + self.min_seconds(handle.nbytes) - time.monotonic()))
                 except RuntimeError as e:  # gloo: timeout, connection closed, aborted group
                     self._error = f"{handle.kind.value} #{handle.seq} failed: {type(e).__name__}: {e}"
                     logger.warning("rank %d: %s", self.rank, self._error)
