@@ -6,14 +6,14 @@ Layout (little-endian; `OVERHEAD` = 84 bytes around the payload):
 |-------:|-----:|----------|------|------------------------------------------------------------------|
 |      0 |    4 | magic    | 4s   | b"PDUG": anything else is not ours                               |
 |      4 |    1 | version  | B    | DGRAM_VERSION; another version is refused                        |
-|      5 |    1 | kind     | B    | wire.Kind CONTRIBUTION or RESULT (control messages use TCP)      |
+|      5 |    1 | kind     | B    | wire.Kind CONTRIBUTION, RESULT or DONE                           |
 |      6 |    2 | sender   | H    | sender's index in the group                                      |
 |      8 |    8 | run_tag  | 8s   | blake2b-64 of the run ID, as on the reliable wire               |
 |     16 |    8 | round    | Q    | round number; also selects the key the tag is checked with       |
 |     24 |    2 | shard    | H    | shard the payload belongs to                                     |
-|     26 |    2 | zero     | H    | 0 (reserved)                                                     |
-|     28 |    4 | count    | I    | float32 elements in the payload                                  |
-|     32 |    8 | offset   | Q    | element offset of the payload in its shard (on the packet grid)  |
+|     26 |    2 | code     | H    | DONE: the Kind of the phase it ends; otherwise 0                 |
+|     28 |    4 | count    | I    | float32 elements in the payload (DONE: 0)                        |
+|     32 |    8 | offset   | Q    | element offset of the payload in its shard; DONE: packets sent   |
 |     40 |    8 | weight   | d    | CONTRIBUTION: sender's weight; RESULT: total weight in the packet |
 |     48 |    8 | mask     | Q    | RESULT: members whose contribution is in this packet             |
 |     56 |   12 | nonce    | 12s  | random 8 bytes per sending transport + a 4-byte counter          |
@@ -53,7 +53,8 @@ OVERHEAD = HEADER_SIZE + TAG_SIZE  # 84
 MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
 MIN_DATAGRAM = OVERHEAD + 4  # room for one value
 KEY_CACHE = 4  # round keys kept: the round in progress, the next, and a little slack
-_DATA_KINDS = {Kind.CONTRIBUTION.value: Kind.CONTRIBUTION, Kind.RESULT.value: Kind.RESULT}
+_KINDS = {k.value: k for k in (Kind.CONTRIBUTION, Kind.RESULT, Kind.DONE)}
+_PHASES = (Kind.CONTRIBUTION.value, Kind.RESULT.value)
 
 
 class DatagramError(ValueError):
@@ -95,7 +96,7 @@ class DatagramCodec:
         count = len(payload) // 4
         end = pos + HEADER_SIZE + len(payload)
         HEADER.pack_into(
-            buf, pos, MAGIC, DGRAM_VERSION, h.kind, h.sender, h.run_tag, h.round, h.shard, 0, count, offset,
+            buf, pos, MAGIC, DGRAM_VERSION, h.kind, h.sender, h.run_tag, h.round, h.shard, h.code, count, offset,
             h.weight, h.mask, self._nonce(),
         )  # fmt: skip
         buf[pos + HEADER_SIZE : end] = payload
@@ -107,12 +108,12 @@ class DatagramCodec:
         Raises DatagramError with the reason; nothing is derived from a datagram that fails."""
         if len(data) < OVERHEAD:
             raise DatagramError("dgram_truncated")
-        magic, version, kind, sender, tag, rnd, shard, zero, count, offset, weight, mask, nonce = HEADER.unpack_from(data)
+        magic, version, kind, sender, tag, rnd, shard, code, count, offset, weight, mask, nonce = HEADER.unpack_from(data)
         if magic != MAGIC:
             raise DatagramError("dgram_bad_magic")
         if version != DGRAM_VERSION:
             raise DatagramError("dgram_bad_version")
-        if kind not in _DATA_KINDS or zero:
+        if kind not in _KINDS or (code not in _PHASES or count if kind == Kind.DONE else code):
             raise DatagramError("dgram_bad_kind")
         if OVERHEAD + 4 * count != len(data):
             raise DatagramError("dgram_bad_size" if len(data) <= MAX_DATAGRAM else "dgram_oversized")
@@ -120,4 +121,4 @@ class DatagramCodec:
             self._key(rnd).decrypt(nonce, data[-TAG_SIZE:], data[:-TAG_SIZE])
         except InvalidTag:
             raise DatagramError("dgram_bad_tag") from None
-        return Header(_DATA_KINDS[kind], tag, rnd, sender, shard, count, DType.FLOAT32, 0, 0, offset, weight, mask)
+        return Header(_KINDS[kind], tag, rnd, sender, shard, count, DType.FLOAT32, 0, code, offset, weight, mask)

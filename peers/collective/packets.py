@@ -6,7 +6,8 @@ the reliable Inbox's (inbox.py); what differs:
 * the unit is a packet of the grid (lossy.PacketGrid), delivered at most once, in any order;
 * nothing waits for a missing packet: an owner settles chunk c of its shard for sender k once k's
   chunk c is complete, a later chunk of k's arrived (k sends in order), k said DONE, or k is gone;
-  a member settles owner j's shard once it is complete, j said DONE, or j is gone;
+  a member settles owner j's shard once it is complete, j said DONE, or j is gone. DONE comes as
+  datagrams and over the reliable transport (udp.py); the first copy counts, the others change nothing;
 * RESULT packets land straight in x, where a missing one leaves this member's own value;
 * early datagrams (of round + 1): contributions are buffered when the inbox buffers are free
   (between rounds, or once this member's shard is reduced), results are refused ("wire_early"):
@@ -29,10 +30,10 @@ from peers.collective.inbox import Inbox, as_bytes
 from peers.collective.lossy import PacketGrid
 from peers.collective.rounds import Phase
 from peers.collective.transport import Action, Inbound
-from peers.collective.wire import HEADER_SIZE, Header, Kind
+from peers.collective.wire import Header, Kind
 from peers.events import PeerEvents
 
-_EMPTY = memoryview(b"")
+_EMPTY = memoryview(bytearray(0))  # the buffer for payloads of no bytes (DONE)
 
 
 @dataclass(slots=True)
@@ -131,13 +132,16 @@ class LossyInbox(Inbox):
         st = self._state(h.round, create=True)
         if st is None:
             return self._drop("wire_wrong_round")
+        if h.kind is Kind.DONE:
+            bad = self._bad_done(h)
+            return self._drop(bad) if bad else _EMPTY
         if h.kind is Kind.CONTRIBUTION:
             return self._admit_contribution(st, h)
         return self._admit_result(st, h)
 
     def on_payload(self, link: Inbound, h: Header) -> None:
-        if not getattr(link, "datagram", False):
-            self._control_payload(h)
+        if h.kind is Kind.DONE:
+            self._record_done(h)
             return
         (st, c, p), self._pending = self._pending, None
         k, changed = h.sender, False
@@ -213,19 +217,28 @@ class LossyInbox(Inbox):
             return self._refuse("wire_not_in_group", Action.DROP)
         if link.member is not None and link.member != h.sender:
             return self._refuse("wire_sender_mismatch", Action.DROP)
-        if h.kind is not Kind.DONE or h.length or h.code not in (Kind.CONTRIBUTION, Kind.RESULT):
+        if h.kind is not Kind.DONE:
             return self._refuse("wire_bad_kind", Action.DROP)  # data travels as datagrams only
-        if h.shard != (g.me if h.code == Kind.CONTRIBUTION else h.sender):
-            return self._refuse("wire_bad_shard", Action.DROP)
         if self._state(h.round, create=True) is None:
             return self._refuse("wire_wrong_round", Action.SKIP)
+        bad = self._bad_done(h)
+        if bad:
+            return self._refuse(bad, Action.DROP)
         self._bind(link, h.sender)
         return _EMPTY  # a zero-length payload: on_payload follows at once
 
-    def _control_payload(self, h: Header) -> None:
+    def _bad_done(self, h: Header) -> str | None:
+        if h.length or h.code not in (Kind.CONTRIBUTION, Kind.RESULT):
+            return "wire_bad_done"
+        if h.shard != (self.group.me if h.code == Kind.CONTRIBUTION else h.sender):
+            return "wire_bad_shard"
+        return None
+
+    def _record_done(self, h: Header) -> None:
         st = self._state(h.round, create=False)
         if st is None:
             return
-        (st.told if h.code == Kind.CONTRIBUTION else st.result_told)[h.sender] = h.offset
-        st.bytes_received += HEADER_SIZE
-        self._changed()
+        told = st.told if h.code == Kind.CONTRIBUTION else st.result_told
+        if h.sender not in told:  # the first of its copies
+            told[h.sender] = h.offset
+            self._changed()

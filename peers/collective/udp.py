@@ -5,15 +5,16 @@
     engine = LossyAllReduce(group, transport, numel)
 
 Which message goes where. CONTRIBUTION and RESULT payloads are cut into datagrams of at most
-`max_datagram` bytes (datagram.py: header, payload, GMAC tag) and never retransmitted. Control
-messages (DONE: "I sent you all I will this phase") go over `control`, a reliable transport (by
-default a TcpTransport on the same port; the daemon may pass its FallbackTransport). Why not
-redundant copies over UDP: a lost DONE costs a whole deadline (seconds), and at 10 % loss three
-copies still leave 0.1 % per link and phase, i.e. a few % of rounds of a 4-member group; TCP
-delivers a lone small message within a retransmission timeout, and it is a few bytes per round.
-Order: a link sends everything in the order it was queued, DONE included (it leaves only after the
-datagrams before it were handed to the kernel), and before a control message reaches the sink every
-datagram already waiting in the UDP socket is read, so on one path a DONE does not overtake its data.
+`max_datagram` bytes (datagram.py: header, payload, GMAC tag) and never retransmitted. DONE ("I
+sent you all I will of this phase", a few bytes) goes both ways: as `DONE_COPIES` datagrams right
+behind the data, and over `control`, a reliable transport (by default a TcpTransport on the same
+port; the daemon may pass its FallbackTransport). Why both: a DONE that never arrives costs a whole
+deadline (seconds); the datagram copies arrive in order behind the data and almost always first
+(both lost: 1 % per link and phase at 10 % loss), while TCP delivers a lone small message only
+after a retransmission timeout when its first try is lost (200 ms or more), but surely. Other
+control messages (VERDICT) go over `control` only. Order: a link sends in the order it was queued
+(a DONE leaves after the datagrams before it were handed to the kernel), and before a message of
+`control` reaches the sink every datagram waiting in the UDP socket is read first.
 
 Sending: one FIFO per transport, drained by one task, paced by a token bucket at `rate_bps` (None:
 unpaced; set it to the link rate, measured or configured, or the receiver's buffer and the path
@@ -49,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DATAGRAM = 1472  # a 1500-byte path MTU minus IPv4 and UDP headers
 SOCKET_BUFFER = 32 << 20  # SO_RCVBUF/SO_SNDBUF asked for: a whole shard of a round in flight
+DONE_COPIES = 2  # datagram copies of each DONE, besides the one over the reliable transport
 READ_BURST = 512  # recvmsg calls per readiness callback, so other callbacks get their turn
+READ_ALL = 1 << 20  # ... and before a control message: a socket buffer's worth, so nothing is left behind
 YIELD_BYTES = 256 << 10  # unpaced, the sender yields to the loop after this many bytes (receives run)
 WRITABLE_TIMEOUT = 1.0  # seconds a full send buffer may take to drain before the batch is dropped
 BIND_ATTEMPTS = 8  # port-0 tries at a port free for both TCP and UDP
@@ -190,6 +193,8 @@ class UdpTransport(Transport):
             while self._queue:
                 link, h, payload = self._queue[0]
                 if link._closed or h.kind not in _DATA_KINDS:
+                    if not link._closed and h.kind is Kind.DONE:
+                        await self._transmit(link, *self._copies(link, h, DONE_COPIES))
                     if not link._closed:
                         link.control.send(h, payload)
                     self._pop()
@@ -223,9 +228,7 @@ class UdpTransport(Transport):
             e0 = self._done_elements
             e1 = min(e0 + stride, h.count)
             self._done_elements = e1
-            if self.drop is not None and self.drop(link.address, h._replace(offset=h.offset + e0, count=e1 - e0)):
-                self.packets_sent += 1  # it stands for a datagram lost on the path: it counts as sent
-                self.events.packets_sent(1)
+            if self.drop is not None and self._dropped(link, h._replace(offset=h.offset + e0, count=e1 - e0)):
                 continue
             size = self.codec.seal_into(buf, pos, h, h.offset + e0, payload[e0 * 4 : e1 * 4])
             segments.append((pos, size))
@@ -233,6 +236,24 @@ class UdpTransport(Transport):
             if size < self._full_size():
                 break  # a short datagram can only be the last segment of a GSO send
         return pos, segments
+
+    def _copies(self, link: _UdpLink, h: Header, copies: int) -> tuple[int, list[tuple[int, int]]]:
+        """Seal `copies` datagrams of a message without payload (DONE) into the send buffer."""
+        segments, pos = [], 0
+        for _ in range(copies):
+            if self._dropped(link, h):
+                continue
+            segments.append((pos, self.codec.seal_into(self._send, pos, h, h.offset, memoryview(b""))))
+            pos += OVERHEAD
+        return pos, segments
+
+    def _dropped(self, link: _UdpLink, h: Header) -> bool:
+        """The emulation seam: a datagram it drops stands for one lost on the path, so it counts as sent."""
+        if self.drop is None or not self.drop(link.address, h):
+            return False
+        self.packets_sent += 1
+        self.events.packets_sent(1)
+        return True
 
     async def _pace(self, nbytes: int) -> None:
         """Token bucket: at most a 2 ms (and 64 KiB) burst above rate_bps."""
@@ -248,7 +269,7 @@ class UdpTransport(Transport):
     async def _transmit(self, link: _UdpLink, nbytes: int, segments: list[tuple[int, int]]) -> None:
         if not segments:
             return
-        sends = [(0, nbytes)] if self.gso else segments
+        sends = [(0, nbytes)] if self.gso and len(segments) > 1 and segments[0][1] == self._full_size() else segments
         for start, size in sends:
             for _ in range(2):  # the second try after the send buffer had room again
                 try:
@@ -278,10 +299,10 @@ class UdpTransport(Transport):
 
     # ---- receiving ---------------------------------------------------------------------------------
 
-    def read_datagrams(self) -> None:
-        """Deliver what waits in the socket (at most READ_BURST reads; readiness calls again for more)."""
+    def read_datagrams(self, reads: int = READ_BURST) -> None:
+        """Deliver what waits in the socket, in at most `reads` reads (readiness calls again for more)."""
         sock, buf = self.sock, self._recv
-        for _ in range(READ_BURST):
+        for _ in range(reads):
             try:
                 n, ancillary, flags, _ = sock.recvmsg_into([buf], _ANCILLARY)
             except (BlockingIOError, InterruptedError):
@@ -338,7 +359,7 @@ class _ControlSink:
         self.owner, self.sink = owner, sink
 
     def on_header(self, link, header: Header):
-        self.owner.read_datagrams()
+        self.owner.read_datagrams(READ_ALL)
         return self.sink.on_header(link, header)
 
     def on_payload(self, link, header: Header) -> None:
