@@ -149,8 +149,7 @@ class DeAR:
         """Every rank, at the same step: flush, average the ranks' proposed bucket sizes with one
         small all-reduce, and re-plan the buckets if the tuner's rule says so (tuner.py)."""
         self.flush()
-        self._all_reduce(self._agree, observe=False)  # lines the ranks up: the next op's time is the link's alone
-        self._all_reduce(self._agree)  # a transfer of a few bytes is all latency: it anchors alpha
+        self._probe_latency()
         proposal, why = self.tuner.propose(self.plan.nbytes)
         self._agree.fill_(math.nan if proposal is None else proposal / KIB)  # KiB: exact in float32
         self._all_reduce(self._agree)
@@ -256,14 +255,21 @@ class DeAR:
             self._finish(ledger)
             self._applying = None
 
-    def _all_reduce(self, flat: torch.Tensor, observe: bool = True) -> None:
-        """Outside any step: reduce-scatter + all-gather, waited for; timings to the tuner if `observe`.
+    def _all_reduce(self, flat: torch.Tensor) -> None:
+        """Outside any step: reduce-scatter + all-gather, waited for."""
+        self._wait(self._call(self.collective.all_gather, self._call(self.collective.reduce_scatter, flat)), None)
 
-        An op's time includes waiting for the last rank to join it; observed ops should start aligned."""
-        rs = self._call(self.collective.reduce_scatter, flat)
-        ag = self._call(self.collective.all_gather, rs)
-        self._wait(ag, None)
-        for h in (rs, ag) if observe else ():
+    def _probe_latency(self, repeats: int = 4) -> None:
+        """Time all-reduces of a few bytes, which are all latency: they anchor the tuner's alpha even
+        when every bucket has the same size. An op's time includes waiting for the last rank to join
+        it, so they are queued back to back and the first is not observed: each later one starts
+        when every rank finished the one before."""
+        handles = []
+        for _ in range(repeats):
+            rs = self._call(self.collective.reduce_scatter, self._agree)
+            handles += [rs, self._call(self.collective.all_gather, rs)]
+        self._wait(handles[-1], None)
+        for h in handles[2:]:
             self.tuner.observe(h.nbytes, h.seconds)
 
     def _finish(self, ledger: StepLedger) -> None:
