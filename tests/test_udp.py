@@ -220,6 +220,29 @@ def test_a_round_at_10_percent_loss_is_the_reference_rule_bit_for_bit(gso):
     uvloop.run(main())
 
 
+def test_a_dead_member_holds_nobody_up():
+    """Member 2's transport is closed (its process died): the others cannot reach it, so they neither
+    wait for its contributions nor for its shard, and finish long before any deadline, PARTIAL."""
+    n, numel = 3, 30_000
+
+    async def main():
+        engines, transports, _ = await start_group(n, numel)
+        await transports[2].close()
+        xs = [torch.randn(numel) for _ in range(2)]
+        before = [x.clone() for x in xs]
+        outcomes = await asyncio.gather(*(e.all_reduce(x, 1.0, 1) for e, x in zip(engines, xs)))
+        for o in outcomes:
+            assert o.status is Status.PARTIAL and o.duration < SETTINGS.contribute_timeout / 3, o
+            assert o.held[2] == 0.0 and o.coverage[:2] == (2 / 3, 2 / 3) and o.members == ("m0", "m1")
+        (a, _), (_, b), (c, d) = engines[0].inbox.bounds
+        expect = (before[0] + before[1]) / 2
+        for x, own in zip(xs, before):
+            assert torch.equal(x[c:d], own[c:d]) and torch.allclose(x[a:b], expect[a:b])
+        await stop_group(engines, transports[:2])
+
+    uvloop.run(main())
+
+
 # ---- hostile input ---------------------------------------------------------------------------------
 
 

@@ -78,6 +78,8 @@ class LossyInbox(Inbox):
         super().__init__(group, numel, chunk, events)
         self.grid = PacketGrid(self.bounds, chunk, stride)
         self.others = [k for k in range(group.size) if k != group.me]
+        first = self.grid.first[group.me]
+        self.want = [b - a for a, b in zip(first, first[1:])]  # packets per chunk of my shard
         self._pending: tuple[PacketRound, int, int] | None = None  # (round, chunk, packet) between the two calls
 
     def open(self, number: int, x: torch.Tensor) -> PacketRound:
@@ -95,7 +97,7 @@ class LossyInbox(Inbox):
 
     def settled(self, st: PacketRound, c: int) -> bool:
         """Nothing more will come for chunk c of my shard (see the module docstring)."""
-        want = self.grid.first[self.group.me][c + 1] - self.grid.first[self.group.me][c]
+        want = self.want[c]
         return all(
             st.got[k][c] >= want or st.front[k] > c or k in st.told or st.lost >> k & 1 for k in self.others
         )
@@ -149,7 +151,7 @@ class LossyInbox(Inbox):
             st.have[k][p] = True
             st.got[k][c] += 1
             st.weights[k] = h.weight
-            changed = st.front[k] < c or st.got[k][c] == self.grid.first[self.group.me][c + 1] - self.grid.first[self.group.me][c]
+            changed = st.front[k] < c or st.got[k][c] == self.want[c]
             st.front[k] = max(st.front[k], c)
         else:
             st.held[k][p] = True

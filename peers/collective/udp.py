@@ -16,9 +16,14 @@ control messages (VERDICT) go over `control` only. Order: a link sends in the or
 (a DONE leaves after the datagrams before it were handed to the kernel), and before a message of
 `control` reaches the sink every datagram waiting in the UDP socket is read first.
 
-Sending: one FIFO per transport, drained by one task, paced by a token bucket at `rate_bps` (None:
-unpaced; set it to the link rate, measured or configured, or the receiver's buffer and the path
-drop what the sender pushes beyond it). `gso=True` hands the kernel up to 64 datagrams per syscall
+Sending: one queue per link, drained by one task that takes one batch (at most 64 KiB) from each
+link in turn, so that every destination gets an even share instead of bursts (three members
+sending a whole chunk to one owner at once would overflow its downlink); the whole is paced by a
+token bucket at `rate_bps`, so that peerd does not cause its own loss. Unpaced (None), the send buffer is kept small
+(`send_buffer`): datagrams waiting in a local qdisc count against it, so a full one makes the
+sender wait instead of the qdisc dropping (that paces to a bottleneck on the first hop, e.g. a
+shaped veth); a bottleneck further away only `rate_bps` (the measured or configured link rate)
+protects. The receive buffer is large (`socket_buffer`): a whole shard may arrive at once. `gso=True` hands the kernel up to 64 datagrams per syscall
 (UDP_SEGMENT; about 3x the send rate here). On loopback and veth a GSO batch travels as one
 packet, so netem or nftables drops it whole: emulated loss becomes bursts of up to 64 datagrams.
 Receiving: the socket is read with recvmsg until empty (bounded per callback); UDP_GRO lets the
@@ -49,7 +54,9 @@ from peers.events import PeerEvents
 logger = logging.getLogger(__name__)
 
 DEFAULT_DATAGRAM = 1472  # a 1500-byte path MTU minus IPv4 and UDP headers
-SOCKET_BUFFER = 32 << 20  # SO_RCVBUF/SO_SNDBUF asked for: a whole shard of a round in flight
+SOCKET_BUFFER = 32 << 20  # SO_RCVBUF asked for: a whole shard of a round may be in flight to us
+SEND_BUFFER = 128 << 10  # SO_SNDBUF (the kernel doubles it, and counts skb overhead): about 160 KB of
+#                          1472-byte datagrams wait in local queues, under a 20 ms queue at 100 Mbit/s
 DONE_COPIES = 2  # datagram copies of each DONE, besides the one over the reliable transport
 READ_BURST = 512  # recvmsg calls per readiness callback, so other callbacks get their turn
 READ_ALL = 1 << 20  # ... and before a control message: a socket buffer's worth, so nothing is left behind
@@ -72,19 +79,22 @@ class UdpTransport(Transport):
     not origin); session: shared by every member of the group and never reused with the same round
     numbers (the Moshpit group key); both key the datagram tags (datagram.py). max_datagram: bytes
     per datagram, UDP header excluded; every member of a group must use the same value (it fixes the
-    packet grid). rate_bps: send rate in bits/s, None for unpaced; may be changed at any time."""
+    packet grid). rate_bps: send rate in bits/s, None for unpaced; may be changed at any time.
+    socket_buffer, send_buffer: SO_RCVBUF and SO_SNDBUF in bytes (forced past the sysctl limits when
+    the process may). Call start() before attach()."""
 
     def __init__(
         self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None, session: bytes | str = b"",
-        control: Transport | None = None, auth: LinkAuth | None = None, max_datagram: int = DEFAULT_DATAGRAM, rate_bps: float | None = None,
-        socket_buffer: int = SOCKET_BUFFER, gso: bool = False, events: PeerEvents | None = None,
-        drop: Callable[[str, Header], bool] | None = None,
+        control: Transport | None = None, auth: LinkAuth | None = None, max_datagram: int = DEFAULT_DATAGRAM,
+        rate_bps: float | None = None, socket_buffer: int = SOCKET_BUFFER, send_buffer: int = SEND_BUFFER,
+        gso: bool = False, events: PeerEvents | None = None, drop: Callable[[str, Header], bool] | None = None,
     ):  # fmt: skip
         if not MIN_DATAGRAM <= max_datagram <= MAX_DATAGRAM:
             raise ValueError(f"max_datagram must be {MIN_DATAGRAM} to {MAX_DATAGRAM} bytes, not {max_datagram}")
         self.host, self.port, self.max_datagram, self.rate_bps = host, port, max_datagram, rate_bps
         self.packet_elements = (max_datagram - OVERHEAD) // 4  # part of the wire contract (packet grid)
-        self.socket_buffer, self.gso, self.drop = socket_buffer, gso, drop
+        self.full_size = OVERHEAD + 4 * self.packet_elements  # every datagram of a message but its last
+        self.socket_buffer, self.send_buffer, self.gso, self.drop = socket_buffer, send_buffer, gso, drop
         self.events = events or PeerEvents()
         self.codec = DatagramCodec(secret, session)
         self._own_control, self.auth = control is None, auth
@@ -95,8 +105,7 @@ class UdpTransport(Transport):
         self._sink: Sink | None = None
         self._inbound = _Datagrams()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: collections.deque[tuple[_UdpLink, Header, memoryview | None]] = collections.deque()
-        self._done_elements = 0  # of the message at the head of the queue
+        self._ready: collections.deque[_UdpLink] = collections.deque()  # links with something queued, in turn
         self._flusher: asyncio.Task | None = None
         self._tokens, self._stamp = 0.0, 0.0
         self._send = memoryview(bytearray(MAX_DATAGRAM + 1))
@@ -124,15 +133,17 @@ class UdpTransport(Transport):
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_DGRAM)
         try:
             sock.setblocking(False)
-            for force, plain in ((SO_RCVBUFFORCE, socket.SO_RCVBUF), (SO_SNDBUFFORCE, socket.SO_SNDBUF)):
+            for force, plain, size in ((SO_RCVBUFFORCE, socket.SO_RCVBUF, self.socket_buffer),
+                                       (SO_SNDBUFFORCE, socket.SO_SNDBUF, self.send_buffer)):  # fmt: skip
                 try:  # beyond net.core.rmem_max/wmem_max only with CAP_NET_ADMIN
-                    sock.setsockopt(socket.SOL_SOCKET, force, self.socket_buffer)
+                    sock.setsockopt(socket.SOL_SOCKET, force, size)
                 except OSError:
-                    sock.setsockopt(socket.SOL_SOCKET, plain, self.socket_buffer)
+                    sock.setsockopt(socket.SOL_SOCKET, plain, size)
             sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
-            sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+            with contextlib.suppress(OSError):  # Linux < 5.0: one datagram per read, which works as well
+                sock.setsockopt(SOL_UDP, UDP_GRO, 1)
             if self.gso:  # every datagram but a message's last is max-sized: the socket's segment size
-                sock.setsockopt(SOL_UDP, UDP_SEGMENT, self._full_size())
+                sock.setsockopt(SOL_UDP, UDP_SEGMENT, self.full_size)
             sock.bind((self.host, port))
         except OSError:
             sock.close()
@@ -157,9 +168,9 @@ class UdpTransport(Transport):
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
-        for link, _, _ in self._queue:
-            link._settle()
-        self._queue.clear()
+        for link in self._ready:
+            link._discard()
+        self._ready.clear()
         if self.sock is not None:
             if self._sink is not None:
                 self._loop.remove_reader(self.sock.fileno())
@@ -172,9 +183,6 @@ class UdpTransport(Transport):
         control = inner() if inner else {"tcp": (self.control.bytes_sent, self.control.bytes_received)}
         return {"udp": (self.bytes_sent, self.bytes_received), **control}
 
-    def _full_size(self) -> int:
-        return OVERHEAD + 4 * self.packet_elements
-
     # ---- sending -----------------------------------------------------------------------------------
 
     def datagrams(self, count: int) -> int:
@@ -182,58 +190,58 @@ class UdpTransport(Transport):
         return max(1, -(-count // self.packet_elements))
 
     def _enqueue(self, link: _UdpLink, header: Header, payload: memoryview | None) -> None:
-        self._queue.append((link, header, payload))
+        if not link.queue:
+            self._ready.append(link)
+        link.queue.append((header, payload))
         if self._flusher is None:
             self._flusher = self._loop.create_task(self._flush())
 
     async def _flush(self) -> None:
-        """Send the queue in order, a batch of datagrams of the head message at a time, paced."""
+        """Send what the links queued: a batch of one link's head message per turn, links in turn."""
         since_yield = 0
         try:
-            while self._queue:
-                link, h, payload = self._queue[0]
-                if link._closed or h.kind not in _DATA_KINDS:
-                    if not link._closed and h.kind is Kind.DONE:
-                        await self._transmit(link, *self._copies(link, h, DONE_COPIES))
-                    if not link._closed:
-                        link.control.send(h, payload)
-                    self._pop()
+            while self._ready:
+                link = self._ready.popleft()
+                if link._closed:
+                    link._discard()
                     continue
-                nbytes, segments = self._batch(h, payload)
-                if self.rate_bps:
-                    await self._pace(nbytes)
-                elif since_yield >= YIELD_BYTES:
-                    since_yield = 0
-                    await asyncio.sleep(0)
-                since_yield += nbytes
-                if not link._closed:
+                h, payload = link.queue[0]
+                if h.kind in _DATA_KINDS:
+                    nbytes, segments = self._batch(link, h, payload)
+                    if self.rate_bps:
+                        await self._pace(nbytes)
+                    elif since_yield >= YIELD_BYTES:
+                        since_yield = 0
+                        await asyncio.sleep(0)
+                    since_yield += nbytes
                     await self._transmit(link, nbytes, segments)
-                if self._done_elements >= h.count:
-                    self._pop()
+                else:
+                    if h.kind is Kind.DONE:
+                        await self._transmit(link, *self._copies(link, h, DONE_COPIES))
+                    link.control.send(h, payload)
+                if h.kind not in _DATA_KINDS or link.done_elements >= h.count:
+                    link._pop()
+                if link.queue:
+                    self._ready.append(link)
         finally:
             self._flusher = None
 
-    def _pop(self) -> None:
-        link = self._queue.popleft()[0]
-        self._done_elements = 0
-        link._settle()
-
-    def _batch(self, h: Header, payload: memoryview) -> tuple[int, list[tuple[int, int]]]:
-        """Seal the next datagrams of the head message into the send buffer: (bytes, [(start, size)]),
-        as many as one UDP_SEGMENT send takes (sent one by one without GSO)."""
-        stride, buf, link = self.packet_elements, self._send, self._queue[0][0]
-        limit = min(GSO_SEGMENTS * self._full_size(), MAX_DATAGRAM)  # one GSO send, or one burst of sendto
+    def _batch(self, link: _UdpLink, h: Header, payload: memoryview) -> tuple[int, list[tuple[int, int]]]:
+        """Seal the next datagrams of the link's head message into the send buffer: (bytes,
+        [(start, size)]), as many as one UDP_SEGMENT send takes (sent one by one without GSO)."""
+        stride, buf = self.packet_elements, self._send
+        limit = min(GSO_SEGMENTS * self.full_size, MAX_DATAGRAM)  # one GSO send, or one burst of sendto
         pos, segments = 0, []
-        while self._done_elements < h.count and pos + self._full_size() <= limit:
-            e0 = self._done_elements
+        while link.done_elements < h.count and pos + self.full_size <= limit:
+            e0 = link.done_elements
             e1 = min(e0 + stride, h.count)
-            self._done_elements = e1
+            link.done_elements = e1
             if self.drop is not None and self._dropped(link, h._replace(offset=h.offset + e0, count=e1 - e0)):
                 continue
             size = self.codec.seal_into(buf, pos, h, h.offset + e0, payload[e0 * 4 : e1 * 4])
             segments.append((pos, size))
             pos += size
-            if size < self._full_size():
+            if size < self.full_size:
                 break  # a short datagram can only be the last segment of a GSO send
         return pos, segments
 
@@ -267,9 +275,9 @@ class UdpTransport(Transport):
         self._tokens -= nbytes
 
     async def _transmit(self, link: _UdpLink, nbytes: int, segments: list[tuple[int, int]]) -> None:
-        if not segments:
+        if not segments or link._closed:
             return
-        sends = [(0, nbytes)] if self.gso and len(segments) > 1 and segments[0][1] == self._full_size() else segments
+        sends = [(0, nbytes)] if self.gso and len(segments) > 1 and segments[0][1] == self.full_size else segments
         for start, size in sends:
             for _ in range(2):  # the second try after the send buffer had room again
                 try:
@@ -374,7 +382,8 @@ class _UdpLink(Link):
 
     def __init__(self, owner: UdpTransport, addr: tuple, address: str, control: Link):
         self.owner, self.addr, self.address, self.control = owner, addr, address, control
-        self.queued = 0  # messages in the owner's queue
+        self.queue: collections.deque[tuple[Header, memoryview | None]] = collections.deque()
+        self.done_elements = 0  # of the message at the head of the queue, already sent
         self._idle: asyncio.Future | None = None
         self._closed = False
 
@@ -386,18 +395,27 @@ class _UdpLink(Link):
                 raise ValueError("a datagram message needs a payload of header.count elements")
             size = self.owner.datagrams(header.count) * OVERHEAD + header.length
         else:
-            size = HEADER_SIZE + header.length
-        self.queued += 1
+            size = HEADER_SIZE + header.length + (DONE_COPIES * OVERHEAD if header.kind is Kind.DONE else 0)
         self.owner._enqueue(self, header, payload)
         return size
 
-    def _settle(self) -> None:
-        self.queued -= 1
-        if self.queued <= 0 and self._idle is not None and not self._idle.done():
+    def _pop(self) -> None:
+        self.queue.popleft()
+        self.done_elements = 0
+        if not self.queue:
+            self._wake()
+
+    def _discard(self) -> None:
+        self.queue.clear()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Release drain(): the queue is empty, or the link closed."""
+        if self._idle is not None and not self._idle.done():
             self._idle.set_result(None)
 
     async def drain(self) -> None:
-        if self.queued > 0 and not self._closed:
+        if self.queue and not self._closed:
             if self._idle is None or self._idle.done():
                 self._idle = asyncio.get_running_loop().create_future()
             await asyncio.shield(self._idle)
@@ -408,7 +426,6 @@ class _UdpLink(Link):
         return self._closed or self.control.closed
 
     def close(self) -> None:
-        self._closed = True  # the flusher skips what is still queued
-        if self._idle is not None and not self._idle.done():
-            self._idle.set_result(None)
+        self._closed = True  # the flusher drops what is still queued
+        self._wake()
         self.control.close()
