@@ -14,8 +14,9 @@ wire.py (the header), transport.py (the interface) and tcp.py (direct TCP), grou
 shards, chunks, timeouts), rounds.py (what a round has seen), inbox.py (receiving and checking,
 the tensor's backup), reduction.py (this member's shard), decision.py (complete or abort, the
 digest), allreduce.py (the round and its contract), outcome.py (what a round returns);
-datagram.py (one authenticated UDP datagram), udp.py (the datagram transport), lossy.py (the
-loss-tolerant rule and packet grid), packets.py (receiving packets), lossy_allreduce.py (the round).
+datagram.py (one authenticated UDP datagram), udp.py and udpsend.py (the datagram transport),
+lossy.py (the loss-tolerant rule and packet grid), packets.py (receiving packets),
+lossy_allreduce.py (the loss-tolerant round).
 """
 
 from peers.collective.allreduce import GroupAllReduce

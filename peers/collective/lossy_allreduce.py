@@ -32,7 +32,6 @@ A round lasts at most gather_timeout + drain_timeout. Losses are counted (`PeerE
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import struct
 
