@@ -217,10 +217,6 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
     ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=1e-3, momentum=0.9)
     tuner = FusionTuner()  # shared by every DeAR block: the fit spans the whole run
 
-    def dear_step() -> None:
-        F.mse_loss(model(x), y).backward()
-        dear.step()
-
     def ddp_step() -> None:
         F.mse_loss(ddp_model(x), y).backward()
         ddp_optimizer.step()
@@ -231,23 +227,23 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    one_step = {"torch_ddp": ddp_step, "compute_only": compute_step, "comm_only": all_reduce}
-    dear = None
+    references = {"torch_ddp": ddp_step, "compute_only": compute_step, "comm_only": all_reduce}
 
     def run(mode: str, n: int) -> dict:
-        nonlocal dear
-        if mode in settings:
-            dear = DeAR(model, optimizer, collective, settings[mode], tuner=tuner if mode == "dear" else None)
+        dear = DeAR(model, optimizer, collective, settings[mode], tuner=tuner if mode == "dear" else None) if mode in settings else None
         cpu0, start = _cpu_seconds(), time.perf_counter()
         for _ in range(n):
-            one_step.get(mode, dear_step)()
-        if mode not in settings:
+            if dear is None:
+                references[mode]()
+            else:
+                F.mse_loss(model(x), y).backward()
+                dear.step()
+        if dear is None:
             return {"seconds": (time.perf_counter() - start) / n, "cpu_s": (_cpu_seconds() - cpu0) / n}
         dear.flush()
         out = {"seconds": (time.perf_counter() - start) / n, "cpu_s": (_cpu_seconds() - cpu0) / n}
         dear.close()
-        out.update(overlap=dear.overlap_ratio, comm_s=dear.comm_seconds_total / n, buckets=len(dear.plan.buckets))
-        return out
+        return {**out, "overlap": dear.overlap_ratio, "buckets": len(dear.plan.buckets)}
 
     for mode in modes:  # warm-up, and observations for the tuner
         dist.barrier()

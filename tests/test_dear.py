@@ -161,6 +161,20 @@ def test_dead_peer_is_an_error_from_the_forward_and_every_later_call():
     models[0](x)
 
 
+def test_ranks_with_different_plans_break_the_group_instead_of_mixing_buckets():
+    fabric = FakeFabric(2)
+    models = [mlp(), mlp()]
+    dears = [DeAR(m, torch.optim.SGD(m.parameters(), lr=0.1), fabric.endpoint(r), DeARSettings(bucket_bytes=b))
+             for r, (m, b) in enumerate(zip(models, (300, 0)))]  # fmt: skip
+    x, y = batches(0, 1)[0]
+    for m in models:
+        F.mse_loss(m(x), y).backward()
+    assert "different ops" in fabric.error
+    dears[0].step()  # queues and returns: the failure shows where the result is needed
+    with pytest.raises(CollectiveError, match="different ops"):
+        models[0](x)
+
+
 def test_overlap_is_the_share_of_communication_not_waited_for():
     assert union_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (math.nan, 9.0)]) == 4.0
     assert StepStats(0, 2, 100, comm_seconds=4.0, exposed_seconds=1.0).overlap_ratio == 0.75

@@ -28,8 +28,9 @@ and every trainable parameter gets a gradient in every backward (otherwise `step
 than wait forever). A parameter is used only inside the forward of the module that registers it
 (its pre-hook is where it gets updated). The optimizer updates each parameter from its own
 gradient and state only (SGD, Adam, AdamW: parameters whose `.grad` is None are skipped, which is
-how one `optimizer.step()` updates one bucket); an LR scheduler must count `dear.steps`, not
-optimizer calls. Gradients live in the buckets: `p.grad` is None outside the optimizer's step.
+how one `optimizer.step()` updates one bucket). An LR scheduler counts `dear.steps`, not optimizer
+calls, and must step only once the update it governs was applied (in DEAR mode, after the next
+forward or `flush()`). Gradients live in the buckets: `p.grad` is None outside the optimizer's step.
 
 **Failure.** A CollectiveError (a peer died or froze, see collective.py) is raised from the hook,
 `step()` or `flush()` that met it (so from `model(...)` or `loss.backward()`), recorded in `error`,
