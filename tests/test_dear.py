@@ -258,8 +258,8 @@ def test_local_groups_by_label_and_after_a_member_dies():
     alone = [PeerSample("a", 100.0, "rack1"), PeerSample("b", 80.0, "rack1")]
     decision = local_groups(alone, [], rules, now=100.0)  # the last live member falls back to the WAN
     assert decision.groups == () and decision.solo == ("a",) and "only live member" in decision.reason
-    many = [PeerSample(f"p{i:02}", 100.0, "big") for i in range(5)]
-    assert [len(g) for g in local_groups(many, [], LocalGroupRules(max_size=2), now=100.0).groups] == [2, 2]
+    many = [PeerSample(f"p{i:02}", 100.0, "big") for i in range(17)]
+    assert [len(g) for g in local_groups(many, [], LocalGroupRules(max_size=16), now=100.0).groups] == [8, 9]
 
 
 # ---- real processes: gloo on 127.0.0.1 ------------------------------------------------------------

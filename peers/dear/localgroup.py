@@ -7,7 +7,8 @@ A pure function: the caller passes what it knows (each peer's last heartbeat and
 measured links) and `now`; the result is the same for the same inputs on every peer.
 
 **Labels first.** Peers an operator labels alike (`--local-group NAME`) form one group whatever the
-measurements say: the operator knows the racks. A labelled peer never joins an unlabelled group.
+measurements say (the operator knows the racks), cut into near-equal groups when more than
+`max_size` are live. A labelled peer never joins an unlabelled group.
 
 **Otherwise links.** Two unlabelled peers are *close* when every fresh measurement of the link
 between them (either direction, at most `max_age` old) passes all thresholds: RTT at most `max_rtt`,
@@ -90,14 +91,18 @@ def local_groups(peers: Iterable[PeerSample], links: Iterable[LinkSample], rules
         if p.label:
             by_label[p.label].append(p.peer)
     for label, members in sorted(by_label.items()):
-        for start in range(0, len(members), rules.max_size):
-            chunk = tuple(members[start : start + rules.max_size])
+        parts = -(-len(members) // rules.max_size)  # as few groups as max_size allows, of near-equal sizes
+        cuts = [round(i * len(members) / parts) for i in range(parts + 1)]
+        for chunk in (tuple(members[a:b]) for a, b in zip(cuts, cuts[1:])):
             if len(chunk) > 1:
                 groups.append(chunk)
                 notes.append(f"[{', '.join(chunk)}] by label {label!r}")
+            elif parts == 1:
+                solo.append(chunk[0])
+                notes.append(f"{chunk[0]} solo: the only live member of label {label!r}")
             else:
                 solo.append(chunk[0])
-                notes.append(f"{chunk[0]} solo: the only live member left in label {label!r}")
+                notes.append(f"{chunk[0]} solo: left over when label {label!r} was cut into groups of at most {rules.max_size}")
 
     unlabelled = [p.peer for p in alive if not p.label]
     close = _close_pairs(set(unlabelled), links, rules, now)
