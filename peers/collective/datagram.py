@@ -24,9 +24,10 @@ The tag. Each round has its own key: `round_key = HMAC-SHA256(base, len(session)
 round)` with `base = HMAC-SHA256("peerd udp v1", secret)`. `secret` is the run secret's engine key
 (None in an open run: the tag then guards integrity only, anyone may forge), `session` names the
 engine instance every member of the group shares (the daemon passes the Moshpit group key, which
-names the round t). A datagram replayed from another session or round fails its tag (its
-round field selects another key, or the session differs); one replayed within its own round is a
-duplicate the inbox refuses. GMAC rather than HMAC-SHA256 because it costs 0.56 µs per 1.4 KB
+names the round t). A datagram of another session fails its tag, and so does one whose round
+field was changed (the field selects the key); one replayed intact from an earlier round verifies
+under that round's key and the inbox refuses it as a past round; one replayed within its own round
+is a duplicate the inbox refuses. GMAC rather than HMAC-SHA256 because it costs 0.56 µs per 1.4 KB
 datagram and 22 GB/s on large ones here, against 2.1 µs and 1.8 GB/s; its one weakness, a nonce
 reused under one key with different data, is ruled out by 64 random bits per transport plus a
 counter (members of a group share each round key, so the nonce is not derived from the header).
