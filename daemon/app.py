@@ -280,6 +280,9 @@ class Daemon:
                 max_group_size=manifest.averaging.max_group_size,
                 p2p=self.node.p2p,
                 transport_mode=self.config.network.transport,
+                loss_tolerant=manifest.averaging.transport == "udp",
+                datagram_bytes=manifest.averaging.datagram_bytes,
+                udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
                 events=self.metrics.peer_events(),
             )
 

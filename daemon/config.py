@@ -44,6 +44,7 @@ class NetworkConfig:
     startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
     request_timeout: float = 5.0  # one DHT get or store, all hops included
     transport: str = "reliable"  # averaging links: reliable (direct TCP, else libp2p streams), tcp, libp2p
+    udp_rate_mbit: float = 0.0  # pace the UDP engine's sends to this rate (Mbit/s); 0 = unpaced
 
     def __post_init__(self) -> None:
         _check_ip("host", self.host)
@@ -54,6 +55,8 @@ class NetworkConfig:
             for maddr in getattr(self, name):
                 if not maddr.startswith("/"):
                     raise ConfigError(f"{name}: {maddr!r} is not a multiaddr (e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)")
+        if not 0 <= self.udp_rate_mbit <= 1e6:
+            raise ConfigError(f"udp_rate_mbit must be in 0..1000000 (Mbit/s; 0 = unpaced), got {self.udp_rate_mbit}")
         _check_positive("startup_timeout", self.startup_timeout)
         _check_positive("request_timeout", self.request_timeout)
 
@@ -185,6 +188,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
     Option("network.request_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
     Option("network.transport", "--transport", "averaging links: reliable (direct TCP, else libp2p streams), tcp or libp2p", "MODE"),
+    Option("network.udp_rate_mbit", "--udp-rate", "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)", "MBIT"),
     Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
     Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped", "SECONDS"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from typing import Callable, Iterable, Mapping
 
@@ -24,7 +25,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from peers.events import PeerEvents
@@ -35,6 +36,31 @@ disable_created_metrics()  # the *_created series double every counter for no us
 
 REQUEST_HEAD_LIMIT = 8192  # bytes of request line + headers we read before giving up
 REQUEST_READ_TIMEOUT = 5.0  # seconds a client may take to send its request head
+
+
+class _WeightedHistogram(Collector):
+    """A histogram whose observations carry a count: one call stands for `n` equal observations
+    (prometheus_client's Histogram takes one at a time, and a round has thousands of packets)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name, self.documentation, self.bounds = name, documentation, (*buckets, math.inf)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, n: int = 1) -> None:
+        with self._lock:
+            self.counts[next(i for i, b in enumerate(self.bounds) if value <= b)] += n
+            self.total += value * n
+
+    def collect(self) -> Iterable[HistogramMetricFamily]:
+        with self._lock:
+            cumulative, running = [], 0
+            for bound, count in zip(self.bounds, self.counts):
+                running += count
+                cumulative.append(("+Inf" if math.isinf(bound) else str(bound), running))
+            total = self.total
+        yield HistogramMetricFamily(self.name, self.documentation, buckets=cumulative, sum_value=total)
 
 
 class _RunPeersCollector(Collector):
@@ -102,7 +128,7 @@ class DaemonMetrics:
         self.dht_requests = Counter("peerd_dht_requests", "DHT requests made by this daemon.", ["op", "result"], registry=r)
         self.heartbeats = Counter("peerd_heartbeats", "Heartbeats this daemon tried to store, by result.", ["result"], registry=r)
         self.rejected = Counter("peerd_rejected", "Inputs refused, by reason (see docs/metrics.md).", ["reason"], registry=r)
-        self.rounds = Counter("peerd_rounds", "Averaging rounds by outcome: completed, aborted, no_group.", ["run", "outcome"], registry=r)
+        self.rounds = Counter("peerd_rounds", "Averaging rounds by outcome: completed, partial, aborted, no_group.", ["run", "outcome"], registry=r)
         self.round_duration = Histogram(
             "peerd_round_duration_seconds",
             "Duration of averaging rounds that formed a group (matchmaking excluded).",
@@ -117,6 +143,19 @@ class DaemonMetrics:
         self.group_size = Gauge("peerd_group_size", "Members of the run's latest averaging group, this daemon included.", ["run"], registry=r)
         self.sent_bytes = Counter("peerd_sent_bytes", "Bytes the collective engine sent, by transport.", ["transport"], registry=r)
         self.received_bytes = Counter("peerd_received_bytes", "Bytes the collective engine received, by transport.", ["transport"], registry=r)
+        self.packets_sent = Counter("peerd_packets_sent", "UDP datagrams the loss-tolerant engine sent.", registry=r)
+        self.packets_lost = Counter(
+            "peerd_packets_lost", "UDP datagrams expected in a round that never arrived (gaps in the packet grid).", registry=r
+        )
+        self.rejected_packets = Counter(
+            "peerd_rejected_packets", "UDP datagrams dropped unread, by reason (see docs/loss-tolerance.md).", ["reason"], registry=r
+        )
+        self.shard_coverage = _WeightedHistogram(
+            "peerd_shard_coverage",
+            "Per packet an owner reduced: the fraction of the group's contributions that arrived (UDP engine).",
+            buckets=(0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+        )
+        r.register(self.shard_coverage)
         self.links = Counter("peerd_links", "Links to group members opened by averaging rounds, by transport.", ["transport"], registry=r)
         r.register(_RunPeersCollector(peers_by_run))
         r.register(_TrainingCollector(runs))
@@ -128,7 +167,7 @@ class DaemonMetrics:
                 self.dht_requests.labels(op, result)
         for result in ("ok", "error"):
             self.heartbeats.labels(result)
-        for transport in ("tcp", "libp2p"):
+        for transport in ("tcp", "libp2p", "udp"):
             for counter in (self.sent_bytes, self.received_bytes, self.links):
                 counter.labels(transport)
 
@@ -162,6 +201,10 @@ class DaemonMetrics:
             dht_request=lambda op, result: self.dht_requests.labels(op, result).inc(),
             heartbeat=lambda result: self.heartbeats.labels(result).inc(),
             rejected=lambda reason: self.rejected.labels(reason).inc(),
+            packet_rejected=lambda reason: self.rejected_packets.labels(reason).inc(),
+            packets_sent=self.packets_sent.inc,
+            packets_lost=self.packets_lost.inc,
+            shard_coverage=self.shard_coverage.observe,
         )
 
     def render(self) -> bytes:

@@ -140,7 +140,8 @@ def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSett
     if unknown:
         raise RunRefused(f"unknown averaging setting(s): {', '.join(unknown)} (known: {', '.join(fields)})")
     try:
-        typed = {k: (int(v) if fields[k] == "int" else float(v)) for k, v in averaging.items()}
+        cast = {"int": int, "float": float, "str": str}
+        typed = {k: cast[fields[k]](v) for k, v in averaging.items()}
         return hparams, AveragingSettings(**typed)
     except ValueError as e:
         raise RunRefused(f"averaging: {e}") from None

@@ -7,7 +7,8 @@ The run's *state vector* is one flat float32 vector: the parameters, then each p
 floating-point optimizer state (momentum, Adam moments) in a fixed order, the same layout on every
 peer. Every `average_every` steps the thread copies the state into it and hands it to `average` (a
 Moshpit round run on the event loop, see peers/averaging.py); a COMPLETED round's result replaces
-the state, anything else leaves it as it was. The vector left after each round is published as this
+the state, a PARTIAL one (UDP engine) replaces it where its packets arrived (the engine has already
+left this daemon's own values elsewhere), an ABORTED one leaves it as it was. The vector left after each round is published as this
 daemon's snapshot, which peers that fell behind download (peers/statesync.py).
 
 Steps: `global_step` is the step of the state this daemon holds: it counts the run's synchronous
@@ -282,13 +283,14 @@ class Trainer:
         if not getattr(result, "completed", False):
             logger.info("run %s: round %d at step %d not completed: %s", self.run_id, self.global_step // self.average_every,
                         self.global_step, getattr(result, "reason", result))
-        if getattr(result, "completed", False):
+        if getattr(result, "applied", False):  # COMPLETED, or PARTIAL (UDP: the result where it arrived)
             # Before the result replaces them: how far this member's parameters were from the mean.
             self.param_divergence = distance(self._flat, self._tensors[: self._n_params])
             scatter(self._flat, self._tensors)
             self._samples_since_round = 0  # otherwise they count toward the next round's weight
         # What peers download: the group's mean after a completed round (the same bytes on every
-        # member, so several donors can serve it), else this daemon's own state.
+        # member, so several donors can serve it), else this daemon's own state (after a PARTIAL
+        # round: the result where it arrived, its own values elsewhere).
         self.snapshot = Snapshot(self.global_step, self._flat.clone())
         self.on_round(result)
 

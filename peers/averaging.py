@@ -8,14 +8,19 @@ Round t of a run with live peers P (this daemon included):
 3. the collective engine all-reduces the flat parameter vector within the group, weighted by the
    samples each member processed since its previous round. Each round listens on a fresh transport
    whose address goes into the matchmaking entry: a transport holds incoming bytes unread until its
-   round's engine attaches, so a fast member cannot reach a slow one's previous round. The Outcome says whether every member
-   of the group holds the same result (COMPLETED) or its own unchanged vector (ABORTED).
+   round's engine attaches, so a fast member cannot reach a slow one's previous round. The run's
+   manifest picks the engine: the reliable GroupAllReduce (links by `--transport`: direct TCP, else
+   libp2p streams) or, with `averaging.transport=udp`, the loss-tolerant LossyAllReduce over UDP
+   datagrams. The Outcome says whether every member of the group holds the same result
+   (COMPLETED), the result where its packets arrived and its own values elsewhere (PARTIAL, UDP
+   only), or its own unchanged vector (ABORTED).
 
 A round that forms no group (alone, leader gone, views differed) changes nothing and says why.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 from dataclasses import dataclass, field
 
@@ -23,16 +28,18 @@ import torch
 
 from hivemind.p2p import P2P
 
-from peers.collective import AllReduceSettings, Group, GroupAllReduce, Outcome, TcpTransport
+from peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, Outcome, UdpTransport
 from peers.collective.fallback import FallbackTransport, member_address
 from peers.collective.linkauth import LinkAuth
-from peers.collective.p2p import P2PTransport
+from peers.collective.tcp import split_address
 from peers.events import PeerEvents
 from peers.matchmaking import Matchmaker, Member
 from peers.moshpit import grid_shape, group_key, view_coords
 from peers.runs import RunSecret, run_namespace
 
 logger = logging.getLogger(__name__)
+
+START_ATTEMPTS = 3  # listeners tried per round when the OS's TCP port is taken for UDP
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +48,17 @@ class RoundResult:
     group_size: int  # members of the round's group, this daemon included (1: no group)
     outcome: Outcome | None  # None when no group formed
     reason: str
-    links: dict[str, str] = field(default_factory=dict)  # peer ID -> "tcp" or "libp2p", per member reached
+    links: dict[str, str] = field(default_factory=dict)  # peer ID -> "tcp", "libp2p" or "udp", per member reached
     bytes_by_transport: dict[str, tuple[int, int]] = field(default_factory=dict)  # transport -> (sent, received)
 
     @property
     def completed(self) -> bool:
         return self.outcome is not None and self.outcome.completed
+
+    @property
+    def applied(self) -> bool:
+        """The vector now holds the round's result, all of it (COMPLETED) or where it arrived (PARTIAL)."""
+        return self.outcome is not None and self.outcome.applied
 
     @property
     def links_summary(self) -> str:
@@ -75,6 +87,9 @@ class MoshpitAverager:
         max_group_size: int,
         p2p: P2P | None = None,
         transport_mode: str = "reliable",
+        loss_tolerant: bool = False,
+        datagram_bytes: int = 1472,
+        udp_rate_bps: float | None = None,
         settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None,
     ):
@@ -83,6 +98,7 @@ class MoshpitAverager:
         self.matchmaker, self.bind_host, self.advertise_host = matchmaker, bind_host, advertise_host
         self.max_group_size = max_group_size
         self.p2p, self.transport_mode = p2p, transport_mode
+        self.loss_tolerant, self.datagram_bytes, self.udp_rate_bps = loss_tolerant, datagram_bytes, udp_rate_bps
         self.settings = settings or AllReduceSettings()
         self.events = events or PeerEvents()
 
@@ -94,15 +110,9 @@ class MoshpitAverager:
         shape = grid_shape(len(view), self.max_group_size)
         coords = view_coords(view, shape, run_id=self.namespace, epoch=round_t // shape.d)
         key = group_key(self.namespace, round_t, coords[self.peer_id], shape)
-        # In a secret run every link proves it holds the secret, for this round's group key only.
-        auth = LinkAuth(self.secret.engine_key, key) if self.secret is not None else None
-        direct = TcpTransport(self.bind_host, 0, events=self.events, auth=auth)
-        port = (await direct.start()).rsplit(":", 1)[1]
-        relay = P2PTransport(self.p2p, port, events=self.events, auth=auth) if self.p2p is not None else None
-        transport = FallbackTransport(direct, relay, mode=self.transport_mode if relay else "tcp")
+        transport, address = await self._listen(key)
         try:
-            if relay is not None:
-                await relay.start()
+            port = split_address(address)[1]
             me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
             matched = await self.matchmaker.form_group(self.namespace, self.secret, round_t, key, me)
             if matched.group is None:
@@ -110,16 +120,49 @@ class MoshpitAverager:
             g = matched.group
             addresses = [member_address(m.engine_addr, m.peer_id) for m in g.members]
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
-            engine = GroupAllReduce(group, transport, vector.numel(), settings=self.settings, events=self.events)
+            engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
+            engine = engine_type(group, transport, vector.numel(), settings=self.settings, events=self.events)
             try:
                 # A fresh engine's first round is number 1; the group key already names round_t.
                 outcome = await engine.all_reduce(vector, float(weight), 1)
             finally:
                 await engine.close()
-            links = {group.members[k]: transport.choices[a] for k, a in enumerate(addresses) if a in transport.choices}
-            if "libp2p" in links.values():
-                logger.info("round %d: reached %d of %d members through libp2p streams", round_t,
-                            sum(v == "libp2p" for v in links.values()), len(links))
-            return RoundResult(round_t, group.size, outcome, outcome.reason, links, transport.bytes_by_transport())
+            return RoundResult(round_t, group.size, outcome, outcome.reason, self._links(transport, group), transport.bytes_by_transport())
         finally:
             await transport.close()
+
+    async def _listen(self, key: str) -> tuple[FallbackTransport | UdpTransport, str]:
+        """A started listener for this round and its address. The UDP engine needs one port free for
+        both TCP and UDP, which the OS does not promise: a clash is retried on a fresh port."""
+        for attempt in range(START_ATTEMPTS):
+            transport = self._transport(key)
+            try:
+                return transport, await transport.start()
+            except OSError as e:
+                await transport.close()
+                if e.errno != errno.EADDRINUSE or attempt + 1 == START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _transport(self, key: str) -> FallbackTransport | UdpTransport:
+        """This round's listener. Reliable links (all data, or the UDP engine's few control messages)
+        go over direct TCP, else libp2p streams; in a secret run every link and datagram is keyed by
+        the secret and this round's group key."""
+        auth = LinkAuth(self.secret.engine_key, key) if self.secret is not None else None
+        mode = self.transport_mode if self.p2p is not None else "tcp"
+        reliable = FallbackTransport(self.bind_host, 0, p2p=self.p2p, mode=mode, auth=auth, events=self.events)
+        if not self.loss_tolerant:
+            return reliable
+        return UdpTransport(self.bind_host, 0, secret=self.secret.engine_key if self.secret else None, session=key,
+                            control=reliable, max_datagram=self.datagram_bytes, rate_bps=self.udp_rate_bps,
+                            events=self.events)  # fmt: skip
+
+    def _links(self, transport, group: Group) -> dict[str, str]:
+        """peer ID -> how this round's data reached that member: udp, tcp or libp2p."""
+        others = [m for k, m in enumerate(group.members) if k != group.me]
+        if self.loss_tolerant:
+            return {m: "udp" for m in others}
+        links = {group.members[k]: transport.choices[a] for k, a in enumerate(group.addresses) if a in transport.choices}
+        if "libp2p" in links.values():
+            logger.info("reached %d of %d members through libp2p streams", sum(v == "libp2p" for v in links.values()), len(links))
+        return links

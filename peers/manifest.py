@@ -28,8 +28,17 @@ class AveragingSettings:
     average_every: int = 10  # local optimizer steps between two averaging rounds
     max_group_size: int = 16  # largest Moshpit group; sizes the virtual grid
     round_timeout: float = 30.0  # seconds a round may take before members abort it
+    # How rounds move data: "reliable" (GroupAllReduce over TCP, else libp2p streams: exact, all or
+    # nothing) or "udp" (LossyAllReduce: datagrams, nothing retransmitted, docs/loss-tolerance.md).
+    # A run-wide choice: the two engines speak different protocols, so every member must use the same.
+    transport: str = "reliable"
+    datagram_bytes: int = 1472  # UDP datagram size: a 1500-byte path MTU minus IP and UDP headers
 
     def __post_init__(self) -> None:
+        if self.transport not in ("reliable", "udp"):
+            raise ValueError(f"transport must be reliable or udp, got {self.transport!r}")
+        if not 512 <= self.datagram_bytes <= 65507:
+            raise ValueError(f"datagram_bytes must be in 512..65507, got {self.datagram_bytes}")
         if not 1 <= self.average_every <= 100_000:
             raise ValueError(f"average_every must be in 1..100000, got {self.average_every}")
         if not 2 <= self.max_group_size <= 1024:
@@ -72,7 +81,8 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
         task=manifest.task,
         hparams=manifest.hparams,
         averaging=records_pb2.AveragingSettings(
-            average_every=a.average_every, max_group_size=a.max_group_size, round_timeout=a.round_timeout
+            average_every=a.average_every, max_group_size=a.max_group_size, round_timeout=a.round_timeout,
+            transport=a.transport, datagram_bytes=a.datagram_bytes,
         ),
         creator=manifest.creator,
         created_at=manifest.created_at,
@@ -99,6 +109,8 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
                 average_every=body.averaging.average_every,
                 max_group_size=body.averaging.max_group_size,
                 round_timeout=body.averaging.round_timeout,
+                transport=body.averaging.transport or "reliable",
+                datagram_bytes=body.averaging.datagram_bytes or 1472,
             ),
             creator=body.creator,
             created_at=body.created_at,

@@ -83,14 +83,18 @@ class Envelope(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., kind: _Optional[_Union[RecordKind, str]] = ...) -> None: ...
 
 class AveragingSettings(_message.Message):
-    __slots__ = ("average_every", "max_group_size", "round_timeout")
+    __slots__ = ("average_every", "max_group_size", "round_timeout", "transport", "datagram_bytes")
     AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    DATAGRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     average_every: int
     max_group_size: int
     round_timeout: float
-    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ...) -> None: ...
+    transport: str
+    datagram_bytes: int
+    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., transport: _Optional[str] = ..., datagram_bytes: _Optional[int] = ...) -> None: ...
 
 class RunManifest(_message.Message):
     __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at")

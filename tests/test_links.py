@@ -37,14 +37,12 @@ async def reduce_over(nodes, *, unreachable: set[int], mode: str = "reliable", n
     events = PeerEvents(rejected=(rejected.append if rejected is not None else lambda r: None))
     transports, addresses = [], []
     for i, node in enumerate(nodes):
-        direct = TcpTransport("127.0.0.1", 0, events=events, auth=auth)
-        port = (await direct.start()).rsplit(":", 1)[1]
-        relay = P2PTransport(node.p2p, port, events=events, auth=auth)
-        await relay.start()
-        transports.append(FallbackTransport(direct, relay, mode=mode))
+        transport = FallbackTransport("127.0.0.1", 0, p2p=node.p2p, mode=mode, auth=auth, events=events)
+        port = (await transport.start()).rsplit(":", 1)[1]
+        transports.append(transport)
         advertised = f"127.0.0.1:{closed_port()}" if i in unreachable else f"127.0.0.1:{port}"
         # The libp2p handler keeps the real port's tag, whatever TCP address is advertised.
-        addresses.append(f"{advertised}|{relay.address}")
+        addresses.append(f"{advertised}|{transport.relay.address}")
         assert i in unreachable or addresses[-1] == member_address(advertised, node.peer_id)
     members = [n.peer_id for n in nodes]
     engines = [GroupAllReduce(Group(RUN, members, addresses, i), t, numel, settings=SETTINGS, events=events)

@@ -19,7 +19,7 @@ def manifest(creator: Identity, **kw) -> RunManifest:
 
 def test_round_trip_open_and_sealed(ids):
     a, _ = ids
-    m = manifest(a, averaging=AveragingSettings(average_every=5))
+    m = manifest(a, averaging=AveragingSettings(average_every=5, transport="udp", datagram_bytes=8972))
     assert decode_manifest(encode_manifest(m, a, None), run_id="r", secret=None, subkey=a.peer_id) == m
     s = RunSecret.from_bytes(b"x" * 16, "r")
     assert decode_manifest(encode_manifest(m, a, s), run_id="r", secret=s, subkey=a.peer_id) == m
@@ -61,6 +61,12 @@ def test_invalid_manifests(ids, kw):
             AveragingSettings(average_every=0)
         else:
             RunManifest(run_id="r", creator=a.peer_id, created_at=1.0, **{"task": "t", **kw})
+
+
+@pytest.mark.parametrize("kw", [{"transport": "carrier-pigeon"}, {"datagram_bytes": 100}, {"datagram_bytes": 70000}])
+def test_invalid_averaging_transports(kw):
+    with pytest.raises(ValueError):
+        AveragingSettings(**kw)
 
 
 def test_choose_the_earliest(ids):

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import asyncio
 
+from hivemind.p2p import P2P
+
+from peers.collective.linkauth import LinkAuth
 from peers.collective.p2p import HANDLER_PREFIX, P2PTransport
-from peers.collective.tcp import TcpTransport
+from peers.collective.tcp import TcpTransport, split_address
 from peers.collective.transport import Link, Sink, Transport
+from peers.events import PeerEvents
 
 MODES = ("reliable", "tcp", "libp2p")
 # A direct connection to a reachable member opens in about one RTT; a firewall that drops SYNs makes
@@ -32,20 +36,25 @@ def member_address(engine_addr: str, peer_id: str) -> str:
 
 
 class FallbackTransport(Transport):
-    """Listens on both `direct` and `relay`; dials by `mode`. Both deliver to the same sink."""
+    """Listens on a TcpTransport at host:port and, given p2pd, on the libp2p handler tagged with the
+    same port; dials by `mode`. Both deliver to the same sink. `auth` (secret runs) applies to both."""
 
-    def __init__(self, direct: TcpTransport, relay: P2PTransport | None, *, mode: str = "reliable",
+    def __init__(self, host: str, port: int = 0, *, p2p: P2P | None, mode: str = "reliable",
+                 auth: LinkAuth | None = None, events: PeerEvents | None = None,
                  direct_timeout: float = DIRECT_TIMEOUT):  # fmt: skip
         if mode not in MODES:
             raise ValueError(f"transport mode must be one of {', '.join(MODES)}, not {mode!r}")
-        if relay is None and mode != "tcp":
-            raise ValueError(f"mode {mode!r} needs a libp2p transport")
-        self.direct, self.relay, self.mode, self.direct_timeout = direct, relay, mode, direct_timeout
+        if p2p is None and mode != "tcp":
+            raise ValueError(f"mode {mode!r} needs p2pd")
+        self.direct = TcpTransport(host, port, events=events, auth=auth)
+        self.relay: P2PTransport | None = None  # made by start(): its tag is the port the OS gives TCP
+        self.p2p, self.mode, self.auth, self.events, self.direct_timeout = p2p, mode, auth, events, direct_timeout
         self.choices: dict[str, str] = {}  # address -> "tcp" or "libp2p", for every link opened
 
     async def start(self) -> str:
         address = await self.direct.start()
-        if self.relay is not None:
+        if self.p2p is not None:
+            self.relay = P2PTransport(self.p2p, str(split_address(address)[1]), events=self.events, auth=self.auth)
             await self.relay.start()
         return address
 
