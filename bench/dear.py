@@ -16,8 +16,9 @@ rotates every round, so every mode sees the same machine at the same moments):
 All modes of ours use the same primitives (all-to-all + local sum, then all-gather; peers/dear/gloo.py).
 A mode's time per step is the slowest rank's mean over `steps` steps, the figure the median over
 rounds. The batch is sized so that one step's compute about equals its communication: measured at
-start (forward + backward of 64 samples, and one reduce-scatter + all-gather of all gradients, with
-every rank doing the same at once), then batch = 64 x comm / compute, bounded to [8, 4096].
+start (forward, backward and optimizer step of 64 samples, and one reduce-scatter + all-gather of
+all gradients, with every rank doing the same at once), then batch = 64 x comm / compute, bounded
+to [8, 4096].
 
 Two runs, each in fresh processes. First over an *emulated link* (lines prefixed `emulated_link_`):
 every gloo op lasts at least its bytes on the wire divided by a rate at which one step's all-reduce
@@ -189,11 +190,15 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
     def all_reduce() -> None:
         collective.wait(collective.all_gather(collective.reduce_scatter(flat)))
 
-    # Calibration: compute of 64 samples (forward + backward) against one all-reduce of every gradient.
+    def compute_step() -> None:
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    # Calibration: a step's compute for 64 samples against one all-reduce of every gradient.
     x, y = batch(CALIBRATION_BATCH)
-    F.mse_loss(model(x), y).backward()  # warm-up: the first backward allocates
-    compute = _slowest(_median_time(lambda: F.mse_loss(model(x), y).backward(), 5))
-    model.zero_grad(set_to_none=True)
+    compute_step()  # warm-up: the first step allocates
+    compute = _slowest(_median_time(compute_step, 5))
     collective = GlooCollective(timeout=op_timeout)
     comm = _slowest(_median_time(all_reduce, 3))
     rate = None
@@ -221,11 +226,6 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
         F.mse_loss(ddp_model(x), y).backward()
         ddp_optimizer.step()
         ddp_optimizer.zero_grad(set_to_none=True)
-
-    def compute_step() -> None:
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     references = {"torch_ddp": ddp_step, "compute_only": compute_step, "comm_only": all_reduce}
 
