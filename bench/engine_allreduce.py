@@ -87,6 +87,8 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, chunk) -> dict:
         settings.chunk_elements = chunk
     engine = GroupAllReduce(group, transport, numel, settings=settings)
     store = f"file://{scratch}/gloo.store"
+    # gloo binds to whatever the hostname resolves to unless told; loopback only, like everything here.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=n, timeout=timedelta(seconds=ROUND_LIMIT))
     x, y = _data(rank, numel), _data(rank, numel)
     report = {"peerd": [], "gloo": [], "peerd_cpu": [], "gloo_cpu": [], "outcomes": [], "max_error": None}
