@@ -1,6 +1,6 @@
-"""Iteration time of DeAR against its baselines, on gloo among processes on 127.0.0.1.
+"""Iteration time of DeAR against its baselines, on gloo or peerd's engine among processes on 127.0.0.1.
 
-    python -m bench.dear [--quick] [--world 2] [--width 1024] [--depth 8] [--rounds 7] [--steps 8]
+    python -m bench.dear [--quick] [--backend gloo|peerd] [--world 2] [--width 1024] [--depth 8] [--rounds 7] [--steps 8]
 
 Every process trains the same MLP (`depth` square Linear layers of `width`, ReLU, MSE on fixed
 random data, SGD with momentum) under each schedule of peers/dear in turn, in rounds (the order
@@ -13,7 +13,10 @@ rotates every round, so every mode sees the same machine at the same moments):
                   mode of ours, the reference point for what gloo's own all-reduce costs
   compute_only    forward, backward, optimizer step, no communication      } bounds: one after the
   comm_only       reduce-scatter + all-gather of every gradient, no compute } other, or perfectly overlapped
-All modes of ours use the same primitives (all-to-all + local sum, then all-gather; peers/dear/gloo.py).
+All modes of ours use the same primitives, those of `--backend`: gloo (all-to-all + local sum, then
+all-gather; peers/dear/gloo.py, the default) or peerd (the engine's reduce-scatter and all-gather,
+peers/collective/halves.py through peers/dear/engine.py). With peerd, one more reference:
+  comm_only_gloo  comm_only over gloo's primitives, so the engine's cost is compared in the same run
 A mode's time per step is the slowest rank's mean over `steps` steps, the figure the median over
 rounds. The batch is sized so that one step's compute about equals its communication: measured at
 start (forward, backward and optimizer step of 64 samples, and one reduce-scatter + all-gather of
@@ -21,9 +24,9 @@ all gradients, with every rank doing the same at once), then batch = 64 x comm /
 to [8, 4096].
 
 Two runs, each in fresh processes. First over an *emulated link* (lines prefixed `emulated_link_`):
-every gloo op lasts at least its bytes on the wire divided by a rate at which one step's all-reduce
-takes 5 times as long as on loopback (the batch then sized to match); gloo's thread sleeps the
-rest, so most of the wire's time is off the CPU, as on a real network, though the bytes are still
+every op lasts at least its bytes on the wire divided by a rate at which one step's all-reduce
+takes 5 times as long as on loopback (the batch then sized to match); the backend's thread sleeps
+the rest, so most of the wire's time is off the CPU, as on a real network, though the bytes are still
 copied over loopback (torch_ddp is left out: its traffic cannot be paced). Then plain loopback, nothing
 emulated, whose last line (DeAR against (b)) is the headline: there the cores run both the compute
 and all of the communication (kernel copies, gloo's threads, the local sums), so time hidden behind
@@ -58,6 +61,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CALIBRATION_BATCH = 64
 EMULATED_SLOWDOWN = 5  # the emulated link's all-reduce takes this many times loopback's
 MODES = ("dear", "after_backward", "ddp25", "dear_nofusion", "torch_ddp", "compute_only", "comm_only")
+BACKENDS = ("gloo", "peerd")
 
 
 # ---- a group of real processes on loopback (also used by tests/test_dear.py) ---------------------
@@ -127,6 +131,24 @@ def _entry(target, rank, world, store_path, op_timeout, args, conn) -> None:
     os._exit(0)  # skip destroy_process_group and atexit: a broken group may not tear down cleanly
 
 
+def make_collective(backend: str, timeout: float, min_seconds: Callable[[int], float] | None = None):
+    """This rank's DeAR collective, in a run_group process: gloo's, or peerd's engine (its members
+    listen on 127.0.0.1, ports from the OS, and learn each other's addresses over the gloo group)."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        from peers.dear.gloo import GlooCollective
+
+        return GlooCollective(timeout=timeout, min_seconds=min_seconds)
+    from peers.dear.engine import EngineCollective
+
+    collective = EngineCollective(rank=dist.get_rank(), world=dist.get_world_size(), timeout=timeout, min_seconds=min_seconds)
+    addresses: list[str | None] = [None] * collective.world
+    dist.all_gather_object(addresses, collective.start())
+    collective.join(addresses)
+    return collective
+
+
 # ---- the benchmark (one process per rank) ----------------------------------------------------------
 
 
@@ -168,14 +190,15 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, steps: int, op_timeout: float, emulate: bool) -> dict:
+def _bench_rank(
+    rank: int, world: int, width: int, depth: int, rounds: int, steps: int, op_timeout: float, emulate: bool, backend: str,
+) -> dict:  # fmt: skip
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn import functional as F
 
     from peers.dear import DeAR, DeARSettings, FusionTuner, Mode
-    from peers.dear.gloo import GlooCollective
 
     model = _mlp(width, depth)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -199,18 +222,24 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
     x, y = batch(CALIBRATION_BATCH)
     compute_step()  # warm-up: the first step allocates
     compute = _slowest(_median_time(compute_step, 5))
-    collective = GlooCollective(timeout=op_timeout)
+    collective = make_collective(backend, op_timeout)
     comm = _slowest(_median_time(all_reduce, 3))
-    rate = None
+    rate = pace = None
     if emulate:  # a link EMULATED_SLOWDOWN times slower than loopback: the copies' CPU is a small part of its time
         collective.close()
         comm *= EMULATED_SLOWDOWN
         rate = 2 * wire_share * flat.numel() * 4 / comm
-        collective = GlooCollective(timeout=op_timeout, min_seconds=lambda nbytes: nbytes * wire_share / rate)
+
+        def pace(nbytes: int) -> float:
+            return nbytes * wire_share / rate
+
+        collective = make_collective(backend, op_timeout, pace)
+    gloo = make_collective("gloo", op_timeout, pace) if backend != "gloo" else None
     size = torch.tensor([min(4096, max(8, round(CALIBRATION_BATCH * comm / compute)))])
     dist.broadcast(size, 0)  # every rank uses rank 0's figure
     x, y = batch(int(size))
     modes = tuple(m for m in MODES if not (emulate and m == "torch_ddp"))  # torch DDP's traffic cannot be paced
+    modes += ("comm_only_gloo",) if gloo is not None else ()
 
     settings = {
         "dear": DeARSettings(bucket_bytes=1 << 20),
@@ -228,6 +257,8 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
         ddp_optimizer.zero_grad(set_to_none=True)
 
     references = {"torch_ddp": ddp_step, "compute_only": compute_step, "comm_only": all_reduce}
+    if gloo is not None:
+        references["comm_only_gloo"] = lambda: gloo.wait(gloo.all_gather(gloo.reduce_scatter(flat)))
 
     def run(mode: str, n: int) -> dict:
         dear = DeAR(model, optimizer, collective, settings[mode], tuner=tuner if mode == "dear" else None) if mode in settings else None
@@ -260,6 +291,8 @@ def _bench_rank(rank: int, world: int, width: int, depth: int, rounds: int, step
             out["seconds"] = _slowest(out["seconds"])
             samples[mode].append(out)
     collective.close()
+    if gloo is not None:
+        gloo.close()
     return {
         "samples": samples,
         "batch": int(size),
@@ -276,9 +309,9 @@ def _variant(args: argparse.Namespace, emulate: bool) -> None:
     op_timeout = 120.0
     load0, started = os.getloadavg()[0], time.monotonic()
     link = f"an emulated link {EMULATED_SLOWDOWN}x slower than loopback" if emulate else "loopback"
-    progress(BENCH, f"{link}: {args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode")
+    progress(BENCH, f"{link}, {args.backend}: {args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode")
     reports = run_group(
-        _bench_rank, args.world, args.width, args.depth, args.rounds, args.steps, op_timeout, emulate,
+        _bench_rank, args.world, args.width, args.depth, args.rounds, args.steps, op_timeout, emulate, args.backend,
         timeout=120 + args.rounds * 300, op_timeout=op_timeout,
     )  # fmt: skip
     for rank, (status, value) in enumerate(reports):
@@ -294,13 +327,14 @@ def _variant(args: argparse.Namespace, emulate: bool) -> None:
     share = (serial - median["dear"]) / (serial - perfect)
     where = (
         f"an emulated link of {report['link_bytes_per_second'] / 1e6:.0f} MB/s per rank (each op lasts at least its bytes on the "
-        "wire / that rate, gloo's thread sleeping the rest: the wire's time is off the CPU, but the bytes are still copied "
+        "wire / that rate, the backend sleeping the rest: the wire's time is off the CPU, but the bytes are still copied "
         "over loopback by the cores)"
         if emulate
         else "loopback"
     )
     common = {
         "link": "emulated" if emulate else "loopback",
+        "backend": args.backend,
         "n": args.world,
         "params": report["params"],
         "batch": report["batch"],
@@ -318,7 +352,7 @@ def _variant(args: argparse.Namespace, emulate: bool) -> None:
         "seconds": round(time.monotonic() - started, 1),
         "note": (
             f"{where}; {os.cpu_count()} cores run {args.world} ranks' compute and all of their communication (kernel copies, "
-            f"gloo threads, local sums). Compute alone took {compute:.3f} s per step, communication alone {comm:.3f} s: "
+            f"the {args.backend} backend's threads, local sums). Compute alone took {compute:.3f} s per step, communication alone {comm:.3f} s: "
             f"{serial:.3f} s one after the other, {perfect:.3f} s if perfectly overlapped. DeAR took {median['dear']:.3f} s, "
             f"{share:.0%} of that possible gain, while hiding {overlap['dear']:.0%} of its communication: hidden "
             "communication still takes the cores from compute. Other jobs shared the machine (load above)."
@@ -326,6 +360,8 @@ def _variant(args: argparse.Namespace, emulate: bool) -> None:
     }
     prefix = "emulated_link_" if emulate else ""
     emit(result(BENCH, f"{prefix}compute_vs_comm_seconds_per_step", round(compute, 4), round(comm, 4), "s", **common))
+    if "comm_only_gloo" in median:
+        emit(result(BENCH, f"{prefix}comm_seconds_peerd_vs_gloo", round(comm, 4), round(median["comm_only_gloo"], 4), "s", **common))
 
     def speed(mode: str) -> float:
         return round(1.0 / median[mode], 3)
@@ -340,6 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.dear", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model and few rounds: a smoke run")
     parser.add_argument("--world", type=int, default=2, help="processes (ranks) on this machine")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="the collective under every mode of ours")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)

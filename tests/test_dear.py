@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bench.dear import run_group
+from bench.dear import make_collective, run_group
 from peers.dear import (
     CollectiveError, DeAR, DeARSettings, FusionTuner, Kind, LinkSample, LocalGroupRules, Mode, PeerSample,
     TunerSettings, local_groups, plan_buckets,
@@ -285,12 +285,12 @@ class ProposingTuner(FusionTuner):
         return self.proposal, "fixed by the test"
 
 
-def _equality_rank(rank: int, world: int) -> dict:
-    """Each mode, then a reference that all-reduces the whole gradient after backward; the digits MLP."""
+def _equality_rank(rank: int, world: int, backend: str = "gloo") -> dict:
+    """Each mode, then a reference that all-reduces the whole gradient after backward (gloo's
+    all_reduce); the digits MLP. `backend`: the collective under DeAR (bench.dear.make_collective)."""
     import torch.distributed as dist
 
     from daemon.tasks.digits import DigitsMLP
-    from peers.dear.gloo import GlooCollective
 
     task = DigitsMLP()
     sgd = task.parse_hparams({"hidden": 48, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4, "batch_size": 16})
@@ -310,7 +310,7 @@ def _equality_rank(rank: int, world: int) -> dict:
         return model
 
     refs = {"sgd": reference(sgd), "adam": reference(adam)}
-    collective = GlooCollective(timeout=OP_TIMEOUT)
+    collective = make_collective(backend, OP_TIMEOUT)
     cases = {  # name: (hparams, settings, step after which to retune)
         "dear": (sgd, DeARSettings(bucket_bytes=2048), None),
         "dear_adam": (adam, DeARSettings(bucket_bytes=2048), None),
@@ -353,11 +353,10 @@ def test_gloo_modes_equal_a_plain_all_reduce_over_several_steps():
     assert len(reports[0]["dear"]["sizes"][0]) == 2 and 0.0 <= reports[0]["dear"]["overlap"] <= 1.0
 
 
-def _failure_rank(rank: int, world: int, how: str) -> dict:
-    from peers.dear.gloo import GlooCollective
-
+def _failure_rank(rank: int, world: int, how: str, backend: str = "gloo") -> dict:
     model = mlp()
-    dear = DeAR(model, torch.optim.SGD(model.parameters(), lr=0.1), GlooCollective(timeout=OP_TIMEOUT), DeARSettings(bucket_bytes=300))
+    collective = make_collective(backend, OP_TIMEOUT)
+    dear = DeAR(model, torch.optim.SGD(model.parameters(), lr=0.1), collective, DeARSettings(bucket_bytes=300))
     x, y = batches(rank, 1)[0]
     for _ in range(3):
         F.mse_loss(model(x), y).backward()

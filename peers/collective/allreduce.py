@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -191,28 +192,11 @@ class GroupAllReduce:
 
     async def _connect(self, st: RoundState) -> None:
         """Open links that are not open; a member that cannot be reached is lost for this round."""
-
-        async def one(k: int) -> None:
-            try:
-                async with asyncio.timeout(self.settings.connect_timeout):
-                    self.links[k] = await self.transport.connect(self.group.addresses[k])
-            except (OSError, TimeoutError):
-                self.links[k] = None
-                st.lost |= 1 << k
-
-        await asyncio.gather(*(one(k) for k, link in self.links.items() if link is None or link.closed))
+        for k in await open_links(self.transport, self.group.addresses, self.links, self.settings.connect_timeout):
+            st.lost |= 1 << k
 
     async def _drain(self) -> None:
-        """Let queued sends go out (`drain_timeout`); close links that cannot take them: their payloads
-        point into buffers the next round will overwrite."""
-        live = self._live_links()
-        if not live:
-            return
-        tasks = {asyncio.ensure_future(link.drain()): link for _, link in live}
-        _, pending = await asyncio.wait(tasks, timeout=self.settings.drain_timeout)
-        for task in pending:
-            task.cancel()
-            tasks[task].close()
+        await drain_links([link for _, link in self._live_links()], self.settings.drain_timeout)
 
     def _check_call(self, tensor: torch.Tensor, weight: float, round_no: int) -> None:
         if self._busy:
@@ -249,3 +233,32 @@ class GroupAllReduce:
             digest=digest if done else b"",
             held=(float(done),) * size,
         )
+
+
+async def open_links(transport: Transport, addresses: Sequence[str], links: dict[int, Link | None], timeout: float) -> list[int]:
+    """Dial, at once, every member k of `links` whose link is missing or closed (`timeout` for all);
+    stores the new links and returns the members that could not be reached (their entry is None)."""
+
+    async def one(k: int) -> int | None:
+        try:
+            async with asyncio.timeout(timeout):
+                links[k] = await transport.connect(addresses[k])
+            return None
+        except (OSError, TimeoutError):
+            links[k] = None
+            return k
+
+    missing = await asyncio.gather(*(one(k) for k, link in links.items() if link is None or link.closed))
+    return [k for k in missing if k is not None]
+
+
+async def drain_links(links: Sequence[Link], timeout: float) -> None:
+    """Let queued sends go out (`timeout`); close links that cannot take them: their payloads point
+    into buffers the caller will overwrite."""
+    if not links:
+        return
+    tasks = {asyncio.ensure_future(link.drain()): link for link in links}
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in pending:
+        task.cancel()
+        tasks[task].close()

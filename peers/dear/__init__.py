@@ -1,18 +1,20 @@
 """DeAR inside fast local groups: gradients all-reduced as reduce-scatter + all-gather, overlapped
 with backward and the next forward (Zhang et al., arXiv 2302.12445). docs/dear.md is the guide.
 
-    collective = GlooCollective(timeout=30.0)           # or any Collective (collective.py)
+    collective = GlooCollective(timeout=30.0)           # or EngineCollective, or any Collective (collective.py)
     dear = DeAR(model, optimizer, collective, DeARSettings(bucket_bytes=1 << 20))
     loss = task.loss(model, batch); loss.backward(); dear.step()   # per step; dear.flush() before reading params
 
 collective.py (the protocol a backend implements and its contract), gloo.py (torch.distributed
-gloo backend), fake.py (in-process backend for tests), buckets.py (tensor fusion), schedule.py (the
+gloo backend), engine.py (peerd's own engine: peers/collective/halves.py), fake.py (in-process
+backend for tests), buckets.py (tensor fusion), schedule.py (the
 hooks and the three modes), overlap.py (overlap ratio from timestamps), tuner.py (online bucket
 size from fitted latency and bandwidth), localgroup.py (which peers form a fast local group).
 """
 
 from peers.dear.buckets import Bucket, BucketPlan, plan_buckets
 from peers.dear.collective import Collective, CollectiveError, Handle, Kind
+from peers.dear.engine import EngineCollective
 from peers.dear.localgroup import LinkSample, LocalGroupRules, LocalGroups, PeerSample, local_groups
 from peers.dear.overlap import StepStats
 from peers.dear.schedule import DeAR, DeARSettings, Mode
@@ -25,6 +27,7 @@ __all__ = [
     "CollectiveError",
     "DeAR",
     "DeARSettings",
+    "EngineCollective",
     "Fit",
     "FusionTuner",
     "Handle",

@@ -1,0 +1,178 @@
+"""DeAR over peerd's own engine: the reduce-scatter and all-gather primitives (peers/collective/halves.py)
+and the EngineCollective backend (peers/dear/engine.py).
+
+First the primitives alone: 3-4 members on one uvloop loop over real TCP on 127.0.0.1 (ports from
+the OS); values are small integers, so every sum is exact in float32 and the mean can be checked bit
+for bit. Faults through seams: a member that is never asked to run an op stays silent (frozen), a
+transport closed under a member (dead), members that issue different ops. Then DeAR in real
+processes (tests/test_dear.py's helpers, with backend="peerd"): every mode equals a plain all-reduce
+over several steps on the digits MLP, and a peer that dies is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+
+import pytest
+import torch
+import uvloop
+
+from bench.dear import run_group
+from peers.collective import Group, TcpTransport, shard_bounds
+from peers.collective.halves import Halves, HalvesSettings
+from peers.events import PeerEvents
+from tests.test_dear import OP_TIMEOUT, _equality_rank, _failure_rank
+
+TIMEOUT = 0.5  # seconds one op may take in the in-process tests
+RUN = "halves-test"
+
+
+async def start_group(n: int, *, chunk: int = 512 * 1024, events: PeerEvents | None = None):
+    transports = [TcpTransport("127.0.0.1", 0, events=events) for _ in range(n)]
+    addresses = [await t.start() for t in transports]
+    settings = HalvesSettings(op_timeout=TIMEOUT, connect_timeout=TIMEOUT, chunk_elements=chunk)
+    members = [f"m{i}" for i in range(n)]
+    halves = [Halves(Group(RUN, members, addresses, i), t, settings=settings, events=events) for i, t in enumerate(transports)]
+    return halves, transports
+
+
+async def stop_group(halves, transports) -> None:
+    for h in halves:
+        await h.close()
+    for t in transports:
+        await t.close()
+
+
+def integers(numel: int, seed: int) -> torch.Tensor:
+    """Values whose weighted sums are exact in float32: the mean is then one correctly rounded division."""
+    return torch.randint(-1000, 1000, (numel,), generator=torch.Generator().manual_seed(seed)).float()
+
+
+def weighted_mean(xs, ws) -> torch.Tensor:
+    return (sum(w * x.double() for w, x in zip(ws, xs)) / sum(ws)).float()
+
+
+@pytest.mark.parametrize("n, sizes, chunk", [(3, (1001, 12), 37), (4, (64 * 1024 + 3, 4), 4096), (3, (30, 6), 512 * 1024)])
+def test_halves_give_each_owner_the_exact_mean_and_everyone_the_same_bytes(n, sizes, chunk):
+    """Two buffers of different lengths, every op queued at once: RS(a), RS(b), AG(b), AG(a), three times."""
+
+    async def main():
+        halves, transports = await start_group(n, chunk=chunk)
+        last = 0.0
+        for r in range(3):
+            xs = {numel: [integers(numel, 10 * r + i) for i in range(n)] for numel in sizes}
+            ws = [1.0] * n if r < 2 else [float(i + 1) for i in range(n)]  # the last round weighted
+            want = {numel: weighted_mean(x, ws) for numel, x in xs.items()}
+            before = {numel: [x.clone() for x in x_] for numel, x_ in xs.items()}
+            a, b = sizes
+            ops = [
+                [h.reduce_scatter(xs[a][i], ws[i]), h.reduce_scatter(xs[b][i], ws[i]), h.all_gather(xs[b][i])]
+                for i, h in enumerate(halves)
+            ]
+            await asyncio.gather(*(o for member in ops for o in member))
+            for i in range(n):  # after RS(a), before AG(a): the owner's shard is the mean, the others untouched
+                for j, (start, end) in enumerate(shard_bounds(a, n)):
+                    expect = want[a] if i == j else before[a][i]
+                    assert torch.equal(xs[a][i][start:end], expect[start:end]), (r, i, j)
+            gathers = [h.all_gather(xs[a][i]) for i, h in enumerate(halves)]
+            await asyncio.gather(*gathers)
+            for i in range(n):
+                for numel in sizes:
+                    assert torch.equal(xs[numel][i], want[numel]), (r, i, numel)
+                member = [*ops[i], gathers[i]]
+                assert [o.error for o in member] == [""] * 4
+                assert [o.number for o in member] == [4 * r + k for k in range(4)]
+                stamps = [t for o in member for t in (o.started, o.finished)]
+                assert stamps == sorted(stamps) and stamps[0] >= last  # one after another, in call order
+            last = max(g.finished for g in gathers)
+        await stop_group(halves, transports)
+
+    uvloop.run(main())
+
+
+def test_a_frozen_member_is_an_error_within_the_timeout_and_breaks_every_later_op():
+    async def main():
+        halves, transports = await start_group(3)
+        xs = [integers(12, i) for i in range(3)]
+        await asyncio.gather(*(h.reduce_scatter(x) for h, x in zip(halves, xs)))
+        t0 = time.monotonic()
+        ops = [(h.all_gather(x), h.reduce_scatter(x)) for h, x in zip(halves[:2], xs)]  # member 2 stays silent
+        for ag, rs in ops:
+            await rs
+            assert "all_gather #1: timed out" in ag.error and "members [2]" in ag.error
+            assert rs.error == ag.error and rs.finished - ag.finished < 0.1  # queued behind it: fails at once
+        assert time.monotonic() - t0 < TIMEOUT + 0.3
+        late = halves[0].all_gather(xs[0])
+        assert (await late).error == ops[0][0].error
+        await stop_group(halves, transports)
+
+    uvloop.run(main())
+
+
+def test_a_dead_member_fails_the_others_at_once():
+    async def main():
+        halves, transports = await start_group(3)
+        xs = [integers(12, i) for i in range(3)]
+        await asyncio.gather(*(h.reduce_scatter(x) for h, x in zip(halves, xs)))
+        await transports[2].close()  # member 2's connections close, as when its process dies
+        t0 = time.monotonic()
+        ops = [h.all_gather(x) for h, x in zip(halves[:2], xs)]
+        await asyncio.gather(*ops)
+        assert all("closed" in op.error for op in ops), [op.error for op in ops]
+        assert time.monotonic() - t0 < TIMEOUT / 2
+        await stop_group(halves, transports)
+
+    uvloop.run(main())
+
+
+@pytest.mark.parametrize("fault", ["other_kind", "other_length", "nonfinite"])
+def test_members_issuing_different_ops_or_nonfinite_values_fail_at_once_and_are_counted(fault):
+    async def main():
+        counts = collections.Counter()
+        halves, transports = await start_group(3, events=PeerEvents(rejected=lambda reason: counts.update([reason])))
+        xs = [integers(12, i) for i in range(3)]
+        if fault == "nonfinite":
+            xs[1][0] = float("nan")  # lands in member 0's shard
+        t0 = time.monotonic()
+        ops = [h.reduce_scatter(x) for h, x in zip(halves[:2], xs)]
+        if fault == "other_kind":
+            ops.append(halves[2].all_gather(xs[2]))
+        else:
+            ops.append(halves[2].reduce_scatter(integers(15, 2) if fault == "other_length" else xs[2]))
+        after = [h.all_gather(xs[i]) for i, h in enumerate(halves)]  # the others may complete the first op
+        await asyncio.gather(*ops, *after)
+        assert ops[0].error and all(op.error for op in after), [op.error for op in ops + after]
+        assert time.monotonic() - t0 < TIMEOUT / 2  # member 0 broke and closed its connections: nobody waits
+        reason = {"other_kind": "wire_bad_kind", "other_length": "wire_bad_size", "nonfinite": "contribution_nonfinite"}[fault]
+        assert counts[reason] >= 1, counts
+        await stop_group(halves, transports)
+
+    uvloop.run(main())
+
+
+# ---- DeAR over EngineCollective in real processes -------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_dear_over_the_engine_equals_a_plain_all_reduce_over_several_steps():
+    world = 3  # shards of unequal parameter boundaries, padded buckets
+    results = run_group(_equality_rank, world, "peerd", timeout=80, op_timeout=OP_TIMEOUT)
+    assert all(status == "ok" for status, _ in results), results
+    reports = [value for _, value in results]
+    for name in ("dear", "dear_adam", "dear_nofusion_then_tuned", "ddp", "after_backward"):
+        assert all(r[name]["err"] < 1e-5 for r in reports), (name, [r[name] for r in reports])
+        assert len({r[name]["digest"] for r in reports}) == 1, name  # replicas bitwise identical
+        assert len({str(r[name]["sizes"]) for r in reports}) == 1, name  # one plan on every rank
+    assert reports[0]["dear_nofusion_then_tuned"]["sizes"][1] == reports[0]["dear"]["sizes"][0]  # re-planned
+
+
+@pytest.mark.timeout(60)
+def test_dear_over_the_engine_turns_a_dead_peer_into_an_error():
+    results = run_group(_failure_rank, 3, "exit", "peerd", timeout=40, op_timeout=OP_TIMEOUT, wait_for=[0, 2])
+    for status, report in (results[0], results[2]):
+        assert status == "ok", report
+        assert report["raised"] and report["again"].startswith("the group is broken"), report
+        assert report["elapsed"] < 2.0 and "closed" in report["error"], report  # closed: at once, not at the timeout
+    assert results[1][0] == "exited"
