@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import multiprocessing as mp
+import multiprocessing.connection
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -38,6 +38,7 @@ from bench.engine_allreduce import PR_SET_PDEATHSIG, Cluster, _data
 
 BENCH = "lab_baselines"
 SETUP_TIMEOUT = 120.0  # seconds for the processes of one system to start and report their address
+QUIET_SLACK = 30.0  # seconds beyond --round-timeout that a cluster may send nothing before it is stopped
 CLONE_NEWNET = 0x40000000  # linux/sched.h
 
 
@@ -62,16 +63,19 @@ def _worker(system: str, rank: int, n: int, numel: int, rounds: int, conn, barri
     torch.set_num_threads(1)
     try:
         run = {"duel": _duel, "hivemind": _hivemind}[system]
-        conn.send(("done", run(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout)))
+        run(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout)
+        conn.send(("done", None))
     except Exception as e:  # report, do not hang the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def _timed(barrier, timeout: float, step) -> float | None:
+def _timed(conn, key: str, barrier, timeout: float, step) -> None:
+    """One step of one system, after all processes met; its time (None: failed) goes to the parent
+    at once, so that what was measured survives a later step that the parent has to kill."""
     barrier.wait(timeout + 60)  # the others may still be in the previous round's timeout
     t0 = time.perf_counter()
     ok = step()
-    return time.perf_counter() - t0 if ok else None
+    conn.send(("put", key, time.perf_counter() - t0 if ok else None))
 
 
 def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
@@ -85,16 +89,15 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
     conn.send(("address", loop.run_until_complete(transport.start())))
     group = Group("bench", [f"peer{i}" for i in range(n)], conn.recv(), rank)
     # Owners wait for contributions up to half the limit, members for results up to all of it.
-    settings = AllReduceSettings(connect_timeout=10.0, contribute_timeout=timeout / 2, gather_timeout=timeout, verdict_timeout=5.0, drain_timeout=2.0)
+    settings = AllReduceSettings(connect_timeout=min(10.0, timeout / 2), contribute_timeout=timeout / 2, gather_timeout=timeout, verdict_timeout=5.0, drain_timeout=2.0)
     engine = GroupAllReduce(group, transport, numel, settings=settings)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
     x, y = _data(rank, numel), _data(rank, numel)
-    report = {"peerd": [], "gloo": [], "outcomes": []}
     gloo_broken = False
 
     def peerd(r: int) -> bool:
         outcome = loop.run_until_complete(engine.all_reduce(x, float(rank + 1), r))
-        report["outcomes"].append(outcome.status.value)
+        conn.send(("put", "outcomes", outcome.status.value))
         return outcome.completed
 
     def gloo(r: int) -> bool:
@@ -111,13 +114,12 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
 
     for r in range(1, rounds + 1):
         for name, step in (("peerd", peerd), ("gloo", gloo)) if r % 2 else (("gloo", gloo), ("peerd", peerd)):
-            report[name].append(_timed(barrier, timeout, lambda: step(r)))
+            _timed(conn, name, barrier, timeout, lambda: step(r))
     if not gloo_broken:
         dist.destroy_process_group()
     loop.run_until_complete(engine.close())
     loop.run_until_complete(transport.close())
     loop.close()
-    return report
 
 
 def _hivemind(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
@@ -140,10 +142,19 @@ def _hivemind(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> di
         averaged_tensors=[_data(rank, numel)], dht=dht, prefix="bench", target_group_size=n, min_group_size=n,
         min_matchmaking_time=2.0, request_timeout=2.0, allreduce_timeout=timeout, start=True,
     )  # fmt: skip
-    times = [_timed(barrier, timeout, lambda: averager.step(timeout=timeout) is not None) for _ in range(rounds)]
+
+    def step() -> bool:
+        # `timeout` bounds finding the group and allreduce_timeout the round itself. A failed step
+        # returns None or, for some failures, raises: either way it failed, and the bench goes on.
+        try:
+            return averager.step(timeout=timeout) is not None
+        except Exception:
+            return False
+
+    for _ in range(rounds):
+        _timed(conn, "hivemind", barrier, timeout, step)
     averager.shutdown()
     dht.shutdown()
-    return {"hivemind": times}
 
 
 class LabCluster(Cluster):
@@ -163,8 +174,12 @@ class LabCluster(Cluster):
             self.procs.append(p)
 
 
-def run_system(system: str, hosts: list, numel: int, rounds: int, timeout: float) -> list[dict]:
+def run_system(system: str, keys: tuple[str, ...], hosts: list, numel: int, rounds: int, timeout: float) -> list[dict]:
+    """Each process's measurements: {key: [seconds or None per round], "outcomes": [...]}. gloo's own
+    timeout bounds each wait inside a collective, not the collective: a step that sends nothing for
+    `timeout` + QUIET_SLACK seconds ends the cluster, and what it did not measure counts as failed."""
     cluster, n = LabCluster(system, hosts, numel, rounds, timeout), len(hosts)
+    reports = [{key: [] for key in (*keys, "outcomes")} for _ in range(n)]
     try:
         first = [cluster.recv(rank, SETUP_TIMEOUT) for rank in range(n)]
         if system == "hivemind":  # hosts 1.. join through host 0's DHT address
@@ -174,9 +189,29 @@ def run_system(system: str, hosts: list, numel: int, rounds: int, timeout: float
         else:
             for c in cluster.conns:
                 c.send(first)
-        return [cluster.recv(rank, SETUP_TIMEOUT + (timeout + 60) * rounds * 2) for rank in range(n)]
+        pending = dict(enumerate(cluster.conns))
+        while pending:
+            ready = mp.connection.wait(list(pending.values()), timeout + QUIET_SLACK)
+            if not ready:
+                progress(BENCH, f"{system}: nothing for {timeout + QUIET_SLACK:.0f} s; stopped, the rest counts as failed")
+                break
+            for rank in [r for r, c in pending.items() if c in ready]:
+                try:
+                    kind, *value = pending[rank].recv()
+                except EOFError:  # the process died (gloo aborts the process on some timeouts)
+                    kind = "done"
+                if kind == "put":
+                    reports[rank][value[0]].append(value[1])
+                elif kind == "done":
+                    del pending[rank]
+                else:
+                    raise RuntimeError(f"{system} worker {rank}: {value[0]}")
     finally:
         cluster.kill(grace=10.0)
+    for r in reports:
+        for key in keys:
+            r[key] += [None] * (rounds - len(r[key]))
+    return reports
 
 
 def round_time(reports: list[dict], key: str) -> tuple[float | None, list]:
@@ -195,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", default="0,1,5,10", help="packet loss settings in %%, comma-separated")
     parser.add_argument("--cc", default="bbr,reno", help="TCP congestion controls, comma-separated")
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per system and setting")
-    parser.add_argument("--round-timeout", type=float, default=150.0, help="seconds a round may take before it counts as failed")
+    parser.add_argument("--round-timeout", type=float, default=90.0, help="seconds a round may take before it counts as failed")
     parser.add_argument("--skip-hivemind", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -244,15 +279,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args, net, hosts, numel: int, cc: str, loss: float) -> dict:
     """One (cc, loss) setting: every system, one JSON line."""
-    before = net.dropped()
+    before, load = net.dropped(), os.getloadavg()[0]
     progress(BENCH, f"{cc}, {loss:g} % loss: peerd and gloo in turn, {args.rounds} round(s) each")
-    duel = run_system("duel", hosts, numel, args.rounds, args.round_timeout)
+    duel = run_system("duel", ("peerd", "gloo"), hosts, numel, args.rounds, args.round_timeout)
     p, p_rounds = round_time(duel, "peerd")
     g, g_rounds = round_time(duel, "gloo")
     h, h_rounds = None, []
     if not args.skip_hivemind:
         progress(BENCH, f"{cc}, {loss:g} % loss: hivemind, {args.rounds} round(s)")
-        h, h_rounds = round_time(run_system("hivemind", hosts, numel, args.rounds, args.round_timeout), "hivemind")
+        h, h_rounds = round_time(run_system("hivemind", ("hivemind",), hosts, numel, args.rounds, args.round_timeout), "hivemind")
     after = net.dropped()
     record = result(
         BENCH, f"round_s_{cc}_{loss:g}pct", p, g, "s",
@@ -261,6 +296,7 @@ def measure(args, net, hosts, numel: int, cc: str, loss: float) -> dict:
         peerd_rounds_s=p_rounds, gloo_rounds_s=g_rounds, hivemind_rounds_s=h_rounds,
         peerd_outcomes=sorted({o for r in duel for o in r["outcomes"]}),
         packets_dropped=sum(after[n]["loss"] - before[n]["loss"] for n in after), cores=os.cpu_count(),
+        load_1min_at_start=round(load, 2), load_1min_at_end=round(os.getloadavg()[0], 2), round_timeout_s=args.round_timeout,
         emulated=f"{len(hosts)} network namespaces on one bridge; tbf {args.rate:g} Mbit/s both directions; "
         f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; no added latency (no netem)",
         note="ratio = peerd / gloo round time; < 1 means peerd is faster; None = failed or timed out",

@@ -11,11 +11,10 @@ digits-mlp through a partition and a freeze gives a report whose figures hold to
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -92,7 +91,7 @@ def test_bad_hosts_and_values_are_refused():
     refused(r"unknown host 'z' \(hosts: a, b\)", fault=[{"at": 1, "action": "kill", "hosts": ["z"]}])
     refused(r"a second host named 'a'", host=[{"name": "a"}, {"name": "a"}])
     refused(r"name 'A b'", host=[{"name": "A b"}])
-    refused(r"no \[\[host\]\]", host=[])
+    refused(r"0 \[\[host\]\] tables: a lab has 1 to 64 hosts", host=[])
     refused(r"min_peers = 3, but only 2 hosts", run={"min_peers": 3})
     refused(r"loss_pct must be between 0 and 100", link={"loss_pct": 101})
     refused(r"loss_protocol must be one of all, tcp, udp", link={"loss_protocol": "icmp"})
@@ -200,7 +199,7 @@ def leftovers(lab_id: str) -> list[str]:
     return found
 
 
-def in_ns(host: Host, code: str, *args: str, timeout: float = 60) -> subprocess.Popen:
+def in_ns(host: Host, code: str, *args: str) -> subprocess.Popen:
     return subprocess.Popen([*host.exec_prefix(), sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
 
 
@@ -306,7 +305,7 @@ def start_lab(tmp_path, text: str) -> tuple[subprocess.Popen, str]:
     once a process runs in its namespace."""
     path = tmp_path / "s.toml"
     path.write_text(text)
-    env = {**__import__("os").environ, "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "lab", "run", str(path)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     work = wait_for(lambda: list(tmp_path.glob("pdlab-*")), timeout=30, what="the lab's work dir")[0]

@@ -23,6 +23,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.client import ControlClient
 from daemon.lab.netns import Host, Network
 from daemon.lab.scenario import Fault, Scenario
 from daemon.procs import DaemonFailed, LocalDaemon
@@ -135,10 +139,6 @@ class Collector:
 
 def poll_daemon(name: str, d: LocalDaemon, run_id: str, t: float) -> Sample | None:
     """One Sample, or None when the daemon does not answer (yet): start-up, a kill in progress."""
-    import grpc
-
-    from daemon.client import ControlClient
-
     try:
         with ControlClient(d.control, timeout=POLL_TIMEOUT) as c:
             run = next((r for r in c.status().runs if r.run_id == run_id), None)
@@ -156,8 +156,7 @@ def poll_daemon(name: str, d: LocalDaemon, run_id: str, t: float) -> Sample | No
 
 
 def scrape(url: str, run_id: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """The run's round counts by outcome, its divergence, and the engine's byte counters."""
     with urllib.request.urlopen(url, timeout=POLL_TIMEOUT) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
@@ -239,7 +238,7 @@ class Lab:
         args = ["--run", run.id, "--checkpoint-every", str(run.checkpoint_every), "--min-peers", str(min_peers)]
         if run.max_steps:
             args += ["--max-steps", str(run.max_steps)]
-        seeds = [m for d in self._live().values() if d.ready for m in d.maddrs[:1]]
+        seeds = [d.maddrs[0] for d in self._live().values()]
         if seeds:
             args += ["--initial-peers", *seeds]
         if name == self.s.hosts[0].name:  # the creator of the run (a restart passes the same, harmlessly)

@@ -49,6 +49,7 @@ from daemon.lab.netns import PROTOCOLS, LinkShape
 ACTIONS = ("kill", "freeze", "thaw", "restart", "partition", "heal", "link")
 HOST_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,15}")
 CONGESTION_CONTROLS = ("reno", "bbr", "cubic")
+MAX_HOSTS = 64  # each host is a daemon with its p2pd: a machine runs out of cores long before addresses
 NO_LATENCY = "added latency is not available: this kernel has no netem and peerd lab has no delay line yet (set rtt_ms = 0)"
 
 
@@ -145,8 +146,8 @@ def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
         if not 0 <= join_at < duration:
             raise ScenarioError(f"[[host]] {name!r}: join_at {join_at} is outside the scenario (0 to {duration} s)")
         hosts.append(HostSpec(name=name, join_at=join_at, link=_link(t, default_link)))
-    if not hosts:
-        raise ScenarioError("no [[host]]: a lab needs at least one")
+    if not 1 <= len(hosts) <= MAX_HOSTS:
+        raise ScenarioError(f"{len(hosts)} [[host]] tables: a lab has 1 to {MAX_HOSTS} hosts")
     first = [h for h in hosts if h.join_at == 0]
     if not first:
         raise ScenarioError("every host has join_at > 0: at least one must be there at the start")
