@@ -105,6 +105,7 @@ class HalfOp:
     number: int  # position in this engine's sequence, from 0 (the header's round)
     x: torch.Tensor
     weight: float
+    bounds: tuple[tuple[int, int], ...]  # of each member's shard of x: shard_bounds(len(x), size)
     done: asyncio.Future = field(repr=False)
     started: float = math.nan  # time.monotonic() when it began moving bytes
     finished: float = math.nan  # ... when it completed or failed
@@ -112,10 +113,6 @@ class HalfOp:
 
     def __await__(self):
         return self.done.__await__()
-
-    @property
-    def ok(self) -> bool:
-        return self.done.done() and not self.error
 
 
 @dataclass(slots=True)
@@ -174,8 +171,7 @@ class Halves:
         self._closing = True
         if self._runner is not None:
             await self._runner
-        await drain_links([link for link in self.links.values() if link is not None], self.settings.op_timeout)
-        self._close_links()
+        self._close_links()  # nothing is queued on them: every op that ended well drained its sends
 
     # ---- the queue -------------------------------------------------------------------------------
 
@@ -187,7 +183,7 @@ class Halves:
         if x.numel() < self.group.size:
             raise ValueError(f"cannot shard {x.numel()} elements among {self.group.size} members")
         loop = asyncio.get_running_loop()
-        op = HalfOp(half, self._issued, x, weight, loop.create_future())
+        op = HalfOp(half, self._issued, x, weight, shard_bounds(x.numel(), self.group.size), loop.create_future())
         self._issued += 1
         self._queue.append(op)
         if self._runner is None or self._runner.done():
@@ -260,7 +256,7 @@ class Halves:
     def _open(self, op: HalfOp) -> None:
         """Make op the running one, and check what was parked for it."""
         slot, kind = self._slots[op.number % 2], _WIRE[op.half]
-        bounds, me = shard_bounds(op.x.numel(), self.group.size), self.group.me
+        bounds, me = op.bounds, self.group.me
         if op.half is Half.REDUCE_SCATTER:
             slot.size = {k: bounds[me][1] - bounds[me][0] for k in self.others}
         else:
@@ -284,27 +280,25 @@ class Halves:
         if self.error:
             return
         slot, buffers = self._slots[op.number % 2], self._buffers[op.number % 2]
-        bounds, x = shard_bounds(op.x.numel(), self.group.size), op.x.numpy()
+        x = op.x.numpy()
         if op.half is Half.REDUCE_SCATTER:
-            start, end = bounds[self.group.me]
+            start, end = op.bounds[self.group.me]
             if op.weight != 1.0:
                 x[start:end] *= np.float32(op.weight)
             for k, n in slot.got.items():
                 self._fold(op, slot, k, 0, n)
         else:
             for k, n in slot.got.items():
-                start = bounds[k][0]
+                start = op.bounds[k][0]
                 np.copyto(x[start : start + n], buffers[k][:n])
 
     def _send(self, op: HalfOp) -> None:
         if self.error:
             return
-        g, chunk, xb = self.group, self.settings.chunk_elements, as_bytes(op.x)
-        bounds = shard_bounds(op.x.numel(), g.size)
-        kind = _WIRE[op.half]
+        g, chunk, xb, kind = self.group, self.settings.chunk_elements, as_bytes(op.x), _WIRE[op.half]
         for k, link in self.links.items():
             shard = k if op.half is Half.REDUCE_SCATTER else g.me
-            base, end = bounds[shard]
+            base, end = op.bounds[shard]
             for start in range(base, end, chunk):
                 count = min(chunk, end - start)
                 h = Header(kind=kind, run_tag=g.tag, round=op.number, sender=g.me, shard=shard,
@@ -313,7 +307,7 @@ class Halves:
 
     def _fold(self, op: HalfOp, slot: _Slot, k: int, start: int, end: int) -> None:
         """Add sender k's elements [start, end) of my shard (from its receive buffer) into x."""
-        base = shard_bounds(op.x.numel(), self.group.size)[self.group.me][0]
+        base = op.bounds[self.group.me][0]
         part, out = self._buffers[op.number % 2][k][start:end], op.x.numpy()[base + start : base + end]
         if slot.weight[k] != 1.0:
             np.multiply(part, np.float32(slot.weight[k]), out=part)  # the buffer is not needed after
@@ -323,7 +317,7 @@ class Halves:
         """Divide my reduced shard by the total weight; refuse a result with NaN/Inf."""
         slot = self._slots[op.number % 2]
         total = op.weight + sum(slot.weight.values())
-        start, end = shard_bounds(op.x.numel(), self.group.size)[self.group.me]
+        start, end = op.bounds[self.group.me]
         out = op.x.numpy()[start:end]
         if total > 0:
             np.divide(out, np.float32(total), out=out)
@@ -377,7 +371,7 @@ class Halves:
         op = self._running
         slot.parking[k] = op is None or op.number != h.round
         if h.kind is Kind.RESULT and not slot.parking[k]:  # straight into x
-            start = shard_bounds(op.x.numel(), g.size)[k][0] + h.offset
+            start = op.bounds[k][0] + h.offset
             return as_bytes(op.x)[start * 4 : (start + h.count) * 4]
         # Grown only here: no payload of sender k is in flight between its headers.
         buffers, end = self._buffers[h.round % 2], h.offset + h.count
@@ -418,7 +412,7 @@ class Halves:
         if h.kind is Kind.CONTRIBUTION:
             self._fold(op, slot, k, start, end)
         elif slot.parking[k]:  # its header came just before the op started here
-            base = shard_bounds(op.x.numel(), self.group.size)[k][0]
+            base = op.bounds[k][0]
             np.copyto(op.x.numpy()[base + start : base + end], self._buffers[h.round % 2][k][start:end])
         slot.missing -= h.count
         if not slot.missing and self._wake is not None and not self._wake.done():
