@@ -29,7 +29,7 @@ takes 5 times as long as on loopback (the batch then sized to match); the backen
 the rest, so most of the wire's time is off the CPU, as on a real network, though the bytes are still
 copied over loopback (torch_ddp is left out: its traffic cannot be paced). Then plain loopback, nothing
 emulated, whose last line (DeAR against (b)) is the headline: there the cores run both the compute
-and all of the communication (kernel copies, gloo's threads, the local sums), so time hidden behind
+and all of the communication (kernel copies, the backend's threads, the local sums), so time hidden behind
 compute is not free; the output says how many cores there were and how loaded, and puts DeAR's
 time between the two bounds measured in the same rounds (compute_only + comm_only one after the
 other, and their max). Every process is killed when the run ends or fails, and by the kernel if

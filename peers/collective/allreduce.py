@@ -235,7 +235,9 @@ class GroupAllReduce:
         )
 
 
-async def open_links(transport: Transport, addresses: Sequence[str], links: dict[int, Link | None], timeout: float) -> list[int]:
+async def open_links(
+    transport: Transport, addresses: Sequence[str], links: dict[int, Link | None], timeout: float
+) -> list[int]:
     """Dial, at once, every member k of `links` whose link is missing or closed (`timeout` for all);
     stores the new links and returns the members that could not be reached (their entry is None)."""
 

@@ -206,7 +206,8 @@ class Halves:
 
     async def _run(self, op: HalfOp) -> None:
         if any(link is None for link in self.links.values()):
-            unreachable = await open_links(self.transport, self.group.addresses, self.links, self.settings.connect_timeout)
+            s = self.settings
+            unreachable = await open_links(self.transport, self.group.addresses, self.links, s.connect_timeout)
             if unreachable:
                 return self._break(f"members {unreachable} cannot be reached")
         closed = [k for k, link in self.links.items() if link.closed]

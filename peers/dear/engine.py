@@ -74,7 +74,9 @@ class EngineCollective(CollectiveBase):
     def start(self) -> str:
         """Start the loop thread and the transport; returns the address the other members dial."""
         ready: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=uvloop.run, args=(self._serve(ready),), name=f"dear-engine-{self.rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=uvloop.run, args=(self._serve(ready),), name=f"dear-engine-{self.rank}", daemon=True
+        )
         self._thread.start()
         self.address = ready.result(START_TIMEOUT)
         return self.address
@@ -84,14 +86,17 @@ class EngineCollective(CollectiveBase):
         group = Group(self.run_id, tuple(f"rank{i}" for i in range(self.world)), tuple(addresses), self.rank)
 
         async def attach() -> None:
-            self._halves = Halves(group, self._transport, settings=self.settings, events=self.events, pace=self.min_seconds)
+            self._halves = Halves(
+                group, self._transport, settings=self.settings, events=self.events, pace=self.min_seconds
+            )
 
         asyncio.run_coroutine_threadsafe(attach(), self._loop).result(START_TIMEOUT)
 
     def wait(self, handle: Handle) -> None:
         while not handle.done.wait(self.timeout):
             if time.monotonic() - self._progress > self.timeout + STALL_GRACE or not self._thread.is_alive():
-                raise CollectiveError(f"{handle.kind.value} #{handle.seq}: the engine's loop did nothing for {self.timeout + STALL_GRACE:.0f} s")
+                stall = self.timeout + STALL_GRACE
+                raise CollectiveError(f"{handle.kind.value} #{handle.seq}: the engine's loop did nothing for {stall:.0f} s")
         if handle.error:
             raise CollectiveError(f"{handle.kind.value} #{handle.seq} failed: {handle.error}")
 
