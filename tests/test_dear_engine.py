@@ -21,6 +21,7 @@ import uvloop
 
 from bench.dear import run_group
 from peers.collective import Group, TcpTransport, shard_bounds
+from peers.collective.fallback import FallbackTransport
 from peers.collective.halves import Halves, HalvesSettings
 from peers.events import PeerEvents
 from tests.test_dear import OP_TIMEOUT, _equality_rank, _failure_rank
@@ -29,8 +30,12 @@ TIMEOUT = 0.5  # seconds one op may take in the in-process tests
 RUN = "halves-test"
 
 
-async def start_group(n: int, *, chunk: int = 512 * 1024, events: PeerEvents | None = None):
-    transports = [TcpTransport("127.0.0.1", 0, events=events) for _ in range(n)]
+async def start_group(n: int, *, chunk: int = 512 * 1024, events: PeerEvents | None = None, fallback: bool = False):
+    """n engines; `fallback`: over the daemon's FallbackTransport (direct TCP only: no p2pd here)."""
+    if fallback:
+        transports = [FallbackTransport("127.0.0.1", 0, p2p=None, mode="tcp", events=events) for _ in range(n)]
+    else:
+        transports = [TcpTransport("127.0.0.1", 0, events=events) for _ in range(n)]
     addresses = [await t.start() for t in transports]
     settings = HalvesSettings(op_timeout=TIMEOUT, connect_timeout=TIMEOUT, chunk_elements=chunk)
     members = [f"m{i}" for i in range(n)]
@@ -54,12 +59,15 @@ def weighted_mean(xs, ws) -> torch.Tensor:
     return (sum(w * x.double() for w, x in zip(ws, xs)) / sum(ws)).float()
 
 
-@pytest.mark.parametrize("n, sizes, chunk", [(3, (1001, 12), 37), (4, (64 * 1024 + 3, 4), 4096), (3, (30, 6), 512 * 1024)])
-def test_halves_give_each_owner_the_exact_mean_and_everyone_the_same_bytes(n, sizes, chunk):
+@pytest.mark.parametrize(
+    "n, sizes, chunk, fallback",
+    [(3, (1001, 12), 37, False), (4, (64 * 1024 + 3, 4), 4096, False), (3, (30, 6), 512 * 1024, False), (3, (1001, 12), 37, True)],
+)
+def test_halves_give_each_owner_the_exact_mean_and_everyone_the_same_bytes(n, sizes, chunk, fallback):
     """Two buffers of different lengths, every op queued at once: RS(a), RS(b), AG(b), AG(a), three times."""
 
     async def main():
-        halves, transports = await start_group(n, chunk=chunk)
+        halves, transports = await start_group(n, chunk=chunk, fallback=fallback)
         last = 0.0
         for r in range(3):
             xs = {numel: [integers(numel, 10 * r + i) for i in range(n)] for numel in sizes}
