@@ -77,7 +77,7 @@ class HalvesSettings:
     op_timeout: float = 30.0  # one op, from its start (the op ahead finished) to its end: dialing (first
     #                          op), sending, receiving, draining; a frozen member fails an op after this
     connect_timeout: float = 2.0  # dialing every member, at the first op (inside op_timeout)
-    chunk_elements: int = 512 * 1024  # largest message payload (elements); as in AllReduceSettings
+    chunk_elements: int = 512 * 1024  # elements per message (2 MiB); every member must use the same value
     max_parked: int = 1 << 28  # elements per sender parked before their op is issued here (1 GiB)
 
     def __post_init__(self):
