@@ -105,9 +105,9 @@ def _fault(record: Record, e: Event, by_host: dict[str, list[Sample]]) -> dict[s
     target_ids = {ids[n] for n in targets if n in ids}
     others = sorted(e.running - targets)
     if f.action in ("kill", "freeze"):
-        wants = {o: (lambda s: not (s.peers & target_ids)) for o in others}
+        wants = {o: _sees_none_of(target_ids) for o in others}
     elif f.action in ("join", "restart", "thaw"):
-        wants = {o: (lambda s: target_ids <= s.peers) for o in others}
+        wants = {o: _sees_all_of(target_ids) for o in others}
     elif f.action == "partition":
         wants = {o: _sees_none_of({ids[n] for n in e.side if e.side[n] != e.side[o] and n in ids}) for o in sorted(e.running)}
     elif f.action == "heal":
