@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -471,4 +472,5 @@ def test_lab_baselines_quick_prints_json_lines():
         assert rec["peerd_outcomes"] == ["completed"]
     assert records[1]["packets_dropped"] > 0 and records[0]["packets_dropped"] == 0
     assert records[-1]["metric"] == "round_s_peerd_vs_gloo_reno_5pct"
-    assert not [line for line in netns.sh("ip", "netns", "list").splitlines() if "-h0" in line and line.startswith("pdlab-")]
+    lab_id = re.search(r"lab pdlab-([0-9a-f]{4})", r.stderr).group(1)
+    assert leftovers(lab_id) == []

@@ -22,7 +22,6 @@ wire, not a local error. GSO is capped at one MTU on every eth0, so a drop is on
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import secrets
@@ -33,8 +32,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 PREFIX = "pdlab-"
 LAB_ID = re.compile(r"pdlab-([0-9a-f]{4})(?![0-9a-f])")
@@ -262,13 +259,17 @@ def _free_subnet() -> int:
     raise LabError("no free 10.77.K.0/24 subnet left in the root namespace (run `peerd lab clean`)")
 
 
+def _stat(pid: int, field: int, gone: str) -> str:
+    """One field of /proc/PID/stat after the command name (0: state, 19: start time), or `gone`."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[field]
+    except (OSError, IndexError):
+        return gone
+
+
 def _owner(pid: int) -> str:
     """pid:start time, the start in clock ticks since boot: with the pid, names one process for good."""
-    try:
-        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        start = "gone"
-    return f"{pid}:{start}"
+    return f"{pid}:{_stat(pid, 19, 'gone')}"
 
 
 def _alias(lab_id: str) -> list[str]:
@@ -312,7 +313,7 @@ def destroy(lab_id: str) -> list[str]:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + KILL_TIMEOUT
-    while any(Path(f"/proc/{pid}").exists() and _state(pid) != "Z" for pid in pids) and time.monotonic() < deadline:
+    while any(_stat(pid, 0, "Z") != "Z" for pid in pids) and time.monotonic() < deadline:  # gone or a zombie
         time.sleep(0.05)
     links = re.findall(rf"^\d+: ({re.escape(name)}(?:-\d+)?)[@:]", sh("ip", "-o", "link", "show"), re.M)
     for link in sorted(links, key=len, reverse=True):  # veths before the bridge
@@ -328,13 +329,6 @@ def destroy(lab_id: str) -> list[str]:
         shutil.rmtree(work, ignore_errors=True)
         removed.append(f"dir {work}")
     return removed
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "X"
 
 
 def clean(force: bool = False) -> tuple[list[str], list[str]]:

@@ -9,7 +9,6 @@ which kills every process left in the hosts' namespaces.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import shutil
@@ -30,8 +29,6 @@ from daemon.client import ControlClient
 from daemon.lab.netns import Host, Network
 from daemon.lab.scenario import Fault, Scenario
 from daemon.procs import DaemonFailed, LocalDaemon
-
-logger = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.5  # seconds between two polls of every live daemon; the resolution of fault timings
 POLL_TIMEOUT = 2.0  # seconds for one status, peers or /metrics request to a live daemon
