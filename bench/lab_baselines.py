@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{BENCH}: {problem}", file=sys.stderr)
         return 2
 
-    def interrupt(signum, frame):  # so that the finally blocks kill every process and remove the lab
+    def interrupt(signum, frame):  # so that the finally blocks kill every process and remove the lab,
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # uninterrupted by a second Ctrl-C
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)

@@ -38,7 +38,9 @@ def run_command(scenario_path: str, json_out: str | None, logs: str | None) -> i
     from daemon.lab.runner import Lab
     from daemon.procs import DaemonFailed
 
-    def interrupt(signum, frame):  # SIGTERM too: the finally blocks tear the lab down
+    def interrupt(signum, frame):  # SIGTERM too: the finally blocks tear the lab down,
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # and a second Ctrl-C must not cut that short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
