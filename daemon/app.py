@@ -25,6 +25,7 @@ from daemon import runs as run_setup
 from daemon.runs import RunHandle
 from peers.averaging import MoshpitAverager
 from peers.collective.group import MAX_GROUP
+from peers.dear.member import GroupPeer, LocalGroupMember
 from peers.matchmaking import Matchmaker, MatchmakingSettings
 from peers.membership import DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
@@ -59,6 +60,12 @@ class RunSummary:
     param_divergence: float = math.nan
     last_round_digest: str = ""
     last_round_links: str = ""
+    local_group: str = ""  # --local-group; "" when unset
+    local_group_size: int = 0  # members of the active DeAR group (this daemon included); 0 when none
+    local_group_rank: int = -1  # this daemon's rank in it; -1 when none
+    dear_buckets: int = 0  # fused buckets of the active DeAR group's plan
+    dear_steps: int = 0  # steps this daemon took under DeAR in the run
+    dear_overlap_ratio: float = math.nan  # communication hidden behind compute (docs/dear.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +299,18 @@ class Daemon:
             loop = asyncio.get_running_loop()
             average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
             sync = run_setup.sync_bridge(handle, loop, self.node, run_id, secret, membership, self.metrics.peer_events())
+            local_group = None
+            if self.config.train.local_group:
+                membership.local_group = self.config.train.local_group
+                local_group = LocalGroupMember(
+                    run_id=run_id,
+                    peer_id=self.node.peer_id,
+                    label=self.config.train.local_group,
+                    host=self._advertise_host(),
+                    peers=lambda: [GroupPeer(e.peer_id, e.local_group, e.dear_address) for e in membership.peers()],
+                    events=self.metrics.peer_events(),
+                )
+                membership.dear_address_of = lambda: local_group.address
             handle.trainer = trainer = run_setup.make_trainer(
                 manifest,
                 self.node,
@@ -303,6 +322,7 @@ class Daemon:
                 peer_steps=lambda: [e.step for e in membership.peers()],
                 sync=sync,
                 on_sync=lambda result: self.metrics.observe_sync(run_id, result),
+                local_group=local_group,
             )
             membership.step_of = lambda: trainer.global_step
             self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
@@ -387,6 +407,12 @@ class Daemon:
                     param_divergence=tr.param_divergence if tr else math.nan,
                     last_round_digest=lr.outcome.digest.hex() if lr and lr.completed else "",
                     last_round_links=lr.links_summary if lr else "",
+                    local_group=tr.local_group.label if tr and tr.local_group else "",
+                    local_group_size=tr.local_group.size if tr and tr.local_group else 0,
+                    local_group_rank=tr.local_group.rank if tr and tr.local_group else -1,
+                    dear_buckets=tr.dear_buckets if tr else 0,
+                    dear_steps=tr.dear_steps if tr else 0,
+                    dear_overlap_ratio=tr.dear_overlap_ratio if tr else math.nan,
                 )
             )
         return StatusSnapshot(

@@ -188,6 +188,12 @@ def _cmd_status(args) -> int:
                         "last_round_digest": r.last_round_digest,
                         "last_round_links": r.last_round_links,
                         "param_divergence": None if math.isnan(r.param_divergence) else r.param_divergence,
+                        "local_group": r.local_group,
+                        "local_group_size": r.local_group_size,
+                        "local_group_rank": r.local_group_rank,
+                        "dear_buckets": r.dear_buckets,
+                        "dear_steps": r.dear_steps,
+                        "dear_overlap_ratio": None if math.isnan(r.dear_overlap_ratio) else r.dear_overlap_ratio,
                     }
                     for r in s.runs
                 ],
@@ -222,6 +228,11 @@ def _cmd_status(args) -> int:
     ]
     _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOCAL", "LOSS", "SAMPLES/S", "LAST ROUND (GROUP, LINKS)", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
     for r in s.runs:
+        if r.local_group:
+            rank = str(r.local_group_rank) if r.local_group_rank >= 0 else "-"
+            overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"
+            print(f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
+                  f"DeAR buckets {r.dear_buckets}  steps {r.dear_steps}  overlap {overlap}")
         if r.error:
             print(f"{r.run_id}: training failed: {r.error}")
     return 0

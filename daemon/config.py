@@ -110,6 +110,7 @@ class TrainConfig:
     max_steps: int = 0  # stop training a run after this many local steps; 0 = never (demos, tests)
     min_peers: int = 1  # wait until the run has this many live peers (this daemon included) before training
     min_peers_timeout: float = 60.0  # ... but at most this many seconds; then train with whoever is there
+    local_group: str = ""  # operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none
 
     def __post_init__(self) -> None:
         for item in self.hparams:
@@ -126,6 +127,11 @@ class TrainConfig:
             raise ConfigError("min_peers must be at least 1")
         if not self.min_peers_timeout > 0:
             raise ConfigError("min_peers_timeout must be greater than 0")
+        if self.local_group:
+            try:
+                validate_run_id(self.local_group)
+            except InvalidRunId as e:
+                raise ConfigError(f"local_group: {e}") from None
 
     def hparams_dict(self) -> dict[str, str]:
         return dict(item.split("=", 1) for item in self.hparams)
@@ -205,6 +211,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
     Option("train.min_peers", "--min-peers", "live peers (this daemon included) to wait for before training", "N"),
     Option("train.min_peers_timeout", "--min-peers-timeout", "longest wait for --min-peers", "SECONDS"),
+    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); empty: none", "NAME"),
 )
 
 _SECTIONS = {

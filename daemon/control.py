@@ -76,6 +76,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     param_divergence=r.param_divergence,
                     last_round_digest=r.last_round_digest,
                     last_round_links=r.last_round_links,
+                    local_group=r.local_group,
+                    local_group_size=r.local_group_size,
+                    local_group_rank=r.local_group_rank,
+                    dear_buckets=r.dear_buckets,
+                    dear_steps=r.dear_steps,
+                    dear_overlap_ratio=r.dear_overlap_ratio,
                 )
                 for r in s.runs
             ],

@@ -91,6 +91,13 @@ class _TrainingCollector(Collector):
         loss = GaugeMetricFamily("peerd_train_loss", "Training loss of the run's last step.", labels=["run"])
         samples = CounterMetricFamily("peerd_samples", "Training samples this daemon processed in the run.", labels=["run"])
         score = GaugeMetricFamily("peerd_eval_score", "Latest evaluation score of the run (see docs/metrics.md).", labels=["run"])
+        group = GaugeMetricFamily(
+            "peerd_local_group_size", "Members of the run's active DeAR local group, this daemon included; 0 when none.", labels=["run"]
+        )
+        dear_steps = CounterMetricFamily("peerd_dear_steps", "Steps this daemon took under DeAR in the run.", labels=["run"])
+        overlap = GaugeMetricFamily(
+            "peerd_dear_overlap_ratio", "Share of DeAR's communication hidden behind compute (latest local group).", labels=["run"]
+        )
         for r in self.runs():
             if not r.task:
                 continue
@@ -102,7 +109,12 @@ class _TrainingCollector(Collector):
             samples.add_metric([r.run_id], r.samples)
             if r.eval_metric:
                 score.add_metric([r.run_id], r.eval_score)
-        yield from (step, local, loss, samples, score, divergence)
+            if r.local_group:
+                group.add_metric([r.run_id], r.local_group_size)
+                dear_steps.add_metric([r.run_id], r.dear_steps)
+                if not math.isnan(r.dear_overlap_ratio):
+                    overlap.add_metric([r.run_id], r.dear_overlap_ratio)
+        yield from (step, local, loss, samples, score, divergence, group, dear_steps, overlap)
 
 
 class DaemonMetrics:

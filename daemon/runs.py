@@ -213,6 +213,7 @@ def make_trainer(
     peer_steps=None,
     sync=None,
     on_sync=None,
+    local_group=None,
 ) -> Trainer:
     task = _installed(manifest.task)
     return Trainer(
@@ -236,6 +237,7 @@ def make_trainer(
         on_sync=on_sync,
         ready_to_train=(lambda: peers() + 1 >= train.min_peers) if peers is not None else None,
         ready_timeout=train.min_peers_timeout,
+        local_group=local_group,
     )
 
 

@@ -31,6 +31,9 @@ from typing import Callable
 import torch
 
 from daemon.checkpoint import CheckpointStore
+from peers.dear.collective import CollectiveError
+from peers.dear.member import LocalGroupMember
+from peers.dear.schedule import DeAR
 from peers.statesync import Snapshot
 from daemon.tasks import EvalResult, Hparams, Task
 
@@ -115,6 +118,11 @@ class Trainer:
     - sync(min_step, out) -> result with .ok, .step, .reason: download the run's state vector from
       peers into `out` (peers/statesync.py);
     - ready_to_train() -> bool: polled before the first step until true or `ready_timeout`.
+
+    With `local_group` (a LocalGroupMember, --local-group), steps run under DeAR among the group's
+    members while it holds (docs/dear.md, "In the daemon"): the group forms right after a completed
+    round that all its members took part in, and is dropped on a CollectiveError, after a round it
+    did not complete as a whole, or when this daemon downloads state; training goes on alone.
     """
 
     def __init__(
@@ -139,7 +147,14 @@ class Trainer:
         on_sync: Callable[[object], None] | None = None,
         ready_to_train: Callable[[], bool] | None = None,
         ready_timeout: float = 0.0,
+        local_group: LocalGroupMember | None = None,
     ):
+        self.local_group = local_group
+        self._dear: DeAR | None = None  # active while this daemon trains in a DeAR group
+        self.dear_steps = 0  # steps taken under DeAR, over every group this trainer was in
+        self.dear_buckets = 0  # buckets of the active group's plan; 0 when none
+        self._last_overlap = math.nan  # overlap ratio of the latest DeAR group, once dropped
+        self.dear_fallbacks = 0  # groups dropped (CollectiveError, an incomplete round, a state download)
         self.ready_to_train, self.ready_timeout = ready_to_train, ready_timeout
         self.run_id, self.task, self.hparams = run_id, task, hparams
         self.average_every, self.average = average_every, average
@@ -168,6 +183,12 @@ class Trainer:
         self.error = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"trainer:{run_id}", daemon=True)
+
+    @property
+    def dear_overlap_ratio(self) -> float:
+        """Communication hidden behind compute in the active (else the latest) DeAR group; NaN before one."""
+        dear = self._dear
+        return dear.overlap_ratio if dear is not None else self._last_overlap
 
     @property
     def step(self) -> int:
@@ -210,6 +231,8 @@ class Trainer:
             while not self.ready_to_train() and time.monotonic() < deadline and not self._stop.wait(0.2):
                 pass
         self._catch_up()  # a late joiner or a restart whose checkpoint is older than the run
+        if self.local_group is not None:
+            self.local_group.prepare()
         self.state = TrainState.TRAINING
         window_start, window_samples = time.monotonic(), 0
         while not self._stop.is_set():
@@ -218,10 +241,20 @@ class Trainer:
                 break
             batch = next(data)
             model.train()
-            loss = self.task.loss(model, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            if self._dear is not None:
+                try:  # the all-gathers of the previous step are awaited in the forward's pre-hooks
+                    loss = self.task.loss(model, batch)
+                    loss.backward()  # each bucket's reduce-scatter starts from the backward hooks
+                    self._dear.step()
+                except CollectiveError as e:  # the step is lost; the next one runs alone
+                    self._leave_group(f"DeAR step failed: {e}")
+                    continue
+                self.dear_steps += 1
+            else:
+                loss = self.task.loss(model, batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
             self.global_step += 1
             self.local_step += 1
             self.samples += batch.samples
@@ -233,18 +266,67 @@ class Trainer:
                 self.samples_per_second = window_samples / elapsed
                 window_start, window_samples = time.monotonic(), 0
             if self.average is not None and self.global_step % self.average_every == 0:
-                if not self._catch_up():  # a round among peers far ahead would find nobody
+                self._flush()
+                if self._catch_up():  # a round among peers far ahead would find nobody
+                    self._leave_group("state downloaded from peers")
+                else:
                     self._average_round()
+                    self._regroup(model, optimizer)
             if self.global_step % self.eval_every == 0:
+                self._flush()
                 self.eval = self.task.evaluate(model, self.hparams)
             if self.global_step % self.checkpoint_every == 0:
+                self._flush()
                 self._checkpoint(model, optimizer)
         if self.state is TrainState.TRAINING:
             self.state = TrainState.STOPPED
+        self._flush()
+        self._leave_group("training ended")
+        if self.local_group is not None:
+            self.local_group.close()
         if self.eval is None or self.global_step % self.eval_every:
             self.eval = self.task.evaluate(model, self.hparams)
         if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)
+
+    def _flush(self) -> None:
+        """Apply DeAR's pending updates before the state is read (a round, evaluation, checkpoint)."""
+        if self._dear is not None:
+            try:
+                self._dear.flush()
+            except CollectiveError as e:
+                self._leave_group(f"DeAR flush failed: {e}")
+
+    def _regroup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """After a round: keep the DeAR group only if the round completed with all its members (so
+        they still hold the same state); form one if none is active and the round allows it."""
+        if self.local_group is None:
+            return
+        result = self.last_round
+        completed = getattr(result, "completed", False)
+        round_members = set(result.outcome.members) if completed else set()
+        if self._dear is not None and not set(self.local_group.members) <= round_members:
+            self._leave_group(f"round {getattr(result, 'round_t', '?')} not completed by every member of the group")
+        if self._dear is None and completed:
+            collective = self.local_group.try_form(round_members)
+            if collective is not None:
+                self._dear = DeAR(model, optimizer, collective)
+                self.dear_buckets = len(self._dear.plan.buckets)
+
+    def _leave_group(self, reason: str) -> None:
+        """Stop training under DeAR (hooks removed, engine closed) and re-arm for a later formation."""
+        if self._dear is None:
+            return
+        self._last_overlap = self._dear.overlap_ratio
+        try:
+            self._dear.close()  # flushes first unless it failed; the hooks go in any case
+        except CollectiveError:
+            pass
+        self._dear, self.dear_buckets = None, 0
+        self.dear_fallbacks += 1
+        if self.local_group is not None:
+            self.local_group.drop(reason)
+        logger.info("run %s: training on without the DeAR group: %s", self.run_id, reason)
 
     def _catch_up(self) -> bool:
         """Download the run's state if live peers are at least one round ahead; True if it did.

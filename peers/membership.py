@@ -60,6 +60,8 @@ class RunMembership:
         self._tasks: list[asyncio.Task] = []
         self._maddrs: tuple[str, ...] = ()
         self.step_of: Callable[[], int] = lambda: 0  # this daemon's global step, put into each heartbeat
+        self.local_group = ""  # this daemon's --local-group label, put into each heartbeat
+        self.dear_address_of: Callable[[], str] = lambda: ""  # its DeAR engine's address, put into each heartbeat
 
     @property
     def secured(self) -> bool:
@@ -135,6 +137,8 @@ class RunMembership:
             state=state,
             timestamp=now(),
             step=self.step_of() if state is MemberState.ACTIVE else 0,
+            local_group=self.local_group,
+            dear_address=self.dear_address_of() if state is MemberState.ACTIVE else "",
         )
         return seal_record(record, self.node.identity, self.secret)
 

@@ -16,6 +16,7 @@ from protos import records_pb2
 
 RECORD_FORMAT_VERSION = 1
 MAX_MADDRS = 32
+MAX_LABEL = 256  # characters of local_group and dear_address
 MAX_CLOCK_SKEW_SECONDS = 300.0  # records timestamped further in the future are refused
 
 __all__ = ["MemberRecord", "MemberState", "RecordRejected", "seal_record", "open_envelope", "check_storable"]
@@ -36,6 +37,8 @@ class MemberRecord:
     state: MemberState
     timestamp: float
     step: int = 0  # the peer's global step in the run; 0 when it does not train
+    local_group: str = ""  # the operator's --local-group label; "" when unset
+    dear_address: str = ""  # "host:port" of its DeAR engine (docs/dear.md); "" when none
 
 
 def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | None) -> bytes:
@@ -52,6 +55,8 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         state=record.state.value,
         timestamp=record.timestamp,
         step=record.step,
+        local_group=record.local_group,
+        dear_address=record.dear_address,
     ).SerializeToString()
     return seal(RecordKind.MEMBER, body, identity, secret, record.run_id)
 
@@ -74,6 +79,8 @@ def open_envelope(
         raise RecordRejected("record_malformed", f"{len(body.maddrs)} addresses")
     if body.timestamp > now + MAX_CLOCK_SKEW_SECONDS:
         raise RecordRejected("record_future", f"timestamp {body.timestamp - now:.0f} s ahead")
+    if len(body.local_group) > MAX_LABEL or len(body.dear_address) > MAX_LABEL:
+        raise RecordRejected("record_malformed", "local group label or DeAR address too long")
     return MemberRecord(
         run_id=body.run_id,
         peer_id=body.peer_id,
@@ -83,6 +90,8 @@ def open_envelope(
         state=state,
         timestamp=body.timestamp,
         step=body.step,
+        local_group=body.local_group,
+        dear_address=body.dear_address,
     )
 
 

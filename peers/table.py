@@ -16,6 +16,8 @@ class PeerEntry:
     timestamp: float  # the newest record timestamp seen (the peer's clock)
     last_seen: float  # our clock when that record was first seen
     step: int = 0  # the peer's global step in its newest record
+    local_group: str = ""  # its --local-group label
+    dear_address: str = ""  # its DeAR engine's "host:port"; "" when none
 
 
 class PeerTable:
@@ -47,12 +49,14 @@ class PeerTable:
             # First sight: trust the record's age only as far as it makes the peer look older.
             age = min(max(now - record.timestamp, 0.0), self.ttl)
             self._entries[record.peer_id] = PeerEntry(
-                record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step
+                record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step,
+                record.local_group, record.dear_address,
             )
             return "new"
         if record.timestamp <= entry.timestamp:
             return "stale"
         entry.maddrs, entry.version, entry.role, entry.step = record.maddrs, record.version, record.role, record.step
+        entry.local_group, entry.dear_address = record.local_group, record.dear_address
         entry.timestamp, entry.last_seen = record.timestamp, now
         return "refreshed"
 

@@ -9,7 +9,8 @@ collective.py (the protocol a backend implements and its contract), gloo.py (tor
 gloo backend), engine.py (peerd's own engine: peers/collective/halves.py), fake.py (in-process
 backend for tests), buckets.py (tensor fusion), schedule.py (the
 hooks and the three modes), overlap.py (overlap ratio from timestamps), tuner.py (online bucket
-size from fitted latency and bandwidth), localgroup.py (which peers form a fast local group).
+size from fitted latency and bandwidth), localgroup.py (which peers form a fast local group),
+member.py (a daemon's labelled local group: when it forms, its engine; used by daemon/trainer.py).
 """
 
 from peers.dear.buckets import Bucket, BucketPlan, plan_buckets

@@ -1,0 +1,105 @@
+"""Operator-labelled local groups: DeAR among daemons with the same --local-group (docs/dear.md,
+"In the daemon"). The decision `plan_group` is tested with made-up tables; the daemon test starts
+three real daemons on loopback, checks that they form the group and take DeAR steps, kills one
+(SIGKILL) and checks that the others fall back, keep training, re-form as two, and end with the same
+parameters and an accuracy in line with tests/test_cluster_training.py's.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from daemon.client import ControlClient
+from daemon.tasks import get_task, train_single_process
+from peers.dear.localgroup import LocalGroupRules
+from peers.dear.member import OP_TIMEOUT, GroupPeer, plan_group
+from tests.helpers import scrape, wait_for
+
+RULES = LocalGroupRules()
+
+
+def test_a_group_forms_only_when_every_member_was_in_the_round_and_announced_its_engine():
+    me = GroupPeer("b", "rack", "127.0.0.1:2")
+    peers = [GroupPeer("a", "rack", "127.0.0.1:1"), GroupPeer("c", "rack", ""), GroupPeer("d", "other", "127.0.0.1:4")]
+    plan = plan_group(me, peers, {"a", "b", "c", "d"}, RULES, now=100.0)
+    assert plan.members == ("a", "b", "c") and plan.rank == 1 and not plan.form, plan  # c has no address yet
+    peers[1] = GroupPeer("c", "rack", "127.0.0.1:3")
+    plan = plan_group(me, peers, {"a", "b", "c"}, RULES, now=100.0)
+    assert plan.form and plan.addresses == ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"), plan
+    assert not plan_group(me, peers, {"a", "b"}, RULES, now=100.0).form  # c missed the round
+    assert not plan_group(GroupPeer("b", "", "127.0.0.1:2"), peers, {"a", "b", "c"}, RULES, now=100.0).form  # unlabelled
+    alone = plan_group(GroupPeer("d", "other", "x:4"), peers, {"a", "b", "c", "d"}, RULES, now=100.0)
+    assert alone.members == () and not alone.form, alone  # the only member of its label
+
+
+STEPS, EVERY, BATCH = 600, 10, 32
+RUN_ARGS = ["--eval-every", "100000", "--checkpoint-every", "100000", "--torch-threads", "1"]
+FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4"]
+
+
+def status(d, run: str):
+    with ControlClient(d.control) as c:
+        return next(r for r in c.status().runs if r.run_id == run)
+
+
+@pytest.mark.slow
+def test_three_daemons_train_with_dear_and_survive_a_kill(spawn):
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "optimizer=sgd", "--set", "lr=0.05"]
+    args = ["--run", "lg", "--local-group", "rack", "--max-steps", str(STEPS), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    a = spawn("lg-a", [*args, *create])
+    b, c = (spawn(f"lg-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
+    b.wait_ready()
+    c.wait_ready()
+    daemons = [a, b, c]
+
+    def formed(ds, size):
+        rs = [status(d, "lg") for d in ds]
+        return all(r.local_group_size == size and r.dear_steps > 0 for r in rs) and rs
+
+    try:
+        rs = wait_for(lambda: formed(daemons, 3), timeout=40, interval=0.05, what="the local group of three forms")
+    except AssertionError:
+        raise AssertionError("\n".join([str([status(d, "lg") for d in daemons])] + [d.log_tail(40) for d in daemons]))
+    assert sorted(r.local_group_rank for r in rs) == [0, 1, 2], rs
+    assert all(r.local_group == "rack" and r.dear_buckets >= 1 for r in rs), rs
+    assert all(r.train_state == "TRAINING" for r in rs), rs  # killed mid-run, not after
+
+    c.proc.send_signal(signal.SIGKILL)
+    c.proc.wait(10)
+    killed_at = max(status(d, "lg").step for d in (a, b))
+    t0 = time.monotonic()
+    # A dead member fails the next DeAR op at once (its connections close): both fall back to
+    # training alone between rounds (size 0), within the op timeout at worst.
+    wait_for(lambda: all(status(d, "lg").local_group_size != 3 for d in (a, b)), timeout=OP_TIMEOUT + 5, interval=0.05,
+             what="a and b drop the group of three")  # fmt: skip
+    fell_back = time.monotonic() - t0
+    wait_for(lambda: all(status(d, "lg").step >= killed_at + 3 * EVERY for d in (a, b)), timeout=30,
+             what="a and b train on after the kill")  # fmt: skip
+    # Once c left their tables (peer ttl 4 s), the next round with both re-forms the group as two.
+    before = {d.data_dir.name: status(d, "lg").dear_steps for d in (a, b)}
+    rs = wait_for(lambda: formed((a, b), 2), timeout=40, interval=0.05, what="a and b re-form a group of two")
+    assert sorted(r.local_group_rank for r in rs) == [0, 1], rs
+
+    for d in (a, b):
+        wait_for(lambda: status(d, "lg").train_state == "FINISHED", timeout=90, what=f"{d.data_dir.name} finishes")
+    finals = [status(d, "lg") for d in (a, b)]
+    for r, d in zip(finals, (a, b)):
+        assert r.step == STEPS, r
+        assert r.dear_steps > before[d.data_dir.name], (r, before)
+        assert 0.0 <= r.dear_overlap_ratio <= 1.0, r
+        m = scrape(d.metrics_url)
+        assert m[("peerd_dear_steps_total", (("run", "lg"),))] == r.dear_steps
+        assert ("peerd_local_group_size", (("run", "lg"),)) in m
+        assert ("peerd_dear_overlap_ratio", (("run", "lg"),)) in m
+    # Members of a DeAR group hold the same bytes step after step: the same final evaluation.
+    assert finals[0].eval_score == finals[1].eval_score, finals
+    task = get_task("digits-mlp")
+    h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
+    single = sum(train_single_process(task, h, steps=STEPS, batch_size=2 * BATCH, seed=s).score for s in range(2)) / 2
+    assert finals[0].eval_score >= single - 0.02, (finals[0].eval_score, single)
+    print(f"fell back {fell_back:.2f} s after the kill; final accuracy {finals[0].eval_score:.4f} (single {single:.4f})")
+    for d in (a, b):
+        assert d.stop() == 0
