@@ -16,6 +16,8 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -190,10 +192,12 @@ PROBLEM = netns.environment_problem() if sys.platform == "linux" else "not Linux
 needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=f"network lab unavailable: {PROBLEM}")
 
 
-def leftovers(lab_id: str) -> list[str]:
+def leftovers(lab_id: str, tmp: Path | None = None) -> list[str]:
     """Every trace of one lab: namespaces, links, nft tables, processes in them, its work dir."""
     name = f"pdlab-{lab_id}"
-    found = [f"netns {n}" for n in netns.sh("ip", "netns", "list").split() if n.startswith(name)]
+    work = Path(tmp or tempfile.gettempdir()) / name
+    found = [f"dir {work}"] if work.exists() else []
+    found += [f"netns {n}" for n in netns.sh("ip", "netns", "list").split() if n.startswith(name)]
     found += [f"link {line.split(':')[1].strip()}" for line in netns.sh("ip", "-o", "link", "show").splitlines() if f" {name}" in line]
     found += [f"nft {t}" for t in netns.sh("nft", "list", "tables").splitlines() if t.endswith(name)]
     found += [f"process {p}" for p in subprocess.run(["pgrep", "-f", name], capture_output=True, text=True).stdout.split()]
@@ -319,12 +323,12 @@ def start_lab(tmp_path, text: str) -> tuple[subprocess.Popen, str]:
 @pytest.mark.timeout(90)
 def test_sigint_removes_everything(tmp_path):
     proc, lab_id = start_lab(tmp_path, ONE_HOST)
-    assert leftovers(lab_id)
+    assert leftovers(lab_id, tmp_path)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=40)
     assert proc.returncode == 130, err
     assert "interrupted; the lab was removed" in err
-    assert leftovers(lab_id) == []
+    assert leftovers(lab_id, tmp_path) == []
 
 
 @needs_lab
@@ -333,11 +337,11 @@ def test_sigkill_then_peerd_lab_clean_removes_everything(tmp_path):
     proc, lab_id = start_lab(tmp_path, ONE_HOST)
     proc.kill()
     proc.wait(10)
-    assert leftovers(lab_id), "the daemon outlives a SIGKILLed lab until `peerd lab clean`"
+    assert leftovers(lab_id, tmp_path), "the daemon outlives a SIGKILLed lab until `peerd lab clean`"
     r = peerd("lab", "clean", timeout=60)
     assert r.returncode == 0, r.stderr
     assert f"removed netns pdlab-{lab_id}-a" in r.stdout and f"removed dir {tmp_path}/pdlab-{lab_id}" in r.stdout
-    assert leftovers(lab_id) == []
+    assert leftovers(lab_id, tmp_path) == []
 
 
 @needs_lab
