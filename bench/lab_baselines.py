@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -62,7 +63,9 @@ def _worker(system: str, rank: int, n: int, numel: int, rounds: int, conn, barri
 
     torch.set_num_threads(1)
     try:
-        run = {"duel": _duel, "hivemind": _hivemind}[system]
+        # "module:function" runs a worker defined elsewhere (bench.lossy's), in this same harness.
+        module, _, name = system.partition(":")
+        run = getattr(importlib.import_module(module), name) if name else {"duel": _duel, "hivemind": _hivemind}[system]
         run(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout)
         conn.send(("done", None))
     except Exception as e:  # report, do not hang the parent

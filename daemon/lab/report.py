@@ -83,7 +83,7 @@ def _host(record: Record, name: str, samples: list[Sample]) -> dict[str, Any]:
         "local_step": last.local_step if last else None,
         "loss": last.loss if last else None,
         "eval_score": last.eval_score if last else None,
-        "rounds": {o: int(totals.get(f"rounds_{o}", 0)) for o in ("completed", "aborted", "no_group")},
+        "rounds": {o: int(totals.get(f"rounds_{o}", 0)) for o in ("completed", "partial", "aborted", "no_group")},
         "engine_sent_bytes": int(totals.get("sent_bytes", 0)),
         "engine_received_bytes": int(totals.get("received_bytes", 0)),
         "state_sync_bytes": int(totals.get("state_sync_bytes", 0)),
@@ -173,14 +173,14 @@ def table(report: dict[str, Any]) -> str:
     rows = [
         (
             name, h["state"], str(h["incarnations"]), _v(h["step"]), _v(h["local_step"]), _v(h["loss"], "{:.4f}"),
-            _v(h["eval_score"], "{:.3f}"), "{completed}/{aborted}/{no_group}".format(**h["rounds"]),
+            _v(h["eval_score"], "{:.3f}"), "{completed}/{partial}/{aborted}/{no_group}".format(**h["rounds"]),
             _mb(h["engine_sent_bytes"]), _mb(h["engine_received_bytes"]), _mb(h["state_sync_bytes"]),
             f"{_mb(h['link_tx_bytes'])}/{_mb(h['link_rx_bytes'])}",
             f"{h['lost_packets_random']}+{h['lost_packets_partition']}", _v(h["tcp_retransmitted_segments"]),
         )
         for name, h in report["hosts"].items()
     ]  # fmt: skip
-    header = ("HOST", "STATE", "RUNS", "STEP", "LOCAL", "LOSS", "EVAL", "ROUNDS C/A/N", "SENT MB", "RECV MB",
+    header = ("HOST", "STATE", "RUNS", "STEP", "LOCAL", "LOSS", "EVAL", "ROUNDS C/P/A/N", "SENT MB", "RECV MB",
               "SYNC MB", "LINK TX/RX MB", "DROPPED RND+CUT", "TCP RETRANS")  # fmt: skip
     lines += _columns(header, rows)
     if report["faults"]:
