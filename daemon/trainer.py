@@ -226,13 +226,13 @@ class Trainer:
 
     def _train(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         data = self.task.data(self.hparams, self.peer_seed)
+        if self.local_group is not None:  # listening early: its address reaches the peers' tables meanwhile
+            self.local_group.prepare()
         if self.ready_to_train is not None:  # e.g. enough peers: a lone creator would run ahead
             deadline = time.monotonic() + self.ready_timeout
             while not self.ready_to_train() and time.monotonic() < deadline and not self._stop.wait(0.2):
                 pass
         self._catch_up()  # a late joiner or a restart whose checkpoint is older than the run
-        if self.local_group is not None:
-            self.local_group.prepare()
         self.state = TrainState.TRAINING
         window_start, window_samples = time.monotonic(), 0
         while not self._stop.is_set():
