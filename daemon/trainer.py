@@ -154,7 +154,6 @@ class Trainer:
         self.dear_steps = 0  # steps taken under DeAR, over every group this trainer was in
         self.dear_buckets = 0  # buckets of the active group's plan; 0 when none
         self._last_overlap = math.nan  # overlap ratio of the latest DeAR group, once dropped
-        self.dear_fallbacks = 0  # groups dropped (CollectiveError, an incomplete round, a state download)
         self.ready_to_train, self.ready_timeout = ready_to_train, ready_timeout
         self.run_id, self.task, self.hparams = run_id, task, hparams
         self.average_every, self.average = average_every, average
@@ -281,9 +280,7 @@ class Trainer:
         if self.state is TrainState.TRAINING:
             self.state = TrainState.STOPPED
         self._flush()
-        self._leave_group("training ended")
-        if self.local_group is not None:
-            self.local_group.close()
+        self._leave_group("training ended", rearm=False)
         if self.eval is None or self.global_step % self.eval_every:
             self.eval = self.task.evaluate(model, self.hparams)
         if self.global_step > self.resumed_from:
@@ -313,20 +310,23 @@ class Trainer:
                 self._dear = DeAR(model, optimizer, collective)
                 self.dear_buckets = len(self._dear.plan.buckets)
 
-    def _leave_group(self, reason: str) -> None:
-        """Stop training under DeAR (hooks removed, engine closed) and re-arm for a later formation."""
-        if self._dear is None:
+    def _leave_group(self, reason: str, rearm: bool = True) -> None:
+        """Stop training under DeAR (hooks removed, engine closed); with `rearm`, a fresh engine
+        listens for a later formation, else the local group is closed for good."""
+        if self._dear is not None:
+            self._last_overlap = self._dear.overlap_ratio
+            try:
+                self._dear.close()  # flushes first unless it failed; the hooks go in any case
+            except CollectiveError:
+                pass
+            self._dear, self.dear_buckets = None, 0
+            logger.info("run %s: training on without the DeAR group: %s", self.run_id, reason)
+        if self.local_group is None:
             return
-        self._last_overlap = self._dear.overlap_ratio
-        try:
-            self._dear.close()  # flushes first unless it failed; the hooks go in any case
-        except CollectiveError:
-            pass
-        self._dear, self.dear_buckets = None, 0
-        self.dear_fallbacks += 1
-        if self.local_group is not None:
+        if rearm:
             self.local_group.drop(reason)
-        logger.info("run %s: training on without the DeAR group: %s", self.run_id, reason)
+        else:
+            self.local_group.close()
 
     def _catch_up(self) -> bool:
         """Download the run's state if live peers are at least one round ahead; True if it did.

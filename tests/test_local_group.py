@@ -16,7 +16,7 @@ from daemon.client import ControlClient
 from daemon.tasks import get_task, train_single_process
 from peers.dear.localgroup import LocalGroupRules
 from peers.dear.member import OP_TIMEOUT, GroupPeer, plan_group
-from tests.helpers import scrape, wait_for
+from tests.helpers import peerd, scrape, wait_for
 
 RULES = LocalGroupRules()
 
@@ -26,6 +26,8 @@ def test_a_group_forms_only_when_every_member_was_in_the_round_and_announced_its
     peers = [GroupPeer("a", "rack", "127.0.0.1:1"), GroupPeer("c", "rack", ""), GroupPeer("d", "other", "127.0.0.1:4")]
     plan = plan_group(me, peers, {"a", "b", "c", "d"}, RULES, now=100.0)
     assert plan.members == ("a", "b", "c") and plan.rank == 1 and not plan.form, plan  # c has no address yet
+    peers[1] = GroupPeer("c", "rack", "127.0.0.1:http")
+    assert not plan_group(me, peers, {"a", "b", "c"}, RULES, now=100.0).form  # nor a valid one
     peers[1] = GroupPeer("c", "rack", "127.0.0.1:3")
     plan = plan_group(me, peers, {"a", "b", "c"}, RULES, now=100.0)
     assert plan.form and plan.addresses == ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"), plan
@@ -82,6 +84,8 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn):
     before = {d.data_dir.name: status(d, "lg").dear_steps for d in (a, b)}
     rs = wait_for(lambda: formed((a, b), 2), timeout=40, interval=0.05, what="a and b re-form a group of two")
     assert sorted(r.local_group_rank for r in rs) == [0, 1], rs
+    out = peerd("status", "--control", a.control).stdout
+    assert "lg: local group rack  size 2  rank " in out and "DeAR buckets " in out, out
 
     for d in (a, b):
         wait_for(lambda: status(d, "lg").train_state == "FINISHED", timeout=90, what=f"{d.data_dir.name} finishes")

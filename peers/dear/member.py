@@ -70,9 +70,15 @@ def plan_group(
     absent = [m for m in group if m not in round_members]
     if absent:
         return Formation(group, rank, addresses, False, f"{len(absent)} of {len(group)} members were not in the round")
-    if not all(addresses):
-        return Formation(group, rank, addresses, False, "not every member has announced its engine's address yet")
+    if not all(_dialable(a) for a in addresses):
+        return Formation(group, rank, addresses, False, "not every member has announced a valid engine address yet")
     return Formation(group, rank, addresses, True, f"forming [{', '.join(group)}] by label {me.label!r}")
+
+
+def _dialable(address: str) -> bool:
+    """'host:port' with a port in 1..65535 (addresses come from peers' records: checked before use)."""
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 class LocalGroupMember:
@@ -111,8 +117,14 @@ class LocalGroupMember:
         if not plan.form or self._engine is None:
             return None
         engine, self._engine = self._engine, None
-        engine.rank, engine.world = plan.rank, len(plan.members)
-        engine.join(plan.addresses)
+        engine.rank, engine.world = plan.rank, len(plan.members)  # read from join() on; start() used neither
+        try:
+            engine.join(plan.addresses)
+        except (ValueError, TimeoutError) as e:  # an address the engine refuses, or its loop stuck
+            self.last_reason = f"joining failed: {e}"
+            engine.close()
+            self.prepare()
+            return None
         self.collective, self.members, self.rank = engine, plan.members, plan.rank
         logger.info("run %s: local group %r formed: rank %d of %d", self.run_id, self.label, self.rank, self.size)
         return engine
