@@ -309,6 +309,7 @@ class Daemon:
                     host=self._advertise_host(),
                     peers=lambda: [GroupPeer(e.peer_id, e.local_group, e.dear_address) for e in membership.peers()],
                     events=self.metrics.peer_events(),
+                    engine_key=secret.engine_key if secret is not None else None,
                 )
                 membership.dear_address_of = lambda: local_group.address
             handle.trainer = trainer = run_setup.make_trainer(

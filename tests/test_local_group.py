@@ -48,9 +48,10 @@ def status(d, run: str):
 
 
 @pytest.mark.slow
-def test_three_daemons_train_with_dear_and_survive_a_kill(spawn):
+def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
+    """A secret run, so that the DeAR links open with the secret's hello too."""
     create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "optimizer=sgd", "--set", "lr=0.05"]
-    args = ["--run", "lg", "--local-group", "rack", "--max-steps", str(STEPS), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    args = ["--run", "lg", "--run-secret-file", str(secret_file), "--local-group", "rack", "--max-steps", str(STEPS), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("lg-a", [*args, *create])
     b, c = (spawn(f"lg-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
     b.wait_ready()
@@ -98,6 +99,7 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn):
         assert m[("peerd_dear_steps_total", (("run", "lg"),))] == r.dear_steps
         assert ("peerd_local_group_size", (("run", "lg"),)) in m
         assert ("peerd_dear_overlap_ratio", (("run", "lg"),)) in m
+        assert m.get(("peerd_rejected_total", (("reason", "wire_bad_hello"),)), 0) == 0
     # Members of a DeAR group hold the same bytes step after step: nothing for the last round to
     # average (plain local SGD between rounds: about 0.1, tests/test_cluster_training.py), and the
     # same final evaluation.

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from peers.collective.linkauth import LinkAuth
+from peers.collective.tcp import TcpTransport
 from peers.dear.engine import EngineCollective
 from peers.dear.localgroup import LocalGroupRules, PeerSample, local_groups
 from peers.events import PeerEvents
@@ -88,7 +90,7 @@ class LocalGroupMember:
     def __init__(
         self, *, run_id: str, peer_id: str, label: str, host: str, peers: Callable[[], Sequence[GroupPeer]],
         timeout: float = OP_TIMEOUT, rules: LocalGroupRules | None = None, events: PeerEvents | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, engine_key: bytes | None = None,
     ):  # fmt: skip
         self.run_id, self.peer_id, self.label, self.host = run_id, peer_id, label, host
         self.peers, self.timeout, self.rules, self.events, self.clock = peers, timeout, rules or LocalGroupRules(), events, clock
@@ -98,6 +100,9 @@ class LocalGroupMember:
         self.rank = -1  # this daemon's rank in the active group; -1 when none
         self.last_reason = ""  # why the latest try_form / drop did what it did
         self._engine: EngineCollective | None = None  # listening, not yet joined
+        # In a secret run every DeAR link opens with a hello keyed by the run's secret and the label,
+        # as the Moshpit rounds' links do (peers/collective/linkauth.py).
+        self._auth = LinkAuth(engine_key, f"dear:{run_id}:{label}") if engine_key is not None else None
 
     @property
     def size(self) -> int:
@@ -106,7 +111,10 @@ class LocalGroupMember:
     def prepare(self) -> None:
         """Have an engine listening (and its address announced) for the next formation."""
         if self._engine is None:
-            self._engine = EngineCollective(rank=0, world=1, timeout=self.timeout, host=self.host, run_id=self.run_id, events=self.events)
+            self._engine = EngineCollective(
+                rank=0, world=1, timeout=self.timeout, run_id=self.run_id, events=self.events,
+                transport=lambda: TcpTransport(self.host, 0, events=self.events, auth=self._auth),
+            )  # fmt: skip
             self.address = self._engine.start()
 
     def try_form(self, round_members: Collection[str]) -> EngineCollective | None:
