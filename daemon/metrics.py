@@ -174,7 +174,7 @@ class DaemonMetrics:
         self._states = tuple(states)
         for state in self._states:
             self.state.labels(state).set(0)
-        for op in ("get", "store"):
+        for op in ("get", "store", "ping"):
             for result in ("ok", "error", "timeout"):
                 self.dht_requests.labels(op, result)
         for result in ("ok", "error"):

@@ -6,7 +6,11 @@ Timing contract (defaults in daemon/config.py, DiscoveryConfig):
   advanced for `peer_ttl`, so a killed peer leaves the table within
   peer_ttl + refresh_interval + one DHT request timeout;
 * a peer that leaves on purpose stores a LEFT record and sends it to every known peer directly,
-  so they drop it at once.
+  so they drop it at once;
+* a peer that timed out is pinged every REJOIN_INTERVAL for LOST_MEMORY seconds: after a partition
+  the two sides' DHT routing tables have dropped each other and would never dial across again, so
+  without this a healed partition stays two runs. An answer puts each node in the other's routing
+  table; the next refresh then reads the other side's heartbeats.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from protos import records_pb2
 logger = logging.getLogger(__name__)
 
 GOODBYE_HANDLER = "peerd.membership.Goodbye"
+LOST_MEMORY = 600.0  # seconds a timed-out peer is still re-dialed: partitions that heal within this re-merge
+REJOIN_INTERVAL = 5.0  # seconds between two rounds of re-dialing timed-out peers
+REJOIN_MAX = 8  # timed-out peers re-dialed per round, the most recently lost first
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,6 +66,7 @@ class RunMembership:
         self.joined_at = now()
         self._tasks: list[asyncio.Task] = []
         self._maddrs: tuple[str, ...] = ()
+        self._lost: dict[str, float] = {}  # peer ID -> when it timed out, until it is back or forgotten
         self.step_of: Callable[[], int] = lambda: 0  # this daemon's global step, put into each heartbeat
         self.local_group = ""  # this daemon's --local-group label, put into each heartbeat
         self.dear_address_of: Callable[[], str] = lambda: ""  # its DeAR engine's address, put into each heartbeat
@@ -75,6 +83,7 @@ class RunMembership:
         self._tasks = [
             asyncio.create_task(self._every(self.settings.heartbeat_interval, self.heartbeat), name=f"heartbeat:{self.run_id}"),
             asyncio.create_task(self._every(self.settings.refresh_interval, self.refresh), name=f"refresh:{self.run_id}"),
+            asyncio.create_task(self._every(REJOIN_INTERVAL, self.rejoin), name=f"rejoin:{self.run_id}"),
         ]
 
     async def leave(self) -> None:
@@ -113,6 +122,17 @@ class RunMembership:
             self.accept(value, subkey=subkey, at=t)
         for peer_id in self.table.expire(t):
             logger.info("run %s: peer %s timed out", self.run_id, peer_id)
+            self._lost[peer_id] = t
+
+    async def rejoin(self) -> None:
+        """Ping the peers that timed out recently and are still missing (see the module docstring)."""
+        t, live = now(), {e.peer_id for e in self.table.entries()}
+        self._lost = {p: at for p, at in self._lost.items() if p not in live and t - at < LOST_MEMORY}
+        targets = sorted(self._lost, key=self._lost.__getitem__, reverse=True)[:REJOIN_MAX]
+        if targets:
+            answered = await asyncio.gather(*(self.node.ping(p) for p in targets))
+            if any(answered):
+                logger.info("run %s: %d of %d lost peers answered again", self.run_id, sum(answered), len(targets))
 
     def accept(self, envelope: object, *, subkey: str | None, at: float) -> str | None:
         """Check a record from the DHT or a peer and apply it; returns the table's verdict or None."""

@@ -86,6 +86,12 @@ class PeerNode:
     async def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
         return bool(await self._request("store", self.dht.store(key, value, expiration, subkey=subkey)))
 
+    async def ping(self, peer_id: str) -> bool:
+        """Ping a peer's DHT node; on an answer each side adds the other to its routing table. This is
+        how the two sides of a healed partition find each other again: while cut off, their routing
+        tables dropped each other, and nothing else would ever dial across."""
+        return await self._request("ping", self.dht.protocol.call_ping(PeerID.from_base58(peer_id))) is not None
+
     async def _request(self, op: str, coro) -> Any:
         try:
             async with asyncio.timeout(self.settings.request_timeout):
@@ -97,8 +103,9 @@ class PeerNode:
             logger.debug("DHT %s failed: %r", op, e)
             self.events.dht_request(op, "error")
             return None
-        # A get that finds nothing is a successful answer; a store that no node accepted is not.
-        self.events.dht_request(op, "error" if op == "store" and not result else "ok")
+        # A get that finds nothing is a successful answer; a store that no node accepted, or a ping
+        # nobody answered, is not.
+        self.events.dht_request(op, "error" if op in ("store", "ping") and not result else "ok")
         return result
 
     async def add_handler(self, name: str, handler, request_type) -> None:

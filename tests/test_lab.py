@@ -445,20 +445,15 @@ action = "heal"
 @needs_lab
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_partition_cuts_both_sides_and_the_report_says_whether_the_run_re_merged(tmp_path):
+def test_a_partition_cuts_both_sides_and_the_run_re_merges_after_the_heal(tmp_path):
     report, table = run_scenario(tmp_path, PARTITION)
     partition, heal = report["faults"]
     assert report["hosts"]["c"]["lost_packets_partition"] > 0 and report["hosts"]["a"]["lost_packets_partition"] > 0
     # Each side drops the other and trains on: a with b (rounds), c alone (steps).
     assert partition["noticed_s"] is not None and partition["resumed_s"] is not None, partition
-    row = next(line for line in table.splitlines() if line.startswith("11.0  heal"))
-    if heal["resumed_s"] is None:
-        assert row.endswith("not within the run"), row
-        # What this lab found (docs/lab.md): the two sides do not always merge again in time.
-        if heal["noticed_s"] is None:
-            pytest.xfail("after the heal the daemons did not re-discover each other within the run")
-        pytest.xfail(f"the daemons saw each other {heal['noticed_s']} s after the heal but averaged across the cut no more")
-    assert heal["noticed_s"] is not None, heal
+    # After the heal the sides find each other again (the daemons re-dial peers that timed out,
+    # peers/membership.py) and average across the old cut before the run ends.
+    assert heal["noticed_s"] is not None and heal["resumed_s"] is not None, (heal, table)
 
 
 @needs_lab
