@@ -125,7 +125,7 @@ class LocalGroupMember:
         if not plan.form or self._engine is None:
             return None
         engine, self._engine = self._engine, None
-        engine.rank, engine.world = plan.rank, len(plan.members)  # read from join() on; start() used neither
+        engine.rank, engine.world = plan.rank, len(plan.members)  # read from join() on (start() used rank only to name its thread)
         try:
             engine.join(plan.addresses)
         except (ValueError, TimeoutError) as e:  # an address the engine refuses, or its loop stuck
