@@ -161,6 +161,13 @@ class DaemonConfig:
             raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
         self.log_level = self.log_level.upper()
         _check_positive("drain_timeout", self.drain_timeout)
+        if self.network.request_timeout > self.discovery.peer_ttl / 2:
+            # Seen in the lab: one frozen DHT node held every refresh past the TTL, and live peers
+            # dropped each other, not only the frozen one (docs/lab.md).
+            raise ConfigError(
+                f"dht_timeout ({self.network.request_timeout} s) must be at most half of peer_ttl "
+                f"({self.discovery.peer_ttl} s), or one unresponsive DHT node makes live peers drop each other"
+            )
 
     @property
     def control_address(self) -> str:

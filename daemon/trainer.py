@@ -361,10 +361,13 @@ class Trainer:
     def _average_round(self) -> None:
         gather(self._tensors, self._flat)
         result = self.average(self._flat, float(self._samples_since_round), self.global_step // self.average_every)
-        self.last_round = result
+        previous, self.last_round = self.last_round, result
         if not getattr(result, "completed", False):
-            logger.info("run %s: round %d at step %d not completed: %s", self.run_id, self.global_step // self.average_every,
-                        self.global_step, getattr(result, "reason", result))
+            # A peer alone runs a round every few milliseconds: log a reason when it changes, not every time.
+            same = previous is not None and getattr(previous, "reason", None) == getattr(result, "reason", None)
+            (logger.debug if same else logger.info)(
+                "run %s: round %d at step %d not completed: %s", self.run_id, self.global_step // self.average_every,
+                self.global_step, getattr(result, "reason", result))  # fmt: skip
         if getattr(result, "applied", False):  # COMPLETED, or PARTIAL (UDP: the result where it arrived)
             # Before the result replaces them: how far this member's parameters were from the mean.
             self.param_divergence = distance(self._flat, self._tensors[: self._n_params])

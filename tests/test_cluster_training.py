@@ -24,7 +24,7 @@ from tests.helpers import scrape, wait_for
 pytestmark = pytest.mark.slow
 
 RUN_ARGS = ["--eval-every", "1000", "--checkpoint-every", "50", "--torch-threads", "1"]
-FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4"]
+FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4", "--dht-timeout", "2"]
 
 
 def status(d, run: str):

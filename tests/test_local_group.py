@@ -39,7 +39,7 @@ def test_a_group_forms_only_when_every_member_was_in_the_round_and_announced_its
 
 STEPS, EVERY, BATCH = 400, 10, 32
 RUN_ARGS = ["--eval-every", "100000", "--checkpoint-every", "100000", "--torch-threads", "1"]
-FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4"]
+FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4", "--dht-timeout", "2"]
 
 
 def status(d, run: str):
