@@ -81,6 +81,33 @@ def _timed(conn, key: str, barrier, timeout: float, step) -> None:
     conn.send(("put", key, time.perf_counter() - t0 if ok else None))
 
 
+class GlooStep:
+    """One gloo all_reduce of `y` per call, as a timed step: False once the group has timed out
+    (a gloo group that timed out is unusable, so later calls fail at once)."""
+
+    def __init__(self, y, n: int):
+        self.y, self.n, self.broken = y, n, False
+
+    def __call__(self, r: int) -> bool:
+        import torch.distributed as dist
+
+        if self.broken:
+            return False
+        try:
+            dist.all_reduce(self.y)
+        except RuntimeError:
+            self.broken = True
+            return False
+        self.y.div_(self.n)  # keeps the sums bounded over rounds; inside the timing, and negligible at these rates
+        return True
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if not self.broken:
+            dist.destroy_process_group()
+
+
 def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
     import torch.distributed as dist
     import uvloop
@@ -95,31 +122,18 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
     settings = AllReduceSettings(connect_timeout=min(10.0, timeout / 2), contribute_timeout=timeout / 2, gather_timeout=timeout, verdict_timeout=5.0, drain_timeout=2.0)
     engine = GroupAllReduce(group, transport, numel, settings=settings)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
-    x, y = _data(rank, numel), _data(rank, numel)
-    gloo_broken = False
+    x = _data(rank, numel)
+    gloo = GlooStep(_data(rank, numel), n)
 
     def peerd(r: int) -> bool:
         outcome = loop.run_until_complete(engine.all_reduce(x, float(rank + 1), r))
         conn.send(("put", "outcomes", outcome.status.value))
         return outcome.completed
 
-    def gloo(r: int) -> bool:
-        nonlocal gloo_broken
-        if gloo_broken:  # a gloo group that timed out is unusable
-            return False
-        try:
-            dist.all_reduce(y)
-        except RuntimeError:
-            gloo_broken = True
-            return False
-        y.div_(n)  # keeps the sums bounded over rounds; inside the timing, and negligible at these rates
-        return True
-
     for r in range(1, rounds + 1):
         for name, step in (("peerd", peerd), ("gloo", gloo)) if r % 2 else (("gloo", gloo), ("peerd", peerd)):
             _timed(conn, name, barrier, timeout, lambda: step(r))
-    if not gloo_broken:
-        dist.destroy_process_group()
+    gloo.close()
     loop.run_until_complete(engine.close())
     loop.run_until_complete(transport.close())
     loop.close()

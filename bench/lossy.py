@@ -33,7 +33,7 @@ from datetime import timedelta
 
 from bench.common import emit, progress, result
 from bench.engine_allreduce import _data
-from bench.lab_baselines import _timed, round_time, run_system
+from bench.lab_baselines import GlooStep, _timed, round_time, run_system
 
 BENCH = "lossy"
 SYSTEMS = ("udp", "reliable", "gloo")
@@ -60,8 +60,8 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
     reliable = GroupAllReduce(Group("bench", members, [a[0] for a in addresses], rank), tcp, numel, settings=settings)
     lossy = LossyAllReduce(Group("bench", members, [a[1] for a in addresses], rank), udp, numel, settings=settings)
     dist.init_process_group("gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
-    x, y, z = _data(rank, numel), _data(rank, numel), _data(rank, numel)
-    gloo_broken = False
+    x, z = _data(rank, numel), _data(rank, numel)
+    gloo = GlooStep(_data(rank, numel), n)
 
     def run_udp(r: int) -> bool:
         outcome = loop.run_until_complete(lossy.all_reduce(z, float(rank + 1), r))
@@ -74,26 +74,13 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         conn.send(("put", "outcomes", f"reliable:{outcome.status.value}"))
         return outcome.completed
 
-    def run_gloo(r: int) -> bool:
-        nonlocal gloo_broken
-        if gloo_broken:  # a gloo group that timed out is unusable
-            return False
-        try:
-            dist.all_reduce(y)
-        except RuntimeError:
-            gloo_broken = True
-            return False
-        y.div_(n)
-        return True
-
-    steps = {"udp": run_udp, "reliable": run_reliable, "gloo": run_gloo}
+    steps = {"udp": run_udp, "reliable": run_reliable, "gloo": gloo}
     for r in range(1, rounds + 1):
         # UDP first in round 1: a gloo that hangs ends the cluster, and what comes after it is lost.
         order = SYSTEMS[(r - 1) % 3 :] + SYSTEMS[: (r - 1) % 3]
         for name in order:
             _timed(conn, name, barrier, timeout, lambda: steps[name](r))
-    if not gloo_broken:
-        dist.destroy_process_group()
+    gloo.close()
     for engine in (lossy, reliable):
         loop.run_until_complete(engine.close())
     loop.run_until_complete(udp.close())
