@@ -37,6 +37,7 @@ import sys
 import time
 
 from bench.common import emit, progress, result
+from bench.engine_allreduce import Cluster
 
 BENCH = "lossy_loopback"
 SETUP_TIMEOUT = 120.0  # seconds for the workers to start and report their addresses
@@ -118,7 +119,9 @@ def _serve(rank: int, n: int, numel: int, conn, datagram: int, gso: bool) -> Non
     loop.run_until_complete(udp.close())
 
 
-class Workers:
+class Workers(Cluster):
+    """engine_allreduce's Cluster (its recv), with this bench's workers and a graceful stop."""
+
     def __init__(self, n: int, numel: int, datagram: int, gso: bool):
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
@@ -129,20 +132,12 @@ class Workers:
             self.conns.append(parent)
             self.procs.append(p)
 
-    def recv(self, rank: int, timeout: float):
-        if not self.conns[rank].poll(timeout):
-            raise TimeoutError(f"worker {rank} said nothing within {timeout:.0f} s")
-        kind, value = self.conns[rank].recv()
-        if kind == "error":
-            raise RuntimeError(f"worker {rank}: {value}")
-        return value
-
     def round(self, system: str, seam: float) -> list[dict]:
         for c in self.conns:
             c.send(("round", system, seam))
         return [self.recv(rank, ROUND_LIMIT) for rank in range(len(self.conns))]
 
-    def kill(self) -> None:
+    def kill(self, grace: float = 0.0) -> None:
         for c in self.conns:
             try:
                 c.send(("stop",))

@@ -152,7 +152,9 @@ class Inbox:
 
     # ---- the Sink interface --------------------------------------------------------------------
 
-    def on_header(self, link: Inbound, h: Header) -> memoryview | Action:
+    def _refuse_sender(self, link: Inbound, h: Header) -> Action | None:
+        """DROP (counted) for a header of another run, from outside the group, or from a member other
+        than the one this link already speaks for; None if the sender is acceptable."""
         g = self.group
         if h.run_tag != g.tag:
             return self._refuse("wire_wrong_run", Action.DROP)
@@ -160,6 +162,12 @@ class Inbox:
             return self._refuse("wire_not_in_group", Action.DROP)
         if link.member is not None and link.member != h.sender:
             return self._refuse("wire_sender_mismatch", Action.DROP)
+        return None
+
+    def on_header(self, link: Inbound, h: Header) -> memoryview | Action:
+        if (refused := self._refuse_sender(link, h)) is not None:
+            return refused
+        g = self.group
         st = self._state(h.round, create=True)
         if st is None:
             return self._refuse("wire_wrong_round", Action.SKIP)

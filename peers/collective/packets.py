@@ -212,13 +212,9 @@ class LossyInbox(Inbox):
     # ---- control messages (over the reliable transport) ----------------------------------------
 
     def _control(self, link: Inbound, h: Header) -> memoryview | Action:
+        if (refused := self._refuse_sender(link, h)) is not None:
+            return refused
         g = self.group
-        if h.run_tag != g.tag:
-            return self._refuse("wire_wrong_run", Action.DROP)
-        if h.sender >= g.size or h.sender == g.me:
-            return self._refuse("wire_not_in_group", Action.DROP)
-        if link.member is not None and link.member != h.sender:
-            return self._refuse("wire_sender_mismatch", Action.DROP)
         if h.kind is not Kind.DONE:
             return self._refuse("wire_bad_kind", Action.DROP)  # data travels as datagrams only
         if self._state(h.round, create=True) is None:

@@ -126,7 +126,8 @@ class CollectiveBase:
         return handle
 
     def _issue(self, handle: Handle) -> None:
-        raise NotImplementedError
+        """Start the op in the background (the backend's one job); CollectiveBase calls it in order."""
+        raise NotImplementedError("a backend (gloo.py, engine.py) overrides _issue")
 
 
 def check_buffer(flat: torch.Tensor, world: int) -> None:
