@@ -167,7 +167,6 @@ class Inbox:
     def on_header(self, link: Inbound, h: Header) -> memoryview | Action:
         if (refused := self._refuse_sender(link, h)) is not None:
             return refused
-        g = self.group
         st = self._state(h.round, create=True)
         if st is None:
             return self._refuse("wire_wrong_round", Action.SKIP)

@@ -214,7 +214,6 @@ class LossyInbox(Inbox):
     def _control(self, link: Inbound, h: Header) -> memoryview | Action:
         if (refused := self._refuse_sender(link, h)) is not None:
             return refused
-        g = self.group
         if h.kind is not Kind.DONE:
             return self._refuse("wire_bad_kind", Action.DROP)  # data travels as datagrams only
         if self._state(h.round, create=True) is None:
