@@ -291,6 +291,7 @@ class Daemon:
                 datagram_bytes=manifest.averaging.datagram_bytes,
                 udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
                 events=self.metrics.peer_events(),
+                rendezvous=run_setup.rendezvous_for(membership, manifest.averaging.average_every, manifest.averaging.round_timeout),
             )
 
             async def run_round(vector, weight, round_t):

@@ -148,6 +148,16 @@ class DaemonMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
+        self.round_wait = Histogram(
+            "peerd_round_wait_seconds",
+            "Time before each round's matchmaking spent waiting for group mates still in the previous round.",
+            ["run"],
+            buckets=(0.01, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r,
+        )
+        self.stragglers = Counter(
+            "peerd_round_stragglers", "Group mates a round stopped waiting for (still in the previous round).", ["run"], registry=r
+        )
         self.state_syncs = Counter(
             "peerd_state_syncs", "Downloads of the run's state from peers, by result: ok, failed.", ["run", "result"], registry=r
         )
@@ -189,6 +199,9 @@ class DaemonMetrics:
         self.rounds.labels(run_id, result.outcome_name).inc()
         if outcome is not None:
             self.round_duration.labels(run_id).observe(outcome.duration)
+        self.round_wait.labels(run_id).observe(getattr(result, "waited", 0.0))
+        if getattr(result, "stragglers", 0):
+            self.stragglers.labels(run_id).inc(result.stragglers)
         for transport, (sent, received) in result.bytes_by_transport.items():
             self.sent_bytes.labels(transport).inc(sent)
             self.received_bytes.labels(transport).inc(received)

@@ -35,6 +35,23 @@ MANIFEST_TTL = 300.0  # seconds a published manifest lives without being republi
 MANIFEST_REPUBLISH = 60.0  # seconds between republications by each member
 CANCEL_GRACE = 5.0  # seconds a cancelled round may take to restore the vector it was writing
 SYNC_TIMEOUT = 120.0  # seconds one download of the run's state may take
+RENDEZVOUS_PATIENCE = 10.0  # seconds a round waits for group mates still in the previous round (at most round_timeout / 3)
+
+
+def rendezvous_for(membership, average_every: int, round_timeout: float):
+    """The averager's `rendezvous(round_t, mates)`: announce this daemon's step, then wait for the
+    mates that announce a step in the previous round (peers/membership.py, RunMembership.rendezvous)."""
+    patience = min(RENDEZVOUS_PATIENCE, round_timeout / 3)
+
+    async def rendezvous(round_t: int, mates: list[str]) -> list[str]:
+        step = round_t * average_every
+        behind = await membership.rendezvous(mates, step, step - average_every, patience)
+        if behind:
+            logger.info("run %s: round %d goes on without %d group mate(s) still in the previous round",
+                        membership.run_id, round_t, len(behind))  # fmt: skip
+        return behind
+
+    return rendezvous
 
 
 class RunRefused(ValueError):

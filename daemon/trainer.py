@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 30.0  # seconds to wait for the thread: one step, one evaluation and one checkpoint
 CATCH_UP_PATIENCE = 10.0  # seconds a trainer behind its peers keeps trying to download their state
-AHEAD_PATIENCE = 10.0  # seconds a trainer ahead of every live peer waits for them before its next round
 
 
 class TrainState(Enum):
@@ -270,7 +269,6 @@ class Trainer:
                 if self._catch_up():  # a round among peers far ahead would find nobody
                     self._leave_group("state downloaded from peers")
                 else:
-                    self._wait_if_ahead()
                     self._average_round()
                     self._regroup(model, optimizer)
             if self.global_step % self.eval_every == 0:
@@ -329,19 +327,6 @@ class Trainer:
             self.local_group.drop(reason)
         else:
             self.local_group.close()
-
-    def _wait_if_ahead(self) -> None:
-        """After a round that found no group, wait (at most AHEAD_PATIENCE) while every live peer
-        announces a lower step. A trainer one round ahead of all the others meets nobody in its
-        round's group and, staying ahead, nobody in the next ones either: only peers behind catch
-        up (by state sync), so without this it trains alone for good (seen in tests and the lab)."""
-        if getattr(self.last_round, "outcome_name", "") != "no_group":
-            return
-        deadline = time.monotonic() + AHEAD_PATIENCE
-        while time.monotonic() < deadline:
-            steps = self.peer_steps()
-            if not steps or max(steps) >= self.global_step or self._stop.wait(0.05):
-                return
 
     def _catch_up(self) -> bool:
         """Download the run's state if live peers are at least one round ahead; True if it did.

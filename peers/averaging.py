@@ -4,7 +4,11 @@ Round t of a run with live peers P (this daemon included):
 1. the grid shape comes from |P| (peers/moshpit.grid_shape), coordinates from the shared view of P
    (view_coords, re-drawn every sweep of d rounds), the group key from the coordinates with
    dimension t mod d masked out;
-2. peers/matchmaking forms the group under that key (one leader, one agreed member order);
+2. the round's rendezvous (if given; the daemon's waits for the mates of the group still in the
+   previous round, peers/membership.py), then peers/matchmaking forms the group under that key
+   (one leader, one agreed member order): matchmaking only meets peers that arrive within about
+   a second of each other, and peers that train at slightly different speeds would otherwise
+   drift out of phase and meet nobody;
 3. the collective engine all-reduces the flat parameter vector within the group, weighted by the
    samples each member processed since its previous round. Each round listens on a fresh transport
    whose address goes into the matchmaking entry: a transport holds incoming bytes unread until its
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +56,8 @@ class RoundResult:
     reason: str
     links: dict[str, str] = field(default_factory=dict)  # peer ID -> "tcp", "libp2p" or "udp", per member reached
     bytes_by_transport: dict[str, tuple[int, int]] = field(default_factory=dict)  # transport -> (sent, received)
+    waited: float = 0.0  # seconds the rendezvous waited for group mates before matchmaking
+    stragglers: int = 0  # group mates the rendezvous gave up on (still in the previous round)
 
     @property
     def completed(self) -> bool:
@@ -92,8 +100,12 @@ class MoshpitAverager:
         udp_rate_bps: float | None = None,
         settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None,
+        rendezvous: Callable[[int, list[str]], Awaitable[list[str]]] | None = None,
     ):
+        """`rendezvous(round_t, mates)` waits (bounded) for the mates of round_t's group and returns
+        those it gave up on."""
         self.run_id, self.secret, self.peer_id = run_id, secret, peer_id
+        self.rendezvous = rendezvous
         self.namespace = run_namespace(run_id, secret)
         self.matchmaker, self.bind_host, self.advertise_host = matchmaker, bind_host, advertise_host
         self.max_group_size = max_group_size
@@ -110,13 +122,19 @@ class MoshpitAverager:
         shape = grid_shape(len(view), self.max_group_size)
         coords = view_coords(view, shape, run_id=self.namespace, epoch=round_t // shape.d)
         key = group_key(self.namespace, round_t, coords[self.peer_id], shape)
+        waited, stragglers = 0.0, 0
+        if self.rendezvous is not None:
+            mates = [p for p in view if p != self.peer_id and group_key(self.namespace, round_t, coords[p], shape) == key]
+            started = time.monotonic()
+            stragglers = len(await self.rendezvous(round_t, mates)) if mates else 0
+            waited = time.monotonic() - started
         transport, address = await self._listen(key)
         try:
             port = split_address(address)[1]
             me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
             matched = await self.matchmaker.form_group(self.namespace, self.secret, round_t, key, me)
             if matched.group is None:
-                return RoundResult(round_t, 1, None, f"no group: {matched.reason}")
+                return RoundResult(round_t, 1, None, f"no group: {matched.reason}", waited=waited, stragglers=stragglers)
             g = matched.group
             addresses = [member_address(m.engine_addr, m.peer_id) for m in g.members]
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
@@ -127,7 +145,8 @@ class MoshpitAverager:
                 outcome = await engine.all_reduce(vector, float(weight), 1)
             finally:
                 await engine.close()
-            return RoundResult(round_t, group.size, outcome, outcome.reason, self._links(transport, group), transport.bytes_by_transport())
+            return RoundResult(round_t, group.size, outcome, outcome.reason, self._links(transport, group),
+                               transport.bytes_by_transport(), waited, stragglers)  # fmt: skip
         finally:
             await transport.close()
 

@@ -7,6 +7,9 @@ Timing contract (defaults in daemon/config.py, DiscoveryConfig):
   peer_ttl + refresh_interval + one DHT request timeout;
 * a peer that leaves on purpose stores a LEFT record and sends it to every known peer directly,
   so they drop it at once;
+* before a round, a trainer announces its step at once and waits, bounded, for the mates of its
+  round's group that are still in the previous round (`rendezvous`): heartbeats alone are up to
+  heartbeat_interval + refresh_interval old, longer than a whole round of a small model;
 * a peer that timed out is pinged every REJOIN_INTERVAL for LOST_MEMORY seconds: after a partition
   the two sides' DHT routing tables have dropped each other and would never dial across again, so
   without this a healed partition stays two runs. An answer puts each node in the other's routing
@@ -34,6 +37,7 @@ GOODBYE_HANDLER = "peerd.membership.Goodbye"
 LOST_MEMORY = 600.0  # seconds a timed-out peer is still re-dialed: partitions that heal within this re-merge
 REJOIN_INTERVAL = 5.0  # seconds between two rounds of re-dialing timed-out peers
 REJOIN_MAX = 8  # timed-out peers re-dialed per round, the most recently lost first
+RENDEZVOUS_POLL = 0.2  # seconds between two reads of the run's records while waiting for group mates
 
 
 @dataclass(kw_only=True, slots=True)
@@ -133,6 +137,25 @@ class RunMembership:
             answered = await asyncio.gather(*(self.node.ping(p) for p in targets))
             if any(answered):
                 logger.info("run %s: %d of %d lost peers answered again", self.run_id, sum(answered), len(targets))
+
+    async def rendezvous(self, mates: list[str], step: int, floor: int, timeout: float) -> list[str]:
+        """Announce this daemon's step now, then wait at most `timeout` seconds until none of `mates`
+        announces a step in [floor, step): each has reached `step`, is further behind (it will
+        download the state rather than average), or left the table. Returns those still between."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        polls = 0
+        while True:
+            try:  # the first read goes with the announcement: the table may be a few seconds old
+                await (asyncio.gather(self.heartbeat(), self.refresh()) if polls == 0 else self.refresh())
+            except Exception:  # a failed read is one missed poll; the deadline still holds
+                logger.debug("run %s: refresh during rendezvous failed", self.run_id, exc_info=True)
+            polls += 1
+            steps = {e.peer_id: e.step for e in self.table.entries()}
+            behind = [p for p in mates if floor <= steps.get(p, -1) < step]
+            if not behind or loop.time() >= deadline:
+                return behind
+            await asyncio.sleep(min(RENDEZVOUS_POLL, max(deadline - loop.time(), 0.0)))
 
     def accept(self, envelope: object, *, subkey: str | None, at: float) -> str | None:
         """Check a record from the DHT or a peer and apply it; returns the table's verdict or None."""

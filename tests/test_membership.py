@@ -1,0 +1,73 @@
+"""The round rendezvous over real DHT nodes: a trainer waits for the group mates still in the previous
+round, and only for them, and never longer than its patience."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from peers.membership import DiscoverySettings, RunMembership
+from tests.helpers import peer_nodes
+
+EVERY = 10
+
+
+async def _members(nodes) -> list[RunMembership]:
+    # Heartbeats every 30 s: a step is seen only when the rendezvous announces it, never by chance.
+    settings = DiscoverySettings(heartbeat_interval=30.0, refresh_interval=30.0, peer_ttl=90.0)
+    members = [RunMembership(n, "rv", None, settings, version="test") for n in nodes]
+    for m in members:
+        await m.start()
+    for m in members:
+        await m.refresh()
+    return members
+
+
+def test_rendezvous_waits_for_a_mate_in_the_previous_round_until_it_arrives(tmp_path):
+    async def scenario():
+        async with peer_nodes(3, tmp_path) as nodes:
+            a, b, c = members = await _members(nodes)
+            try:
+                steps = {a: 20, b: 15, c: 3}  # b is in the previous round; c two rounds behind (downloads instead)
+                for m in members:
+                    m.step_of = lambda m=m: steps[m]
+                    await m.heartbeat()
+                await a.refresh()
+                assert {e.peer_id: e.step for e in a.peers()} == {b.node.peer_id: 15, c.node.peer_id: 3}
+
+                async def b_arrives():
+                    await asyncio.sleep(1.0)
+                    steps[b] = 20
+                    return await b.rendezvous([a.node.peer_id], 20, 10, timeout=5.0)
+
+                started = time.monotonic()
+                behind_a, behind_b = await asyncio.gather(
+                    a.rendezvous([b.node.peer_id, c.node.peer_id], 20, 20 - EVERY, timeout=8.0), b_arrives())
+                waited = time.monotonic() - started
+                assert behind_a == [] and behind_b == []
+                assert 1.0 <= waited < 4.0, waited  # b's announcement was seen at one of a's next polls
+            finally:
+                await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
+def test_rendezvous_gives_up_on_a_stuck_mate_after_its_patience(tmp_path):
+    async def scenario():
+        async with peer_nodes(2, tmp_path) as nodes:
+            a, b = members = await _members(nodes)
+            try:
+                a.step_of, b.step_of = (lambda: 30), (lambda: 25)
+                await b.heartbeat()
+                started = time.monotonic()
+                behind = await a.rendezvous([b.node.peer_id], 30, 20, timeout=1.5)
+                assert behind == [b.node.peer_id]
+                assert 1.5 <= time.monotonic() - started < 4.0
+                # A mate that is not in the table (gone, or never seen) is not waited for.
+                started = time.monotonic()
+                assert await a.rendezvous(["QmNotAPeerOfThisRun"], 30, 20, timeout=5.0) == []
+                assert time.monotonic() - started < 1.0
+            finally:
+                await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
+
+    asyncio.run(scenario())
