@@ -16,7 +16,11 @@ Shaping (see docs/lab.md): a host's `rate_mbit` is a tbf qdisc on both ends of i
 and downlink are limited apart; its `loss_pct` drops that share of the packets *delivered to* it,
 in the bridge's forward hook, i.e. after they left the sender: the sender's TCP sees a loss on the
 wire, not a local error. GSO is capped at one MTU on every eth0, so a drop is one packet, never a
-64 KiB super-packet. There is no added latency: this kernel has no netem.
+64 KiB super-packet. Added latency: this kernel has no netem, so a host whose `rtt_ms` is > 0 gets a
+userspace delay line (daemon/lab/delayline.py) in its namespace: a TUN device `dl0` that the lab
+subnet is routed through, whose reader holds every packet for rtt_ms / 2, then sends it out of eth0
+(a raw socket whose mark an `ip rule` routes by the main table). It is a process in the namespace,
+so the per-namespace kill of `destroy()` removes it, and the TUN device, routes and rules go with it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import re
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +47,11 @@ TBF_LATENCY_MS = 20  # queue of each tbf: a packet waits at most this long, then
 LOSS_SCALE = 10000  # numgen range: loss_pct has a resolution of 0.01 %
 PROTOCOLS = ("all", "tcp", "udp")
 OWNER_TAG = "peerd-lab-owner"
+DELAY_DEV = "dl0"  # the delay line's TUN device in a host's namespace
+DELAY_TABLE = 77  # routing table of a delayed host: the lab subnet through DELAY_DEV
+DELAY_READY_TIMEOUT = 10.0  # seconds for a delay line to open its TUN device
+RTT_PORT = 9  # closed on every host: a connect() to it is answered by an RST, one round trip
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 class LabError(RuntimeError):
@@ -83,6 +94,7 @@ class LinkShape:
     loss_pct: float = 0.0
     loss_protocol: str = "all"  # all, tcp or udp
     loss_ports: tuple[int, ...] = ()  # only packets from or to these ports (tcp and udp); () = every packet
+    rtt_ms: float = 0.0  # > 0: a delay line holds every packet the host sends to another host for rtt_ms / 2
 
 
 @dataclass(slots=True)
@@ -146,6 +158,7 @@ class Network:
         self.hosts: dict[str, Host] = {}
         self.side: dict[str, int] = {}
         self.subnet_k: int | None = None
+        self.delay_lines: dict[str, subprocess.Popen] = {}  # host name: its delay line (rtt_ms > 0 once)
 
     @property
     def bridge_ip(self) -> str:
@@ -208,7 +221,95 @@ class Network:
                 sh("tc", *where, "replace", "dev", dev, "root", *_tbf(shape.rate_mbit))
             else:
                 sh("tc", *where, "del", "dev", dev, "root", check=False)  # fails when there was none
+        self._set_delay(h, shape.rtt_ms)
         self.apply_rules()
+
+    # ---- added latency: the delay line ----------------------------------------------------------------
+
+    def _set_delay(self, h: Host, rtt_ms: float) -> None:
+        """One-way delay rtt_ms / 2 on everything h sends to the other hosts. The first rtt_ms > 0 starts
+        the host's delay line; later changes (0 included) go to it through its control file and SIGHUP,
+        so a host keeps its delay line, at 0 ms, once it had one."""
+        line = self.delay_lines.get(h.name)
+        if line is None and rtt_ms <= 0:
+            return
+        conf = self.dir / "delay" / f"{h.name}.conf"
+        conf.parent.mkdir(mode=0o700, exist_ok=True)
+        tmp = conf.with_suffix(".tmp")
+        tmp.write_text(f"{rtt_ms / 2}\n")
+        os.replace(tmp, conf)
+        if line is None:
+            self._start_delay_line(h, conf)
+        elif line.poll() is None:
+            line.send_signal(signal.SIGHUP)
+            _wait_for_file(self.delay_stats_path(h.name), lambda d: d.get("one_way_ms") == rtt_ms / 2, DELAY_READY_TIMEOUT, f"the delay line of {h.name} to take {rtt_ms / 2} ms")
+        else:
+            raise LabError(f"the delay line of host {h.name} exited ({line.returncode}); see {self.dir / 'delay' / (h.name + '.log')}")
+
+    def delay_stats_path(self, name: str) -> Path:
+        return self.dir / "delay" / f"{name}.json"
+
+    def _start_delay_line(self, h: Host, conf: Path) -> None:
+        if not Path("/dev/net/tun").exists():
+            raise LabError(f"host {h.name}: rtt_ms needs a TUN device, and /dev/net/tun is missing (modprobe tun)")
+        stats = self.delay_stats_path(h.name)
+        stats.unlink(missing_ok=True)
+        with open(self.dir / "delay" / f"{h.name}.log", "ab") as log:
+            cmd = [*h.exec_prefix(), sys.executable, "-m", "daemon.lab.delayline", "--dev", DELAY_DEV, "--conf", str(conf), "--stats", str(stats)]
+            # Own session: a Ctrl-C of the lab does not reach it; destroy() kills it with the namespace.
+            self.delay_lines[h.name] = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT)
+        try:
+            _wait_for_file(stats, lambda d: True, DELAY_READY_TIMEOUT, f"the delay line of {h.name} to open {DELAY_DEV}", proc)
+        except LabError as e:
+            raise LabError(f"{e}; log: {(self.dir / 'delay' / (h.name + '.log')).read_text()[-2000:]}") from None
+        ns = ["ip", "-n", h.netns]
+        subnet = f"10.77.{self.subnet_k}.0/24"
+        mtu = json.loads(sh(*ns, "-j", "link", "show", "eth0"))[0]["mtu"]
+        for key in ("all", "default", "eth0"):  # replies arrive on eth0 from hosts routed via dl0: no reverse-path check
+            sh(*h.exec_prefix(), "sysctl", "-q", "-w", f"net.ipv4.conf.{key}.rp_filter=0")
+        sh(*h.exec_prefix(), "sysctl", "-q", "-w", f"net.ipv6.conf.{DELAY_DEV}.disable_ipv6=1")
+        sh(*ns, "link", "set", DELAY_DEV, "mtu", str(mtu), "up")
+        sh(*ns, "route", "add", subnet, "dev", DELAY_DEV, "src", h.ip, "table", str(DELAY_TABLE))
+        sh(*ns, "route", "add", "throw", f"{self.bridge_ip}/32", "table", str(DELAY_TABLE))  # the lab's own polling: direct
+        sh(*ns, "rule", "add", "pref", "100", "fwmark", hex(_delay_mark()), "lookup", "main")
+        sh(*ns, "rule", "add", "pref", "110", "to", subnet, "lookup", str(DELAY_TABLE))
+
+    def delay_stats(self) -> dict[str, dict]:
+        """Each delay line's counters (daemon/lab/delayline.py), by host; hosts without one are absent."""
+        out = {}
+        for name in self.delay_lines:
+            try:
+                out[name] = json.loads(self.delay_stats_path(name).read_text())
+            except (OSError, ValueError):
+                pass
+        return out
+
+    def measure_rtt(self, pairs: list[tuple[str, str]], probes: int = 10, timeout: float = 2.0) -> dict[tuple[str, str], dict]:
+        """Round-trip times from host a to host b, for each (a, b), measured in parallel: `probes` TCP
+        connects from a to a closed port of b (SYN out, RST back: one round trip, no server needed),
+        after one unmeasured connect. {(a, b): {"median_ms", "min_ms", "max_ms", "probes"}}; a probe
+        lost on a lossy link is left out, and "median_ms" is None when every one was."""
+        procs = {
+            (a, b): subprocess.Popen([*self.hosts[a].exec_prefix(), sys.executable, "-c", _RTT_PROBE, self.hosts[b].ip, str(probes), str(timeout)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for a, b in pairs
+        }  # fmt: skip
+        out = {}
+        for pair, p in procs.items():
+            try:
+                stdout, stderr = p.communicate(timeout=(probes + 1) * timeout + 20)
+                times = json.loads(stdout)
+            except (subprocess.TimeoutExpired, ValueError):
+                p.kill()
+                p.wait()
+                times = []
+            out[pair] = {
+                "median_ms": round(statistics.median(times), 2) if times else None,
+                "min_ms": round(min(times), 2) if times else None,
+                "max_ms": round(max(times), 2) if times else None,
+                "probes": len(times),
+            }
+        return out
 
     def partition(self, sides: list[set[str]]) -> None:
         """Cut every host of one set from every host outside it; hosts in no set form one more side."""
@@ -248,7 +349,59 @@ class Network:
         }  # fmt: skip
 
     def destroy(self) -> list[str]:
-        return destroy(self.id)
+        removed = destroy(self.id)
+        for line in self.delay_lines.values():  # killed with their namespaces: reap them
+            try:
+                line.wait(KILL_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pass
+        return removed
+
+
+_RTT_PROBE = """
+import json, socket, sys, time
+ip, n, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+times = []
+for i in range(n + 1):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    t0 = time.perf_counter()
+    try:
+        s.connect((ip, %d))
+        ok = True
+    except ConnectionRefusedError:
+        ok = True
+    except OSError:
+        ok = False
+    dt = (time.perf_counter() - t0) * 1000
+    s.close()
+    if ok and i:
+        times.append(dt)
+print(json.dumps(times))
+""" % RTT_PORT
+
+
+def _delay_mark() -> int:
+    from daemon.lab.delayline import MARK
+
+    return MARK
+
+
+def _wait_for_file(path: Path, ok, timeout: float, what: str, proc: subprocess.Popen | None = None) -> dict:
+    """Wait until `path` holds JSON for which ok() is true; LabError naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            data = json.loads(path.read_text())
+            if ok(data):
+                return data
+        except (OSError, ValueError):
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise LabError(f"waiting for {what}: it exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise LabError(f"waiting for {what}: nothing after {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 def _free_subnet() -> int:
