@@ -1,21 +1,26 @@
 """One averaging round over shaped links in the network lab: peerd's reliable engine vs gloo vs hivemind.
 
     python -m bench.lab_baselines [--quick] [--mib 64] [--hosts 4] [--rate 100] [--loss 0,1,5,10] [--cc reno,bbr]
+                                  [--rtt-ms 0,50] [--hivemind-loss 0,5] [--budget-min 40]
 
 The hosts are `peerd lab` network namespaces (daemon/lab/netns.py) on one bridge: each link is
 limited to `--rate` Mbit/s in both directions (tbf on both ends of its veth) and drops `--loss` % of
 the packets delivered to the host (nftables, bridge forward hook: a loss on the wire, not a local
 error); every host's TCP uses one congestion control, `--cc` (reno or bbr; cubic cannot be chosen
-inside a namespace here). No latency is added (no netem on this kernel): the RTT is under 1 ms.
-For each (cc, loss), one process per host joins its host's namespace, then:
+inside a namespace here). `--rtt-ms` adds latency: every host's delay line (daemon/lab/delayline.py,
+a userspace TUN device; this kernel has no netem) holds what it sends for rtt/2, so the RTT between
+any two hosts is the setting; it is measured (TCP SYN/RST round trips between neighbour hosts) in
+every cell, and both are in the JSON. Without it (0, the default) the RTT is under 1 ms.
+For each (rtt, cc, loss), one process per host joins its host's namespace, then:
 (1) peerd: peers.collective.GroupAllReduce over TcpTransport bound to the host's address, and
 (2) torch.distributed gloo all_reduce (GLOO_SOCKET_IFNAME=eth0), in the same processes, one round
     of each in turn (which goes first alternates), as bench/engine_allreduce does on loopback;
 (3) hivemind DecentralizedAverager.step() in other processes afterwards (DHT bound to the host's
     address, no UPnP, no AutoNAT; group size fixed to --hosts; its step includes matchmaking).
 Every wait is bounded by --round-timeout (a hung system is reported as failed, not waited for);
-a round's time is its slowest process's; the figure is the median over --rounds rounds. JSON lines:
-one per (cc, loss), the last one the headline: peerd vs gloo, reno, 5 % loss. The lab (namespaces,
+a round's time is its slowest process's; the figure is the median over --rounds rounds. A cell
+that would start after --budget-min minutes of the run is not run, and its line says so
+("skipped": "budget"). JSON lines: one per (rtt, cc, loss), the last one the headline: peerd vs gloo, reno, 5 % loss. The lab (namespaces,
 links, tables, processes) is removed on exit, Ctrl-C or SIGTERM; after a SIGKILL, `peerd lab clean`.
 """
 
@@ -249,11 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per system and setting")
     parser.add_argument("--round-timeout", type=float, default=90.0, help="seconds a round may take before it counts as failed")
     parser.add_argument("--skip-hivemind", action="store_true")
+    parser.add_argument("--hivemind-loss", default=None, help="run hivemind only at these loss settings (%%, comma-separated); default: all")
+    parser.add_argument("--rtt-ms", default="0", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)")
+    parser.add_argument("--budget-min", type=float, default=0.0, help="start no cell after this many minutes (0 = no limit); the rest are reported as skipped")
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.loss, args.cc = 4.0, "0,5", "reno"
     losses = [float(x) for x in args.loss.split(",")]
     ccs = args.cc.split(",")
+    rtts = [float(x) for x in args.rtt_ms.split(",")]
+    if any(not 0 <= r <= 2000 for r in rtts):
+        parser.error("--rtt-ms: each setting must be between 0 and 2000")
+    args.hivemind_losses = None if args.hivemind_loss is None else {float(x) for x in args.hivemind_loss.split(",")}
 
     from daemon.lab.netns import LinkShape, Network, environment_problem
 
@@ -271,53 +283,80 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     numel = int(args.mib * (1 << 20)) // 4
     net = Network()
-    progress(BENCH, f"{args.hosts} hosts at {args.rate:g} Mbit/s, {numel * 4 / (1 << 20):.0f} MiB float32, loss {losses} %, TCP {ccs}, lab {net.name}")
+    progress(BENCH, f"{args.hosts} hosts at {args.rate:g} Mbit/s, {numel * 4 / (1 << 20):.0f} MiB float32, added RTT {rtts} ms, loss {losses} %, TCP {ccs}, lab {net.name}")
     records, started = [], time.monotonic()
     try:
         net.create()
         hosts = [net.add_host(f"h{i}", LinkShape(rate_mbit=args.rate)) for i in range(args.hosts)]
-        for cc in ccs:
-            for h in hosts:
-                net.set_congestion_control(h, cc)
-            for loss in losses:
+        for rtt in rtts:
+            for cc in ccs:
                 for h in hosts:
-                    net.shape(h.name, LinkShape(rate_mbit=args.rate, loss_pct=loss))
-                records.append(measure(args, net, hosts, numel, cc, loss))
+                    net.set_congestion_control(h, cc)
+                for loss in losses:
+                    if args.budget_min and time.monotonic() - started > args.budget_min * 60:
+                        progress(BENCH, f"rtt {rtt:g} ms, {cc}, {loss:g} % loss: skipped, past --budget-min {args.budget_min:g}")
+                        emit(result(BENCH, f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""), None, None, "s",
+                                    cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), added_rtt_ms=rtt, skipped="budget"))  # fmt: skip
+                        continue
+                    for h in hosts:
+                        net.shape(h.name, LinkShape(rate_mbit=args.rate, loss_pct=loss, rtt_ms=rtt))
+                    records.append(measure(args, net, hosts, numel, cc, loss, rtt))
     except KeyboardInterrupt:
         progress(BENCH, "interrupted; every process started here was killed and the lab removed")
         return 130
     finally:
         net.destroy()
+    if not records:
+        return 1
     headline = next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0), records[-1])
-    emit({**headline, "metric": f"round_s_peerd_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct",
+    suffix = f"_rtt{headline['added_rtt_ms']:g}ms" if headline["added_rtt_ms"] else ""
+    emit({**headline, "metric": f"round_s_peerd_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct{suffix}",
           "total_s": round(time.monotonic() - started, 1),
           "note": "headline: seconds of one averaging round, peerd's reliable engine vs gloo; ratio = peerd / gloo "
           "time, < 1 means peerd is faster"})  # fmt: skip
     return 0
 
 
-def measure(args, net, hosts, numel: int, cc: str, loss: float) -> dict:
-    """One (cc, loss) setting: every system, one JSON line."""
-    before, load = net.dropped(), os.getloadavg()[0]
-    progress(BENCH, f"{cc}, {loss:g} % loss: peerd and gloo in turn, {args.rounds} round(s) each")
+def measure(args, net, hosts, numel: int, cc: str, loss: float, rtt: float = 0.0) -> dict:
+    """One (rtt, cc, loss) setting: the measured RTT, then every system; one JSON line."""
+    pairs = [(hosts[i].name, hosts[(i + 1) % len(hosts)].name) for i in range(len(hosts))]
+    rtts = net.measure_rtt(pairs)
+    medians = [m["median_ms"] for m in rtts.values() if m["median_ms"] is not None]
+    measured = round(statistics.median(medians), 2) if medians else None
+    before, load, lines_before = net.dropped(), os.getloadavg()[0], net.delay_stats()
+    where = f"rtt {rtt:g} ms (measured {measured} ms), {cc}, {loss:g} % loss"
+    progress(BENCH, f"{where}: peerd and gloo in turn, {args.rounds} round(s) each")
+    t_cell = time.monotonic()
     duel = run_system("duel", ("peerd", "gloo"), hosts, numel, args.rounds, args.round_timeout)
     p, p_rounds = round_time(duel, "peerd")
     g, g_rounds = round_time(duel, "gloo")
     h, h_rounds = None, []
-    if not args.skip_hivemind:
-        progress(BENCH, f"{cc}, {loss:g} % loss: hivemind, {args.rounds} round(s)")
+    if not args.skip_hivemind and (args.hivemind_losses is None or loss in args.hivemind_losses):
+        progress(BENCH, f"{where}: hivemind, {args.rounds} round(s)")
         h, h_rounds = round_time(run_system("hivemind", ("hivemind",), hosts, numel, args.rounds, args.round_timeout), "hivemind")
-    after = net.dropped()
+    after, lines_after = net.dropped(), net.delay_stats()
+    cell_s = time.monotonic() - t_cell
+
+    def delta(key: str) -> float:
+        return sum(lines_after[n][key] - lines_before.get(n, {}).get(key, 0) for n in lines_after)
+
+    delay = f"{rtt:g} ms added RTT between any two hosts (userspace TUN delay line, {rtt / 2:g} ms on each host's egress; measured {measured} ms median)" if rtt else "no added latency (no netem)"
     record = result(
-        BENCH, f"round_s_{cc}_{loss:g}pct", p, g, "s",
-        cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), bytes=numel * 4, added_rtt_ms=0,
+        BENCH, f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""), p, g, "s",
+        cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), bytes=numel * 4, added_rtt_ms=rtt,
+        measured_rtt_ms=measured, measured_rtt_pairs={f"{a}->{b}": m for (a, b), m in rtts.items()},
+        hivemind_run=not args.skip_hivemind and (args.hivemind_losses is None or loss in args.hivemind_losses),
+        delay_line_packets=int(delta("packets")) if lines_after else None,
+        delay_line_cpu_s=round(delta("cpu_s"), 2) if lines_after else None,
+        delay_line_dropped=int(delta("dropped_overflow") + delta("dropped_send")) if lines_after else None,
+        cell_s=round(cell_s, 1),
         hivemind_s=h, ratio_vs_hivemind=round(p / h, 3) if p and h else None,
         peerd_rounds_s=p_rounds, gloo_rounds_s=g_rounds, hivemind_rounds_s=h_rounds,
         peerd_outcomes=sorted({o for r in duel for o in r["outcomes"]}),
         packets_dropped=sum(after[n]["loss"] - before[n]["loss"] for n in after), cores=os.cpu_count(),
         load_1min_at_start=round(load, 2), load_1min_at_end=round(os.getloadavg()[0], 2), round_timeout_s=args.round_timeout,
         emulated=f"{len(hosts)} network namespaces on one bridge; tbf {args.rate:g} Mbit/s both directions; "
-        f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; no added latency (no netem)",
+        f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; {delay}",
         note="ratio = peerd / gloo round time; < 1 means peerd is faster; None = failed or timed out",
     )  # fmt: skip
     emit(record)
