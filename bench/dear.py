@@ -1,6 +1,7 @@
 """Iteration time of DeAR against its baselines, on gloo or peerd's engine among processes on 127.0.0.1.
 
     python -m bench.dear [--quick] [--backend gloo|peerd] [--world 2] [--width 1024] [--depth 8] [--rounds 7] [--steps 8]
+    python -m bench.dear --lab [--rate-mbit 400] ...     # root: in a network lab, over real rate-limited links
 
 Every process trains the same MLP (`depth` square Linear layers of `width`, ReLU, MSE on fixed
 random data, SGD with momentum) under each schedule of peers/dear in turn, in rounds (the order
@@ -34,11 +35,21 @@ compute is not free; the output says how many cores there were and how loaded, a
 time between the two bounds measured in the same rounds (compute_only + comm_only one after the
 other, and their max). Every process is killed when the run ends or fails, and by the kernel if
 this parent dies.
+
+`--lab` (root; instead of the two runs above): one run in a network lab (daemon/lab/netns.py):
+each rank runs in its own lab host (a network namespace on the lab's bridge), its veth limited to
+`--rate-mbit` by a real tbf at both ends, and the group (gloo, or the engine) talks over those
+links, not loopback (lines prefixed `lab_`; the last, DeAR against (b), is the headline). The batch
+is sized from the measured communication over the shaped link as above, so compute about equals
+communication. The wire's time is then really off the CPU (packets wait in tbf's queue), but the
+TCP stack's copies, the backend's threads and the sums still run on the cores beside compute. The
+lab is destroyed when the run ends or fails (`peerd lab clean` finds it after a SIGKILL).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import math
 import multiprocessing as mp
@@ -52,16 +63,18 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from bench.common import emit, progress, result
 
 BENCH = "dear"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+CLONE_NEWNET = 0x40000000  # linux/sched.h
 CALIBRATION_BATCH = 64
 EMULATED_SLOWDOWN = 5  # the emulated link's all-reduce takes this many times loopback's
 MODES = ("dear", "after_backward", "ddp25", "dear_nofusion", "torch_ddp", "compute_only", "comm_only")
 BACKENDS = ("gloo", "peerd")
+LAB_RATE_MBIT = 400.0  # --lab default: 33.6 MB of gradients take about 1.2 s per step over gloo (half the nominal rate: TCP through two tbfs)
 
 
 # ---- a group of real processes on loopback (also used by tests/test_dear.py) ---------------------
@@ -69,11 +82,15 @@ BACKENDS = ("gloo", "peerd")
 
 def run_group(
     target: Callable[..., Any], world: int, *args: Any, timeout: float, op_timeout: float, wait_for: Iterable[int] | None = None,
+    hosts: Sequence[Any] | None = None,
 ) -> list[tuple[str, Any]]:  # fmt: skip
     """Run target(rank, world, *args) in `world` spawned processes joined in a gloo group.
 
     The group binds to 127.0.0.1 only (GLOO_SOCKET_IFNAME=lo), rendezvous through a FileStore in a
-    fresh temp dir; `op_timeout` is the group's timeout (what one collective op may take). Returns,
+    fresh temp dir; `op_timeout` is the group's timeout (what one collective op may take). With
+    `hosts` (lab hosts of daemon/lab/netns.py, one per rank), rank r first enters hosts[r]'s network
+    namespace and the group binds to its eth0 instead, so every byte between ranks crosses the lab's
+    shaped links (`lab_hosts` below builds them); make_collective then listens on the host's address. Returns,
     once every rank in `wait_for` (default: all) reported or ended, per rank ("ok", value),
     ("error", traceback), ("exited", exit code) for a process that ended without reporting, or
     ("killed", None) for one still running then. Raises TimeoutError after `timeout` seconds.
@@ -85,7 +102,8 @@ def run_group(
         for rank in range(world):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_entry, args=(target, rank, world, f"{scratch}/store", op_timeout, args, child), name=f"dear-rank{rank}", daemon=True
+                target=_entry, name=f"dear-rank{rank}", daemon=True,
+                args=(target, rank, world, f"{scratch}/store", op_timeout, args, child, hosts[rank].netns if hosts else None),
             )
             proc.start()
             child.close()
@@ -115,9 +133,16 @@ def run_group(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _entry(target, rank, world, store_path, op_timeout, args, conn) -> None:
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the parent
+def _entry(target, rank, world, store_path, op_timeout, args, conn, netns=None) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # never outlive the parent
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # bind to 127.0.0.1 only
+    if netns is not None:  # before any thread or socket: both inherit the namespace of the thread that makes them
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {netns} failed")
+        os.close(fd)
+        os.environ["GLOO_SOCKET_IFNAME"] = "eth0"  # the lab link, shaped at both ends
     import torch
     import torch.distributed as dist
 
@@ -133,7 +158,8 @@ def _entry(target, rank, world, store_path, op_timeout, args, conn) -> None:
 
 def make_collective(backend: str, timeout: float, min_seconds: Callable[[int], float] | None = None):
     """This rank's DeAR collective, in a run_group process: gloo's, or peerd's engine (its members
-    listen on 127.0.0.1, ports from the OS, and learn each other's addresses over the gloo group)."""
+    listen on 127.0.0.1, or on their lab host's eth0 address, ports from the OS, and learn each
+    other's addresses over the gloo group)."""
     import torch.distributed as dist
 
     if backend == "gloo":
@@ -142,11 +168,52 @@ def make_collective(backend: str, timeout: float, min_seconds: Callable[[int], f
         return GlooCollective(timeout=timeout, min_seconds=min_seconds)
     from peers.dear.engine import EngineCollective
 
-    collective = EngineCollective(rank=dist.get_rank(), world=dist.get_world_size(), timeout=timeout, min_seconds=min_seconds)
+    host = _eth0_address() if os.environ.get("GLOO_SOCKET_IFNAME") == "eth0" else "127.0.0.1"
+    collective = EngineCollective(rank=dist.get_rank(), world=dist.get_world_size(), timeout=timeout, min_seconds=min_seconds, host=host)
     addresses: list[str | None] = [None] * collective.world
     dist.all_gather_object(addresses, collective.start())
     collective.join(addresses)
     return collective
+
+
+def _eth0_address() -> str:
+    """This namespace's eth0 IPv4 address (a lab host's)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", b"eth0"))  # SIOCGIFADDR
+    return socket.inet_ntoa(packed[20:24])
+
+
+@contextlib.contextmanager
+def lab_hosts(world: int, rate_mbit: float) -> Iterator[Any]:
+    """A network lab (daemon/lab/netns.py) of `world` hosts r0, r1, ... on one bridge, each link
+    rate-limited to `rate_mbit` by tbf at both ends; yields the Network (`.hosts`, `.shape(name,
+    LinkShape)`). Destroyed on exit however the block ends (processes in its namespaces killed
+    first); a lab left by a SIGKILL of this process is removed by `peerd lab clean`."""
+    from daemon.lab import netns
+
+    problem = netns.environment_problem()
+    if problem:
+        raise SystemExit(f"--lab: {problem}")
+    net = netns.Network()
+    try:
+        net.create()
+        for r in range(world):
+            net.add_host(f"r{r}", netns.LinkShape(rate_mbit=rate_mbit))
+        yield net
+    finally:
+        net.destroy()
+
+
+def reshape_all(net: Any, rate_mbit: float) -> None:
+    """Every host's link to `rate_mbit` (both ends), through the lab's public API."""
+    from daemon.lab import netns
+
+    for name in list(net.hosts):
+        net.shape(name, netns.LinkShape(rate_mbit=rate_mbit))
 
 
 # ---- the benchmark (one process per rank) ----------------------------------------------------------
@@ -191,7 +258,7 @@ def _slowest(seconds: float) -> float:
 
 
 def _bench_rank(
-    rank: int, world: int, width: int, depth: int, rounds: int, steps: int, op_timeout: float, emulate: bool, backend: str,
+    rank: int, world: int, width: int, depth: int, rounds: int, steps: int, op_timeout: float, link: str, backend: str,
 ) -> dict:  # fmt: skip
     import torch
     import torch.distributed as dist
@@ -225,6 +292,7 @@ def _bench_rank(
     collective = make_collective(backend, op_timeout)
     comm = _slowest(_median_time(all_reduce, 3))
     rate = pace = None
+    emulate = link == "emulated"
     if emulate:  # a link EMULATED_SLOWDOWN times slower than loopback: the copies' CPU is a small part of its time
         collective.close()
         comm *= EMULATED_SLOWDOWN
@@ -304,16 +372,23 @@ def _bench_rank(
     }
 
 
-def _variant(args: argparse.Namespace, emulate: bool) -> None:
-    """One group of processes through every mode; prints its results, DeAR against (b) last."""
+def _variant(args: argparse.Namespace, link: str) -> None:
+    """One group of processes through every mode; prints its results, DeAR against (b) last.
+    link: "loopback", "emulated" (ops paced by sleeping) or "lab" (each rank in a lab host, links
+    rate-limited by tbf to args.rate_mbit)."""
     op_timeout = 120.0
+    emulate = link == "emulated"
     load0, started = os.getloadavg()[0], time.monotonic()
-    link = f"an emulated link {EMULATED_SLOWDOWN}x slower than loopback" if emulate else "loopback"
-    progress(BENCH, f"{link}, {args.backend}: {args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode")
-    reports = run_group(
-        _bench_rank, args.world, args.width, args.depth, args.rounds, args.steps, op_timeout, emulate, args.backend,
-        timeout=120 + args.rounds * 300, op_timeout=op_timeout,
-    )  # fmt: skip
+    what = {
+        "emulated": f"an emulated link {EMULATED_SLOWDOWN}x slower than loopback",
+        "lab": f"lab hosts, links shaped to {args.rate_mbit:g} Mbit/s by tbf",
+    }.get(link, "loopback")
+    progress(BENCH, f"{what}, {args.backend}: {args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode")
+    with lab_hosts(args.world, args.rate_mbit) if link == "lab" else contextlib.nullcontext() as net:
+        reports = run_group(
+            _bench_rank, args.world, args.width, args.depth, args.rounds, args.steps, op_timeout, link, args.backend,
+            timeout=120 + args.rounds * 300, op_timeout=op_timeout, hosts=list(net.hosts.values()) if net else None,
+        )  # fmt: skip
     for rank, (status, value) in enumerate(reports):
         if status != "ok":
             raise SystemExit(f"rank {rank}: {status}: {value}")
@@ -330,10 +405,14 @@ def _variant(args: argparse.Namespace, emulate: bool) -> None:
         "wire / that rate, the backend sleeping the rest: the wire's time is off the CPU, but the bytes are still copied "
         "over loopback by the cores)"
         if emulate
+        else f"a network lab: each rank in its own network namespace, its veth rate-limited to {args.rate_mbit:g} Mbit/s "
+        "by tbf at both ends (real TCP over the lab bridge; GSO capped at one MTU, as the lab does)"
+        if link == "lab"
         else "loopback"
     )
     common = {
-        "link": "emulated" if emulate else "loopback",
+        "link": link,
+        **({"rate_mbit": args.rate_mbit} if link == "lab" else {}),
         "backend": args.backend,
         "n": args.world,
         "params": report["params"],
@@ -358,7 +437,7 @@ def _variant(args: argparse.Namespace, emulate: bool) -> None:
             "communication still takes the cores from compute. Other jobs shared the machine (load above)."
         ),
     }
-    prefix = "emulated_link_" if emulate else ""
+    prefix = {"emulated": "emulated_link_", "lab": "lab_"}.get(link, "")
     emit(result(BENCH, f"{prefix}compute_vs_comm_seconds_per_step", round(compute, 4), round(comm, 4), "s", **common))
     if "comm_only_gloo" in median:
         emit(result(BENCH, f"{prefix}comm_seconds_peerd_vs_gloo", round(comm, 4), round(median["comm_only_gloo"], 4), "s", **common))
@@ -382,12 +461,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="steps per mode per round")
     parser.add_argument("--skip-emulated", action="store_true", help="only the loopback run")
+    parser.add_argument("--lab", action="store_true", help="only a run in a network lab (root): ranks in namespaces, tbf-shaped links")
+    parser.add_argument("--rate-mbit", type=float, default=LAB_RATE_MBIT, help="--lab: each host's link rate (both directions)")
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.rounds, args.steps = 256, 4, 2, 3
+    if args.lab:
+        _variant(args, "lab")  # its last line, DeAR against (b) over the shaped links, is the headline
+        return
     if not args.skip_emulated:
-        _variant(args, emulate=True)
-    _variant(args, emulate=False)  # the headline, DeAR against (b) on plain loopback, comes last
+        _variant(args, "emulated")
+    _variant(args, "loopback")  # the headline, DeAR against (b) on plain loopback, comes last
 
 
 if __name__ == "__main__":
