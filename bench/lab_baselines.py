@@ -348,7 +348,7 @@ def measure(args, net, hosts, numel: int, cc: str, loss: float, rtt: float = 0.0
         hivemind_run=not args.skip_hivemind and (args.hivemind_losses is None or loss in args.hivemind_losses),
         delay_line_packets=int(delta("packets")) if lines_after else None,
         delay_line_cpu_s=round(delta("cpu_s"), 2) if lines_after else None,
-        delay_line_dropped=int(delta("dropped_overflow") + delta("dropped_send")) if lines_after else None,
+        delay_line_dropped=int(delta("dropped_overflow") + delta("dropped_send") + delta("tun_dropped")) if lines_after else None,
         cell_s=round(cell_s, 1),
         hivemind_s=h, ratio_vs_hivemind=round(p / h, 3) if p and h else None,
         peerd_rounds_s=p_rounds, gloo_rounds_s=g_rounds, hivemind_rounds_s=h_rounds,
