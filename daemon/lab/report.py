@@ -10,16 +10,40 @@ For each join or fault:
   partition, took a training step.
 Times count from the moment the lab acted: for a join or restart, from the spawn of the new daemon,
 so its start-up is included (ready_s: until it first answered).
+
+Added latency is reported as set and as measured (TCP SYN/RST round trips from each host to the
+next one of the scenario when the lab was built, and after a link fault that set rtt_ms); the
+report never states an RTT it did not measure.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from daemon.lab.runner import Event, Record, Sample
 
-NO_LATENCY = "none (no netem)"
+DELAY_LINE = "userspace TUN delay line"
+
+
+def added_rtt(record: Record) -> str:
+    """One line: the added RTT as set, how it was made, and as measured when the lab was built."""
+    s = record.scenario
+    sets = {h.name: h.link.rtt_ms for h in s.hosts}
+    later = any("rtt_ms" in f.link for f in s.faults)
+    medians = [m["median_ms"] for m in record.rtt.values() if m.get("median_ms") is not None]
+    measured = f"measured {statistics.median(medians):.1f} ms median" if medians else "not measured"
+    if len(medians) > 1:
+        measured += f", {min(medians):.1f}-{max(medians):.1f} over {len(medians)} host pairs"
+    if not any(sets.values()):
+        text = f"none ({measured})" if medians else "none"
+    elif len(set(sets.values())) == 1:
+        text = f"{next(iter(sets.values())):g} ms ({DELAY_LINE}, {measured})"
+    else:
+        each = ", ".join(f"{n} {v:g}" for n, v in sets.items())
+        text = f"per host ({each} ms; between two hosts the mean of theirs), {DELAY_LINE}, {measured}"
+    return text + ("; changed by link faults (see the events)" if later else "")
 
 
 def build(record: Record) -> dict[str, Any]:
@@ -41,7 +65,9 @@ def build(record: Record) -> dict[str, Any]:
         "startup_s": round(record.started_at, 2),
         "duration_s": round(record.duration, 2),
         "congestion_control": record.congestion_control,
-        "added_rtt": NO_LATENCY,
+        "added_rtt": added_rtt(record),
+        "rtt_model": f"{DELAY_LINE}: a host with rtt_ms holds what it sends to other hosts for rtt_ms / 2; "
+        "RTT between two hosts = the mean of their rtt_ms (docs/lab.md)",
         "loss_model": "random drop of packets delivered to a host (nftables numgen in the bridge's forward hook)",
         "hosts": hosts,
         "faults": faults,
@@ -94,6 +120,9 @@ def _host(record: Record, name: str, samples: list[Sample]) -> dict[str, Any]:
         "lost_packets_partition": dropped.get("cut", 0),
         "tcp_retransmitted_segments": link.get("tcp_retransmitted_segments"),
         "congestion_control": record.congestion_control.get(name),
+        "rtt_ms": record.scenario.host(name).link.rtt_ms,
+        "measured_rtt": record.rtt.get(name),  # to the next host, when the lab was built
+        "delay_line": record.delay_lines.get(name),
         "checkpoint_steps": record.checkpoints.get(name, {}).get("steps", []),
         "step_regressions": regressions,
     }
@@ -126,6 +155,7 @@ def _fault(record: Record, e: Event, by_host: dict[str, list[Sample]]) -> dict[s
         "resumed_s": _slowest({p: _first(by_host[p], e.t, want) for p, want in resumed.items()}, e.t),
         "ready_s": _slowest({n: _first(by_host[n], e.t, lambda s: True) for n in targets}, e.t)
         if f.action in ("join", "restart") else None,
+        "measured_rtt": e.rtt or None,
     }
 
 
@@ -177,16 +207,17 @@ def table(report: dict[str, Any]) -> str:
             _mb(h["engine_sent_bytes"]), _mb(h["engine_received_bytes"]), _mb(h["state_sync_bytes"]),
             f"{_mb(h['link_tx_bytes'])}/{_mb(h['link_rx_bytes'])}",
             f"{h['lost_packets_random']}+{h['lost_packets_partition']}", _v(h["tcp_retransmitted_segments"]),
+            _rtt(h["measured_rtt"]),
         )
         for name, h in report["hosts"].items()
     ]  # fmt: skip
     header = ("HOST", "STATE", "RUNS", "STEP", "LOCAL", "LOSS", "EVAL", "ROUNDS C/P/A/N", "SENT MB", "RECV MB",
-              "SYNC MB", "LINK TX/RX MB", "DROPPED RND+CUT", "TCP RETRANS")  # fmt: skip
+              "SYNC MB", "LINK TX/RX MB", "DROPPED RND+CUT", "TCP RETRANS", "RTT MS (SET)")  # fmt: skip
     lines += _columns(header, rows)
     if report["faults"]:
         lines.append("")
         rows = [
-            (f"{f['t']:.1f}", f["what"], _v(f["ready_s"], "{:.1f} s", ""), _v(f["noticed_s"], "{:.1f} s", "-"),
+            (f"{f['t']:.1f}", f["what"] + "".join(f"; RTT {n}: {_rtt(m)}" for n, m in (f.get("measured_rtt") or {}).items()), _v(f["ready_s"], "{:.1f} s", ""), _v(f["noticed_s"], "{:.1f} s", "-"),
              _v(f["resumed_s"], "{:.1f} s", "not within the run"))
             for f in report["faults"]
         ]  # fmt: skip
@@ -205,6 +236,14 @@ def table(report: dict[str, Any]) -> str:
     )
     lines += [f"  {x}" for x in lost]
     return "\n".join(lines)
+
+
+def _rtt(m: dict | None) -> str:
+    """Measured RTT to the next host, and what the settings give: "50.6 to b (50)"."""
+    if not m:
+        return "-"
+    got = "lost" if m["median_ms"] is None else f"{m['median_ms']:.1f}"
+    return f"{got} to {m['to']} ({m['set_ms']:g})"
 
 
 def _v(value, fmt: str = "{}", none: str = "-") -> str:

@@ -33,6 +33,8 @@ from daemon.procs import DaemonFailed, LocalDaemon
 POLL_INTERVAL = 0.5  # seconds between two polls of every live daemon; the resolution of fault timings
 POLL_TIMEOUT = 2.0  # seconds for one status, peers or /metrics request to a live daemon
 STOP_TIMEOUT = 20.0  # seconds from SIGTERM to every daemon until the stragglers are killed
+RTT_PROBES = 10  # TCP SYN/RST round trips per host measured when the lab is built and after an rtt_ms change
+RTT_PROBE_TIMEOUT = 60.0  # seconds the end of a run waits for a measurement still under way
 # Fast discovery, so that faults are noticed within seconds; a scenario's [run] args override them.
 # The DHT timeout stays below the peer TTL: with the default 5 s, one frozen DHT node stalls every
 # refresh past the 4 s TTL and the others drop each other, not only the frozen peer (seen here).
@@ -69,6 +71,7 @@ class Event:
     fault: Fault
     running: frozenset[str]  # hosts whose daemon runs and is not frozen
     side: dict[str, int]  # partition side of each host (all 0 when healed)
+    rtt: dict[str, dict] = field(default_factory=dict)  # a link fault that set rtt_ms: RTT measured after it, by host
 
 
 @dataclass(slots=True)
@@ -85,6 +88,8 @@ class Record:
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)
     link_stats: dict[str, dict[str, int]] = field(default_factory=dict)
     checkpoints: dict[str, dict] = field(default_factory=dict)
+    rtt: dict[str, dict] = field(default_factory=dict)  # host: RTT measured to its neighbour when the lab was built
+    delay_lines: dict[str, dict] = field(default_factory=dict)  # host: its delay line's counters at the end
     started_at: float = 0.0  # seconds from the lab's start to the schedule's start (hosts training)
     duration: float = 0.0
 
@@ -181,6 +186,7 @@ class Lab:
         self.daemons: dict[str, LocalDaemon] = {}
         self.state: dict[str, str] = {h.name: "not started" for h in scenario.hosts}
         self.t0 = 0.0
+        self.probes: list[threading.Thread] = []  # RTT measurements after link faults, joined at the end
 
     def run(self) -> Record:
         collector = None
@@ -206,6 +212,9 @@ class Lab:
             self.record.duration = time.monotonic() - self.t0
             self.record.dropped = self.net.dropped()
             self.record.link_stats = {name: self.net.link_stats(name) for name in self.net.hosts}
+            for t in self.probes:
+                t.join(RTT_PROBE_TIMEOUT)
+            self.record.delay_lines = self.net.delay_stats()
             self._stop_all()
             self._check_checkpoints()
             return self.record
@@ -226,6 +235,21 @@ class Lab:
         for h in self.s.hosts:
             host = self.net.add_host(h.name, h.link, self.s.congestion_control)
             self.record.congestion_control[h.name] = self.net.congestion_control(host)
+        self.record.rtt = self._measure_rtt([h.name for h in self.s.hosts])
+        delayed = {n: m for n, m in self.record.rtt.items() if self.s.host(n).link.rtt_ms or self.s.host(m["to"]).link.rtt_ms}
+        if delayed:
+            self.progress("RTT measured: " + ", ".join(f"{n}->{m['to']} {m['median_ms']} ms (set {m['set_ms']:g})" for n, m in delayed.items()))
+
+    def _measure_rtt(self, names: list[str]) -> dict[str, dict]:
+        """Each named host's RTT to the next host of the scenario (a ring), measured now, with what
+        the settings give: {host: {"to", "set_ms", "median_ms", "min_ms", "max_ms", "probes"}}."""
+        order = [h.name for h in self.s.hosts]
+        if len(order) < 2:
+            return {}
+        pairs = [(n, order[(order.index(n) + 1) % len(order)]) for n in names]
+        shapes = {n: h.shape for n, h in self.net.hosts.items()}
+        measured = self.net.measure_rtt(pairs, probes=RTT_PROBES)
+        return {a: {"to": b, "set_ms": (shapes[a].rtt_ms + shapes[b].rtt_ms) / 2, **measured[(a, b)]} for a, b in pairs}
 
     def _data_dir(self, name: str) -> Path:
         return self.net.dir / "hosts" / name
@@ -311,7 +335,12 @@ class Lab:
             self.net.heal()
         running = frozenset(n for n, s in self.state.items() if s == "running")
         side = {n: self.net.side.get(n, 0) for n in self.state}
-        self.record.events.append(Event(time.monotonic() - self.t0, f, running, side))
+        event = Event(time.monotonic() - self.t0, f, running, side)
+        self.record.events.append(event)
+        if f.action == "link" and "rtt_ms" in f.link:  # measured aside: the schedule keeps its times
+            probe = threading.Thread(target=lambda: event.rtt.update(self._measure_rtt(list(f.hosts))), name="lab-rtt", daemon=True)
+            probe.start()
+            self.probes.append(probe)
 
     # ---- the end ----------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@
     loss_pct = 0.0                  # share of the packets delivered to the host that are dropped
     loss_protocol = "all"           # all, tcp or udp
     loss_ports = []                 # only packets from or to these ports
-    rtt_ms = 0                      # must be 0: no added latency (no netem here, no delay line yet)
+    rtt_ms = 0                      # 0-2000: added round-trip time (userspace delay line; see docs/lab.md)
 
     [[host]]
     name = "a"
@@ -30,7 +30,7 @@
     at = 20.0
     action = "kill"                 # kill, freeze, thaw, restart, partition, heal or link
     hosts = ["b"]                   # kill/freeze/thaw/restart/link: these; partition: one side
-    loss_pct = 10.0                 # link only: any [link] key except rtt_ms
+    loss_pct = 10.0                 # link only: any [link] key, rtt_ms included
 
 Errors are ScenarioError with one line naming the file, the table and the key.
 """
@@ -50,7 +50,7 @@ ACTIONS = ("kill", "freeze", "thaw", "restart", "partition", "heal", "link")
 HOST_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,15}")
 CONGESTION_CONTROLS = ("reno", "bbr", "cubic")
 MAX_HOSTS = 64  # each host is a daemon with its p2pd: a machine runs out of cores long before addresses
-NO_LATENCY = "added latency is not available: this kernel has no netem and peerd lab has no delay line yet (set rtt_ms = 0)"
+MAX_RTT_MS = 2000.0  # a host's rtt_ms: its delay line holds packets for rtt_ms / 2 (docs/lab.md)
 
 
 class ScenarioError(ValueError):
@@ -170,10 +170,10 @@ def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
             raise ScenarioError(f"[[fault]] {i}: heal takes no hosts (it removes the partition)")
         if action != "heal" and not names:
             raise ScenarioError(f"[[fault]] {i} ({action}): name the hosts it applies to (hosts = [...])")
-        shape = _link(t, LinkShape())  # checks the values, and refuses rtt_ms > 0
-        changes = {k: getattr(shape, k) for k in _LINK_KEYS if k in raw and k != "rtt_ms"}
+        shape = _link(t, LinkShape())  # checks the values
+        changes = {k: getattr(shape, k) for k in _LINK_KEYS if k in raw}
         if action == "link" and not changes:
-            raise ScenarioError(f"[[fault]] {i}: a link fault changes at least one of rate_mbit, loss_pct, loss_protocol, loss_ports")
+            raise ScenarioError(f"[[fault]] {i}: a link fault changes at least one of {', '.join(_LINK_KEYS)}")
         if action != "link" and any(k in raw for k in _LINK_KEYS):
             raise ScenarioError(f"[[fault]] {i} ({action}): link keys belong to action = \"link\"")
         faults.append(Fault(at=at, action=action, hosts=names, link=changes))
@@ -233,16 +233,19 @@ def _run(t: "_Table") -> RunSpec:
 
 
 def _link(t: "_Table", base: LinkShape) -> LinkShape:
-    rtt = t.number("rtt_ms", 0.0)
-    if rtt != 0:
-        raise ScenarioError(f"{t.where}: rtt_ms = {rtt}: {NO_LATENCY}")
     shape = replace(
         base,
         rate_mbit=t.number("rate_mbit", base.rate_mbit),
         loss_pct=t.number("loss_pct", base.loss_pct),
         loss_protocol=t.text("loss_protocol", base.loss_protocol),
         loss_ports=tuple(t.integers("loss_ports", list(base.loss_ports))),
+        rtt_ms=t.number("rtt_ms", base.rtt_ms),
     )
+    if not 0 <= shape.rtt_ms <= MAX_RTT_MS:
+        raise ScenarioError(
+            f"{t.where}: rtt_ms = {shape.rtt_ms:g} must be between 0 and {MAX_RTT_MS:g} ms "
+            "(the added round-trip time; each host's delay line holds what it sends for rtt_ms / 2)"
+        )
     if shape.rate_mbit < 0:
         raise ScenarioError(f"{t.where}: rate_mbit must be >= 0 (0 = unlimited)")
     if not 0 <= shape.loss_pct <= 100:
