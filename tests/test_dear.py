@@ -217,6 +217,32 @@ def test_tuner_converges_and_reconverges_after_the_link_rate_changes():
     assert not tuner.decide(slower, tuner.propose(model)[0]).replan
 
 
+def test_tuner_with_latency_probes_settles_on_a_link_whose_cost_per_byte_grows():
+    """TCP through a shallow rate limiter: a bigger transfer costs more per byte (measured in the lab,
+    bench/dear_tuner.py). With alpha from the probes and beta the cost at the plan's own size, the
+    group's re-plans settle at the size that is optimal for the cost it sees there, instead of
+    flapping; and equal buckets are enough once alpha is known."""
+    model, alpha, beta0, knee = 4 << 20, 500e-6, 1 / 20e6, 128 * KIB
+    cost = lambda b: alpha + beta0 * b * (1 + b / knee)  # noqa: E731
+    tuner, rng, size, plans = FusionTuner(), random.Random(3), float(1 << 20), []
+    for _ in range(30):  # retunes, 4 steps apart
+        for _ in range(4):
+            for b in [int(size)] * int(model // size) * 2:  # every bucket's two halves (equal sizes)
+                tuner.observe(b, cost(b) * rng.uniform(0.95, 1.05))
+        for _ in range(6):
+            tuner.observe_latency(alpha * rng.uniform(0.9, 1.1))
+        decision = tuner.decide(size, tuner.propose(model)[0])
+        size = decision.bucket_bytes
+        plans.append(size)
+    fixed = 64 * KIB  # b with b = sqrt(M alpha / (2 beta(b))), beta(b) = beta0 (1 + b / knee): bisection
+    lo, hi = 1.0, float(model)
+    for _ in range(100):
+        fixed = (lo + hi) / 2
+        lo, hi = (fixed, hi) if fixed * fixed * (1 + fixed / knee) < model * alpha / (2 * beta0) else (lo, fixed)
+    assert len(set(plans[10:])) == 1, plans  # settled: no re-plan in the last 20 retunes
+    assert plans[-1] == pytest.approx(fixed, rel=0.25), (plans, fixed)
+
+
 def test_tuner_needs_varied_sizes_and_stays_in_bounds():
     tuner = FusionTuner(TunerSettings(min_bytes=64 * KIB, max_bytes=8 << 20, min_buckets=4))
     for _ in range(50):

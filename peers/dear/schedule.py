@@ -261,8 +261,8 @@ class DeAR:
         self._wait(self._call(self.collective.all_gather, self._call(self.collective.reduce_scatter, flat)), None)
 
     def _probe_latency(self, repeats: int = 4) -> None:
-        """Time all-reduces of a few bytes, which are all latency: they anchor the tuner's alpha even
-        when every bucket has the same size. An op's time includes waiting for the last rank to join
+        """Time all-reduces of a few bytes, which are all latency: the tuner takes alpha from them
+        (tuner.py), which also separates it from beta when every bucket has the same size. An op's time includes waiting for the last rank to join
         it, so they are queued back to back and the first is not observed: each later one starts
         when every rank finished the one before."""
         handles = []
@@ -271,7 +271,7 @@ class DeAR:
             handles += [rs, self._call(self.collective.all_gather, rs)]
         self._wait(handles[-1], None)
         for h in handles[2:]:
-            self.tuner.observe(h.nbytes, h.seconds)
+            self.tuner.observe_latency(h.seconds)
 
     def _finish(self, ledger: StepLedger) -> None:
         self.last = ledger.stats()

@@ -2,15 +2,25 @@
 
     tuner = FusionTuner()
     tuner.observe(nbytes, seconds)            # every finished bucket transfer (both halves)
+    tuner.observe_latency(seconds)            # an op of a few bytes: all startup latency (DeAR.retune's probes)
     size, reason = tuner.propose(model_bytes) # None while the fit is not trustworthy
     decision = tuner.decide(current, agreed)  # re-plan or keep, with the reason
 
-**Model.** A transfer of b bytes takes t = alpha + beta * b. alpha and beta come from weighted least
-squares over the observations, each observation's weight halving every `half_life` newer ones
-(exponential forgetting), so the fit follows a link whose rate changes. The two are separable only
-if the observed sizes differ (a plan's buckets do: parameters are never split, the last bucket is a
-remainder); with less spread than `min_spread` (coefficient of variation), or too little weight, or
-beta <= 0, there is no proposal and the plan stays as it is.
+**Model.** A transfer of b bytes takes t = alpha + beta * b. Each observation's weight halves every
+`half_life` newer ones (exponential forgetting), so the fit follows a link whose rate changes.
+* With latency probes (ops of a few bytes, `observe_latency`; at least `min_probe_weight` of them,
+  forgotten every `probe_half_life`): alpha is their weighted mean, and beta the least-squares slope
+  of the bucket transfers through that intercept, i.e. about (t - alpha) / b at the sizes the plan
+  uses. On a link whose cost per byte grows with the transfer (TCP through a shallow rate limiter:
+  bigger bursts meet drops), that is the cost at the current size, so bigger buckets see a higher
+  beta and propose smaller ones, and the other way round: re-planning converges. A free intercept
+  does not: measured in the lab (bench/dear_tuner.py), the local slope among near-equal buckets put
+  the intercept below 0 at large buckets and above the probes at small ones, and the plan flapped
+  between the bounds and three times the minimum.
+* Without probes: weighted least squares over the bucket transfers, both alpha and beta. The two
+  are separable only if the observed sizes differ (a plan's buckets do: parameters are never split,
+  the last bucket is a remainder); with less spread than `min_spread` (coefficient of variation).
+Too little weight, or beta <= 0: no proposal, and the plan stays as it is.
 
 **Rule.** With buckets of b bytes, a step of M model bytes pays alpha for each of its M/b buckets,
 and the transfers that cannot overlap any compute (the last bucket's reduce-scatter after backward,
@@ -42,6 +52,8 @@ class TunerSettings:
     half_life: float = 64.0  # observations after which an observation counts half
     min_weight: float = 8.0  # effective observations needed before a proposal
     min_spread: float = 0.05  # coefficient of variation of observed sizes needed to separate alpha from beta
+    probe_half_life: float = 12.0  # latency probes after which a probe counts half
+    min_probe_weight: float = 2.0  # effective probes needed to take alpha from them
     min_bytes: int = 64 * KIB  # smallest bucket proposed
     max_bytes: int = 64 * KIB * KIB  # largest bucket proposed
     min_buckets: int = 4  # a proposal leaves the model at least this many buckets (above min_bytes)
@@ -50,6 +62,8 @@ class TunerSettings:
     def __post_init__(self) -> None:
         if not (self.half_life > 0 and self.min_weight > 0 and self.min_spread >= 0 and self.hysteresis >= 0):
             raise ValueError("half_life and min_weight must be positive, min_spread and hysteresis >= 0")
+        if not (self.probe_half_life > 0 and self.min_probe_weight > 0):
+            raise ValueError("probe_half_life and min_probe_weight must be positive")
         if not 0 < self.min_bytes <= self.max_bytes or self.min_buckets < 1:
             raise ValueError("need 0 < min_bytes <= max_bytes and min_buckets >= 1")
 
@@ -79,6 +93,8 @@ class FusionTuner:
         self.settings = settings or TunerSettings()
         self._decay = 0.5 ** (1.0 / self.settings.half_life)
         self._s = [0.0] * 5  # weighted sums of 1, x, y, x*x, x*y (x: bytes, y: seconds)
+        self._probe_decay = 0.5 ** (1.0 / self.settings.probe_half_life)
+        self._p = [0.0, 0.0]  # weighted sums of 1 and y over latency probes
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or not math.isfinite(seconds) or seconds < 0:
@@ -86,11 +102,23 @@ class FusionTuner:
         x, y = float(nbytes), float(seconds)
         self._s = [v * self._decay + d for v, d in zip(self._s, (1.0, x, y, x * x, x * y))]
 
+    def observe_latency(self, seconds: float) -> None:
+        """An op of a few bytes: its time is all startup latency."""
+        if math.isfinite(seconds) and seconds >= 0:
+            self._p = [v * self._probe_decay + d for v, d in zip(self._p, (1.0, float(seconds)))]
+
     def fit(self) -> tuple[Fit | None, str]:
         """The current fit, or None and why not."""
         w, sx, sy, sxx, sxy = self._s
         if w < self.settings.min_weight:
             return None, f"{w:.1f} observations, need {self.settings.min_weight:g}"
+        pw, psy = self._p
+        if pw >= self.settings.min_probe_weight:
+            alpha = psy / pw
+            beta = (sxy - alpha * sx) / sxx  # least squares through (0, alpha)
+            if beta <= 0:
+                return None, f"fitted per-byte cost {beta:.3g} s/B is not positive"
+            return Fit(alpha, beta, w), f"alpha {alpha * 1e6:.0f} us (probes), {1e-6 / beta:.0f} MB/s over {w:.0f} observations"
         mean_x = sx / w
         var_x = max(0.0, sxx / w - mean_x * mean_x)
         if var_x < (self.settings.min_spread * mean_x) ** 2:
