@@ -26,6 +26,7 @@ from daemon.runs import RunHandle
 from peers.averaging import MoshpitAverager
 from peers.collective.group import MAX_GROUP
 from peers.dear.member import GroupPeer, LocalGroupMember
+from peers.linkprobe import LinkProber
 from peers.matchmaking import Matchmaker, MatchmakingSettings
 from peers.membership import DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
@@ -35,6 +36,9 @@ from peers.statesync import StateServer
 
 logger = logging.getLogger(__name__)
 
+PROBE_TICK = 2.0  # seconds between two looks for links to measure (a new peer waits at most this)
+PROBE_INTERVAL = 15.0  # seconds between two measurements of one link
+PROBE_BATCH = 8  # links measured at once
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -108,6 +112,8 @@ class Daemon:
         self.memberships: Memberships | None = None
         self.matchmaker: Matchmaker | None = None
         self.state_server: StateServer | None = None
+        self.prober: LinkProber | None = None
+        self._probing: asyncio.Task | None = None
         self.control: ControlServer | None = None
         self.control_address = config.control_address
         self.maddrs: list[str] = []
@@ -166,6 +172,9 @@ class Daemon:
             await self.matchmaker.start()
             self.state_server = StateServer(self.node, events)
             await self.state_server.start()
+            self.prober = LinkProber(cfg.network.host, 0, events=events)
+            await self.prober.start()
+            self._probing = asyncio.create_task(self._probe_links(), name="link-probes")
             for run_id in cfg.runs:
                 await self._join(run_id, secret(run_id) if secret else None, cfg.train.task, cfg.train.hparams_dict())
             await self._start_control()
@@ -175,6 +184,24 @@ class Daemon:
         except BaseException:
             await self._teardown(grace=0)
             raise
+
+    async def _probe_links(self) -> None:
+        """Measure the link to every peer of every run (peers/linkprobe.py): a new peer at the next
+        tick, the others every PROBE_INTERVAL; PROBE_BATCH at a time, each measurement bounded."""
+        while True:
+            await asyncio.sleep(PROBE_TICK)
+            try:
+                targets = {e.peer_id: e.probe_address for m in (self.memberships.runs.values() if self.memberships else ())
+                           for e in m.peers() if e.probe_address}  # fmt: skip
+                self.prober.forget(set(targets))
+                t = time.monotonic()
+                due = [(p, a) for p, a in targets.items()
+                       if p not in self.prober.stats or t - self.prober.stats[p].measured_at >= PROBE_INTERVAL]  # fmt: skip
+                for i in range(0, len(due), PROBE_BATCH):
+                    await asyncio.gather(*(self.prober.measure(p, a) for p, a in due[i : i + PROBE_BATCH]),
+                                         return_exceptions=True)  # fmt: skip
+            except Exception:  # one failed tick must not end the loop
+                logger.exception("link probes failed")
 
     def _secret_for_start(self):
         path = self.config.run_secret_file
@@ -232,6 +259,13 @@ class Daemon:
                 Path(self.control_address[5:]).unlink(missing_ok=True)
         for handle in self.runs.values():
             await self._stop_run(handle)
+        if self._probing is not None:
+            self._probing.cancel()
+            await asyncio.gather(self._probing, return_exceptions=True)
+            self._probing = None
+        if self.prober is not None:
+            self.prober.close()
+            self.prober = None
         if self.node is not None:
             node, self.node = self.node, None
             self.memberships = None
@@ -272,6 +306,7 @@ class Daemon:
             return False
         resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject)
         await self.memberships.join(run_id, secret)
+        self.memberships.runs[run_id].probe_address = self.prober.announced(self._advertise_host()) if self.prober else ""
         handle = RunHandle(run_id, None, None)
         if resolved is not None:
             manifest, data = resolved
@@ -286,8 +321,10 @@ class Daemon:
                 advertise_host=self._advertise_host(),
                 max_group_size=manifest.averaging.max_group_size,
                 p2p=self.node.p2p,
-                transport_mode=self.config.network.transport,
+                transport_mode={"auto": "reliable"}.get(self.config.network.reliable_links, self.config.network.reliable_links),
                 loss_tolerant=manifest.averaging.transport == "udp",
+                data_path=self.config.network.transport,
+                udp_path_ok=lambda peer_id: self.prober is not None and self.prober.passes(peer_id),
                 datagram_bytes=manifest.averaging.datagram_bytes,
                 udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
                 events=self.metrics.peer_events(),

@@ -24,8 +24,10 @@ class ConfigError(ValueError):
     """A setting is unusable; the message names it and is meant to be printed as one line."""
 
 
-# Mirrors peers.collective.fallback.MODES; kept here so the CLI does not import the engine to parse flags.
-TRANSPORT_MODES = ("reliable", "tcp", "libp2p")
+# How a loss-tolerant run's data reaches each member (docs/loss-tolerance.md, "Per-link choice").
+TRANSPORT_MODES = ("auto", "reliable", "udp")
+# How reliable links are made; "auto" is peers.collective.fallback's "reliable" mode (TCP, else libp2p).
+RELIABLE_LINK_MODES = ("auto", "tcp", "libp2p")
 
 
 def default_data_dir() -> Path:
@@ -43,13 +45,16 @@ class NetworkConfig:
     auto_nat: bool = False  # libp2p AutoNAT: asks peers to dial back, so opt-in
     startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
     request_timeout: float = 5.0  # one DHT get or store, all hops included
-    transport: str = "reliable"  # averaging links: reliable (direct TCP, else libp2p streams), tcp, libp2p
+    transport: str = "auto"  # loss-tolerant runs' data per link: auto (UDP where the probe passes), reliable, udp
+    reliable_links: str = "auto"  # reliable links: auto (direct TCP, else libp2p streams), tcp, libp2p
     udp_rate_mbit: float = 0.0  # pace the UDP engine's sends to this rate (Mbit/s); 0 = unpaced
 
     def __post_init__(self) -> None:
         _check_ip("host", self.host)
         if self.transport not in TRANSPORT_MODES:
             raise ConfigError(f"transport: {self.transport!r} is not one of {', '.join(TRANSPORT_MODES)}")
+        if self.reliable_links not in RELIABLE_LINK_MODES:
+            raise ConfigError(f"reliable_links: {self.reliable_links!r} is not one of {', '.join(RELIABLE_LINK_MODES)}")
         _check_port("port", self.port)
         for name in ("announce", "initial_peers"):
             for maddr in getattr(self, name):
@@ -200,7 +205,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("network.auto_nat", "--auto-nat", "opt in to libp2p AutoNAT (asks peers to dial back)"),
     Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
     Option("network.request_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
-    Option("network.transport", "--transport", "averaging links: reliable (direct TCP, else libp2p streams), tcp or libp2p", "MODE"),
+    Option("network.transport", "--transport", "data of loss-tolerant runs (averaging.transport=udp), per link: auto (UDP where the link probe passes, else the reliable link), reliable, or udp", "MODE"),
+    Option("network.reliable_links", "--reliable-links", "reliable averaging links: auto (direct TCP, else libp2p streams), tcp or libp2p", "MODE"),
     Option("network.udp_rate_mbit", "--udp-rate", "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)", "MBIT"),
     Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),

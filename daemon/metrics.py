@@ -158,6 +158,15 @@ class DaemonMetrics:
         self.stragglers = Counter(
             "peerd_round_stragglers", "Group mates a round stopped waiting for (still in the previous round).", ["run"], registry=r
         )
+        self.link_probes = Counter(
+            "peerd_link_probes", "Link probes sent to peers, by result: answered, lost (peers/linkprobe.py).", ["result"], registry=r
+        )
+        self.link_rtt = Histogram(
+            "peerd_link_rtt_seconds",
+            "Median round-trip time of each link measurement (UDP probes).",
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+            registry=r,
+        )
         self.state_syncs = Counter(
             "peerd_state_syncs", "Downloads of the run's state from peers, by result: ok, failed.", ["run", "result"], registry=r
         )
@@ -230,7 +239,13 @@ class DaemonMetrics:
             packets_sent=self.packets_sent.inc,
             packets_lost=self.packets_lost.inc,
             shard_coverage=self.shard_coverage.observe,
+            link_probes=self._link_probes,
+            link_rtt=self.link_rtt.observe,
         )
+
+    def _link_probes(self, answered: int, lost: int) -> None:
+        self.link_probes.labels("answered").inc(answered)
+        self.link_probes.labels("lost").inc(lost)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

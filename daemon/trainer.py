@@ -329,16 +329,19 @@ class Trainer:
             self.local_group.close()
 
     def _catch_up(self) -> bool:
-        """Download the run's state if live peers are at least one round ahead; True if it did.
+        """Download the run's state if live peers are more than one round ahead; True if it did.
 
         Peers announce their step as soon as they take it, but serve the state of their latest
-        round: peers one round ahead and still in that round have nothing newer yet. So a failed
-        download is retried, once a second, for at most CATCH_UP_PATIENCE seconds."""
+        round. A peer exactly one round ahead is at its next round's boundary, with nothing newer
+        than this trainer's next round to give, and waits there for it (the rendezvous): training
+        on to that boundary meets it, downloading would only wait out the patience of both. Peers
+        two rounds ahead have a newer round's state. A failed download is retried, once a second,
+        for at most CATCH_UP_PATIENCE seconds."""
         if self.sync is None or not self.average_every:
             return False
         deadline = time.monotonic() + CATCH_UP_PATIENCE
         result = None
-        while max(self.peer_steps(), default=0) >= self.global_step + self.average_every:
+        while max(self.peer_steps(), default=0) >= self.global_step + 2 * self.average_every:
             if result is None:
                 logger.info("run %s: at step %d, peers at %d: downloading the run's state", self.run_id, self.global_step, max(self.peer_steps()))
             result = self.sync(self.global_step + 1, self._flat)

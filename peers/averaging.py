@@ -13,9 +13,10 @@ Round t of a run with live peers P (this daemon included):
    samples each member processed since its previous round. Each round listens on a fresh transport
    whose address goes into the matchmaking entry: a transport holds incoming bytes unread until its
    round's engine attaches, so a fast member cannot reach a slow one's previous round. The run's
-   manifest picks the engine: the reliable GroupAllReduce (links by `--transport`: direct TCP, else
-   libp2p streams) or, with `averaging.transport=udp`, the loss-tolerant LossyAllReduce over UDP
-   datagrams. The Outcome says whether every member of the group holds the same result
+   manifest picks the engine: the reliable GroupAllReduce (links by `--reliable-links`: direct TCP,
+   else libp2p streams) or, with `averaging.transport=udp`, the loss-tolerant LossyAllReduce, whose
+   data goes per link (`--transport`, `data_path`) as UDP datagrams where the link probe to that
+   member passes (peers/linkprobe.py) and as packets over the reliable link where it does not. The Outcome says whether every member of the group holds the same result
    (COMPLETED), the result where its packets arrived and its own values elsewhere (PARTIAL, UDP
    only), or its own unchanged vector (ABORTED).
 
@@ -96,6 +97,8 @@ class MoshpitAverager:
         p2p: P2P | None = None,
         transport_mode: str = "reliable",
         loss_tolerant: bool = False,
+        data_path: str = "udp",
+        udp_path_ok: Callable[[str], bool] | None = None,
         datagram_bytes: int = 1472,
         udp_rate_bps: float | None = None,
         settings: AllReduceSettings | None = None,
@@ -103,7 +106,12 @@ class MoshpitAverager:
         rendezvous: Callable[[int, list[str]], Awaitable[list[str]]] | None = None,
     ):
         """`rendezvous(round_t, mates)` waits (bounded) for the mates of round_t's group and returns
-        those it gave up on."""
+        those it gave up on. In loss-tolerant rounds `data_path` says how data reaches a member:
+        "udp" (always datagrams), "reliable" (always packets over the reliable link) or "auto"
+        (datagrams where `udp_path_ok(peer_id)`, the link prober's verdict, says the path passes)."""
+        if data_path not in ("auto", "udp", "reliable"):
+            raise ValueError(f"data_path must be auto, udp or reliable, not {data_path!r}")
+        self.data_path, self.udp_path_ok = data_path, udp_path_ok or (lambda peer_id: False)
         self.run_id, self.secret, self.peer_id = run_id, secret, peer_id
         self.rendezvous = rendezvous
         self.namespace = run_namespace(run_id, secret)
@@ -138,6 +146,8 @@ class MoshpitAverager:
             g = matched.group
             addresses = [member_address(m.engine_addr, m.peer_id) for m in g.members]
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
+            if self.loss_tolerant:
+                transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
             engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
             engine = engine_type(group, transport, vector.numel(), settings=self.settings, events=self.events)
             try:
@@ -176,12 +186,23 @@ class MoshpitAverager:
                             control=reliable, max_datagram=self.datagram_bytes, rate_bps=self.udp_rate_bps,
                             events=self.events)  # fmt: skip
 
+    def _datagrams(self, peer_of: dict[str, str]) -> Callable[[str], bool]:
+        """Whether this round sends its data to the member at `address` as datagrams."""
+        if self.data_path != "auto":
+            mode = self.data_path == "udp"
+            return lambda address: mode
+        return lambda address: self.udp_path_ok(peer_of.get(address, ""))
+
     def _links(self, transport, group: Group) -> dict[str, str]:
         """peer ID -> how this round's data reached that member: udp, tcp or libp2p."""
-        others = [m for k, m in enumerate(group.members) if k != group.me]
-        if self.loss_tolerant:
-            return {m: "udp" for m in others}
-        links = {group.members[k]: transport.choices[a] for k, a in enumerate(group.addresses) if a in transport.choices}
+        reliable = transport.control if self.loss_tolerant else transport
+        paths = getattr(transport, "data_paths", {})
+        links = {}
+        for k, a in enumerate(group.addresses):
+            if paths.get(a) == "udp":
+                links[group.members[k]] = "udp"
+            elif a in reliable.choices:
+                links[group.members[k]] = reliable.choices[a]
         if "libp2p" in links.values():
             logger.info("reached %d of %d members through libp2p streams", sum(v == "libp2p" for v in links.values()), len(links))
         return links

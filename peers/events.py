@@ -30,3 +30,7 @@ class PeerEvents:
     # An owner reduced `packets` packets of its shard each holding `fraction` of the group's
     # contributions (k/size); called once per distinct fraction per round, not per packet.
     shard_coverage: Callable[[float, int], None] = field(default=_ignore)
+    # A link measurement ended: `answered` probes came back, `lost` did not (peers/linkprobe.py).
+    link_probes: Callable[[int, int], None] = field(default=_ignore)
+    # The median round-trip time of one link measurement, in seconds.
+    link_rtt: Callable[[float], None] = field(default=_ignore)

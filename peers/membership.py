@@ -74,6 +74,7 @@ class RunMembership:
         self.step_of: Callable[[], int] = lambda: 0  # this daemon's global step, put into each heartbeat
         self.local_group = ""  # this daemon's --local-group label, put into each heartbeat
         self.dear_address_of: Callable[[], str] = lambda: ""  # its DeAR engine's address, put into each heartbeat
+        self.probe_address = ""  # where this daemon answers link probes, put into each heartbeat
 
     @property
     def secured(self) -> bool:
@@ -182,6 +183,7 @@ class RunMembership:
             step=self.step_of() if state is MemberState.ACTIVE else 0,
             local_group=self.local_group,
             dear_address=self.dear_address_of() if state is MemberState.ACTIVE else "",
+            probe_address=self.probe_address if state is MemberState.ACTIVE else "",
         )
         return seal_record(record, self.node.identity, self.secret)
 

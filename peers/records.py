@@ -39,6 +39,7 @@ class MemberRecord:
     step: int = 0  # the peer's global step in the run; 0 when it does not train
     local_group: str = ""  # the operator's --local-group label; "" when unset
     dear_address: str = ""  # "host:port" of its DeAR engine (docs/dear.md); "" when none
+    probe_address: str = ""  # "host:port" where it answers link probes (peers/linkprobe.py); "" when none
 
 
 def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | None) -> bytes:
@@ -57,6 +58,7 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         step=record.step,
         local_group=record.local_group,
         dear_address=record.dear_address,
+        probe_address=record.probe_address,
     ).SerializeToString()
     return seal(RecordKind.MEMBER, body, identity, secret, record.run_id)
 
@@ -79,8 +81,8 @@ def open_envelope(
         raise RecordRejected("record_malformed", f"{len(body.maddrs)} addresses")
     if body.timestamp > now + MAX_CLOCK_SKEW_SECONDS:
         raise RecordRejected("record_future", f"timestamp {body.timestamp - now:.0f} s ahead")
-    if len(body.local_group) > MAX_LABEL or len(body.dear_address) > MAX_LABEL:
-        raise RecordRejected("record_malformed", "local group label or DeAR address too long")
+    if max(len(body.local_group), len(body.dear_address), len(body.probe_address)) > MAX_LABEL:
+        raise RecordRejected("record_malformed", "local group label, DeAR or probe address too long")
     return MemberRecord(
         run_id=body.run_id,
         peer_id=body.peer_id,
@@ -92,6 +94,7 @@ def open_envelope(
         step=body.step,
         local_group=body.local_group,
         dear_address=body.dear_address,
+        probe_address=body.probe_address,
     )
 
 

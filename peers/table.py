@@ -18,6 +18,7 @@ class PeerEntry:
     step: int = 0  # the peer's global step in its newest record
     local_group: str = ""  # its --local-group label
     dear_address: str = ""  # its DeAR engine's "host:port"; "" when none
+    probe_address: str = ""  # where it answers link probes, "host:port"; "" when none
 
 
 class PeerTable:
@@ -50,13 +51,14 @@ class PeerTable:
             age = min(max(now - record.timestamp, 0.0), self.ttl)
             self._entries[record.peer_id] = PeerEntry(
                 record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step,
-                record.local_group, record.dear_address,
+                record.local_group, record.dear_address, record.probe_address,
             )
             return "new"
         if record.timestamp <= entry.timestamp:
             return "stale"
         entry.maddrs, entry.version, entry.role, entry.step = record.maddrs, record.version, record.role, record.step
         entry.local_group, entry.dear_address = record.local_group, record.dear_address
+        entry.probe_address = record.probe_address
         entry.timestamp, entry.last_seen = record.timestamp, now
         return "refreshed"
 

@@ -43,7 +43,7 @@ JOIN_STATUS_LATE: JoinStatus
 JOIN_STATUS_GROUP_FULL: JoinStatus
 
 class PeerRecord(_message.Message):
-    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address")
+    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address", "probe_address")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class PeerRecord(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEAR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     run_id: str
     peer_id: str
@@ -66,7 +67,8 @@ class PeerRecord(_message.Message):
     step: int
     local_group: str
     dear_address: str
-    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ...) -> None: ...
+    probe_address: str
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ..., probe_address: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("format_version", "sealed", "nonce", "payload", "public_key", "signature", "kind")

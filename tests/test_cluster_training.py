@@ -45,7 +45,7 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
     a = spawn("acc-a", [*args, *create])
     # c reaches its group only through libp2p streams (as behind a NAT); a and b dial directly.
     others = [spawn(f"acc-{n}", [*args, "--initial-peers", a.maddrs[0], *extra], wait=False)
-              for n, extra in (("b", []), ("c", ["--transport", "libp2p"]))]
+              for n, extra in (("b", []), ("c", ["--reliable-links", "libp2p"]))]
     for d in others:
         d.wait_ready()
     daemons = [a, *others]

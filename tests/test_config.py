@@ -28,7 +28,8 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path):
         ({"discovery.peer_ttl": "1"}, "at least twice"),
         ({"network.host": "example.com"}, "not an IP address"),
         ({"network.initial_peers": ["127.0.0.1:4000"]}, "not a multiaddr"),
-        ({"network.transport": "carrier-pigeon"}, "not one of reliable, tcp, libp2p"),
+        ({"network.transport": "carrier-pigeon"}, "not one of auto, reliable, udp"),
+        ({"network.reliable_links": "reliable"}, "not one of auto, tcp, libp2p"),
         ({"discovery.peer_ttl": "4"}, "at most half of peer_ttl"),
     ],
 )

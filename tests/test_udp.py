@@ -493,3 +493,65 @@ def test_sends_are_paced_and_datagrams_wait_for_the_sink():
         await receiver.close()
 
     uvloop.run(main())
+
+
+def test_a_member_whose_udp_path_fails_gets_its_data_over_the_reliable_link_and_the_round_is_exact():
+    """Member 1 sits behind a firewall that drops every UDP datagram to and from it (the drop seam
+    loses them all). Without a per-link choice it contributes nothing and receives nothing; with
+    `datagrams` saying its links fail the probe, its data goes as packets over the reliable link,
+    the others keep UDP among themselves, and the round completes with the exact weighted mean."""
+    n, numel, blocked = 4, 30_000, 1
+    settings = AllReduceSettings(connect_timeout=1.0, contribute_timeout=2.0, gather_timeout=4.0,
+                                 drain_timeout=1.0, chunk_elements=4096)  # fmt: skip
+
+    class Firewall:
+        def __init__(self, me: int):
+            self.me, self.addresses, self.dropped = me, [], 0
+
+        def __call__(self, address: str, h: Header) -> bool:
+            if self.me == blocked or address == self.addresses[blocked]:
+                self.dropped += 1
+                return True
+            return False
+
+    async def run(per_link: bool):
+        counts = Counts()
+        walls = [Firewall(i) for i in range(n)]
+        transports = [UdpTransport("127.0.0.1", 0, secret=SECRET, session=SESSION, events=counts.events, drop=walls[i])
+                      for i in range(n)]  # fmt: skip
+        addresses = [await t.start() for t in transports]
+        for i, (w, t) in enumerate(zip(walls, transports)):
+            w.addresses = addresses
+            if per_link:  # what the probes would say: nothing to or from member 1 comes back
+                t.datagrams = (lambda a: False) if i == blocked else (lambda a: a != addresses[blocked])
+        group = [f"m{i}" for i in range(n)]
+        engines = [LossyAllReduce(Group(RUN, group, addresses, i), t, numel, settings=settings, events=counts.events)
+                   for i, t in enumerate(transports)]  # fmt: skip
+        xs = [torch.randn(numel) for _ in range(n)]
+        ws = [1.0, 2.0, 3.0, 4.0]
+        expect = sum(w * x.numpy() for w, x in zip(ws, xs)) / sum(ws)
+        outcomes = await asyncio.gather(*(e.all_reduce(x, w, 1) for e, x, w in zip(engines, xs, ws)))
+        paths = [dict(t.data_paths) for t in transports]
+        dropped = sum(w.dropped for w in walls)
+        await stop_group(engines, transports)
+        return outcomes, xs, expect, paths, addresses, dropped, counts
+
+    async def main():
+        outcomes, xs, expect, paths, addresses, dropped, counts = await run(per_link=True)
+        assert [o.status for o in outcomes] == [Status.COMPLETED] * n, [o.reason for o in outcomes]
+        assert len({o.digest for o in outcomes}) == 1
+        for x in xs:
+            np.testing.assert_allclose(x.numpy(), expect, rtol=1e-5, atol=1e-6)
+        assert dropped == 0 and not counts.rejected, (dropped, counts.rejected)
+        assert set(paths[blocked].values()) == {"stream"}
+        for i in range(n):
+            if i != blocked:
+                assert paths[i][addresses[blocked]] == "stream"
+                assert {a: p for a, p in paths[i].items() if a != addresses[blocked]} == {
+                    a: "udp" for k, a in enumerate(addresses) if k not in (i, blocked)}
+        # The same firewall without the per-link choice: member 1 is cut off from the data.
+        outcomes, xs, expect, paths, addresses, dropped, counts = await run(per_link=False)
+        assert dropped > 0 and outcomes[blocked].status is not Status.COMPLETED
+        assert not np.allclose(xs[blocked].numpy(), expect, rtol=1e-5, atol=1e-6)
+
+    uvloop.run(main())

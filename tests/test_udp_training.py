@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import struct
+import subprocess
 import threading
 import time
 
@@ -146,3 +148,51 @@ def test_a_udp_run_trains_to_one_result_through_garbage_forgeries_and_replays(sp
     assert sum(v for k, v in rejected.items() if k in ("dgram_truncated", "dgram_bad_magic", "dgram_oversized", "dgram_bad_size")) > 0, rejected
     for d in daemons:
         assert d.stop() == 0
+
+
+def _nft(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True, timeout=10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
+                    reason="needs root and nft to block UDP to one loopback address")  # fmt: skip
+def test_transport_auto_sends_data_over_the_reliable_link_where_udp_is_blocked(spawn):
+    """c listens on 127.0.0.2, and an nftables rule drops every UDP datagram to or from that address
+    (TCP passes): as behind a firewall that admits no UDP. With `--transport auto` (the default) the
+    link probes find c's UDP path dead, so a and b send their data to c as packets over the reliable
+    link while keeping UDP between themselves, and c does the same; the rounds complete on all three."""
+    table = f"peerd_test_{os.getpid()}"
+    rule = _nft(f"""add table inet {table}
+add chain inet {table} input {{ type filter hook input priority 0; }}
+add rule inet {table} input ip daddr 127.0.0.2 meta l4proto udp counter drop
+add rule inet {table} input ip saddr 127.0.0.2 meta l4proto udp counter drop
+""")  # fmt: skip
+    assert rule.returncode == 0, rule.stderr
+    try:
+        steps, every = 120, 10
+        create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.transport=udp",
+                  "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
+        args = ["--run", "auto", "--max-steps", str(steps), "--min-peers", "3", "--eval-every", "1000", "--torch-threads", "1"]
+        a = spawn("auto-a", [*args, *create])
+        b = spawn("auto-b", [*args, "--initial-peers", a.maddrs[0]], wait=False)
+        c = spawn("auto-c", [*args, "--initial-peers", a.maddrs[0], "--host", "127.0.0.2", "--metrics-host", "127.0.0.2"],
+                  wait=False)  # fmt: skip
+        for d in (b, c):
+            d.wait_ready()
+        daemons = [a, b, c]
+        for d in daemons:
+            wait_for(lambda: status(d, "auto").train_state == "FINISHED", timeout=180, what=f"{d.data_dir.name} finishes")
+        finals = {d.data_dir.name: status(d, "auto") for d in daemons}
+        for r in finals.values():
+            assert r.step == steps and r.last_round_outcome == "completed" and r.group_size == 3, r
+        assert len({r.last_round_digest for r in finals.values()}) == 1, finals
+        assert finals["auto-a"].last_round_links == "tcp:1 udp:1", finals["auto-a"]
+        assert finals["auto-b"].last_round_links == "tcp:1 udp:1", finals["auto-b"]
+        assert finals["auto-c"].last_round_links == "tcp:2", finals["auto-c"]
+        lost = scrape(c.metrics_url)[("peerd_link_probes_total", (("result", "lost"),))]
+        answered_a = scrape(a.metrics_url)[("peerd_link_probes_total", (("result", "answered"),))]
+        assert lost > 0 and answered_a > 0
+        for d in daemons:
+            assert d.stop() == 0
+    finally:
+        _nft(f"delete table inet {table}")

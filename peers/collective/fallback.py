@@ -5,7 +5,7 @@ TCP listener and its libp2p stream handler. `connect` tries TCP for at most `dir
 seconds, then opens a libp2p stream, and records which one each link uses (`choices`), so that a
 round can say how it reached each member and metrics can count bytes by transport.
 
-Modes (the daemon's `--transport`): `reliable` (TCP, else libp2p), `tcp` (direct only: a member it
+Modes (the daemon's `--reliable-links`; its `auto` is `reliable` here): `reliable` (TCP, else libp2p), `tcp` (direct only: a member it
 cannot dial is unreachable) and `libp2p` (streams only, e.g. to test the fallback or when direct
 connections are known to be blocked).
 """

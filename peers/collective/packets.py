@@ -214,8 +214,10 @@ class LossyInbox(Inbox):
     def _control(self, link: Inbound, h: Header) -> memoryview | Action:
         if (refused := self._refuse_sender(link, h)) is not None:
             return refused
+        if h.kind in (Kind.CONTRIBUTION, Kind.RESULT):
+            return self._stream_data(link, h)
         if h.kind is not Kind.DONE:
-            return self._refuse("wire_bad_kind", Action.DROP)  # data travels as datagrams only
+            return self._refuse("wire_bad_kind", Action.DROP)
         if self._state(h.round, create=True) is None:
             return self._refuse("wire_wrong_round", Action.SKIP)
         bad = self._bad_done(h)
@@ -223,6 +225,19 @@ class LossyInbox(Inbox):
             return self._refuse(bad, Action.DROP)
         self._bind(link, h.sender)
         return _EMPTY  # a zero-length payload: on_payload follows at once
+
+    def _stream_data(self, link: Inbound, h: Header) -> memoryview | Action:
+        """A data packet over a member's reliable link (its UDP path failed the probe; udpsend.py,
+        StreamPacketLink): the checks of a datagram, and the link then speaks for that member."""
+        if not (math.isfinite(h.weight) and h.weight >= 0):
+            return self._refuse("wire_bad_weight", Action.DROP)
+        st = self._state(h.round, create=True)
+        if st is None:
+            return self._refuse("wire_wrong_round", Action.SKIP)
+        dest = self._admit_contribution(st, h) if h.kind is Kind.CONTRIBUTION else self._admit_result(st, h)
+        if not isinstance(dest, Action):
+            self._bind(link, h.sender)
+        return dest
 
     def _bad_done(self, h: Header) -> str | None:
         if h.length or h.code not in (Kind.CONTRIBUTION, Kind.RESULT):

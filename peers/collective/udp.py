@@ -42,7 +42,7 @@ from peers.collective.datagram import MAX_DATAGRAM, MIN_DATAGRAM, OVERHEAD, TAG_
 from peers.collective.linkauth import LinkAuth
 from peers.collective.tcp import TcpTransport, split_address
 from peers.collective.transport import Action, Link, Sink, Transport
-from peers.collective.udpsend import DatagramLink, PacedSender
+from peers.collective.udpsend import DatagramLink, PacedSender, StreamPacketLink
 from peers.collective.wire import Header
 from peers.events import PeerEvents
 
@@ -68,6 +68,8 @@ class UdpTransport(Transport):
     numbers (the Moshpit group key); both key the datagram tags (datagram.py). max_datagram: bytes
     per datagram, UDP header excluded; every member of a group must use the same value (it fixes the
     packet grid). rate_bps: send rate in bits/s, None for unpaced; may be changed at any time.
+    datagrams(address) -> bool: whether data to that member goes as datagrams (None: always); where
+    not, it goes over the member's control link, cut into the same packets (StreamPacketLink).
     socket_buffer, send_buffer: SO_RCVBUF and SO_SNDBUF in bytes (forced past the sysctl limits when
     the process may). Call start() before attach()."""
 
@@ -76,6 +78,7 @@ class UdpTransport(Transport):
         control: Transport | None = None, auth: LinkAuth | None = None, max_datagram: int = DEFAULT_DATAGRAM,
         rate_bps: float | None = None, socket_buffer: int = SOCKET_BUFFER, send_buffer: int = SEND_BUFFER,
         gso: bool = False, events: PeerEvents | None = None, drop: Callable[[str, Header], bool] | None = None,
+        datagrams: Callable[[str], bool] | None = None,
     ):  # fmt: skip
         if not MIN_DATAGRAM <= max_datagram <= MAX_DATAGRAM:
             raise ValueError(f"max_datagram must be {MIN_DATAGRAM} to {MAX_DATAGRAM} bytes, not {max_datagram}")
@@ -87,6 +90,8 @@ class UdpTransport(Transport):
         self.sender = PacedSender(self.codec, self.packet_elements, rate_bps=rate_bps, gso=gso, events=self.events,
                                   drop=drop)  # fmt: skip
         self._own_control, self.auth = control is None, auth
+        self.datagrams = datagrams
+        self.data_paths: dict[str, str] = {}  # member address -> "udp", or "stream" (its data over `control`)
         self.control = control or TcpTransport(host, port, events=self.events, auth=auth)
         self.address = ""
         self.sock: socket.socket | None = None
@@ -164,6 +169,10 @@ class UdpTransport(Transport):
         host, port = split_address(address.partition("|")[0])
         info = await self._loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM, family=self.sock.family)
         control = await self.control.connect(address)
+        if self.datagrams is not None and not self.datagrams(address):
+            self.data_paths[address] = "stream"
+            return StreamPacketLink(control, self.packet_elements, address)
+        self.data_paths[address] = "udp"
         return DatagramLink(self.sender, info[0][4], address, control)
 
     async def close(self) -> None:
