@@ -1,12 +1,14 @@
 """Loss-tolerant averaging in the network lab: peerd's UDP engine vs its reliable engine vs gloo.
 
     python -m bench.lossy [--quick] [--mib 64] [--hosts 4] [--rate 100] [--loss 0,1,5,10,20] [--cc bbr,reno]
-                          [--skip-rounds] [--skip-convergence] [--steps 300]
+                          [--rtt-ms 0] [--skip-rounds] [--skip-convergence] [--steps 300]
 
 Two parts, both in `peerd lab` network namespaces (daemon/lab/): every host's link limited to
 `--rate` Mbit/s both ways (tbf on both ends of its veth), `loss` % of the packets delivered to each
 host dropped at random (nftables, bridge forward hook), every host's TCP on one congestion control.
-No latency is added: this kernel has no netem, and the lab has no delay line, so RTT is under 1 ms.
+`--rtt-ms` adds latency through the lab's delay line (a userspace TUN device on every host holding
+what it sends for rtt/2; this kernel has no netem); each setting's RTT is measured and reported.
+At 0 the RTT is what the veths give, under 1 ms.
 
 1. Round time. For each (cc, loss), one process per host (bench.lab_baselines' harness) runs three
    systems in turn (UDP, reliable, gloo in round 1, rotating after): peerd's loss-tolerant engine (LossyAllReduce over
@@ -88,16 +90,22 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
     loop.close()
 
 
-def measure_rounds(args, net, hosts, numel: int, cc: str, loss: float) -> dict:
+def measure_rounds(args, net, hosts, numel: int, cc: str, loss: float, rtt: float) -> dict:
+    measured = None
+    if rtt:
+        found = net.measure_rtt([(a.name, b.name) for a, b in zip(hosts, hosts[1:])])
+        medians = [v["median_ms"] for v in found.values() if v["median_ms"] is not None]
+        measured = round(statistics.median(medians), 2) if medians else None
     before, load = net.dropped(), os.getloadavg()[0]
-    progress(BENCH, f"{cc}, {loss:g} % loss: peerd UDP, peerd reliable and gloo in turn, {args.rounds} round(s) each")
+    progress(BENCH, f"rtt {rtt:g} ms (measured {measured}), {cc}, {loss:g} % loss: peerd UDP, peerd reliable and gloo in turn, {args.rounds} round(s) each")
     reports = run_system("bench.lossy:_trio", (*SYSTEMS, "held"), hosts, numel, args.rounds, args.round_timeout)
     times = {s: round_time(reports, s) for s in SYSTEMS}
     after = net.dropped()
     held = [h for r in reports for h in r["held"] if h is not None]
     record = result(
-        BENCH, f"round_s_{cc}_{loss:g}pct", times["udp"][0], times["gloo"][0], "s",
-        cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), bytes=numel * 4, added_rtt_ms=0,
+        BENCH, f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""), times["udp"][0], times["gloo"][0], "s",
+        cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), bytes=numel * 4, added_rtt_ms=rtt,
+        measured_rtt_ms=measured,
         reliable_s=times["reliable"][0],
         ratio_vs_reliable=round(times["udp"][0] / times["reliable"][0], 3) if times["udp"][0] and times["reliable"][0] else None,
         rounds_s={s: t[1] for s, t in times.items()}, outcomes=sorted({o for r in reports for o in r["outcomes"]}),
@@ -106,7 +114,9 @@ def measure_rounds(args, net, hosts, numel: int, cc: str, loss: float) -> dict:
         load_1min_at_start=round(load, 2), load_1min_at_end=round(os.getloadavg()[0], 2), round_timeout_s=args.round_timeout,
         datagram=DATAGRAM, udp_pace_mbit=round(args.rate * PACE, 1),
         emulated=f"{len(hosts)} network namespaces on one bridge; tbf {args.rate:g} Mbit/s both directions; "
-        f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; no added latency (no netem)",
+        f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; "
+        + (f"{rtt:g} ms added RTT (userspace TUN delay line, {rtt / 2:g} ms on each host's egress; measured {measured} ms median)"
+           if rtt else "no added latency (no netem)"),
         note="ours = peerd UDP round time, baseline = gloo's; ratio < 1: peerd faster; None = failed or timed out",
     )  # fmt: skip
     emit(record)
@@ -121,13 +131,14 @@ def rounds_part(args, numel: int) -> list[dict]:
     try:
         net.create()
         hosts = [net.add_host(f"h{i}", LinkShape(rate_mbit=args.rate)) for i in range(args.hosts)]
-        for cc in args.cc.split(","):
-            for h in hosts:
-                net.set_congestion_control(h, cc)
-            for loss in [float(x) for x in args.loss.split(",")]:
+        for rtt in [float(x) for x in args.rtt_ms.split(",")]:
+            for cc in args.cc.split(","):
                 for h in hosts:
-                    net.shape(h.name, LinkShape(rate_mbit=args.rate, loss_pct=loss))
-                records.append(measure_rounds(args, net, hosts, numel, cc, loss))
+                    net.set_congestion_control(h, cc)
+                for loss in [float(x) for x in args.loss.split(",")]:
+                    for h in hosts:
+                        net.shape(h.name, LinkShape(rate_mbit=args.rate, loss_pct=loss, rtt_ms=rtt))
+                    records.append(measure_rounds(args, net, hosts, numel, cc, loss, rtt))
     finally:
         net.destroy()
     return records
@@ -177,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=100.0, help="link rate in Mbit/s, both directions")
     parser.add_argument("--loss", default="0,1,5,10,20", help="packet loss settings in %%, comma-separated")
     parser.add_argument("--cc", default="bbr,reno", help="TCP congestion controls, comma-separated")
+    parser.add_argument("--rtt-ms", default="0", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)")
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per system and setting")
     parser.add_argument("--round-timeout", type=float, default=90.0, help="seconds a round may take before it counts as failed")
     parser.add_argument("--steps", type=int, default=300, help="training steps per host in the convergence part")
@@ -186,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.loss, args.cc, args.steps, args.converge_seconds = 4.0, "0,5", "reno", 60, 90.0
+    try:
+        rtts = [float(x) for x in args.rtt_ms.split(",")]
+    except ValueError:
+        parser.error(f"--rtt-ms: {args.rtt_ms!r} is not a comma-separated list of numbers")
+    if any(not 0 <= r <= 2000 for r in rtts):
+        parser.error("--rtt-ms: each setting must be between 0 and 2000")
 
     from daemon.lab.netns import environment_problem
 
@@ -209,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         progress(BENCH, "interrupted; every process started here was killed and the lab removed")
         return 130
     if records:
-        headline = next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0), records[-1])
+        headline = next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0 and not r["added_rtt_ms"]),
+                        next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0), records[-1]))
         emit({**headline, "metric": f"round_s_udp_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct",
               "total_s": round(time.monotonic() - started, 1)})
     return 0
