@@ -66,7 +66,7 @@ import torch
 from peers.collective.allreduce import drain_links, open_links
 from peers.collective.group import Group, shard_bounds
 from peers.collective.inbox import as_bytes
-from peers.collective.reduction import _finite
+from peers.collective.reduction import all_finite
 from peers.collective.transport import Action, Inbound, Link, Transport
 from peers.collective.wire import DType, Header, Kind
 from peers.events import PeerEvents
@@ -322,7 +322,7 @@ class Halves:
         out = op.x.numpy()[start:end]
         if total > 0:
             np.divide(out, np.float32(total), out=out)
-        if not (total > 0 and _finite(out)):
+        if not (total > 0 and all_finite(out)):
             self.events.rejected("contribution_nonfinite")
             self._break("the reduced shard holds NaN or Inf (or every weight was 0)")
 

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from peers.collective.group import chunk_bounds
-from peers.collective.reduction import _finite
+from peers.collective.reduction import all_finite
 
 Part = tuple[int, np.ndarray, float, np.ndarray]  # (member, values, weight, arrived: bool per packet)
 
@@ -94,7 +94,7 @@ def masked_mean(
     refused = 0
     for attempt in range(2):
         mask, total = _accumulate(out, parts, stride, scratch)
-        finite = _finite(out)
+        finite = all_finite(out)
         if finite or attempt:
             break
         clean = [(k, v, w, a & packets_finite(v, stride)) for k, v, w, a in parts]  # rare: find the culprits

@@ -61,7 +61,7 @@ class ShardReducer:
         st.reduced += 1
         if st.acc_weight[c] > 0:
             np.multiply(out, np.float32(1.0 / st.acc_weight[c]), out=out)
-        if not (st.acc_weight[c] > 0 and _finite(out)):
+        if not (st.acc_weight[c] > 0 and all_finite(out)):
             self._recompute(st, c, out)
         mask, total = st.acc_mask[c], st.acc_weight[c]
         if not mask or not total > 0:
@@ -75,7 +75,7 @@ class ShardReducer:
     def _recompute(self, st: RoundState, c: int, out: np.ndarray) -> None:
         """Sum chunk c again from the parts that are finite; refuse the others."""
         weights = {k: (self.weight if k == self.me else st.weights[k]) for k in bits(st.acc_mask[c])}
-        good = {k: w for k, w in weights.items() if _finite(self._part(k, c))}
+        good = {k: w for k, w in weights.items() if all_finite(self._part(k, c))}
         for _ in weights.keys() - good.keys():
             self.events.rejected("contribution_nonfinite")
         total = sum(good.values())
@@ -84,7 +84,7 @@ class ShardReducer:
             out.fill(0.0)
             for k, w in good.items():
                 out += self._part(k, c) * np.float32(w / total)
-            if not _finite(out):  # finite parts whose mean overflows float32
+            if not all_finite(out):  # finite parts whose mean overflows float32
                 st.acc_mask[c] = 0
 
     def _part(self, k: int, c: int) -> np.ndarray:
@@ -106,6 +106,6 @@ class ShardReducer:
         return out
 
 
-def _finite(a: np.ndarray) -> bool:
+def all_finite(a: np.ndarray) -> bool:
     # max and min propagate NaN, and meet +Inf and -Inf: two passes that stay on one thread.
     return bool(a.size == 0 or (math.isfinite(a.max()) and math.isfinite(a.min())))
