@@ -421,6 +421,7 @@ def _variant(args: argparse.Namespace, link: str) -> None:
         "load_1min_at_start": round(load0, 2),
         "load_1min_at_end": round(os.getloadavg()[0], 2),
         "step_s": {m: round(v, 4) for m, v in median.items()},
+        "step_s_rounds": {m: [round(s["seconds"], 4) for s in ss] for m, ss in samples.items()},
         "cpu_s_per_step_rank0": cpu,
         "overlap_ratio": overlap,
         "bounds_s": {"serial": round(serial, 4), "perfect_overlap": round(perfect, 4)},

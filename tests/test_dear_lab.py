@@ -1,6 +1,6 @@
 """DeAR in the network lab (root and network namespaces; skipped elsewhere with the reason): the
 fusion tuner, fed only by the transfers of real training steps over tbf-shaped links, re-plans after
-the lab lowers every link's rate, and the new bucket size is smaller, as its model predicts (a
+the lab lowers every link's rate sixteenfold, and the new bucket size is smaller, as its model predicts (a
 higher per-byte cost beta with the same latency gives b* = sqrt(M alpha / 2 beta) smaller). The
 lab and every rank process are gone afterwards."""
 
@@ -22,16 +22,17 @@ def test_tuner_replans_smaller_buckets_after_the_link_rate_drops():
 
     before = netns.labs()
     args = parser().parse_args(
-        ["--rate1", "400", "--rate2", "50", "--width", "128", "--depth", "32", "--batch", "64", "--retune-every", "4",
-         "--steps-a", "16", "--steps-b", "24", "--rounds", "1", "--steps", "2", "--timeout", "80"]
+        ["--rate1", "400", "--rate2", "25", "--width", "128", "--depth", "32", "--batch", "64", "--retune-every", "4",
+         "--steps-a", "16", "--steps-b", "20", "--rounds", "1", "--steps", "2", "--min-kib", "16", "--timeout", "80"]
     )  # fmt: skip
     report = run(args, emit_lines=False)
     assert netns.labs() <= before, "the lab was not destroyed"
     a = [r for r in report["retunes"] if r["phase"] == "A"]
     b = [r for r in report["retunes"] if r["phase"] == "B"]
     assert a[-1]["mb_per_s"] and b[-1]["mb_per_s"], report["retunes"]
-    # The fit followed the link: 8x less rate, the fitted bytes per second at least 3x lower.
-    assert b[-1]["mb_per_s"] < a[-1]["mb_per_s"] / 3, (a[-1], b[-1])
+    # The fit followed the link: 16x less rate, the fitted bytes per second at least 4x lower (at
+    # 400 Mbit/s the fit is noisier: rank skew weighs more where transfers are short).
+    assert b[-1]["mb_per_s"] < a[-1]["mb_per_s"] / 4, (a[-1], b[-1])
     # The group re-planned after the change, and to smaller buckets than it used before it.
     replans = [r for r in b if r["replan"]]
     assert replans, b
