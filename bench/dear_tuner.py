@@ -181,6 +181,7 @@ def run(args: argparse.Namespace, *, emit_lines: bool = True) -> dict:
     reshaped_at: list[float] = []
     try:
         with lab_hosts(args.world, args.rate1) as net:
+            lab_id = net.id
             stop = threading.Event()
 
             def reshape_when_asked() -> None:  # bounded: the ranks' own timeout ends the run otherwise
@@ -209,6 +210,7 @@ def run(args: argparse.Namespace, *, emit_lines: bool = True) -> dict:
             raise RuntimeError(f"rank {rank}: {status}: {value}")
     report = reports[0][1]
     report["reshaped_at_s"] = round(reshaped_at[0], 2) if reshaped_at else None
+    report["lab_id"] = lab_id
     report["load_1min_at_start"], report["load_1min_at_end"] = round(load0, 2), round(os.getloadavg()[0], 2)
     report["seconds"] = round(time.monotonic() - started, 1)
     if emit_lines:

@@ -20,13 +20,12 @@ needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=f"network lab unavail
 def test_tuner_replans_smaller_buckets_after_the_link_rate_drops():
     from bench.dear_tuner import parser, run
 
-    before = netns.labs()
     args = parser().parse_args(
         ["--rate1", "400", "--rate2", "25", "--width", "128", "--depth", "32", "--batch", "64", "--retune-every", "4",
-         "--steps-a", "16", "--steps-b", "20", "--rounds", "1", "--steps", "2", "--min-kib", "16", "--timeout", "80"]
+         "--steps-a", "16", "--steps-b", "20", "--rounds", "1", "--steps", "2", "--min-kib", "16", "--timeout", "85"]
     )  # fmt: skip
     report = run(args, emit_lines=False)
-    assert netns.labs() <= before, "the lab was not destroyed"
+    assert report["lab_id"] not in netns.labs(), "the lab was not destroyed"  # other labs may come and go meanwhile
     a = [r for r in report["retunes"] if r["phase"] == "A"]
     b = [r for r in report["retunes"] if r["phase"] == "B"]
     assert a[-1]["mb_per_s"] and b[-1]["mb_per_s"], report["retunes"]
