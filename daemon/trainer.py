@@ -32,8 +32,8 @@ import torch
 
 from daemon.checkpoint import CheckpointStore
 from peers.dear.collective import CollectiveError
-from peers.dear.member import LocalGroupMember
-from peers.dear.schedule import DeAR
+from peers.dear.member import RETUNE_EVERY, LocalGroupMember
+from peers.dear.schedule import DeAR, DeARSettings
 from peers.statesync import Snapshot
 from daemon.tasks import EvalResult, Hparams, Task
 
@@ -244,11 +244,12 @@ class Trainer:
                 try:  # the all-gathers of the previous step are awaited in the forward's pre-hooks
                     loss = self.task.loss(model, batch)
                     loss.backward()  # each bucket's reduce-scatter starts from the backward hooks
-                    self._dear.step()
+                    self._dear.step()  # every RETUNE_EVERY steps it also re-tunes the buckets (all members at once)
                 except CollectiveError as e:  # the step is lost; the next one runs alone
                     self._leave_group(f"DeAR step failed: {e}")
                     continue
                 self.dear_steps += 1
+                self.dear_buckets = len(self._dear.plan.buckets)
             else:
                 loss = self.task.loss(model, batch)
                 optimizer.zero_grad(set_to_none=True)
@@ -307,7 +308,7 @@ class Trainer:
         if self._dear is None and completed:
             collective = self.local_group.try_form(round_members)
             if collective is not None:
-                self._dear = DeAR(model, optimizer, collective)
+                self._dear = DeAR(model, optimizer, collective, DeARSettings(retune_every=RETUNE_EVERY))
                 self.dear_buckets = len(self._dear.plan.buckets)
 
     def _leave_group(self, reason: str, rearm: bool = True) -> None:

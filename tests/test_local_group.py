@@ -105,6 +105,8 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     # same final evaluation.
     assert all(r.last_round_outcome == "completed" and r.param_divergence < 1e-3 for r in finals), finals
     assert finals[0].eval_score == finals[1].eval_score, finals
+    # The fusion tuner runs in the daemon: every RETUNE_EVERY DeAR steps the members re-tune together.
+    assert all("retune at step" in d.log_tail(100000) for d in (a, b)), a.log_tail(40)
     task = get_task("digits-mlp")
     h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
     single = sum(train_single_process(task, h, steps=STEPS, batch_size=2 * BATCH, seed=s).score for s in range(2)) / 2

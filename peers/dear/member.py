@@ -39,6 +39,9 @@ from peers.events import PeerEvents
 logger = logging.getLogger(__name__)
 
 OP_TIMEOUT = 5.0  # seconds one DeAR op may take (EngineCollective's timeout): how long a frozen member stalls a step
+# DeAR steps between fusion re-tunes (DeARSettings.retune_every): every member re-tunes at the same
+# steps, since they take every DeAR step together; one costs a flushed step and a tiny all-reduce.
+RETUNE_EVERY = 50
 
 
 @dataclass(frozen=True, slots=True)
