@@ -11,6 +11,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -309,6 +310,33 @@ class ProposingTuner(FusionTuner):
 
     def propose(self, model_bytes: int) -> tuple[int | None, str]:
         return self.proposal, "fixed by the test"
+
+
+def test_a_rank_without_a_proposal_keeps_everyone_on_the_plan_without_sending_nan():
+    """peerd's engine refuses a reduced shard with NaN as corrupt (and breaks the group), so 'no
+    proposal' must travel as a finite number."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fabric, lock = FakeFabric(2), threading.Lock()
+    issue = fabric._issue
+
+    def one_at_a_time(rank: int, handle) -> None:
+        with lock:
+            issue(rank, handle)
+
+    fabric._issue = one_at_a_time
+    endpoints = [fabric.endpoint(r) for r in range(2)]
+    for ep in endpoints:  # each rank in its own thread: wait for the other to issue the op, then check it
+        ep.wait = lambda h, ep=ep: (h.done.wait(5.0), type(ep).wait(ep, h))[1]
+    dears = [
+        DeAR(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), ep, DeARSettings(bucket_bytes=300), tuner=ProposingTuner(p))
+        for ep, p in zip(endpoints, (None, 2 * KIB))
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        decisions = list(pool.map(lambda d: d.retune(), dears))
+    assert not any(d.replan for d in decisions) and all("no proposal" in d.reason for d in decisions), decisions
+    assert all(bool(torch.isfinite(d._agree).all()) for d in dears)
+    assert [d.plan.bucket_bytes for d in dears] == [300, 300]
 
 
 def _equality_rank(rank: int, world: int, backend: str = "gloo") -> dict:

@@ -59,6 +59,8 @@ from peers.dear.tuner import KIB, FusionTuner, Retune
 
 logger = logging.getLogger(__name__)
 
+NO_PROPOSAL = -1e30  # retune(): what a rank without a proposal puts into the agreement (finite in float32)
+
 
 class Mode(enum.Enum):
     DEAR = "dear"  # reduce-scatter from backward hooks, all-gather awaited in the next forward's pre-hooks
@@ -152,9 +154,12 @@ class DeAR:
         self.flush()
         self._probe_latency()
         proposal, why = self.tuner.propose(self.plan.nbytes)
-        self._agree.fill_(math.nan if proposal is None else proposal / KIB)  # KiB: exact in float32
+        # KiB: exact in float32. A rank without a proposal sends a huge negative number, so the mean is
+        # negative and nobody re-plans; not NaN, which peerd's engine refuses as a corrupt shard.
+        self._agree.fill_(NO_PROPOSAL if proposal is None else proposal / KIB)
         self._all_reduce(self._agree)
-        decision = self.tuner.decide(self.plan.bucket_bytes, float(self._agree[0]) * KIB)
+        agreed = float(self._agree[0])
+        decision = self.tuner.decide(self.plan.bucket_bytes, agreed * KIB if agreed > 0 else math.nan)
         decision = dataclasses.replace(decision, reason=f"{decision.reason} (rank {self.collective.rank}: {why})")
         logger.info("retune at step %d: %s", self.steps, decision.reason)
         if decision.replan:

@@ -17,7 +17,9 @@
   does not: measured in the lab (bench/dear_tuner.py), the local slope among near-equal buckets put
   the intercept below 0 at large buckets and above the probes at small ones, and the plan flapped
   between the bounds and three times the minimum.
-* Without probes: weighted least squares over the bucket transfers, both alpha and beta. The two
+* Without probes, or when the slope through their alpha is not positive (bucket transfers faster
+  than the probes: peerd's engine receives an op's bytes before the op starts, so within a step
+  its latency hides): weighted least squares over the bucket transfers, both alpha and beta. The two
   are separable only if the observed sizes differ (a plan's buckets do: parameters are never split,
   the last bucket is a remainder); with less spread than `min_spread` (coefficient of variation).
 Too little weight, or beta <= 0: no proposal, and the plan stays as it is.
@@ -50,7 +52,7 @@ KIB = 1024
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TunerSettings:
     half_life: float = 64.0  # observations after which an observation counts half
-    min_weight: float = 8.0  # effective observations needed before a proposal
+    min_weight: float = 8.0  # effective observations (bucket transfers and probes) needed before a proposal
     min_spread: float = 0.05  # coefficient of variation of observed sizes needed to separate alpha from beta
     probe_half_life: float = 12.0  # latency probes after which a probe counts half
     min_probe_weight: float = 2.0  # effective probes needed to take alpha from them
@@ -110,15 +112,19 @@ class FusionTuner:
     def fit(self) -> tuple[Fit | None, str]:
         """The current fit, or None and why not."""
         w, sx, sy, sxx, sxy = self._s
-        if w < self.settings.min_weight:
-            return None, f"{w:.1f} observations, need {self.settings.min_weight:g}"
         pw, psy = self._p
-        if pw >= self.settings.min_probe_weight:
+        probes = pw >= self.settings.min_probe_weight
+        if w + (pw if probes else 0.0) < self.settings.min_weight or sxx <= 0:
+            return None, f"{w:.1f} observations and {pw:.1f} probes, need {self.settings.min_weight:g}"
+        if probes:
             alpha = psy / pw
             beta = (sxy - alpha * sx) / sxx  # least squares through (0, alpha)
-            if beta <= 0:
-                return None, f"fitted per-byte cost {beta:.3g} s/B is not positive"
-            return Fit(alpha, beta, w), f"alpha {alpha * 1e6:.0f} us (probes), {1e-6 / beta:.0f} MB/s over {w:.0f} observations"
+            if beta > 0:
+                return Fit(alpha, beta, w), f"alpha {alpha * 1e6:.0f} us (probes), {1e-6 / beta:.0f} MB/s over {w:.0f} observations"
+            # Bucket transfers faster than the probes: a backend that receives an op's bytes before
+            # the op starts (peerd's engine parks them) hides its latency within a step. Fit both.
+        if w < self.settings.min_weight:
+            return None, f"{w:.1f} observations, need {self.settings.min_weight:g}"
         mean_x = sx / w
         var_x = max(0.0, sxx / w - mean_x * mean_x)
         if var_x < (self.settings.min_spread * mean_x) ** 2:
