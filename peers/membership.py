@@ -141,8 +141,9 @@ class RunMembership:
 
     async def rendezvous(self, mates: list[str], step: int, floor: int, timeout: float) -> list[str]:
         """Announce this daemon's step now, then wait at most `timeout` seconds until none of `mates`
-        announces a step in [floor, step): each has reached `step`, is further behind (it will
-        download the state rather than average), or left the table. Returns those still between."""
+        announces a step in [floor, step): each has reached `step`, is further behind (it meets a
+        later round, or downloads the state when two rounds behind), or left the table. Returns
+        those still between."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         polls = 0
