@@ -150,13 +150,13 @@ class DaemonMetrics:
         )
         self.round_wait = Histogram(
             "peerd_round_wait_seconds",
-            "Time before each round's matchmaking spent waiting for group mates still in the previous round.",
+            "Time before each round's matchmaking spent waiting for group mates still behind it (up to two rounds).",
             ["run"],
             buckets=(0.01, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
         self.stragglers = Counter(
-            "peerd_round_stragglers", "Group mates a round stopped waiting for (still in the previous round).", ["run"], registry=r
+            "peerd_round_stragglers", "Group mates a round stopped waiting for (still behind it).", ["run"], registry=r
         )
         self.link_probes = Counter(
             "peerd_link_probes", "Link probes sent to peers, by result: answered, lost (peers/linkprobe.py).", ["result"], registry=r

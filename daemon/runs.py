@@ -40,14 +40,17 @@ RENDEZVOUS_PATIENCE = 10.0  # seconds a round waits for group mates still in the
 
 def rendezvous_for(membership, average_every: int, round_timeout: float):
     """The averager's `rendezvous(round_t, mates)`: announce this daemon's step, then wait for the
-    mates that announce a step in the previous round (peers/membership.py, RunMembership.rendezvous)."""
+    mates that announce a step in either of the two previous rounds (peers/membership.py,
+    RunMembership.rendezvous): one round behind, a mate trains on to this boundary; two behind, it
+    downloads the latest round's state first (Trainer._catch_up), then does the same. A mate
+    further behind is not waited for."""
     patience = min(RENDEZVOUS_PATIENCE, round_timeout / 3)
 
     async def rendezvous(round_t: int, mates: list[str]) -> list[str]:
         step = round_t * average_every
-        behind = await membership.rendezvous(mates, step, step - average_every, patience)
+        behind = await membership.rendezvous(mates, step, step - 2 * average_every, patience)
         if behind:
-            logger.info("run %s: round %d goes on without %d group mate(s) still in the previous round",
+            logger.info("run %s: round %d goes on without %d group mate(s) still behind it",
                         membership.run_id, round_t, len(behind))  # fmt: skip
         return behind
 

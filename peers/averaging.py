@@ -5,7 +5,7 @@ Round t of a run with live peers P (this daemon included):
    (view_coords, re-drawn every sweep of d rounds), the group key from the coordinates with
    dimension t mod d masked out;
 2. the round's rendezvous (if given; the daemon's waits for the mates of the group still in the
-   previous round, peers/membership.py), then peers/matchmaking forms the group under that key
+   two previous rounds, peers/membership.py), then peers/matchmaking forms the group under that key
    (one leader, one agreed member order): matchmaking only meets peers that arrive within about
    a second of each other, and peers that train at slightly different speeds would otherwise
    drift out of phase and meet nobody;
@@ -58,7 +58,7 @@ class RoundResult:
     links: dict[str, str] = field(default_factory=dict)  # peer ID -> "tcp", "libp2p" or "udp", per member reached
     bytes_by_transport: dict[str, tuple[int, int]] = field(default_factory=dict)  # transport -> (sent, received)
     waited: float = 0.0  # seconds the rendezvous waited for group mates before matchmaking
-    stragglers: int = 0  # group mates the rendezvous gave up on (still in the previous round)
+    stragglers: int = 0  # group mates the rendezvous gave up on (still behind it)
 
     @property
     def completed(self) -> bool:

@@ -8,7 +8,7 @@ Timing contract (defaults in daemon/config.py, DiscoveryConfig):
 * a peer that leaves on purpose stores a LEFT record and sends it to every known peer directly,
   so they drop it at once;
 * before a round, a trainer announces its step at once and waits, bounded, for the mates of its
-  round's group that are still in the previous round (`rendezvous`): heartbeats alone are up to
+  round's group that are still up to two rounds behind (`rendezvous`): heartbeats alone are up to
   heartbeat_interval + refresh_interval old, longer than a whole round of a small model;
 * a peer that timed out is pinged every REJOIN_INTERVAL for LOST_MEMORY seconds: after a partition
   the two sides' DHT routing tables have dropped each other and would never dial across again, so
