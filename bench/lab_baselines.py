@@ -262,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         args.mib, args.loss, args.cc = 4.0, "0,5", "reno"
     losses = [float(x) for x in args.loss.split(",")]
     ccs = args.cc.split(",")
-    rtts = [float(x) for x in args.rtt_ms.split(",")]
-    if any(not 0 <= r <= 2000 for r in rtts):
-        parser.error("--rtt-ms: each setting must be between 0 and 2000")
+    rtts = rtt_settings(parser, args.rtt_ms)
     args.hivemind_losses = None if args.hivemind_loss is None else {float(x) for x in args.hivemind_loss.split(",")}
 
     from daemon.lab.netns import LinkShape, Network, environment_problem
@@ -317,12 +315,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure(args, net, hosts, numel: int, cc: str, loss: float, rtt: float = 0.0) -> dict:
-    """One (rtt, cc, loss) setting: the measured RTT, then every system; one JSON line."""
+def rtt_settings(parser: argparse.ArgumentParser, text: str) -> list[float]:
+    """--rtt-ms as numbers; a bad list is a usage error (also used by bench.lossy)."""
+    try:
+        rtts = [float(x) for x in text.split(",")]
+    except ValueError:
+        parser.error(f"--rtt-ms: {text!r} is not a comma-separated list of numbers")
+    if any(not 0 <= r <= 2000 for r in rtts):
+        parser.error("--rtt-ms: each setting must be between 0 and 2000")
+    return rtts
+
+
+def measured_rtt(net, hosts) -> tuple[float | None, dict]:
+    """The RTT between each host and the next (Network.measure_rtt), and the median of their
+    medians in ms (None when every probe was lost); also used by bench.lossy."""
     pairs = [(hosts[i].name, hosts[(i + 1) % len(hosts)].name) for i in range(len(hosts))]
     rtts = net.measure_rtt(pairs)
     medians = [m["median_ms"] for m in rtts.values() if m["median_ms"] is not None]
-    measured = round(statistics.median(medians), 2) if medians else None
+    return (round(statistics.median(medians), 2) if medians else None), rtts
+
+
+def measure(args, net, hosts, numel: int, cc: str, loss: float, rtt: float = 0.0) -> dict:
+    """One (rtt, cc, loss) setting: the measured RTT, then every system; one JSON line."""
+    measured, rtts = measured_rtt(net, hosts)
     before, load, lines_before = net.dropped(), os.getloadavg()[0], net.delay_stats()
     where = f"rtt {rtt:g} ms (measured {measured} ms), {cc}, {loss:g} % loss"
     progress(BENCH, f"{where}: peerd and gloo in turn, {args.rounds} round(s) each")

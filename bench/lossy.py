@@ -35,7 +35,7 @@ from datetime import timedelta
 
 from bench.common import emit, progress, result
 from bench.engine_allreduce import _data
-from bench.lab_baselines import GlooStep, _timed, round_time, run_system
+from bench.lab_baselines import GlooStep, _timed, measured_rtt, round_time, rtt_settings, run_system
 
 BENCH = "lossy"
 SYSTEMS = ("udp", "reliable", "gloo")
@@ -91,11 +91,7 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
 
 
 def measure_rounds(args, net, hosts, numel: int, cc: str, loss: float, rtt: float) -> dict:
-    measured = None
-    if rtt:
-        found = net.measure_rtt([(a.name, b.name) for a, b in zip(hosts, hosts[1:])])
-        medians = [v["median_ms"] for v in found.values() if v["median_ms"] is not None]
-        measured = round(statistics.median(medians), 2) if medians else None
+    measured = measured_rtt(net, hosts)[0] if rtt else None
     before, load = net.dropped(), os.getloadavg()[0]
     progress(BENCH, f"rtt {rtt:g} ms (measured {measured}), {cc}, {loss:g} % loss: peerd UDP, peerd reliable and gloo in turn, {args.rounds} round(s) each")
     reports = run_system("bench.lossy:_trio", (*SYSTEMS, "held"), hosts, numel, args.rounds, args.round_timeout)
@@ -131,7 +127,7 @@ def rounds_part(args, numel: int) -> list[dict]:
     try:
         net.create()
         hosts = [net.add_host(f"h{i}", LinkShape(rate_mbit=args.rate)) for i in range(args.hosts)]
-        for rtt in [float(x) for x in args.rtt_ms.split(",")]:
+        for rtt in args.rtts:
             for cc in args.cc.split(","):
                 for h in hosts:
                     net.set_congestion_control(h, cc)
@@ -198,12 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.loss, args.cc, args.steps, args.converge_seconds = 4.0, "0,5", "reno", 60, 90.0
-    try:
-        rtts = [float(x) for x in args.rtt_ms.split(",")]
-    except ValueError:
-        parser.error(f"--rtt-ms: {args.rtt_ms!r} is not a comma-separated list of numbers")
-    if any(not 0 <= r <= 2000 for r in rtts):
-        parser.error("--rtt-ms: each setting must be between 0 and 2000")
+    args.rtts = rtt_settings(parser, args.rtt_ms)
 
     from daemon.lab.netns import environment_problem
 

@@ -105,12 +105,14 @@ class FilteredTransport(Transport):
         await self.inner.close()
 
 
-class _FilteredLink(Link):
-    def __init__(self, inner: Link, drop: Callable[[Header], bool]):
-        self.inner, self.drop = inner, drop
+class WrappedLink(Link):
+    """A link that changes what `send` does and hands everything else to the link it wraps."""
+
+    def __init__(self, inner: Link):
+        self.inner = inner
 
     def send(self, header: Header, payload: memoryview | None = None) -> int:
-        return 0 if self.drop(header) else self.inner.send(header, payload)
+        return self.inner.send(header, payload)
 
     async def drain(self) -> None:
         await self.inner.drain()
@@ -121,3 +123,12 @@ class _FilteredLink(Link):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _FilteredLink(WrappedLink):
+    def __init__(self, inner: Link, drop: Callable[[Header], bool]):
+        super().__init__(inner)
+        self.drop = drop
+
+    def send(self, header: Header, payload: memoryview | None = None) -> int:
+        return 0 if self.drop(header) else self.inner.send(header, payload)

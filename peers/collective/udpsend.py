@@ -27,7 +27,7 @@ import socket
 from typing import Callable
 
 from peers.collective.datagram import MAX_DATAGRAM, OVERHEAD, DatagramCodec
-from peers.collective.transport import Link
+from peers.collective.transport import Link, WrappedLink
 from peers.collective.wire import HEADER_SIZE, Header, Kind
 from peers.events import PeerEvents
 
@@ -244,34 +244,25 @@ class DatagramLink(Link):
         self.control.close()
 
 
-class StreamPacketLink(Link):
+class StreamPacketLink(WrappedLink):
     """A link of the UDP transport whose data goes over the member's reliable link instead (its UDP
     path failed the probe, or `--transport reliable`): each data message is cut into the same
     packets as datagrams would be (the packet grid is part of the wire contract), sent in order and
     never lost; DONE goes once, behind the data. The receiving inbox checks them as datagrams."""
 
     def __init__(self, control: Link, packet_elements: int, address: str):
-        self.control, self.packet_elements, self.address = control, packet_elements, address
+        super().__init__(control)
+        self.packet_elements, self.address = packet_elements, address
 
     def send(self, header: Header, payload: memoryview | None = None) -> int:
         if self.closed:
             return 0
         if header.kind not in DATA_KINDS:
-            return self.control.send(header, payload)
+            return self.inner.send(header, payload)
         if header.length > len(payload or b"") or not header.count:
             raise ValueError("a data message needs a payload of header.count elements")
         size, stride = 0, self.packet_elements
         for e0 in range(0, header.count, stride):
             e1 = min(e0 + stride, header.count)
-            size += self.control.send(header._replace(offset=header.offset + e0, count=e1 - e0), payload[e0 * 4 : e1 * 4])
+            size += self.inner.send(header._replace(offset=header.offset + e0, count=e1 - e0), payload[e0 * 4 : e1 * 4])
         return size
-
-    async def drain(self) -> None:
-        await self.control.drain()
-
-    @property
-    def closed(self) -> bool:
-        return self.control.closed
-
-    def close(self) -> None:
-        self.control.close()
