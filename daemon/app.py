@@ -70,6 +70,7 @@ class RunSummary:
     dear_buckets: int = 0  # fused buckets of the active DeAR group's plan
     dear_steps: int = 0  # steps this daemon took under DeAR in the run
     dear_overlap_ratio: float = math.nan  # communication hidden behind compute (docs/dear.md)
+    wan_share: float = 1.0  # the fraction of the state vector this daemon averages over the WAN
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,10 +330,13 @@ class Daemon:
                 udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
                 events=self.metrics.peer_events(),
                 rendezvous=run_setup.rendezvous_for(membership, manifest.averaging.average_every, manifest.averaging.round_timeout),
+                lanes=manifest.averaging.lanes,
             )
 
-            async def run_round(vector, weight, round_t):
-                return await averager.average(vector, weight, round_t, [e.peer_id for e in membership.peers()])
+            async def run_round(vector, weight, round_t, lanes):
+                live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers()}
+                # The trainer thread waits for this round: its delegation cannot change meanwhile.
+                return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1])
 
             loop = asyncio.get_running_loop()
             average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
@@ -350,6 +354,7 @@ class Daemon:
                     engine_key=secret.engine_key if secret is not None else None,
                 )
                 membership.dear_address_of = lambda: local_group.address
+                membership.delegation_of = lambda: trainer.delegation
             handle.trainer = trainer = run_setup.make_trainer(
                 manifest,
                 self.node,
@@ -362,6 +367,7 @@ class Daemon:
                 sync=sync,
                 on_sync=lambda result: self.metrics.observe_sync(run_id, result),
                 local_group=local_group,
+                announce=lambda: asyncio.run_coroutine_threadsafe(membership.heartbeat(), loop),
             )
             membership.step_of = lambda: trainer.global_step
             self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
@@ -452,6 +458,7 @@ class Daemon:
                     dear_buckets=tr.dear_buckets if tr else 0,
                     dear_steps=tr.dear_steps if tr else 0,
                     dear_overlap_ratio=tr.dear_overlap_ratio if tr else math.nan,
+                    wan_share=tr.wan_share if tr else 1.0,
                 )
             )
         return StatusSnapshot(

@@ -82,6 +82,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     dear_buckets=r.dear_buckets,
                     dear_steps=r.dear_steps,
                     dear_overlap_ratio=r.dear_overlap_ratio,
+                    wan_share=r.wan_share,
                 )
                 for r in s.runs
             ],

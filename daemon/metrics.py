@@ -98,6 +98,9 @@ class _TrainingCollector(Collector):
         overlap = GaugeMetricFamily(
             "peerd_dear_overlap_ratio", "Share of DeAR's communication hidden behind compute (latest local group).", labels=["run"]
         )
+        wan_share = GaugeMetricFamily(
+            "peerd_wan_share", "Fraction of the run's state this daemon averages over the WAN (1 outside a local group).", labels=["run"]
+        )
         for r in self.runs():
             if not r.task:
                 continue
@@ -109,12 +112,13 @@ class _TrainingCollector(Collector):
             samples.add_metric([r.run_id], r.samples)
             if r.eval_metric:
                 score.add_metric([r.run_id], r.eval_score)
+            wan_share.add_metric([r.run_id], r.wan_share)
             if r.local_group:
                 group.add_metric([r.run_id], r.local_group_size)
                 dear_steps.add_metric([r.run_id], r.dear_steps)
                 if not math.isnan(r.dear_overlap_ratio):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
-        yield from (step, local, loss, samples, score, divergence, group, dear_steps, overlap)
+        yield from (step, local, loss, samples, score, divergence, group, dear_steps, overlap, wan_share)
 
 
 class DaemonMetrics:

@@ -71,12 +71,13 @@ class RunHandle:
 
 
 def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, timeout: float):
-    """A blocking `average(vector, weight, round_t)` for the trainer thread: runs `run_round` on the
-    event loop and waits at most `timeout` (the run's round_timeout). A round that times out or is
-    cancelled (leave, drain) is cancelled on the loop and leaves the vector as it was."""
+    """A blocking `average(vector, weight, round_t, lanes) -> [RoundResult]` for the trainer thread:
+    runs `run_round` (one round per lane; `lanes` None: every lane) on the event loop and waits at
+    most `timeout` (the run's round_timeout). Rounds that time out or are cancelled (leave, drain)
+    are cancelled on the loop and leave the vector as it was."""
 
-    def average(vector, weight: float, round_t: int) -> RoundResult:
-        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t), loop)
+    def average(vector, weight: float, round_t: int, lanes=None) -> list[RoundResult]:
+        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes), loop)
         handle.round_future = future
         try:
             return future.result(timeout)
@@ -84,7 +85,7 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
             future.cancel()
             # The engine restores the vector when cancelled; wait for that before the thread reuses it.
             concurrent.futures.wait([future], timeout=CANCEL_GRACE)
-            return RoundResult(round_t, 1, None, "round timed out or was cancelled")
+            return [RoundResult(round_t, 1, None, "round timed out or was cancelled")]
         finally:
             handle.round_future = None
 
@@ -234,6 +235,7 @@ def make_trainer(
     sync=None,
     on_sync=None,
     local_group=None,
+    announce=None,
 ) -> Trainer:
     task = _installed(manifest.task)
     return Trainer(
@@ -250,6 +252,8 @@ def make_trainer(
         eval_every=train.eval_every,
         max_steps=train.max_steps,
         average_every=manifest.averaging.average_every,
+        lanes=manifest.averaging.lanes,
+        round_timeout=manifest.averaging.round_timeout,
         average=average,
         on_round=on_round,
         peer_steps=peer_steps,
@@ -258,6 +262,7 @@ def make_trainer(
         ready_to_train=(lambda: peers() + 1 >= train.min_peers) if peers is not None else None,
         ready_timeout=train.min_peers_timeout,
         local_group=local_group,
+        announce=announce,
     )
 
 

@@ -32,14 +32,20 @@ import torch
 
 from daemon.checkpoint import CheckpointStore
 from peers.dear.collective import CollectiveError
+from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peers.dear.schedule import DeAR, DeARSettings
+from peers.averaging import RoundResult
 from peers.statesync import Snapshot
 from daemon.tasks import EvalResult, Hparams, Task
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 30.0  # seconds to wait for the thread: one step, one evaluation and one checkpoint
+# Seconds beyond the run's round_timeout a member of a DeAR group waits at the all-gather after the
+# WAN rounds, for the members whose lanes' rounds take longest (a timed-out round is cancelled and
+# restores its lane within runs.CANCEL_GRACE; the rest is skew between the members' reduce-scatters).
+HIERARCHY_SLACK = 15.0
 CATCH_UP_PATIENCE = 10.0  # seconds a trainer behind its peers keeps trying to download their state
 
 
@@ -113,7 +119,8 @@ def distance(flat: torch.Tensor, tensors: list[torch.Tensor]) -> float:
 
 class Trainer:
     """Trains one run. Callbacks, all blocking and called from the trainer thread:
-    - average(vector, weight, round_t) -> RoundResult: one Moshpit round (peers/averaging.py);
+    - average(vector, weight, round_t, lanes) -> [RoundResult]: one Moshpit round per lane of the
+      run's state vector (peers/averaging.py; lanes None: every lane);
     - peer_steps() -> list[int]: the global steps live peers announced in their heartbeats;
     - sync(min_step, out) -> result with .ok, .step, .reason: download the run's state vector from
       peers into `out` (peers/statesync.py);
@@ -121,8 +128,9 @@ class Trainer:
 
     With `local_group` (a LocalGroupMember, --local-group), steps run under DeAR among the group's
     members while it holds (docs/dear.md, "In the daemon"): the group forms right after a completed
-    round that all its members took part in, and is dropped on a CollectiveError, after a round it
-    did not complete as a whole, or when this daemon downloads state; training goes on alone.
+    round that all its members took part in, and is dropped on a CollectiveError or when this
+    daemon downloads state; training goes on alone. While it holds, the group averages over the WAN
+    as one peer, each member its own lanes (peers/dear/hierarchy.py).
     """
 
     def __init__(
@@ -140,7 +148,9 @@ class Trainer:
         eval_every: int,
         max_steps: int,
         average_every: int = 0,
-        average: Callable[[torch.Tensor, float, int], object] | None = None,
+        lanes: int = 1,
+        round_timeout: float = 30.0,
+        average: Callable[..., list] | None = None,
         on_round: Callable[[object], None] | None = None,
         peer_steps: Callable[[], list[int]] | None = None,
         sync: Callable[[int, torch.Tensor], object] | None = None,
@@ -148,6 +158,7 @@ class Trainer:
         ready_to_train: Callable[[], bool] | None = None,
         ready_timeout: float = 0.0,
         local_group: LocalGroupMember | None = None,
+        announce: Callable[[], object] | None = None,
     ):
         self.local_group = local_group
         self._dear: DeAR | None = None  # active while this daemon trains in a DeAR group
@@ -157,6 +168,14 @@ class Trainer:
         self.ready_to_train, self.ready_timeout = ready_to_train, ready_timeout
         self.run_id, self.task, self.hparams = run_id, task, hparams
         self.average_every, self.average = average_every, average
+        self.lanes, self.round_timeout = lanes, round_timeout
+        self._exchange: LaneExchange | None = None  # the active DeAR group's buffers around its WAN rounds
+        # Set by the trainer thread as a DeAR group forms and drops, each replaced as a whole; read by
+        # the heartbeat (it tells peers to leave this daemon out of the lanes its group's other
+        # members average for it), status and metrics.
+        self.delegation: tuple[int, str] = (0, "")  # (delegated lanes as a bit mask, group_id); (0, "") alone
+        self.wan_share = 1.0  # the fraction of the state vector this daemon averages over the WAN
+        self.announce = announce or (lambda: None)  # heartbeat now (non-blocking): the delegation changed
         self.on_round = on_round or (lambda result: None)
         self.peer_steps, self.sync = peer_steps or (lambda: []), sync
         self.on_sync = on_sync or (lambda result: None)
@@ -270,8 +289,7 @@ class Trainer:
                 if self._catch_up():  # a round among peers far ahead would find nobody
                     self._leave_group("state downloaded from peers")
                 else:
-                    self._average_round()
-                    self._regroup(model, optimizer)
+                    self._average_round(model, optimizer)
             if self.global_step % self.eval_every == 0:
                 self._flush()
                 self.eval = self.task.evaluate(model, self.hparams)
@@ -295,21 +313,24 @@ class Trainer:
             except CollectiveError as e:
                 self._leave_group(f"DeAR flush failed: {e}")
 
-    def _regroup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """After a round: keep the DeAR group only if the round completed with all its members (so
-        they still hold the same state); form one if none is active and the round allows it."""
-        if self.local_group is None:
+    def _regroup(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, results: list) -> None:
+        """After a round this daemon averaged alone (every lane): form the DeAR group if every lane's
+        round completed with every member of the local group in it, which leaves them all with the
+        same state. (A group that holds is kept or dropped by its hierarchical round.)"""
+        if self.local_group is None or self._dear is not None:
             return
-        result = self.last_round
-        completed = getattr(result, "completed", False)
-        round_members = set(result.outcome.members) if completed else set()
-        if self._dear is not None and not set(self.local_group.members) <= round_members:
-            self._leave_group(f"round {getattr(result, 'round_t', '?')} not completed by every member of the group")
-        if self._dear is None and completed:
-            collective = self.local_group.try_form(round_members)
-            if collective is not None:
-                self._dear = DeAR(model, optimizer, collective, DeARSettings(retune_every=RETUNE_EVERY))
-                self.dear_buckets = len(self._dear.plan.buckets)
+        if len(results) != self.lanes or not all(getattr(r, "completed", False) for r in results):
+            return
+        round_members = set.intersection(*(set(r.outcome.members) for r in results))
+        collective = self.local_group.try_form(round_members)
+        if collective is not None:
+            self._dear = DeAR(model, optimizer, collective, DeARSettings(retune_every=RETUNE_EVERY))
+            self.dear_buckets = len(self._dear.plan.buckets)
+            lg = self.local_group
+            self._exchange = LaneExchange(self._flat.numel(), self.lanes, lg.size)
+            self.wan_share = self._exchange.share(lg.rank)
+            self.delegation = (delegated_mask(self.lanes, lg.size, lg.rank), group_id(lg.members))
+            self.announce()
 
     def _leave_group(self, reason: str, rearm: bool = True) -> None:
         """Stop training under DeAR (hooks removed, engine closed); with `rearm`, a fresh engine
@@ -320,7 +341,9 @@ class Trainer:
                 self._dear.close()  # flushes first unless it failed; the hooks go in any case
             except CollectiveError:
                 pass
-            self._dear, self.dear_buckets = None, 0
+            self._dear, self.dear_buckets, self._exchange = None, 0, None
+            self.delegation, self.wan_share = (0, ""), 1.0
+            self.announce()
             logger.info("run %s: training on without the DeAR group: %s", self.run_id, reason)
         if self.local_group is None:
             return
@@ -362,26 +385,52 @@ class Trainer:
         return False
 
     @torch.no_grad()
-    def _average_round(self) -> None:
+    def _average_round(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """One averaging round: alone, every lane of the state vector in Moshpit rounds (one per
+        lane); in a DeAR group, the group's hierarchical round (peers/dear/hierarchy.py): this
+        daemon averages its own lanes for the whole group, between a reduce-scatter and an
+        all-gather within it. Then form a DeAR group where the rounds allow it."""
         gather(self._tensors, self._flat)
-        result = self.average(self._flat, float(self._samples_since_round), self.global_step // self.average_every)
-        previous, self.last_round = self.last_round, result
-        if not getattr(result, "completed", False):
+        round_t, weight = self.global_step // self.average_every, float(self._samples_since_round)
+        lg, gathered, broke = self.local_group, False, ""
+        if self._dear is not None and lg is not None and self._exchange is not None:
+            done = hierarchical_round(
+                self._dear.collective, self._exchange, lg.rank, self._flat, weight,
+                lambda vector, w, lanes: self.average(vector, w, round_t, lanes),
+                gather_timeout=self.round_timeout + HIERARCHY_SLACK,
+            )  # fmt: skip
+            results, gathered, broke = done.results, done.gathered, done.error
+        else:
+            results = self.average(self._flat, weight, round_t, None)
+        applied = gathered or any(getattr(r, "applied", False) for r in results)
+        previous = self.last_round
+        # Status shows the round of this daemon's first lane (or that its group averaged them all).
+        self.last_round = results[0] if results else RoundResult(round_t, lg.size if lg else 1, None,
+                                                                  "every lane averaged by the local group's other members",
+                                                                  delegated=True)  # fmt: skip
+        if not all(getattr(r, "completed", False) for r in results):
             # A peer alone runs a round every few milliseconds: log a reason when it changes, not every time.
-            same = previous is not None and getattr(previous, "reason", None) == getattr(result, "reason", None)
+            reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
+            same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason
             (logger.debug if same else logger.info)(
-                "run %s: round %d at step %d not completed: %s", self.run_id, self.global_step // self.average_every,
-                self.global_step, getattr(result, "reason", result))  # fmt: skip
-        if getattr(result, "applied", False):  # COMPLETED, or PARTIAL (UDP: the result where it arrived)
+                "run %s: round %d at step %d not completed: %s", self.run_id, round_t, self.global_step, reason)  # fmt: skip
+        if applied or broke:  # a broken hierarchical round may still have changed this member's lanes
             # Before the result replaces them: how far this member's parameters were from the mean.
-            self.param_divergence = distance(self._flat, self._tensors[: self._n_params])
+            if applied:
+                self.param_divergence = distance(self._flat, self._tensors[: self._n_params])
             scatter(self._flat, self._tensors)
+        if applied:
             self._samples_since_round = 0  # otherwise they count toward the next round's weight
         # What peers download: the group's mean after a completed round (the same bytes on every
         # member, so several donors can serve it), else this daemon's own state (after a PARTIAL
         # round: the result where it arrived, its own values elsewhere).
         self.snapshot = Snapshot(self.global_step, self._flat.clone())
-        self.on_round(result)
+        for result in results:
+            self.on_round(result)
+        if broke:
+            self._leave_group(f"local group's round {round_t}: {broke}")
+        else:
+            self._regroup(model, optimizer, results)
 
     def _checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         state = {

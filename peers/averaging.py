@@ -21,14 +21,25 @@ Round t of a run with live peers P (this daemon included):
    only), or its own unchanged vector (ABORTED).
 
 A round that forms no group (alone, leader gone, views differed) changes nothing and says why.
+
+**Lanes** (`averaging.lanes` = L > 1, peers/dear/hierarchy.py): the vector is cut into L slices,
+each averaged in a round of its own, concurrently: its view is the live peers that have not
+delegated it to a member of their DeAR group that averages it (the member records'
+`delegated_lanes` and `dear_group`; hierarchy.lane_view), its group
+keys and matchmaking entries live under the run's namespace plus "/lane<l>", and its all-reduce
+runs on the lane's slice in place. The grid coordinates come from the run's namespace for every
+lane, so where the views agree a peer meets the same mates in every lane. One rendezvous waits for
+the mates of every lane at once. With L = 1 a round is exactly as above.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import errno
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +50,7 @@ from peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllR
 from peers.collective.fallback import FallbackTransport, member_address
 from peers.collective.linkauth import LinkAuth
 from peers.collective.tcp import split_address
+from peers.dear.hierarchy import lane_bounds, lane_view
 from peers.events import PeerEvents
 from peers.matchmaking import Matchmaker, Member
 from peers.moshpit import grid_shape, group_key, view_coords
@@ -59,6 +71,8 @@ class RoundResult:
     bytes_by_transport: dict[str, tuple[int, int]] = field(default_factory=dict)  # transport -> (sent, received)
     waited: float = 0.0  # seconds the rendezvous waited for group mates before matchmaking
     stragglers: int = 0  # group mates the rendezvous gave up on (still behind it)
+    lane: int = 0  # the slice of the state vector this round averaged (peers/dear/hierarchy.py)
+    delegated: bool = False  # not a round: every lane of this daemon was averaged by its local group's other members
 
     @property
     def completed(self) -> bool:
@@ -77,7 +91,10 @@ class RoundResult:
 
     @property
     def outcome_name(self) -> str:
-        """completed, aborted or no_group: the `outcome` label of peerd_rounds_total."""
+        """completed, partial, aborted or no_group: the `outcome` label of peerd_rounds_total
+        (or "delegated", shown in status only: such a result is not counted as a round)."""
+        if self.delegated:
+            return "delegated"
         return "no_group" if self.outcome is None else self.outcome.status.value
 
 
@@ -104,6 +121,7 @@ class MoshpitAverager:
         settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None,
         rendezvous: Callable[[int, list[str]], Awaitable[list[str]]] | None = None,
+        lanes: int = 1,
     ):
         """`rendezvous(round_t, mates)` waits (bounded) for the mates of round_t's group and returns
         those it gave up on. In loss-tolerant rounds `data_path` says how data reaches a member:
@@ -121,28 +139,62 @@ class MoshpitAverager:
         self.loss_tolerant, self.datagram_bytes, self.udp_rate_bps = loss_tolerant, datagram_bytes, udp_rate_bps
         self.settings = settings or AllReduceSettings()
         self.events = events or PeerEvents()
+        self.lanes = lanes
 
-    async def average(self, vector: torch.Tensor, weight: float, round_t: int, live_peers: list[str]) -> RoundResult:
-        """Average `vector` (flat float32, in place) with this round's group."""
-        view = sorted({self.peer_id, *live_peers})
-        if len(view) == 1:
-            return RoundResult(round_t, 1, None, "alone in the run")
-        shape = grid_shape(len(view), self.max_group_size)
-        coords = view_coords(view, shape, run_id=self.namespace, epoch=round_t // shape.d)
-        key = group_key(self.namespace, round_t, coords[self.peer_id], shape)
+    async def average(
+        self, vector: torch.Tensor, weight: float, round_t: int, live_peers: Mapping[str, tuple[int, str]],
+        lanes: Sequence[int] | None = None, group: str = "",
+    ) -> list[RoundResult]:  # fmt: skip
+        """Average `lanes` of `vector` (flat float32, in place; every lane of the run when None) with
+        this round's groups, one round per lane. `live_peers`: peer ID -> (the lanes it delegated as
+        a bit mask, its DeAR group's ID), as announced; `group`: this daemon's DeAR group ID ("" when
+        none). Returns one RoundResult per lane, in lane order."""
+        mine = sorted(range(self.lanes) if lanes is None else set(lanes))
+        bounds = lane_bounds(vector.numel(), self.lanes)
+        plans: dict[int, tuple[str, str, list[str]] | None] = {}
+        for lane in mine:
+            view = lane_view(self.peer_id, mine, group, live_peers, lane)
+            if len(view) == 1:
+                plans[lane] = None
+                continue
+            shape = grid_shape(len(view), self.max_group_size)
+            coords = view_coords(view, shape, run_id=self.namespace, epoch=round_t // shape.d)
+            namespace = self.namespace if self.lanes == 1 else f"{self.namespace}/lane{lane}"
+            key = group_key(namespace, round_t, coords[self.peer_id], shape)
+            mates = [p for p in view if p != self.peer_id and group_key(namespace, round_t, coords[p], shape) == key]
+            plans[lane] = (namespace, key, mates)
         waited, stragglers = 0.0, 0
-        if self.rendezvous is not None:
-            mates = [p for p in view if p != self.peer_id and group_key(self.namespace, round_t, coords[p], shape) == key]
+        mates = sorted({p for plan in plans.values() if plan for p in plan[2]})
+        if self.rendezvous is not None and mates:
             started = time.monotonic()
-            stragglers = len(await self.rendezvous(round_t, mates)) if mates else 0
+            stragglers = len(await self.rendezvous(round_t, mates))
             waited = time.monotonic() - started
+
+        async def one(lane: int) -> RoundResult:
+            if plans[lane] is None:
+                return RoundResult(round_t, 1, None, "alone in the run", lane=lane)
+            namespace, key, _ = plans[lane]
+            s, e = bounds[lane]
+            try:
+                return await self._round(vector[s:e], weight, round_t, namespace, key, lane)
+            except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
+                logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
+                return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane)
+
+        results = list(await asyncio.gather(*(one(lane) for lane in mine)))
+        if results:  # the rendezvous served every lane: count its wait once
+            results[0] = dataclasses.replace(results[0], waited=waited, stragglers=stragglers)
+        return results
+
+    async def _round(self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int) -> RoundResult:
+        """One lane's round under group key `key`: listen, matchmaking, all-reduce of `vector` (a slice)."""
         transport, address = await self._listen(key)
         try:
             port = split_address(address)[1]
             me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
-            matched = await self.matchmaker.form_group(self.namespace, self.secret, round_t, key, me)
+            matched = await self.matchmaker.form_group(namespace, self.secret, round_t, key, me)
             if matched.group is None:
-                return RoundResult(round_t, 1, None, f"no group: {matched.reason}", waited=waited, stragglers=stragglers)
+                return RoundResult(round_t, 1, None, f"no group: {matched.reason}", lane=lane)
             g = matched.group
             addresses = [member_address(m.engine_addr, m.peer_id) for m in g.members]
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
@@ -156,7 +208,7 @@ class MoshpitAverager:
             finally:
                 await engine.close()
             return RoundResult(round_t, group.size, outcome, outcome.reason, self._links(transport, group),
-                               transport.bytes_by_transport(), waited, stragglers)  # fmt: skip
+                               transport.bytes_by_transport(), lane=lane)  # fmt: skip
         finally:
             await transport.close()
 

@@ -21,6 +21,7 @@ MANIFEST_FORMAT_VERSION = 1
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_HPARAMS = 64
 MAX_HPARAM_CHARS = 256
+MAX_LANES = 64  # lanes are announced as a 64-bit mask (PeerRecord.delegated_lanes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,6 +34,10 @@ class AveragingSettings:
     # A run-wide choice: the two engines speak different protocols, so every member must use the same.
     transport: str = "reliable"
     datagram_bytes: int = 1472  # UDP datagram size: a 1500-byte path MTU minus IP and UDP headers
+    # Slices of the state vector ("lanes"), each averaged in Moshpit rounds of its own, so that the
+    # members of a local group can share the WAN averaging of their common state: member r of a
+    # group of k averages lanes r, r+k, ... for the whole group (peers/dear/hierarchy.py).
+    lanes: int = 1
 
     def __post_init__(self) -> None:
         if self.transport not in ("reliable", "udp"):
@@ -43,6 +48,8 @@ class AveragingSettings:
             raise ValueError(f"average_every must be in 1..100000, got {self.average_every}")
         if not 2 <= self.max_group_size <= 1024:
             raise ValueError(f"max_group_size must be in 2..1024, got {self.max_group_size}")
+        if not 1 <= self.lanes <= MAX_LANES:
+            raise ValueError(f"lanes must be in 1..{MAX_LANES}, got {self.lanes}")
         if not 0.1 <= self.round_timeout <= 3600:
             raise ValueError(f"round_timeout must be in 0.1..3600 s, got {self.round_timeout}")
 
@@ -82,7 +89,7 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
         hparams=manifest.hparams,
         averaging=records_pb2.AveragingSettings(
             average_every=a.average_every, max_group_size=a.max_group_size, round_timeout=a.round_timeout,
-            transport=a.transport, datagram_bytes=a.datagram_bytes,
+            transport=a.transport, datagram_bytes=a.datagram_bytes, lanes=a.lanes,
         ),
         creator=manifest.creator,
         created_at=manifest.created_at,
@@ -111,6 +118,7 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
                 round_timeout=body.averaging.round_timeout,
                 transport=body.averaging.transport or "reliable",
                 datagram_bytes=body.averaging.datagram_bytes or 1472,
+                lanes=body.averaging.lanes or 1,
             ),
             creator=body.creator,
             created_at=body.created_at,

@@ -75,6 +75,8 @@ class RunMembership:
         self.local_group = ""  # this daemon's --local-group label, put into each heartbeat
         self.dear_address_of: Callable[[], str] = lambda: ""  # its DeAR engine's address, put into each heartbeat
         self.probe_address = ""  # where this daemon answers link probes, put into each heartbeat
+        # (lanes its DeAR group's other members average for it as a bit mask, that group's ID), ditto
+        self.delegation_of: Callable[[], tuple[int, str]] = lambda: (0, "")
 
     @property
     def secured(self) -> bool:
@@ -173,6 +175,7 @@ class RunMembership:
         return self.table.entries()
 
     def _envelope(self, state: MemberState) -> bytes:
+        delegated, group = self.delegation_of()  # one read: the trainer replaces the pair as a whole
         record = MemberRecord(
             run_id=self.run_id,
             peer_id=self.node.peer_id,
@@ -185,6 +188,8 @@ class RunMembership:
             local_group=self.local_group,
             dear_address=self.dear_address_of() if state is MemberState.ACTIVE else "",
             probe_address=self.probe_address if state is MemberState.ACTIVE else "",
+            delegated_lanes=delegated if state is MemberState.ACTIVE else 0,
+            dear_group=group if state is MemberState.ACTIVE else "",
         )
         return seal_record(record, self.node.identity, self.secret)
 

@@ -40,6 +40,8 @@ class MemberRecord:
     local_group: str = ""  # the operator's --local-group label; "" when unset
     dear_address: str = ""  # "host:port" of its DeAR engine (docs/dear.md); "" when none
     probe_address: str = ""  # "host:port" where it answers link probes (peers/linkprobe.py); "" when none
+    delegated_lanes: int = 0  # bit l: another member of its local group averages lane l (peers/dear/hierarchy.py)
+    dear_group: str = ""  # ID of its active DeAR group (hierarchy.group_id); "" when none
 
 
 def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | None) -> bytes:
@@ -59,6 +61,8 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         local_group=record.local_group,
         dear_address=record.dear_address,
         probe_address=record.probe_address,
+        delegated_lanes=record.delegated_lanes,
+        dear_group=record.dear_group,
     ).SerializeToString()
     return seal(RecordKind.MEMBER, body, identity, secret, record.run_id)
 
@@ -81,8 +85,8 @@ def open_envelope(
         raise RecordRejected("record_malformed", f"{len(body.maddrs)} addresses")
     if body.timestamp > now + MAX_CLOCK_SKEW_SECONDS:
         raise RecordRejected("record_future", f"timestamp {body.timestamp - now:.0f} s ahead")
-    if max(len(body.local_group), len(body.dear_address), len(body.probe_address)) > MAX_LABEL:
-        raise RecordRejected("record_malformed", "local group label, DeAR or probe address too long")
+    if max(len(body.local_group), len(body.dear_address), len(body.probe_address), len(body.dear_group)) > MAX_LABEL:
+        raise RecordRejected("record_malformed", "local group label, DeAR group, DeAR or probe address too long")
     return MemberRecord(
         run_id=body.run_id,
         peer_id=body.peer_id,
@@ -95,6 +99,8 @@ def open_envelope(
         local_group=body.local_group,
         dear_address=body.dear_address,
         probe_address=body.probe_address,
+        delegated_lanes=body.delegated_lanes,
+        dear_group=body.dear_group,
     )
 
 

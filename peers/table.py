@@ -19,6 +19,8 @@ class PeerEntry:
     local_group: str = ""  # its --local-group label
     dear_address: str = ""  # its DeAR engine's "host:port"; "" when none
     probe_address: str = ""  # where it answers link probes, "host:port"; "" when none
+    delegated_lanes: int = 0  # lanes another member of its local group averages for it (a bit mask)
+    dear_group: str = ""  # ID of its active DeAR group; "" when none
 
 
 class PeerTable:
@@ -51,14 +53,16 @@ class PeerTable:
             age = min(max(now - record.timestamp, 0.0), self.ttl)
             self._entries[record.peer_id] = PeerEntry(
                 record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step,
-                record.local_group, record.dear_address, record.probe_address,
+                record.local_group, record.dear_address, record.probe_address, record.delegated_lanes,
+                record.dear_group,
             )
             return "new"
         if record.timestamp <= entry.timestamp:
             return "stale"
         entry.maddrs, entry.version, entry.role, entry.step = record.maddrs, record.version, record.role, record.step
         entry.local_group, entry.dear_address = record.local_group, record.dear_address
-        entry.probe_address = record.probe_address
+        entry.probe_address, entry.delegated_lanes = record.probe_address, record.delegated_lanes
+        entry.dear_group = record.dear_group
         entry.timestamp, entry.last_seen = record.timestamp, now
         return "refreshed"
 

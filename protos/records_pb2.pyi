@@ -43,7 +43,7 @@ JOIN_STATUS_LATE: JoinStatus
 JOIN_STATUS_GROUP_FULL: JoinStatus
 
 class PeerRecord(_message.Message):
-    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address", "probe_address")
+    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address", "probe_address", "delegated_lanes", "dear_group")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class PeerRecord(_message.Message):
     LOCAL_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEAR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROBE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DELEGATED_LANES_FIELD_NUMBER: _ClassVar[int]
+    DEAR_GROUP_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     run_id: str
     peer_id: str
@@ -68,7 +70,9 @@ class PeerRecord(_message.Message):
     local_group: str
     dear_address: str
     probe_address: str
-    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ..., probe_address: _Optional[str] = ...) -> None: ...
+    delegated_lanes: int
+    dear_group: str
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ..., probe_address: _Optional[str] = ..., delegated_lanes: _Optional[int] = ..., dear_group: _Optional[str] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("format_version", "sealed", "nonce", "payload", "public_key", "signature", "kind")
@@ -89,18 +93,20 @@ class Envelope(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., kind: _Optional[_Union[RecordKind, str]] = ...) -> None: ...
 
 class AveragingSettings(_message.Message):
-    __slots__ = ("average_every", "max_group_size", "round_timeout", "transport", "datagram_bytes")
+    __slots__ = ("average_every", "max_group_size", "round_timeout", "transport", "datagram_bytes", "lanes")
     AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DATAGRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     average_every: int
     max_group_size: int
     round_timeout: float
     transport: str
     datagram_bytes: int
-    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., transport: _Optional[str] = ..., datagram_bytes: _Optional[int] = ...) -> None: ...
+    lanes: int
+    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., transport: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class RunManifest(_message.Message):
     __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at")

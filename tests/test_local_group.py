@@ -68,6 +68,8 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
         raise AssertionError("\n".join([str([status(d, "lg") for d in daemons])] + [d.log_tail(40) for d in daemons]))
     assert sorted(r.local_group_rank for r in rs) == [0, 1, 2], rs
     assert all(r.local_group == "rack" and r.dear_buckets >= 1 for r in rs), rs
+    # One lane (the default): rank 0 averages the whole state over the WAN for the group.
+    assert sorted(r.wan_share for r in rs) == [0.0, 0.0, 1.0], rs
     assert all(r.train_state == "TRAINING" for r in rs), rs  # killed mid-run, not after
 
     c.proc.send_signal(signal.SIGKILL)
@@ -83,7 +85,10 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
              what="a and b train on after the kill")  # fmt: skip
     # Once c left their tables (peer ttl 4 s), the next round with both re-forms the group as two.
     before = {d.data_dir.name: status(d, "lg").dear_steps for d in (a, b)}
-    rs = wait_for(lambda: formed((a, b), 2), timeout=40, interval=0.05, what="a and b re-form a group of two")
+    try:
+        rs = wait_for(lambda: formed((a, b), 2), timeout=40, interval=0.05, what="a and b re-form a group of two")
+    except AssertionError:
+        raise AssertionError("\n".join([str([status(d, "lg") for d in (a, b)])] + [d.log_tail(60) for d in (a, b)]))
     assert sorted(r.local_group_rank for r in rs) == [0, 1], rs
     out = peerd("status", "--control", a.control).stdout
     assert "lg: local group rack  size 2  rank " in out and "DeAR buckets " in out, out
@@ -100,10 +105,12 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
         assert ("peerd_local_group_size", (("run", "lg"),)) in m
         assert ("peerd_dear_overlap_ratio", (("run", "lg"),)) in m
         assert m.get(("peerd_rejected_total", (("reason", "wire_bad_hello"),)), 0) == 0
-    # Members of a DeAR group hold the same bytes step after step: nothing for the last round to
-    # average (plain local SGD between rounds: about 0.1, tests/test_cluster_training.py), and the
-    # same final evaluation.
-    assert all(r.last_round_outcome == "completed" and r.param_divergence < 1e-3 for r in finals), finals
+    # Members of a DeAR group hold the same bytes step after step: nothing for the group's
+    # reduce-scatter to average (plain local SGD between rounds: about 0.1,
+    # tests/test_cluster_training.py), and the same final evaluation. With nobody outside the
+    # group, its WAN round (rank 0's, for the group) finds no group; rank 1 delegated its lane.
+    assert sorted(r.last_round_outcome for r in finals) == ["delegated", "no_group"], finals
+    assert all(r.param_divergence < 1e-3 for r in finals), finals
     assert finals[0].eval_score == finals[1].eval_score, finals
     # The fusion tuner runs in the daemon: every RETUNE_EVERY DeAR steps the members re-tune together.
     assert all("retune at step" in d.log_tail(100000) for d in (a, b)), a.log_tail(40)
@@ -114,3 +121,61 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     print(f"fell back {fell_back:.2f} s after the kill; final accuracy {finals[0].eval_score:.4f} (single {single:.4f})")
     for d in (a, b):
         assert d.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lanes(spawn):
+    """Two labelled daemons and two solo ones in a run of two lanes (docs/dear.md, "The
+    hierarchy"). Once a and b train as a DeAR group, each averages one lane over the WAN for both,
+    with the solo daemons, which average both lanes; the group's members stay identical and the
+    run converges as a whole."""
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "averaging.lanes=2",
+              "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
+    base = ["--run", "hier", "--max-steps", str(STEPS), "--min-peers", "4", *RUN_ARGS, *FAST_DISCOVERY]
+    a = spawn("h-a", [*base, "--local-group", "rack", *create])
+    join = ["--initial-peers", a.maddrs[0]]
+    others = [spawn("h-b", [*base, "--local-group", "rack", *join], wait=False)]
+    others += [spawn(f"h-{n}", [*base, *join], wait=False) for n in "cd"]
+    for d in others:
+        d.wait_ready()
+    b, c, d = others
+    group, solo = (a, b), (c, d)
+
+    def formed():
+        rs = [status(x, "hier") for x in group]
+        return all(r.local_group_size == 2 and r.dear_steps > 0 for r in rs) and rs
+
+    try:
+        rs = wait_for(formed, timeout=60, interval=0.05, what="a and b form their local group")
+    except AssertionError:
+        raise AssertionError("\n".join([str([status(x, "hier") for x in (a, b, c, d)])] + [x.log_tail(40) for x in (a, b, c, d)]))
+    assert sorted(r.wan_share for r in rs) == [0.5, 0.5], rs  # each owns one of the two lanes
+    assert all(status(x, "hier").wan_share == 1.0 for x in solo)
+
+    def met_on_the_wan():  # a round of a group member's own lane, with solo daemons in it
+        rs = [status(x, "hier") for x in group]
+        return all(r.local_group_size == 2 and r.last_round_outcome == "completed" and r.group_size >= 2 for r in rs) and rs
+
+    rs = wait_for(met_on_the_wan, timeout=60, interval=0.05, what="each member of the group completes its lane's round with solo peers")
+    assert all(r.last_round_links for r in rs), rs
+    for x in (a, b, c, d):
+        wait_for(lambda: status(x, "hier").train_state == "FINISHED", timeout=120, what=f"{x.data_dir.name} finishes")
+    finals = {x.data_dir.name: status(x, "hier") for x in (a, b, c, d)}
+    assert all(r.step == STEPS for r in finals.values()), finals
+    for x in group:
+        m = scrape(x.metrics_url)
+        assert ("peerd_wan_share", (("run", "hier"),)) in m
+    # The group's members ended identical (their last round gathered every lane), and the run as a
+    # whole is one model: the solo daemons' accuracy is close to the group's.
+    ga, gb = finals["h-a"], finals["h-b"]
+    assert ga.eval_score == gb.eval_score, (ga, gb)
+    for name in ("h-c", "h-d"):
+        assert abs(finals[name].eval_score - ga.eval_score) < 0.05, finals
+        assert finals[name].param_divergence < 1.0, finals[name]
+    task = get_task("digits-mlp")
+    h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
+    single = train_single_process(task, h, steps=STEPS, batch_size=2 * BATCH, seed=0).score
+    assert ga.eval_score >= single - 0.03, (ga.eval_score, single)
+    print({k: (round(r.eval_score, 4), r.last_round_outcome, r.group_size) for k, r in finals.items()}, f"single {single:.4f}")
+    for x in (a, b, c, d):
+        assert x.stop() == 0

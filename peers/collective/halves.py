@@ -110,6 +110,7 @@ class HalfOp:
     started: float = math.nan  # time.monotonic() when it began moving bytes
     finished: float = math.nan  # ... when it completed or failed
     error: str = ""  # why it failed; "" if it succeeded
+    timeout: float = math.nan  # this op's own limit (seconds); NaN: the settings' op_timeout
 
     def __await__(self):
         return self.done.__await__()
@@ -162,8 +163,14 @@ class Halves:
             raise ValueError(f"weight must be finite and >= 0, not {weight!r}")
         return self._submit(Half.REDUCE_SCATTER, x, weight)
 
-    def all_gather(self, x: torch.Tensor) -> HalfOp:
-        return self._submit(Half.ALL_GATHER, x, 1.0)
+    def all_gather(self, x: torch.Tensor, timeout: float | None = None) -> HalfOp:
+        """`timeout` replaces op_timeout for this op: for an all-gather that waits on purpose for a
+        member busy elsewhere first (peers/dear/hierarchy.py: an owner's WAN round)."""
+        if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+        op = self._submit(Half.ALL_GATHER, x, 1.0)
+        op.timeout = math.nan if timeout is None else timeout
+        return op
 
     async def close(self) -> None:
         """Refuse new ops, let the queued ones run (or fail), then close this engine's links. The
@@ -195,12 +202,13 @@ class Halves:
             op = self._queue[0]
             op.started = time.monotonic()
             if not self.error:
+                limit = self.settings.op_timeout if math.isnan(op.timeout) else op.timeout
                 try:
-                    async with asyncio.timeout(self.settings.op_timeout):
+                    async with asyncio.timeout(limit):
                         await self._run(op)
                 except TimeoutError:
                     waiting = [k for k, n in self._waiting_for().items() if n]
-                    self._break(f"timed out after {self.settings.op_timeout:g} s waiting for members {waiting}")
+                    self._break(f"timed out after {limit:g} s waiting for members {waiting}")
             self._end(op)
             self._queue.popleft()
 

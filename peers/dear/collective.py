@@ -61,6 +61,7 @@ class Handle:
     started: float = math.nan  # time.monotonic() when the op began moving bytes
     finished: float = math.nan  # time.monotonic() when it completed or failed
     error: str = ""  # why it failed; "" if it succeeded
+    timeout: float | None = None  # this op's own limit, where the backend takes one (all_gather); None: `timeout`
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -103,6 +104,7 @@ class CollectiveBase:
     which starts or queues the op and must not block."""
 
     world: int
+    per_op_timeout = False  # the backend honours all_gather(..., timeout=)
 
     def __init__(self) -> None:
         self._seq = 0
@@ -112,15 +114,19 @@ class CollectiveBase:
         check_buffer(flat, self.world)
         return self._submit(Kind.REDUCE_SCATTER, flat)
 
-    def all_gather(self, handle: Handle) -> Handle:
+    def all_gather(self, handle: Handle, timeout: float | None = None) -> Handle:
+        """`timeout` (seconds) replaces the collective's for this op, in backends that allow it
+        (EngineCollective; gloo's is its process group's and cannot change: ValueError)."""
         if handle.kind is not Kind.REDUCE_SCATTER:
             raise ValueError("all_gather takes a reduce-scatter handle")
-        return self._submit(Kind.ALL_GATHER, handle.flat)
+        if timeout is not None and not (self.per_op_timeout and math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"{type(self).__name__} takes no per-op timeout {timeout!r} (a positive number, where allowed)")
+        return self._submit(Kind.ALL_GATHER, handle.flat, timeout)
 
-    def _submit(self, kind: Kind, flat: torch.Tensor) -> Handle:
+    def _submit(self, kind: Kind, flat: torch.Tensor, timeout: float | None = None) -> Handle:
         if self._closed:
             raise CollectiveError("collective is closed")
-        handle = Handle(kind, flat, self._seq)
+        handle = Handle(kind, flat, self._seq, timeout=timeout)
         self._seq += 1
         self._issue(handle)
         return handle

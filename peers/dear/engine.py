@@ -51,6 +51,8 @@ class EngineCollective(CollectiveBase):
     TcpTransport on `host`, port from the OS); `min_seconds` is the benchmarks' seam for an emulated
     slower link, as in GlooCollective: an op of b bytes lasts at least min_seconds(b)."""
 
+    per_op_timeout = True  # all_gather(handle, timeout=...): Halves' per-op limit
+
     def __init__(
         self, *, rank: int, world: int, timeout: float, host: str = "127.0.0.1", run_id: str = "dear",
         settings: HalvesSettings | None = None, events: PeerEvents | None = None,
@@ -93,9 +95,10 @@ class EngineCollective(CollectiveBase):
         asyncio.run_coroutine_threadsafe(attach(), self._loop).result(START_TIMEOUT)
 
     def wait(self, handle: Handle) -> None:
-        while not handle.done.wait(self.timeout):
-            if time.monotonic() - self._progress > self.timeout + STALL_GRACE or not self._thread.is_alive():
-                stall = self.timeout + STALL_GRACE
+        limit = handle.timeout or self.timeout
+        while not handle.done.wait(limit):
+            if time.monotonic() - self._progress > limit + STALL_GRACE or not self._thread.is_alive():
+                stall = limit + STALL_GRACE
                 raise CollectiveError(f"{handle.kind.value} #{handle.seq}: the engine's loop did nothing for {stall:.0f} s")
         if handle.error:
             raise CollectiveError(f"{handle.kind.value} #{handle.seq} failed: {handle.error}")
@@ -143,7 +146,7 @@ class EngineCollective(CollectiveBase):
             if handle.kind is Kind.REDUCE_SCATTER:
                 op = self._halves.reduce_scatter(handle.flat)
             else:
-                op = self._halves.all_gather(handle.flat)
+                op = self._halves.all_gather(handle.flat, handle.timeout)
         except (RuntimeError, ValueError) as e:  # closed, or a buffer it refuses: fail the handle, not the loop
             handle.started = handle.finished = time.monotonic()
             handle.error = str(e)
