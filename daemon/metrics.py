@@ -212,7 +212,9 @@ class DaemonMetrics:
         self.rounds.labels(run_id, result.outcome_name).inc()
         if outcome is not None:
             self.round_duration.labels(run_id).observe(outcome.duration)
-        self.round_wait.labels(run_id).observe(getattr(result, "waited", 0.0))
+        waited = getattr(result, "waited", 0.0)
+        if not math.isnan(waited):  # NaN: a round's other lanes, whose wait the first lane counted
+            self.round_wait.labels(run_id).observe(waited)
         if getattr(result, "stragglers", 0):
             self.stragglers.labels(run_id).inc(result.stragglers)
         for transport, (sent, received) in result.bytes_by_transport.items():

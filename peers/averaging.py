@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import errno
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ class RoundResult:
     reason: str
     links: dict[str, str] = field(default_factory=dict)  # peer ID -> "tcp", "libp2p" or "udp", per member reached
     bytes_by_transport: dict[str, tuple[int, int]] = field(default_factory=dict)  # transport -> (sent, received)
-    waited: float = 0.0  # seconds the rendezvous waited for group mates before matchmaking
+    waited: float = 0.0  # seconds the rendezvous waited for group mates; NaN in the other lanes of a round (counted once)
     stragglers: int = 0  # group mates the rendezvous gave up on (still behind it)
     lane: int = 0  # the slice of the state vector this round averaged (peers/dear/hierarchy.py)
     delegated: bool = False  # not a round: every lane of this daemon was averaged by its local group's other members
@@ -182,9 +183,9 @@ class MoshpitAverager:
                 return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane)
 
         results = list(await asyncio.gather(*(one(lane) for lane in mine)))
-        if results:  # the rendezvous served every lane: count its wait once
-            results[0] = dataclasses.replace(results[0], waited=waited, stragglers=stragglers)
-        return results
+        # The rendezvous served every lane: its wait is counted once, with the first.
+        return [dataclasses.replace(r, waited=waited, stragglers=stragglers) if k == 0 else dataclasses.replace(r, waited=math.nan)
+                for k, r in enumerate(results)]  # fmt: skip
 
     async def _round(self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int) -> RoundResult:
         """One lane's round under group key `key`: listen, matchmaking, all-reduce of `vector` (a slice)."""

@@ -61,7 +61,10 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
         assert r.step == steps and r.local_step == steps, r
         assert r.last_round_outcome == "completed" and r.group_size == 3, r
         assert r.eval_metric == "accuracy"
-        assert r.eval_score >= single - 0.01, (r.eval_score, single)
+        # Within 2 points: each daemon's samples depend on its random peer ID, and a 1-point bound
+        # failed twice by 0.1 point (a CI run; 0.9528 against 0.9539 on 2026-11-22), inside the
+        # 1.4 points the lossless accuracy moved between two convergence runs (docs/benchmarks.md).
+        assert r.eval_score >= single - 0.02, (r.eval_score, single)
     # The last round ended with every member holding the same bytes: the same evaluation.
     assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     m = scrape(a.metrics_url)
