@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peers.records import MemberRecord, MemberState
+from peers.records import LinkReport, MemberRecord, MemberState
 
 
 @dataclass(slots=True)
@@ -19,6 +19,7 @@ class PeerEntry:
     local_group: str = ""  # its --local-group label
     dear_address: str = ""  # its DeAR engine's "host:port"; "" when none
     probe_address: str = ""  # where it answers link probes, "host:port"; "" when none
+    links: tuple[LinkReport, ...] = ()  # its link reports, as of `timestamp` (each report's age counts from it)
 
 
 class PeerTable:
@@ -51,14 +52,14 @@ class PeerTable:
             age = min(max(now - record.timestamp, 0.0), self.ttl)
             self._entries[record.peer_id] = PeerEntry(
                 record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step,
-                record.local_group, record.dear_address, record.probe_address,
+                record.local_group, record.dear_address, record.probe_address, record.links,
             )
             return "new"
         if record.timestamp <= entry.timestamp:
             return "stale"
         entry.maddrs, entry.version, entry.role, entry.step = record.maddrs, record.version, record.role, record.step
         entry.local_group, entry.dear_address = record.local_group, record.dear_address
-        entry.probe_address = record.probe_address
+        entry.probe_address, entry.links = record.probe_address, record.links
         entry.timestamp, entry.last_seen = record.timestamp, now
         return "refreshed"
 
