@@ -305,6 +305,8 @@ class Trainer:
         round_members = set(result.outcome.members) if completed else set()
         if self._dear is not None and not set(self.local_group.members) <= round_members:
             self._leave_group(f"round {getattr(result, 'round_t', '?')} not completed by every member of the group")
+        elif self._dear is not None and completed and self.local_group.outdated(round_members):
+            self._leave_group("the local group's decision changed (--local-group auto: links measured since)")
         if self._dear is None and completed:
             collective = self.local_group.try_form(round_members)
             if collective is not None:

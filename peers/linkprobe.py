@@ -38,7 +38,7 @@ shaper's burst lets the first packets through at line rate, see below); a measur
 trains one after the other and keeps the highest figure (a host busy while sending or receiving
 spreads a train and only lowers it). When the sender's own queue is full (its link is the slow one)
 it waits for room, so its qdisc paces the train as the link does. Bounded: TRAINS * TRAIN_COUNT
-datagrams (614 KB) and at most TRAINS * 2 * TRAIN_WAIT seconds. Limits:
+datagrams (921 KB) and at most TRAINS * 2 * TRAIN_WAIT seconds. Limits:
 * The figure is at most what one Python thread sends back to back (about 2 Gb/s here): a lower
   bound on a faster path, enough to tell it from the 1 Gb/s threshold (peers/dear/localgroup.py).
 * A token-bucket shaper lets its burst through at line rate. The train (307 KB) is sized against
@@ -81,7 +81,7 @@ LOSS_SMOOTHING = 0.3  # weight of the newest measurement in LinkStats.loss
 ECHO_RATE = 2000.0  # echoes per second this daemon sends at most (and a burst of as many)
 TRAIN_SIZE = 1200  # bytes of one train datagram: below every usual path MTU, no fragments
 TRAIN_COUNT = 256  # datagrams per train: 307 KB, twice the lab's tbf burst at 300 Mbit/s (module docstring)
-TRAINS = 2  # trains per bandwidth measurement; the highest figure counts
+TRAINS = 3  # trains per bandwidth measurement; the highest figure counts
 TRAIN_WAIT = 0.25  # seconds after a train's last datagram before its missing echoes count as lost
 SOCKET_BUFFER = 1 << 20  # bytes of receive and send buffer asked for: a whole train while a loop is busy
 READ_BATCH = 512  # datagrams read per wake-up at most, so one flood cannot starve the loop
@@ -243,6 +243,7 @@ class LinkProber:
                 del self._pending[nonce]
             best = max(best, train_bandwidth(received, count))
         stats.bandwidth, stats.bandwidth_at = best, time.monotonic()
+        self.events.link_bandwidth(best)
         return best
 
     def reports(self, now: float | None = None, limit: int = MAX_REPORTS) -> tuple[LinkReport, ...]:
