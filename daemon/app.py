@@ -25,7 +25,7 @@ from daemon import runs as run_setup
 from daemon.runs import RunHandle
 from peers.averaging import MoshpitAverager
 from peers.collective.group import MAX_GROUP
-from peers.dear.member import GroupPeer, LocalGroupMember
+from peers.dear.member import AUTO, GroupPeer, LocalGroupMember
 from peers.linkprobe import LinkProber
 from peers.matchmaking import Matchmaker, MatchmakingSettings
 from peers.membership import DiscoverySettings, Memberships
@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 PROBE_TICK = 2.0  # seconds between two looks for links to measure (a new peer waits at most this)
 PROBE_INTERVAL = 15.0  # seconds between two measurements of one link
 PROBE_BATCH = 8  # links measured at once
+# Seconds between two bandwidth measurements of one link (--local-group auto only, one link at a time):
+# a report stays fresh for LocalGroupRules.max_age (60 s), so a live link's is never near that.
+BANDWIDTH_INTERVAL = 30.0
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -201,6 +204,12 @@ class Daemon:
                 for i in range(0, len(due), PROBE_BATCH):
                     await asyncio.gather(*(self.prober.measure(p, a) for p, a in due[i : i + PROBE_BATCH]),
                                          return_exceptions=True)  # fmt: skip
+                if self.config.train.local_group == AUTO:  # one train at a time: trains would share links
+                    t = time.monotonic()
+                    for p, a in targets.items():
+                        s = self.prober.stats.get(p)
+                        if s is not None and s.passes and s.address == a and t - s.bandwidth_at >= BANDWIDTH_INTERVAL:
+                            await self.prober.measure_bandwidth(p, a)
             except Exception:  # one failed tick must not end the loop
                 logger.exception("link probes failed")
 
@@ -349,12 +358,15 @@ class Daemon:
                     peer_id=self.node.peer_id,
                     label=self.config.train.local_group,
                     host=self._advertise_host(),
-                    peers=lambda: [GroupPeer(e.peer_id, e.local_group, e.dear_address) for e in membership.peers()],
+                    peers=lambda: [GroupPeer(e.peer_id, e.local_group, e.dear_address, e.links, e.timestamp) for e in membership.peers()],
+                    own_links=lambda: membership.published_links,
                     events=self.metrics.peer_events(),
                     engine_key=secret.engine_key if secret is not None else None,
                 )
                 membership.dear_address_of = lambda: local_group.address
                 membership.delegation_of = lambda: trainer.delegation
+                if self.config.train.local_group == AUTO and self.prober is not None:
+                    membership.links_of = self.prober.reports  # peers decide the group from these
             handle.trainer = trainer = run_setup.make_trainer(
                 manifest,
                 self.node,

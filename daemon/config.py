@@ -115,7 +115,9 @@ class TrainConfig:
     max_steps: int = 0  # stop training a run after this many local steps; 0 = never (demos, tests)
     min_peers: int = 1  # wait until the run has this many live peers (this daemon included) before training
     min_peers_timeout: float = 60.0  # ... but at most this many seconds; then train with whoever is there
-    local_group: str = ""  # operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none
+    # Operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none.
+    # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
+    local_group: str = ""
 
     def __post_init__(self) -> None:
         for item in self.hparams:
@@ -224,7 +226,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
     Option("train.min_peers", "--min-peers", "live peers (this daemon included) to wait for before training", "N"),
     Option("train.min_peers_timeout", "--min-peers-timeout", "longest wait for --min-peers", "SECONDS"),
-    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); empty: none", "NAME"),
+    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md); empty: none", "NAME"),
 )
 
 _SECTIONS = {

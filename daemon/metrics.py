@@ -171,6 +171,12 @@ class DaemonMetrics:
             buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
             registry=r,
         )
+        self.link_bandwidth = Histogram(
+            "peerd_link_bandwidth_bytes_per_second",
+            "Bandwidth of each link measurement by packet trains (--local-group auto); 0 when unmeasurable.",
+            buckets=(0, 1.25e6, 1.25e7, 2.5e7, 5e7, 1.25e8, 2.5e8, 1.25e9),
+            registry=r,
+        )
         self.state_syncs = Counter(
             "peerd_state_syncs", "Downloads of the run's state from peers, by result: ok, failed.", ["run", "result"], registry=r
         )
@@ -247,6 +253,7 @@ class DaemonMetrics:
             shard_coverage=self.shard_coverage.observe,
             link_probes=self._link_probes,
             link_rtt=self.link_rtt.observe,
+            link_bandwidth=self.link_bandwidth.observe,
         )
 
     def _link_probes(self, answered: int, lost: int) -> None:

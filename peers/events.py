@@ -34,3 +34,5 @@ class PeerEvents:
     link_probes: Callable[[int, int], None] = field(default=_ignore)
     # The median round-trip time of one link measurement, in seconds.
     link_rtt: Callable[[float], None] = field(default=_ignore)
+    # The bandwidth of one link measurement (packet trains), in bytes per second; 0 when unmeasurable.
+    link_bandwidth: Callable[[float], None] = field(default=_ignore)

@@ -1,18 +1,26 @@
-"""Link probes: does a UDP path to a peer work, and how lossy and how far away is it.
+"""Link probes: does a UDP path to a peer work, how lossy, how far away and how fast is it.
 
     prober = LinkProber("0.0.0.0", 0, events=events)
     address = await prober.start()                 # "host:port"; announced in the member record
     stats = await prober.measure(peer_id, address) # PROBE_COUNT probes, answered or lost
+    await prober.measure_bandwidth(peer_id, address)   # TRAINS packet trains (below)
     prober.passes(peer_id)                         # the latest measurement passed (see below)
+    prober.reports()                               # fresh measurements, for the member record
 
-Each daemon answers probes on one UDP port for as long as it runs. A probe is a 44-byte datagram:
+Each daemon answers probes on one UDP port for as long as it runs. A probe is a 40-byte datagram:
 magic, version, kind (PROBE or ECHO), a random 8-byte nonce per measurement, a sequence number and
-the sender's send time; an ECHO is the probe sent back with the kind changed. The prober counts only
-echoes that carry its own nonce, from the address it probed, with a sequence number it sent and has
-not seen yet: an off-path sender cannot fake an answer without guessing the nonce. An echo is no
-larger than the probe and the answering side echoes at most ECHO_RATE per second (a token bucket),
-so the port is no amplifier. Malformed datagrams are dropped and counted in
-`peerd_rejected_packets_total{reason="probe_*"}`.
+the sender's send time; an ECHO is the probe sent back with the kind changed and, in what was
+padding, how long the answering side held it (from the kernel's receive time to the echo's send,
+in ns). The prober counts only echoes that carry its own nonce, from the address it probed, with a
+sequence number it sent and has not seen yet: an off-path sender cannot fake an answer without
+guessing the nonce. An echo is no larger than the probe and the answering side echoes at most
+ECHO_RATE per second (a token bucket), so the port is no amplifier. Malformed datagrams are dropped
+and counted in `peerd_rejected_packets_total{reason="probe_*"}`.
+
+**Timestamps come from the kernel** (SO_TIMESTAMPNS, when the receive time of every datagram is
+read with it; elsewhere the time it is read): a busy event loop (a training thread holding the GIL)
+then delays neither side's figures. RTT = echo received - probe sent - the peer's hold time (a
+hold longer than the whole round trip is ignored); the hold is the peer's own claim.
 
 **What it decides.** A measurement sends PROBE_COUNT probes PROBE_GAP apart and waits ECHO_WAIT
 after the last: the link's loss is the share never echoed, its RTT the median over the echoes. The
@@ -20,6 +28,30 @@ UDP path *passes* when at least PASS_SHARE of the probes came back: UDP that a f
 drops (nothing returns) fails, a lossy path (even 20 % each way, 64 % back) passes, because the
 loss-tolerant engine is made for it. `LinkStats` keeps the latest measurement and a running loss
 (an exponential average over measurements) for status and for the local-group rule.
+
+**Bandwidth** (`measure_bandwidth`, only for `--local-group auto`): a packet train of TRAIN_COUNT
+datagrams of TRAIN_SIZE bytes sent back to back; the answering side echoes each with a 40-byte
+TRAIN_ECHO carrying the kernel's receive time of the train packet on *its* clock (so the
+dispersion is measured on one clock, and no state is kept there), under the same ECHO_RATE bucket.
+The figure is the UDP payload bytes of the train's last quarter over their receive spread (a
+shaper's burst lets the first packets through at line rate, see below); a measurement sends TRAINS
+trains one after the other and keeps the highest figure (a host busy while sending or receiving
+spreads a train and only lowers it). When the sender's own queue is full (its link is the slow one)
+it waits for room, so its qdisc paces the train as the link does. Bounded: TRAINS * TRAIN_COUNT
+datagrams (921 KB) and at most TRAINS * 2 * TRAIN_WAIT seconds. Limits:
+* The figure is at most what one Python thread sends back to back (about 2 Gb/s here): a lower
+  bound on a faster path, enough to tell it from the 1 Gb/s threshold (peers/dear/localgroup.py).
+* A token-bucket shaper lets its burst through at line rate. The train (307 KB) is sized against
+  the lab's tbf (burst max(4 ms of traffic, 16 KiB), daemon/lab/netns.py): its last quarter is all
+  shaped while the burst holds at most three quarters of it, i.e. up to about 460 Mbit/s; it reads
+  high between that and 600 Mbit/s (the burst eats into the quarter), and a shaper whose burst
+  holds the whole train (about 600 Mbit/s and up in the lab; a cloud's burst credits always) reads
+  as the sender's line rate. Only a sustained transfer would see through a large burst.
+* The sockets ask for buffers of 1 MiB (the kernel caps them at net.core.rmem_max / wmem_max,
+  often 208 KB): a receiver busy for longer than its buffer holds loses the train's tail, and a
+  train with fewer than a quarter of its last quarter answered reads as unmeasured (0), never
+  high. So do trains from several peers that exhaust the ECHO_RATE bucket together; trains
+  arriving at once share the receiver's downlink and read low.
 """
 
 from __future__ import annotations
@@ -29,6 +61,7 @@ import os
 import socket
 import statistics
 import struct
+import sys
 import time
 from dataclasses import dataclass
 
@@ -36,15 +69,27 @@ from peers.events import PeerEvents
 
 MAGIC = b"PDLP"
 VERSION = 1
-PROBE, ECHO = 1, 2
+PROBE, ECHO, TRAIN, TRAIN_ECHO = 1, 2, 3, 4
 FORMAT = struct.Struct("!4sBB8sHd")  # magic, version, kind, nonce, seq, sent_at (sender's monotonic clock)
-SIZE = FORMAT.size + 16  # padding up to 44 bytes: room for a tag in a later version, no amplification now
+REPLY = struct.Struct("!4sBB8sHdQ")  # FORMAT + ns: ECHO: the answering side's hold; TRAIN_ECHO: its receive time
+SIZE = FORMAT.size + 16  # padding up to 40 bytes: room for REPLY's field (8) and a tag in a later version
 PROBE_COUNT = 20  # probes per measurement: 1 lost probe = 5 % loss
 PROBE_GAP = 0.002  # seconds between two probes of one measurement
 ECHO_WAIT = 0.5  # seconds after the last probe before the unanswered ones count as lost
 PASS_SHARE = 0.25  # a UDP path passes when at least this share of the probes came back
 LOSS_SMOOTHING = 0.3  # weight of the newest measurement in LinkStats.loss
 ECHO_RATE = 2000.0  # echoes per second this daemon sends at most (and a burst of as many)
+TRAIN_SIZE = 1200  # bytes of one train datagram: below every usual path MTU, no fragments
+TRAIN_COUNT = 256  # datagrams per train: 307 KB, twice the lab's tbf burst at 300 Mbit/s (module docstring)
+TRAINS = 3  # trains per bandwidth measurement; the highest figure counts
+TRAIN_WAIT = 0.25  # seconds after a train's last datagram before its missing echoes count as lost
+SOCKET_BUFFER = 1 << 20  # bytes of receive and send buffer asked for: a whole train while a loop is busy
+READ_BATCH = 512  # datagrams read per wake-up at most, so one flood cannot starve the loop
+MAX_REPORTS = 64  # link reports in one member record (peers/records.py MAX_LINKS)
+REPORT_MAX_AGE = 60.0  # seconds after which a measurement is no longer reported (LocalGroupRules.max_age)
+# SO_TIMESTAMPNS: the kernel's receive time of every datagram (Linux; Python names it only in 3.13+).
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35 if sys.platform == "linux" else None)
+_TIMESPEC = struct.Struct("@ll")
 
 
 @dataclass(slots=True)
@@ -58,17 +103,19 @@ class LinkStats:
     passes: bool  # the latest measurement passed (PASS_SHARE)
     measured_at: float  # time.monotonic() of the latest measurement
     measurements: int = 1
+    bandwidth: float = 0.0  # bytes per second, the latest train measurement (0: none, or unmeasurable)
+    bandwidth_at: float = float("-inf")  # time.monotonic() of that measurement
 
 
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, prober: LinkProber):
-        self.prober = prober
+@dataclass(frozen=True, slots=True)
+class LinkReport:
+    """One fresh measurement as this daemon publishes it (peers/records.py validates what arrives)."""
 
-    def datagram_received(self, data: bytes, addr) -> None:
-        self.prober._received(data, addr)
-
-    def error_received(self, exc: Exception) -> None:  # e.g. ICMP port unreachable: the probe is lost
-        pass
+    peer_id: str  # the peer measured
+    rtt: float  # seconds
+    bandwidth: float  # bytes per second
+    loss: float  # in [0, 1]
+    age: float  # seconds since the older of its RTT and bandwidth measurements
 
 
 class LinkProber:
@@ -80,24 +127,45 @@ class LinkProber:
         self.events = events or PeerEvents()
         self.stats: dict[str, LinkStats] = {}  # peer ID -> latest measurement
         self.address = ""
-        self._transport: asyncio.DatagramTransport | None = None
-        self._pending: dict[bytes, tuple[tuple, dict[int, float], dict[int, float]]] = {}  # nonce -> (addr, sent, rtts)
+        self._sock: socket.socket | None = None
+        self._kernel_time = False  # SO_TIMESTAMPNS is on: receive times come from the kernel
+        # nonce -> (addr, the echo kind expected, sent, answers): ECHO: seq -> time.time_ns() sent,
+        # seq -> RTT in s; TRAIN_ECHO: seq -> 0, seq -> the peer's receive time in ns
+        self._pending: dict[bytes, tuple[tuple, int, dict[int, int], dict[int, float]]] = {}
         self._tokens, self._stamp = echo_rate, time.monotonic()
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._transport, _ = await loop.create_datagram_endpoint(
-            lambda: _Protocol(self), local_addr=(self.host, self.port), family=family
-        )
-        self.port = self._transport.get_extra_info("sockname")[1]
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+            if SO_TIMESTAMPNS is not None:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+                    self._kernel_time = True
+                except OSError:  # not this kernel: the time the datagram is read
+                    pass
+            sock.bind((self.host, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        loop.add_reader(sock.fileno(), self._readable)
+        self.port = sock.getsockname()[1]
         self.address = f"{self.host}:{self.port}"
         return self.address
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._sock is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            except RuntimeError:  # no loop running any more: the reader went with it
+                pass
+            self._sock.close()
+            self._sock = None
 
     def announced(self, advertise_host: str) -> str:
         """The address peers should probe: this port on the host they can reach."""
@@ -112,23 +180,16 @@ class LinkProber:
         """Probe `address` ("host:port") `count` times and record the result under `peer_id`.
         Bounded: count * gap + wait seconds, plus one name lookup. Raises ValueError for an address
         that is not host:port."""
-        host, sep, port = address.rpartition(":")
-        if not sep or not port.isdigit() or not host:
-            raise ValueError(f"probe address {address!r} is not host:port")
-        if self._transport is None:
-            raise RuntimeError("the prober is not started")
+        addr = await self._resolve(address)
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)
-        addr = infos[0][4]
         nonce = os.urandom(8)
-        sent: dict[int, float] = {}
+        sent: dict[int, int] = {}
         rtts: dict[int, float] = {}
-        self._pending[nonce] = (addr[:2], sent, rtts)
+        self._pending[nonce] = (addr[:2], ECHO, sent, rtts)
         try:
             for seq in range(count):
-                t = time.monotonic()
-                sent[seq] = t
-                self._transport.sendto(FORMAT.pack(MAGIC, VERSION, PROBE, nonce, seq, t).ljust(SIZE, b"\0"), addr)
+                sent[seq] = time.time_ns()
+                self._send(FORMAT.pack(MAGIC, VERSION, PROBE, nonce, seq, time.monotonic()).ljust(SIZE, b"\0"), addr)
                 if gap:
                     await asyncio.sleep(gap)
             deadline = loop.time() + wait
@@ -146,34 +207,147 @@ class LinkProber:
             self.events.link_rtt(rtt)
         stats = LinkStats(address, rtt, loss, last_loss, answered >= PASS_SHARE * count, time.monotonic(),
                           (old.measurements + 1) if old else 1)  # fmt: skip
+        if old is not None and old.address == address:
+            stats.bandwidth, stats.bandwidth_at = old.bandwidth, old.bandwidth_at
         self.stats[peer_id] = stats
         return stats
+
+    async def measure_bandwidth(self, peer_id: str, address: str, *, trains: int = TRAINS, count: int = TRAIN_COUNT,
+                                wait: float = TRAIN_WAIT) -> float:  # fmt: skip
+        """Send `trains` packet trains of `count` datagrams to `address` (module docstring); returns
+        the highest figure in bytes per second (0.0: no train was measurable) and records it in the
+        peer's LinkStats (which `measure` must have created). Bounded: trains * count datagrams, and
+        trains * wait seconds plus the time the datagrams take to send."""
+        stats = self.stats.get(peer_id)
+        if stats is None or stats.address != address:
+            raise ValueError(f"measure the link to {peer_id} at {address} before its bandwidth")
+        addr = await self._resolve(address)
+        loop = asyncio.get_running_loop()
+        best = 0.0
+        for _ in range(trains):
+            nonce = os.urandom(8)
+            sent: dict[int, int] = {}
+            received: dict[int, float] = {}
+            self._pending[nonce] = (addr[:2], TRAIN_ECHO, sent, received)
+            packets = [FORMAT.pack(MAGIC, VERSION, TRAIN, nonce, seq, 0.0).ljust(TRAIN_SIZE, b"\0") for seq in range(count)]
+            try:
+                deadline = loop.time() + wait
+                for seq, packet in enumerate(packets):  # back to back, without yielding: the train is the measurement
+                    sent[seq] = 0
+                    while not self._send(packet, addr, full=False) and loop.time() < deadline:
+                        await asyncio.sleep(0.0005)  # this host's own queue is full: its link paces the train
+                deadline = loop.time() + wait
+                while len(received) < len(sent) and loop.time() < deadline:
+                    await asyncio.sleep(min(0.005, max(deadline - loop.time(), 0.0)))
+            finally:
+                del self._pending[nonce]
+            best = max(best, train_bandwidth(received, count))
+        stats.bandwidth, stats.bandwidth_at = best, time.monotonic()
+        self.events.link_bandwidth(best)
+        return best
+
+    def reports(self, now: float | None = None, limit: int = MAX_REPORTS) -> tuple[LinkReport, ...]:
+        """The fresh measurements (RTT answered, bandwidth measured, neither older than
+        REPORT_MAX_AGE), the freshest `limit` of them, by peer ID: what the member record carries."""
+        now = time.monotonic() if now is None else now
+        fresh = []
+        for peer_id, s in self.stats.items():
+            age = now - min(s.measured_at, s.bandwidth_at)
+            if s.rtt == s.rtt and s.bandwidth > 0 and 0 <= age <= REPORT_MAX_AGE:
+                fresh.append(LinkReport(peer_id, s.rtt, s.bandwidth, s.loss, age))
+        fresh.sort(key=lambda r: r.age)
+        return tuple(sorted(fresh[:limit], key=lambda r: r.peer_id))
 
     def forget(self, keep: set[str]) -> None:
         """Drop the stats of peers not in `keep` (they left every run)."""
         for peer_id in [p for p in self.stats if p not in keep]:
             del self.stats[peer_id]
 
-    def _received(self, data: bytes, addr) -> None:
-        if len(data) != SIZE:
+    async def _resolve(self, address: str) -> tuple:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ValueError(f"probe address {address!r} is not host:port")
+        if self._sock is None:
+            raise RuntimeError("the prober is not started")
+        infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)
+        return infos[0][4]
+
+    def _send(self, data: bytes, addr, *, full: bool = True) -> bool:
+        """Send one datagram; True when sent or lost on the way (an ICMP error reported on this send),
+        False when the socket's buffer is full (then with `full` it counts as lost too)."""
+        if self._sock is None:
+            return True
+        try:
+            self._sock.sendto(data, addr)
+        except BlockingIOError:
+            return full
+        except OSError:
+            pass
+        return True
+
+    def _readable(self) -> None:
+        ancillary = socket.CMSG_SPACE(_TIMESPEC.size) if self._kernel_time else 0
+        for _ in range(READ_BATCH):
+            if self._sock is None:
+                return
+            try:
+                data, cmsgs, _flags, addr = self._sock.recvmsg(TRAIN_SIZE + 1, ancillary)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. ICMP port unreachable for an earlier probe: that probe is lost
+                continue
+            at = None
+            for level, kind, payload in cmsgs:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
+                    sec, nsec = _TIMESPEC.unpack_from(payload)
+                    at = sec * 1_000_000_000 + nsec
+            self._received(data, addr, time.time_ns() if at is None else at)
+
+    def _received(self, data: bytes, addr, at: int) -> None:
+        """One datagram that arrived at `at` (time.time_ns() clock, from the kernel when it can)."""
+        if len(data) not in (SIZE, TRAIN_SIZE):
             self.events.packet_rejected("probe_bad_size")
             return
-        magic, version, kind, nonce, seq, sent_at = FORMAT.unpack_from(data)
-        if magic != MAGIC or version != VERSION or kind not in (PROBE, ECHO):
+        magic, version, kind, nonce, seq, sent_at, extra = REPLY.unpack_from(data)
+        if magic != MAGIC or version != VERSION or kind not in (PROBE, ECHO, TRAIN, TRAIN_ECHO):
             self.events.packet_rejected("probe_bad_header")
             return
-        if kind == PROBE:
-            now = time.monotonic()
-            self._tokens = min(self.echo_rate, self._tokens + (now - self._stamp) * self.echo_rate)
-            self._stamp = now
-            if self._tokens < 1:
+        if (kind == TRAIN) != (len(data) == TRAIN_SIZE):
+            self.events.packet_rejected("probe_bad_size")
+            return
+        if kind in (PROBE, TRAIN):
+            if not self._take_token():
                 self.events.packet_rejected("probe_rate_limited")
                 return
-            self._tokens -= 1
-            self._transport.sendto(FORMAT.pack(MAGIC, VERSION, ECHO, nonce, seq, sent_at).ljust(SIZE, b"\0"), addr)
+            # An echo of a probe carries how long it was held here; that of a train packet, when it arrived.
+            reply = (ECHO, time.time_ns() - at) if kind == PROBE else (TRAIN_ECHO, at)
+            self._send(REPLY.pack(MAGIC, VERSION, reply[0], nonce, seq, sent_at, max(reply[1], 0)).ljust(SIZE, b"\0"), addr)
             return
         pending = self._pending.get(nonce)
-        if pending is None or pending[0] != addr[:2] or seq not in pending[1] or seq in pending[2]:
+        if pending is None or pending[0] != addr[:2] or pending[1] != kind or seq not in pending[2] or seq in pending[3]:
             self.events.packet_rejected("probe_unexpected_echo")
             return
-        pending[2][seq] = time.monotonic() - pending[1][seq]
+        if kind == TRAIN_ECHO:
+            pending[3][seq] = extra
+            return
+        raw = at - pending[2][seq]
+        pending[3][seq] = (raw - extra if extra <= raw else raw) / 1e9  # a hold beyond the round trip is ignored
+
+    def _take_token(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self.echo_rate, self._tokens + (now - self._stamp) * self.echo_rate)
+        self._stamp = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+def train_bandwidth(received: dict[int, int], count: int) -> float:
+    """Bytes per second from one train's receive times (seq -> ns on the answering side's clock):
+    the payload of its last quarter over their spread; 0.0 when fewer than a quarter of that quarter
+    arrived or the spread is zero (pure; module docstring)."""
+    tail = sorted(t for seq, t in received.items() if seq >= count - count // 4)
+    if len(tail) < max(2, count // 16) or tail[-1] <= tail[0]:
+        return 0.0
+    return (len(tail) - 1) * TRAIN_SIZE / ((tail[-1] - tail[0]) / 1e9)

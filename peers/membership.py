@@ -26,7 +26,7 @@ from typing import Callable
 from peers.events import PeerEvents
 from peers.clock import now
 from peers.node import P2PContext, PeerNode
-from peers.records import MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
+from peers.records import LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
 from peers.runs import RunSecret, run_dht_key
 from peers.table import PeerEntry, PeerTable
 from protos import records_pb2
@@ -77,6 +77,8 @@ class RunMembership:
         self.probe_address = ""  # where this daemon answers link probes, put into each heartbeat
         # (lanes its DeAR group's other members average for it as a bit mask, that group's ID), ditto
         self.delegation_of: Callable[[], tuple[int, str]] = lambda: (0, "")
+        self.links_of: Callable[[], tuple[LinkReport, ...]] = lambda: ()  # its fresh link reports, put into each heartbeat
+        self.published_links: tuple[float, tuple[LinkReport, ...]] = (0.0, ())  # (timestamp, links) of the latest heartbeat
 
     @property
     def secured(self) -> bool:
@@ -190,7 +192,10 @@ class RunMembership:
             probe_address=self.probe_address if state is MemberState.ACTIVE else "",
             delegated_lanes=delegated if state is MemberState.ACTIVE else 0,
             dear_group=group if state is MemberState.ACTIVE else "",
+            links=self.links_of() if state is MemberState.ACTIVE else (),
         )
+        if state is MemberState.ACTIVE:  # what peers see of this daemon's links: the local group uses the same
+            self.published_links = (record.timestamp, record.links)
         return seal_record(record, self.node.identity, self.secret)
 
     async def _every(self, interval: float, action) -> None:

@@ -6,11 +6,13 @@ returns a checked `MemberRecord` or raises `RecordRejected` with a reason for pe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
 from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal, verified
 from peers.identity import Identity
+from peers.linkprobe import LinkReport
 from peers.runs import RunSecret
 from protos import records_pb2
 
@@ -18,8 +20,11 @@ RECORD_FORMAT_VERSION = 1
 MAX_MADDRS = 32
 MAX_LABEL = 256  # characters of local_group and dear_address
 MAX_CLOCK_SKEW_SECONDS = 300.0  # records timestamped further in the future are refused
+MAX_LINKS = 64  # link reports per record (peers/linkprobe.py MAX_REPORTS)
+MAX_LINK_AGE = 3600.0  # seconds: a report claiming an older measurement is malformed (fresh ones are < 60 s)
+MAX_LINK_RTT = 60.0  # seconds
 
-__all__ = ["MemberRecord", "MemberState", "RecordRejected", "seal_record", "open_envelope", "check_storable"]
+__all__ = ["LinkReport", "MemberRecord", "MemberState", "RecordRejected", "seal_record", "open_envelope", "check_storable"]
 
 
 class MemberState(Enum):
@@ -42,6 +47,7 @@ class MemberRecord:
     probe_address: str = ""  # "host:port" where it answers link probes (peers/linkprobe.py); "" when none
     delegated_lanes: int = 0  # bit l: another member of its local group averages lane l (peers/dear/hierarchy.py)
     dear_group: str = ""  # ID of its active DeAR group (hierarchy.group_id); "" when none
+    links: tuple[LinkReport, ...] = ()  # its fresh link measurements (--local-group auto); at most MAX_LINKS
 
 
 def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | None) -> bytes:
@@ -63,6 +69,8 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         probe_address=record.probe_address,
         delegated_lanes=record.delegated_lanes,
         dear_group=record.dear_group,
+        links=[records_pb2.LinkReport(peer_id=r.peer_id, rtt=r.rtt, bandwidth=r.bandwidth, loss=r.loss, age=r.age)
+               for r in record.links],  # fmt: skip
     ).SerializeToString()
     return seal(RecordKind.MEMBER, body, identity, secret, record.run_id)
 
@@ -87,6 +95,7 @@ def open_envelope(
         raise RecordRejected("record_future", f"timestamp {body.timestamp - now:.0f} s ahead")
     if max(len(body.local_group), len(body.dear_address), len(body.probe_address), len(body.dear_group)) > MAX_LABEL:
         raise RecordRejected("record_malformed", "local group label, DeAR group, DeAR or probe address too long")
+    links = _links(body)
     return MemberRecord(
         run_id=body.run_id,
         peer_id=body.peer_id,
@@ -101,7 +110,28 @@ def open_envelope(
         probe_address=body.probe_address,
         delegated_lanes=body.delegated_lanes,
         dear_group=body.dear_group,
+        links=links,
     )
+
+
+def _links(body: records_pb2.PeerRecord) -> tuple[LinkReport, ...]:
+    """The record's link reports, checked: bounded in number, one per peer (not the signer), every
+    figure finite and in range. One bad report refuses the whole record, like any malformed field."""
+    if len(body.links) > MAX_LINKS:
+        raise RecordRejected("record_malformed", f"{len(body.links)} link reports (at most {MAX_LINKS})")
+    seen: set[str] = set()
+    out = []
+    for r in body.links:
+        figures = (r.rtt, r.bandwidth, r.loss, r.age)
+        if not r.peer_id or len(r.peer_id) > MAX_LABEL or r.peer_id == body.peer_id or r.peer_id in seen:
+            raise RecordRejected("record_malformed", "link report with an empty, overlong, own or repeated peer ID")
+        if not all(math.isfinite(f) for f in figures) or not (
+            0 <= r.rtt <= MAX_LINK_RTT and r.bandwidth >= 0 and 0 <= r.loss <= 1 and 0 <= r.age <= MAX_LINK_AGE
+        ):
+            raise RecordRejected("record_malformed", f"link report with figures out of range: {figures}")
+        seen.add(r.peer_id)
+        out.append(LinkReport(r.peer_id, r.rtt, r.bandwidth, r.loss, r.age))
+    return tuple(out)
 
 
 def check_storable(data: object, subkey: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peers.records import MemberRecord, MemberState
+from peers.records import LinkReport, MemberRecord, MemberState
 
 
 @dataclass(slots=True)
@@ -21,6 +21,7 @@ class PeerEntry:
     probe_address: str = ""  # where it answers link probes, "host:port"; "" when none
     delegated_lanes: int = 0  # lanes another member of its local group averages for it (a bit mask)
     dear_group: str = ""  # ID of its active DeAR group; "" when none
+    links: tuple[LinkReport, ...] = ()  # its link reports, as of `timestamp` (each report's age counts from it)
 
 
 class PeerTable:
@@ -54,7 +55,7 @@ class PeerTable:
             self._entries[record.peer_id] = PeerEntry(
                 record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step,
                 record.local_group, record.dear_address, record.probe_address, record.delegated_lanes,
-                record.dear_group,
+                record.dear_group, record.links,
             )
             return "new"
         if record.timestamp <= entry.timestamp:
@@ -62,7 +63,7 @@ class PeerTable:
         entry.maddrs, entry.version, entry.role, entry.step = record.maddrs, record.version, record.role, record.step
         entry.local_group, entry.dear_address = record.local_group, record.dear_address
         entry.probe_address, entry.delegated_lanes = record.probe_address, record.delegated_lanes
-        entry.dear_group = record.dear_group
+        entry.dear_group, entry.links = record.dear_group, record.links
         entry.timestamp, entry.last_seen = record.timestamp, now
         return "refreshed"
 

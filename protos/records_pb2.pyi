@@ -43,7 +43,7 @@ JOIN_STATUS_LATE: JoinStatus
 JOIN_STATUS_GROUP_FULL: JoinStatus
 
 class PeerRecord(_message.Message):
-    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address", "probe_address", "delegated_lanes", "dear_group")
+    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address", "probe_address", "links", "delegated_lanes", "dear_group")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class PeerRecord(_message.Message):
     LOCAL_GROUP_FIELD_NUMBER: _ClassVar[int]
     DEAR_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROBE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
     DELEGATED_LANES_FIELD_NUMBER: _ClassVar[int]
     DEAR_GROUP_FIELD_NUMBER: _ClassVar[int]
     format_version: int
@@ -70,9 +71,24 @@ class PeerRecord(_message.Message):
     local_group: str
     dear_address: str
     probe_address: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkReport]
     delegated_lanes: int
     dear_group: str
-    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ..., probe_address: _Optional[str] = ..., delegated_lanes: _Optional[int] = ..., dear_group: _Optional[str] = ...) -> None: ...
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ..., probe_address: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkReport, _Mapping]]] = ..., delegated_lanes: _Optional[int] = ..., dear_group: _Optional[str] = ...) -> None: ...
+
+class LinkReport(_message.Message):
+    __slots__ = ("peer_id", "rtt", "bandwidth", "loss", "age")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    RTT_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    AGE_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    rtt: float
+    bandwidth: float
+    loss: float
+    age: float
+    def __init__(self, peer_id: _Optional[str] = ..., rtt: _Optional[float] = ..., bandwidth: _Optional[float] = ..., loss: _Optional[float] = ..., age: _Optional[float] = ...) -> None: ...
 
 class Envelope(_message.Message):
     __slots__ = ("format_version", "sealed", "nonce", "payload", "public_key", "signature", "kind")

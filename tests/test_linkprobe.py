@@ -56,11 +56,11 @@ def test_a_lossy_link_still_passes_and_its_loss_is_measured():
         seen = 0
         original = b._received
 
-        def lossy(data, addr):
+        def lossy(data, addr, at):
             nonlocal seen
             seen += 1
             if seen % 2:
-                original(data, addr)
+                original(data, addr, at)
 
         b._received = lossy
         try:

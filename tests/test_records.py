@@ -1,14 +1,16 @@
 """Record signing, sealing and every way a record can be refused."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
+from peers.envelope import RecordKind, seal
 from peers.events import PeerEvents
 from peers.identity import Identity
-from peers.records import MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
+from peers.records import MAX_LINKS, LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
 from peers.runs import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
 from peers.validator import PeerdRecordValidator
 from protos import records_pb2
@@ -125,3 +127,44 @@ def test_run_keys_depend_on_the_secret():
         RunSecret.from_bytes(b"short", "r")
     with pytest.raises(InvalidSecret):
         RunSecret.from_file(Path("/nonexistent/secret"), "r")
+
+
+def link(peer_id: str, **kw) -> LinkReport:
+    return LinkReport(**{"peer_id": peer_id, "rtt": 0.0002, "bandwidth": 2.5e8, "loss": 0.0, "age": 3.5, **kw})
+
+
+def test_link_reports_round_trip_and_a_full_record_fits(alice):
+    """MAX_LINKS reports with real peer IDs still fit an envelope (peers/envelope.py's bound)."""
+    secret = RunSecret.from_bytes(b"s" * 32, "r1")
+    ids = [f"Qm{i:044d}" for i in range(MAX_LINKS)]  # as long as an RSA identity's peer ID
+    links = tuple(link(p, rtt=1e-4 * i, loss=i / 1000, bandwidth=1e6 * i) for i, p in enumerate(ids))
+    rec = dataclasses.replace(record(alice), links=links)
+    data = seal_record(rec, alice, secret)
+    assert open_envelope(data, run_id="r1", secret=secret, subkey=alice.peer_id, now=NOW) == rec
+
+
+@pytest.mark.parametrize(
+    "links",
+    [
+        pytest.param(lambda me: [link(f"p{i}") for i in range(MAX_LINKS + 1)], id="too-many"),
+        pytest.param(lambda me: [link("")], id="empty-peer"),
+        pytest.param(lambda me: [link("x" * 300)], id="long-peer"),
+        pytest.param(lambda me: [link(me)], id="own-link"),
+        pytest.param(lambda me: [link("b"), link("b")], id="repeated"),
+        pytest.param(lambda me: [link("b", rtt=float("nan"))], id="nan-rtt"),
+        pytest.param(lambda me: [link("b", rtt=-1.0)], id="negative-rtt"),
+        pytest.param(lambda me: [link("b", bandwidth=float("inf"))], id="inf-bandwidth"),
+        pytest.param(lambda me: [link("b", bandwidth=-5.0)], id="negative-bandwidth"),
+        pytest.param(lambda me: [link("b", loss=1.5)], id="loss-above-one"),
+        pytest.param(lambda me: [link("b", age=-1.0)], id="negative-age"),
+        pytest.param(lambda me: [link("b", age=1e9)], id="ancient"),
+    ],
+)
+def test_malformed_link_reports_refuse_the_record(alice, links):
+    """Written straight into the protobuf (seal_record would send them as they are, too): one bad
+    report refuses the whole record, under the reason every malformed record is counted by."""
+    body = records_pb2.PeerRecord(format_version=1, run_id="r1", peer_id=alice.peer_id, state=1, timestamp=NOW)
+    for r in links(alice.peer_id):
+        body.links.add(peer_id=r.peer_id, rtt=r.rtt, bandwidth=r.bandwidth, loss=r.loss, age=r.age)
+    data = seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1")
+    rejected("record_malformed", data)

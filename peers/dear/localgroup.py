@@ -13,7 +13,7 @@ measurements say (the operator knows the racks), cut into near-equal groups when
 **Otherwise links.** Two unlabelled peers are *close* when every fresh measurement of the link
 between them (either direction, at most `max_age` old) passes all thresholds: RTT at most `max_rtt`,
 bandwidth at least `min_bandwidth`, loss at most `max_loss`. An unmeasured or stale link is not
-close. A group needs every pair of its members close (an all-to-all uses every pair): groups are
+close; with `both_directions`, neither is a link measured fresh from one side only. A group needs every pair of its members close (an all-to-all uses every pair): groups are
 built greedily in peer-ID order, each peer joining the first group all of whose members it is close
 to, up to `max_size` members. A "group" of one is no group: that peer averages over the WAN.
 
@@ -57,6 +57,7 @@ class LocalGroupRules:
     max_age: float = 60.0  # seconds after which a link measurement no longer counts
     peer_timeout: float = 10.0  # seconds without a heartbeat after which a peer counts as dead
     max_size: int = 16  # members per group: an all-to-all's messages grow with the square of it
+    both_directions: bool = False  # a pair needs a fresh measurement from each side (the daemon: each measures one way)
 
     def __post_init__(self) -> None:
         if min(self.max_rtt, self.min_bandwidth, self.max_age, self.peer_timeout) <= 0 or not 0 <= self.max_loss <= 1:
@@ -130,9 +131,12 @@ def local_groups(peers: Iterable[PeerSample], links: Iterable[LinkSample], rules
 def _close_pairs(peers: set[str], links: Iterable[LinkSample], rules: LocalGroupRules, now: float) -> set[tuple[str, str]]:
     """Ordered pairs (both directions) whose fresh measurements all pass the thresholds."""
     verdicts: dict[frozenset, bool] = {}
+    sides: dict[frozenset, set[str]] = defaultdict(set)
     for link in links:
         if link.a == link.b or link.a not in peers or link.b not in peers or now - link.measured_at > rules.max_age:
             continue
         key = frozenset((link.a, link.b))
         verdicts[key] = verdicts.get(key, True) and rules.close(link)
-    return {(a, b) for key, ok in verdicts.items() if ok for a in key for b in key if a != b}
+        sides[key].add(link.a)
+    return {(a, b) for key, ok in verdicts.items() if ok and (len(sides[key]) == 2 or not rules.both_directions)
+            for a in key for b in key if a != b}  # fmt: skip

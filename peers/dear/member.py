@@ -1,4 +1,5 @@
-"""This daemon's place in an operator-labelled local group: when to form a DeAR group, and its engine.
+"""This daemon's place in a local group (operator-labelled, or by measured links with the reserved
+label `auto`): when to form a DeAR group, and its engine.
 
     member = LocalGroupMember(run_id=..., peer_id=..., label="rack7", host="10.0.0.5", peers=table_view)
     member.prepare()                        # a fresh engine listening; member.address goes into heartbeats
@@ -9,7 +10,11 @@
 **When a group forms** (`plan_group`, pure): this daemon's live peer table (the membership's, which
 already drops peers unheard for `peer_ttl`), its own label and engine address, and the members of
 the Moshpit round that just completed. The local group is `local_groups(...)`'s label-only decision
-(every table entry counts as live: the table did the expiry); it forms only if it has at least two
+(every table entry counts as live: the table did the expiry). With the label AUTO it is the
+decision by links among the peers labelled AUTO: each one's link reports from its latest record
+(this daemon's own: those of its latest heartbeat, what the peers saw), both directions of every
+pair fresh (at most `max_age` old, on the records' clock) and within the thresholds; so every member
+reaches the same decision from the same records. It forms only if it has at least two
 members, every one of them took part in that completed round (so all hold the round's result, the
 same digest, at the same global step: identical state to start from) and every one published an
 engine address. Ranks are the members' order by peer ID, the same on every member.
@@ -26,15 +31,16 @@ a fresh one on a new port, announced by the next heartbeat.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from peers.collective.linkauth import LinkAuth
 from peers.collective.tcp import TcpTransport
 from peers.dear.engine import EngineCollective
-from peers.dear.localgroup import LocalGroupRules, PeerSample, local_groups
+from peers.clock import now as dht_now
+from peers.dear.localgroup import LinkSample, LocalGroupRules, PeerSample, local_groups
 from peers.events import PeerEvents
+from peers.linkprobe import LinkReport
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ OP_TIMEOUT = 5.0  # seconds one DeAR op may take (EngineCollective's timeout): h
 # DeAR steps between fusion re-tunes (DeARSettings.retune_every): every member re-tunes at the same
 # steps, since they take every DeAR step together; one costs a flushed step and a tiny all-reduce.
 RETUNE_EVERY = 50
+AUTO = "auto"  # the reserved label: form a group with the peers whose measured links pass the thresholds
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +56,8 @@ class GroupPeer:
     peer: str  # peer ID
     label: str  # its --local-group ("" when unset)
     address: str  # its DeAR engine's "host:port" ("" when none)
+    links: tuple[LinkReport, ...] = ()  # its link reports (label AUTO), as of `timestamp`
+    timestamp: float = 0.0  # the DHT time of the record they came in: a report was measured at timestamp - age
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +75,12 @@ def plan_group(
     """Whether to form this daemon's local group right after a completed round (module docstring)."""
     known = {p.peer: p for p in peers if p.peer != me.peer}
     known[me.peer] = me
-    decision = local_groups([PeerSample(p.peer, now, p.label) for p in known.values()], (), rules, now)
+    if me.label == AUTO:  # by links, among the peers that opted in (labelled AUTO): module docstring
+        auto = [p for p in known.values() if p.label == AUTO]
+        links = [LinkSample(p.peer, r.peer_id, r.rtt, r.bandwidth, r.loss, p.timestamp - r.age) for p in auto for r in p.links]
+        decision = local_groups([PeerSample(p.peer, now) for p in auto], links, rules, now)
+    else:
+        decision = local_groups([PeerSample(p.peer, now, p.label) for p in known.values()], (), rules, now)
     group = decision.group_of(me.peer)
     if not me.label or group is None:
         return Formation((), -1, (), False, f"no local group: {decision.reason}")
@@ -77,7 +91,8 @@ def plan_group(
         return Formation(group, rank, addresses, False, f"{len(absent)} of {len(group)} members were not in the round")
     if not all(_dialable(a) for a in addresses):
         return Formation(group, rank, addresses, False, "not every member has announced a valid engine address yet")
-    return Formation(group, rank, addresses, True, f"forming [{', '.join(group)}] by label {me.label!r}")
+    how = "by links" if me.label == AUTO else f"by label {me.label!r}"
+    return Formation(group, rank, addresses, True, f"forming [{', '.join(group)}] {how}")
 
 
 def _dialable(address: str) -> bool:
@@ -93,10 +108,14 @@ class LocalGroupMember:
     def __init__(
         self, *, run_id: str, peer_id: str, label: str, host: str, peers: Callable[[], Sequence[GroupPeer]],
         timeout: float = OP_TIMEOUT, rules: LocalGroupRules | None = None, events: PeerEvents | None = None,
-        clock: Callable[[], float] = time.monotonic, engine_key: bytes | None = None,
+        clock: Callable[[], float] = dht_now, engine_key: bytes | None = None,
+        own_links: Callable[[], tuple[float, tuple[LinkReport, ...]]] = lambda: (0.0, ()),
     ):  # fmt: skip
         self.run_id, self.peer_id, self.label, self.host = run_id, peer_id, label, host
-        self.peers, self.timeout, self.rules, self.events, self.clock = peers, timeout, rules or LocalGroupRules(), events, clock
+        # The daemon measures each link from one side per record: a pair needs both sides' reports.
+        rules = rules or LocalGroupRules(both_directions=True)
+        self.peers, self.timeout, self.rules, self.events, self.clock = peers, timeout, rules, events, clock
+        self.own_links = own_links  # (timestamp, links) of this daemon's latest heartbeat (label AUTO)
         self.address = ""  # the engine's address while one listens; announced in heartbeats
         self.collective: EngineCollective | None = None  # joined: a DeAR group is active
         self.members: tuple[str, ...] = ()  # the active group's members; () when none
@@ -122,8 +141,7 @@ class LocalGroupMember:
 
     def try_form(self, round_members: Collection[str]) -> EngineCollective | None:
         """After a completed round: join the group if plan_group says so; returns the collective or None."""
-        me = GroupPeer(self.peer_id, self.label, self.address)
-        plan = plan_group(me, self.peers(), round_members, self.rules, self.clock())
+        plan = self._plan(round_members)
         self.last_reason = plan.reason
         if not plan.form or self._engine is None:
             return None
@@ -139,6 +157,16 @@ class LocalGroupMember:
         self.collective, self.members, self.rank = engine, plan.members, plan.rank
         logger.info("run %s: local group %r formed: rank %d of %d", self.run_id, self.label, self.rank, self.size)
         return engine
+
+    def outdated(self, round_members: Collection[str]) -> bool:
+        """The active group is no longer the one plan_group decides (with AUTO: a peer's links became
+        close, or stopped being so): the caller drops it, and the next round forms the new one."""
+        return self.collective is not None and self._plan(round_members).members != self.members
+
+    def _plan(self, round_members: Collection[str]) -> Formation:
+        timestamp, links = self.own_links()
+        me = GroupPeer(self.peer_id, self.label, self.address, links, timestamp)
+        return plan_group(me, self.peers(), round_members, self.rules, self.clock())
 
     def drop(self, reason: str) -> None:
         """Leave the active group (if any): close its engine, and have a fresh one listening."""
