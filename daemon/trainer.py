@@ -432,7 +432,7 @@ class Trainer:
         elif gathered and lg is not None and lg.outdated(lg.members):
             # Every member decides this from the same records: they drop the group together (one that
             # did not would fail its next DeAR op at once), and a later round forms the new one.
-            self._leave_group("the local group's decision changed (--local-group auto: links measured since)")
+            self._leave_group("the local group's decision changed (a labelled peer came or went; with auto, links measured since)")
         else:
             self._regroup(model, optimizer, results)
 

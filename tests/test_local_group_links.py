@@ -10,8 +10,8 @@ import pytest
 from peers.dear.localgroup import LocalGroupRules
 from peers.dear.member import AUTO, GroupPeer, plan_group
 from peers.linkprobe import LinkReport
-from tests.helpers import scrape, wait_for
-from tests.test_local_group import FAST_DISCOVERY, RUN_ARGS, status
+from tests.helpers import scrape
+from tests.test_local_group import FAST_DISCOVERY, RUN_ARGS, wait_group
 
 RULES = LocalGroupRules(both_directions=True)
 NOW = 1_800_000_000.0  # DHT time: records' timestamps and reports' ages are on it
@@ -93,14 +93,7 @@ def test_three_daemons_on_loopback_form_a_group_by_measured_links(spawn):
     c.wait_ready()
     daemons = [a, b, c]
 
-    def formed():
-        rs = [status(d, "la") for d in daemons]
-        return all(r.local_group_size == 3 and r.dear_steps > 0 for r in rs) and rs
-
-    try:
-        rs = wait_for(formed, timeout=120, interval=0.1, what="the group of three forms by links")
-    except AssertionError:
-        raise AssertionError("\n".join([str([status(d, "la") for d in daemons])] + [d.log_tail(40) for d in daemons]))
+    rs = wait_group(daemons, "la", 3, "the group of three forms by links", timeout=120)
     assert sorted(r.local_group_rank for r in rs) == [0, 1, 2] and all(r.local_group == AUTO for r in rs), rs
     for d in daemons:
         m = scrape(d.metrics_url)
