@@ -71,6 +71,7 @@ class RunSummary:
     local_group_size: int = 0  # members of the active DeAR group (this daemon included); 0 when none
     local_group_rank: int = -1  # this daemon's rank in it; -1 when none
     dear_buckets: int = 0  # fused buckets of the active DeAR group's plan
+    dear_bucket_bytes: int = 0  # the fusion target that plan was cut for (the tuner's choice)
     dear_steps: int = 0  # steps this daemon took under DeAR in the run
     dear_overlap_ratio: float = math.nan  # communication hidden behind compute (docs/dear.md)
     wan_share: float = 1.0  # the fraction of the state vector this daemon averages over the WAN
@@ -468,6 +469,7 @@ class Daemon:
                     local_group_size=tr.local_group.size if tr and tr.local_group else 0,
                     local_group_rank=tr.local_group.rank if tr and tr.local_group else -1,
                     dear_buckets=tr.dear_buckets if tr else 0,
+                    dear_bucket_bytes=tr.dear_bucket_bytes if tr else 0,
                     dear_steps=tr.dear_steps if tr else 0,
                     dear_overlap_ratio=tr.dear_overlap_ratio if tr else math.nan,
                     wan_share=tr.wan_share if tr else 1.0,

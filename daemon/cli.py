@@ -192,6 +192,7 @@ def _cmd_status(args) -> int:
                         "local_group_size": r.local_group_size,
                         "local_group_rank": r.local_group_rank,
                         "dear_buckets": r.dear_buckets,
+                        "dear_bucket_bytes": r.dear_bucket_bytes,
                         "dear_steps": r.dear_steps,
                         "dear_overlap_ratio": None if math.isnan(r.dear_overlap_ratio) else r.dear_overlap_ratio,
                         "wan_share": r.wan_share,
@@ -233,7 +234,7 @@ def _cmd_status(args) -> int:
             rank = str(r.local_group_rank) if r.local_group_rank >= 0 else "-"
             overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"
             print(f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
-                  f"DeAR buckets {r.dear_buckets}  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}")
+                  f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}")
         if r.error:
             print(f"{r.run_id}: training failed: {r.error}")
     return 0

@@ -80,6 +80,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     local_group_size=r.local_group_size,
                     local_group_rank=r.local_group_rank,
                     dear_buckets=r.dear_buckets,
+                    dear_bucket_bytes=r.dear_bucket_bytes,
                     dear_steps=r.dear_steps,
                     dear_overlap_ratio=r.dear_overlap_ratio,
                     wan_share=r.wan_share,

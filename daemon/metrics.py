@@ -98,6 +98,9 @@ class _TrainingCollector(Collector):
         overlap = GaugeMetricFamily(
             "peerd_dear_overlap_ratio", "Share of DeAR's communication hidden behind compute (latest local group).", labels=["run"]
         )
+        bucket_bytes = GaugeMetricFamily(
+            "peerd_dear_bucket_bytes", "Fusion target (bytes) of the active DeAR group's buckets, as tuned; 0 when none.", labels=["run"]
+        )
         wan_share = GaugeMetricFamily(
             "peerd_wan_share", "Fraction of the run's state this daemon averages over the WAN (1 outside a local group).", labels=["run"]
         )
@@ -116,9 +119,10 @@ class _TrainingCollector(Collector):
             if r.local_group:
                 group.add_metric([r.run_id], r.local_group_size)
                 dear_steps.add_metric([r.run_id], r.dear_steps)
+                bucket_bytes.add_metric([r.run_id], r.dear_bucket_bytes)
                 if not math.isnan(r.dear_overlap_ratio):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
-        yield from (step, local, loss, samples, score, divergence, group, dear_steps, overlap, wan_share)
+        yield from (step, local, loss, samples, score, divergence, group, dear_steps, overlap, wan_share, bucket_bytes)
 
 
 class DaemonMetrics:

@@ -164,6 +164,7 @@ class Trainer:
         self._dear: DeAR | None = None  # active while this daemon trains in a DeAR group
         self.dear_steps = 0  # steps taken under DeAR, over every group this trainer was in
         self.dear_buckets = 0  # buckets of the active group's plan; 0 when none
+        self.dear_bucket_bytes = 0  # the fusion target that plan was cut for (tuned online); 0 when none
         self._last_overlap = math.nan  # overlap ratio of the latest DeAR group, once dropped
         self.ready_to_train, self.ready_timeout = ready_to_train, ready_timeout
         self.run_id, self.task, self.hparams = run_id, task, hparams
@@ -268,7 +269,7 @@ class Trainer:
                     self._leave_group(f"DeAR step failed: {e}")
                     continue
                 self.dear_steps += 1
-                self.dear_buckets = len(self._dear.plan.buckets)
+                self.dear_buckets, self.dear_bucket_bytes = len(self._dear.plan.buckets), int(self._dear.plan.bucket_bytes)
             else:
                 loss = self.task.loss(model, batch)
                 optimizer.zero_grad(set_to_none=True)
@@ -325,7 +326,7 @@ class Trainer:
         collective = self.local_group.try_form(round_members)
         if collective is not None:
             self._dear = DeAR(model, optimizer, collective, DeARSettings(retune_every=RETUNE_EVERY))
-            self.dear_buckets = len(self._dear.plan.buckets)
+            self.dear_buckets, self.dear_bucket_bytes = len(self._dear.plan.buckets), int(self._dear.plan.bucket_bytes)
             lg = self.local_group
             self._exchange = LaneExchange(self._flat.numel(), self.lanes, lg.size)
             self.wan_share = self._exchange.share(lg.rank)
@@ -341,7 +342,7 @@ class Trainer:
                 self._dear.close()  # flushes first unless it failed; the hooks go in any case
             except CollectiveError:
                 pass
-            self._dear, self.dear_buckets, self._exchange = None, 0, None
+            self._dear, self.dear_buckets, self.dear_bucket_bytes, self._exchange = None, 0, 0, None
             self.delegation, self.wan_share = (0, ""), 1.0
             self.announce()
             logger.info("run %s: training on without the DeAR group: %s", self.run_id, reason)

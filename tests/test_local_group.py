@@ -75,7 +75,7 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
 
     rs = wait_group(daemons, "lg", 3, "the local group of three forms")
     assert sorted(r.local_group_rank for r in rs) == [0, 1, 2], rs
-    assert all(r.local_group == "rack" and r.dear_buckets >= 1 for r in rs), rs
+    assert all(r.local_group == "rack" and r.dear_buckets >= 1 and r.dear_bucket_bytes >= 64 * 1024 for r in rs), rs
     # One lane (the default): rank 0 averages the whole state over the WAN for the group.
     assert sorted(r.wan_share for r in rs) == [0.0, 0.0, 1.0], rs
     assert all(r.train_state == "TRAINING" for r in rs), rs  # killed mid-run, not after
