@@ -157,6 +157,22 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lan
 
     rs = wait_for(met_on_the_wan, timeout=60, interval=0.05, what="each member of the group completes its lane's round with solo peers")
     assert all(r.last_round_links for r in rs), rs
+    # One big peer on the WAN: over the same rounds, the group's members together send about what
+    # one solo daemon sends (each lane's group of three: the lane's owner and the two solo daemons),
+    # each member half of it. Averaging rounds only: DeAR's traffic is not in peerd_sent_bytes_total.
+    def sent(x):
+        return sum(v for (name, _), v in scrape(x.metrics_url).items() if name == "peerd_sent_bytes_total")
+
+    start = {x.data_dir.name: (sent(x), status(x, "hier").step) for x in (a, b, c, d)}
+    wait_for(lambda: all(status(x, "hier").step >= min(start[x.data_dir.name][1] + 5 * EVERY, STEPS) for x in (a, b, c, d)),
+             timeout=60, what="five more rounds")  # fmt: skip
+    held = all(status(x, "hier").local_group_size == 2 for x in group)
+    delta = {x.data_dir.name: sent(x) - start[x.data_dir.name][0] for x in (a, b, c, d)}
+    if held and start["h-a"][1] + 5 * EVERY <= STEPS:
+        solo_sent = (delta["h-c"] + delta["h-d"]) / 2
+        assert 0.6 * solo_sent <= delta["h-a"] + delta["h-b"] <= 1.4 * solo_sent, delta
+        assert max(delta["h-a"], delta["h-b"]) <= 0.75 * solo_sent, delta
+    print("bytes sent over five rounds:", delta, "group held" if held else "group dropped meanwhile: not compared")
     for x in (a, b, c, d):
         wait_for(lambda: status(x, "hier").train_state == "FINISHED", timeout=120, what=f"{x.data_dir.name} finishes")
     finals = {x.data_dir.name: status(x, "hier") for x in (a, b, c, d)}
