@@ -380,7 +380,7 @@ class Daemon:
                 sync=sync,
                 on_sync=lambda result: self.metrics.observe_sync(run_id, result),
                 local_group=local_group,
-                announce=lambda: asyncio.run_coroutine_threadsafe(membership.heartbeat(), loop),
+                announce=lambda: self._announce_soon(membership, loop),
             )
             membership.step_of = lambda: trainer.global_step
             self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
@@ -390,6 +390,22 @@ class Daemon:
             )
         self.runs[run_id] = handle
         return True
+
+    @staticmethod
+    def _announce_soon(membership, loop: asyncio.AbstractEventLoop) -> None:
+        """From the trainer thread: send a heartbeat now (its DeAR delegation changed), not at the
+        next interval. A failure is the periodic heartbeat's to make up for."""
+
+        async def announce() -> None:
+            try:
+                await membership.heartbeat()
+            except Exception:
+                logger.debug("run %s: immediate heartbeat failed", membership.run_id, exc_info=True)
+
+        try:
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(announce()))
+        except RuntimeError:  # the loop is closed: the daemon is stopping
+            pass
 
     def _advertise_host(self) -> str:
         """The address peers dial for this daemon's collective engine: the listen host, or for a
