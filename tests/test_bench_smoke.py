@@ -1,4 +1,5 @@
-"""Smoke test of bench.daemon_costs: it runs to the end and prints the promised JSON lines.
+"""Smoke tests of benchmarks (bench.daemon_costs, bench.dear): each runs to the end and prints the
+promised JSON lines, the last one its headline.
 
 No figure is asserted: timings on a shared CI machine say nothing, and docs/benchmarks.md holds the
 measured ones.
@@ -40,3 +41,17 @@ def test_daemon_costs_quick_prints_json_lines():
         assert REQUIRED <= r.keys(), r
     assert records[-1]["bench"] == "daemon_costs"
     assert records[-1]["metric"] == "start_to_ready_s"
+
+
+@pytest.mark.parametrize("backend", ["gloo", "peerd"])
+def test_dear_quick_prints_json_lines_with_the_headline_last(backend):
+    """bench.dear --quick: a small MLP, two ranks on loopback, every schedule (a few seconds)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.dear", "--quick", "--skip-emulated", "--backend", backend],
+        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert records and all(REQUIRED <= r.keys() for r in records), records
+    assert records[-1]["bench"] == "dear" and records[-1]["metric"] == "steps_per_second_vs_ddp25", records[-1]
+    assert records[-1].get("backend", "gloo") == backend, records[-1]
