@@ -190,14 +190,23 @@ class Daemon:
             await self._teardown(grace=0)
             raise
 
+    def _measured_runs(self) -> list[str]:
+        """The runs whose peers' links this daemon measures: those that use the measurements, i.e.
+        loss-tolerant runs (per-link data path) and, with --local-group auto, every training run."""
+        auto = self.config.train.local_group == AUTO
+        return [run_id for run_id, h in self.runs.items()
+                if h.manifest is not None and (auto or h.manifest.averaging.transport == "udp")]  # fmt: skip
+
     async def _probe_links(self) -> None:
-        """Measure the link to every peer of every run (peers/linkprobe.py): a new peer at the next
-        tick, the others every PROBE_INTERVAL; PROBE_BATCH at a time, each measurement bounded."""
+        """Measure the link to every peer of the runs that use it (_measured_runs; peers/linkprobe.py):
+        a new peer at the next tick, the others every PROBE_INTERVAL; PROBE_BATCH at a time, each
+        measurement bounded. Every daemon answers probes whatever its runs."""
         while True:
             await asyncio.sleep(PROBE_TICK)
             try:
-                targets = {e.peer_id: e.probe_address for m in (self.memberships.runs.values() if self.memberships else ())
-                           for e in m.peers() if e.probe_address}  # fmt: skip
+                runs = self.memberships.runs if self.memberships else {}
+                targets = {e.peer_id: e.probe_address for r in self._measured_runs() if r in runs
+                           for e in runs[r].peers() if e.probe_address}  # fmt: skip
                 self.prober.forget(set(targets))
                 t = time.monotonic()
                 due = [(p, a) for p, a in targets.items()

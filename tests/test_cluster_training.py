@@ -70,6 +70,8 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
     m = scrape(a.metrics_url)
     assert m[("peerd_rounds_total", (("outcome", "completed"), ("run", "acc")))] >= steps // every - 2
     assert m[("peerd_group_size", (("run", "acc"),))] == 3
+    # A reliable run without --local-group auto uses no link measurement: its peers are not probed.
+    assert not any(name == "peerd_link_probes_total" and v for (name, _), v in m.items()), m
     assert finals[2].last_round_links == "libp2p:2" and finals[0].last_round_links == "tcp:2", finals
     c_metrics = scrape(others[1].metrics_url)
     assert c_metrics[("peerd_sent_bytes_total", (("transport", "libp2p"),))] > 0
