@@ -289,7 +289,10 @@ class Daemon:
         if self.node is not None:
             node, self.node = self.node, None
             self.memberships = None
+            started = time.monotonic()
             await node.shutdown()
+            if time.monotonic() - started > 1.0:  # a drain that runs out of time: say where it went
+                logger.info("leaving the DHT and stopping p2pd took %.1f s", time.monotonic() - started)
         await self.metrics_server.stop()
         self.data_dir.close()
         if DaemonState.STOPPED in ALLOWED[self.state]:

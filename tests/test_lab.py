@@ -239,6 +239,10 @@ def in_ns(host: Host, code: str, *args: str) -> subprocess.Popen:
 UDP_RECEIVER = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 5000)); s.settimeout(2.0)
+# 8 MiB (SO_RCVBUFFORCE, root: the lab needs it anyway): all 4000 datagrams fit even if this process is
+# not scheduled for a while on a loaded machine, so that only the loss rule drops (a CI run lost 8 of
+# 4000 on a clean link with the default buffer)
+s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)
 print("ready", flush=True); n = 0
 try:
     while True:
