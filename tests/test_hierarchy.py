@@ -183,3 +183,27 @@ def test_a_per_op_timeout_is_refused_where_the_backend_cannot_honour_it():
     collective = EngineCollective(rank=0, world=1, timeout=1.0)  # honours one, but not a nonsensical one
     with pytest.raises(ValueError, match="per-op timeout"):
         collective.all_gather(rs, timeout=-1.0)
+
+
+def test_a_lane_whose_round_fails_is_a_result_not_an_error_and_the_other_lanes_go_on():
+    """MoshpitAverager with a matchmaker that fails for lane 0 only: lane 0's result says why, lane
+    1 finds nobody (a solo round), and the vector is untouched."""
+    import asyncio  # noqa: PLC0415 - only this test runs a loop
+
+    from peers.averaging import MoshpitAverager  # noqa: PLC0415
+    from peers.matchmaking import Matched  # noqa: PLC0415
+
+    class Matchmaker:
+        async def form_group(self, namespace, secret, round_t, key, me):
+            if namespace.endswith("/lane0"):
+                raise RuntimeError("matchmaking broke")
+            return Matched(None, "alone: nobody joined")
+
+    averager = MoshpitAverager(run_id="r", secret=None, peer_id="me", matchmaker=Matchmaker(), bind_host="127.0.0.1",
+                               advertise_host="127.0.0.1", max_group_size=16, lanes=2)  # fmt: skip
+    vector = torch.arange(10, dtype=torch.float32)
+    results = asyncio.run(averager.average(vector, 1.0, 3, {"other": (0, "")}))
+    assert [r.lane for r in results] == [0, 1]
+    assert "lane 0 failed: RuntimeError: matchmaking broke" in results[0].reason and not results[0].applied
+    assert results[1].reason.startswith("no group") and results[1].outcome is None
+    assert torch.equal(vector, torch.arange(10, dtype=torch.float32))

@@ -109,6 +109,7 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
         m = scrape(d.metrics_url)
         assert m[("peerd_dear_steps_total", (("run", "lg"),))] == r.dear_steps
         assert ("peerd_local_group_size", (("run", "lg"),)) in m
+        assert ("peerd_dear_bucket_bytes", (("run", "lg"),)) in m
         assert ("peerd_dear_overlap_ratio", (("run", "lg"),)) in m
         assert m.get(("peerd_rejected_total", (("reason", "wire_bad_hello"),)), 0) == 0
     # Members of a DeAR group hold the same bytes step after step: nothing for the group's

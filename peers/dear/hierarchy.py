@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from peers.collective.group import shard_bounds
 from peers.dear.collective import Collective, CollectiveError
 
 
@@ -52,7 +53,7 @@ def lane_bounds(n: int, lanes: int) -> list[tuple[int, int]]:
     """[start, end) of each of `lanes` near-equal contiguous slices of n elements, in order."""
     if lanes < 1 or n < lanes:
         raise ValueError(f"cannot cut {n} elements into {lanes} lanes")
-    return [(round(i * n / lanes), round((i + 1) * n / lanes)) for i in range(lanes)]
+    return list(shard_bounds(n, lanes))
 
 
 def owned_lanes(lanes: int, size: int, rank: int) -> tuple[int, ...]:
@@ -107,40 +108,36 @@ class LaneExchange:
     def _slot(self, rank: int) -> torch.Tensor:
         return self.buffer[rank * self.slot : (rank + 1) * self.slot]
 
+    def _pairs(self, rank: int, vector: torch.Tensor):
+        """(slice of owner `rank`'s slot, the same lane's slice of `vector`) for each lane it owns."""
+        slot, at = self._slot(rank), 0
+        for s, e in self.owned[rank]:
+            yield slot[at : at + e - s], vector[s:e]
+            at += e - s
+
     def pack(self, vector: torch.Tensor, weight: float) -> None:
         """Every slot from this member's vector: what the reduce-scatter averages."""
         for r in range(self.size):
-            self._put(r, vector)
+            self.put(r, vector)
             self._slot(r)[-1] = weight
 
-    def take(self, rank: int, vector: torch.Tensor) -> float:
-        """After the reduce-scatter: the group's mean of this member's lanes into `vector`; returns
-        the mean weight."""
-        slot, at = self._slot(rank), 0
-        for s, e in self.owned[rank]:
-            vector[s:e].copy_(slot[at : at + e - s])
-            at += e - s
-        return float(slot[-1])
-
-    def _put(self, rank: int, vector: torch.Tensor) -> None:
-        slot, at = self._slot(rank), 0
-        for s, e in self.owned[rank]:
-            slot[at : at + e - s].copy_(vector[s:e])
-            at += e - s
-
     def put(self, rank: int, vector: torch.Tensor) -> None:
-        """Before the all-gather: this member's lanes (now averaged over the WAN) into its slot."""
-        self._put(rank, vector)
+        """Owner `rank`'s lanes of `vector` into its slot (before the all-gather: its WAN results)."""
+        for held, lane in self._pairs(rank, vector):
+            held.copy_(lane)
+
+    def take(self, rank: int, vector: torch.Tensor) -> float:
+        """Owner `rank`'s slot into its lanes of `vector`; returns the slot's weight (after the
+        reduce-scatter, for this member: the group's mean of its lanes and of the weight)."""
+        for held, lane in self._pairs(rank, vector):
+            lane.copy_(held)
+        return float(self._slot(rank)[-1])
 
     def spread(self, rank: int, vector: torch.Tensor) -> None:
         """After the all-gather: every other owner's lanes into `vector`."""
         for r in range(self.size):
-            if r == rank:
-                continue
-            slot, at = self._slot(r), 0
-            for s, e in self.owned[r]:
-                vector[s:e].copy_(slot[at : at + e - s])
-                at += e - s
+            if r != rank:
+                self.take(r, vector)
 
 
 @dataclass(slots=True)
