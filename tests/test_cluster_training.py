@@ -37,7 +37,7 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
     second moments (each from batch-32 gradients, noisier than one batch-96 gradient) shrinks the
     effective step; an in-process simulation of this very loop stayed 0.8 points behind at 300 and
     450 steps, so the Adam comparison would sit on the 1-point edge (docs/algorithms.md)."""
-    steps, every, batch = 300, 10, 32
+    steps, every, batch = 500, 10, 32
     hparams = {"optimizer": "sgd", "lr": "0.05"}
     create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}"]
     create += [arg for k, v in hparams.items() for arg in ("--set", f"{k}={v}")]
@@ -61,10 +61,11 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
         assert r.step == steps and r.local_step == steps, r
         assert r.last_round_outcome == "completed" and r.group_size == 3, r
         assert r.eval_metric == "accuracy"
-        # Within 2 points: each daemon's samples depend on its random peer ID, and a 1-point bound
-        # failed twice by 0.1 point (a CI run; 0.9528 against 0.9539 on 2026-11-22), inside the
-        # 1.4 points the lossless accuracy moved between two convergence runs (docs/benchmarks.md).
-        assert r.eval_score >= single - 0.02, (r.eval_score, single)
+        # Within 1 point, as issue 3 asks. At 300 steps one test image (0.28 points) decided it:
+        # 0.9528 against a bound of 0.9539 failed twice. At 500 steps an in-process simulation of
+        # this loop over 8 seeds scored 96.7-97.2 % against single-process 96.7-97.2 % (sd 0.2 points).
+        print(f"accuracy {r.eval_score:.4f}, single process {single:.4f}")
+        assert r.eval_score >= single - 0.01, (r.eval_score, single)
     # The last round ended with every member holding the same bytes: the same evaluation.
     assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     m = scrape(a.metrics_url)
