@@ -180,7 +180,10 @@ async def resolve(
 ) -> tuple[RunManifest, bytes] | None:
     """The run's manifest: the one in the DHT, or a new one if task_name is given and there is none.
     Raises RunRefused when the run cannot be trained here as asked."""
-    found = await manifests.fetch(node, run_id, secret, on_rejected)
+    try:
+        found = await manifests.fetch(node, run_id, secret, on_rejected)
+    except manifests.InvalidManifests as e:
+        raise RunRefused(str(e)) from None
     if found is not None:
         manifest, data = found
         if task_name and task_name != manifest.task:
@@ -212,7 +215,10 @@ async def resolve(
     data = manifests.encode_manifest(manifest, node.identity, secret)
     await manifests.publish(node, manifest, data, secret, MANIFEST_TTL)
     # Two daemons may create the run at once: everyone settles on the earliest manifest.
-    settled = await manifests.fetch(node, run_id, secret, on_rejected)
+    try:
+        settled = await manifests.fetch(node, run_id, secret, on_rejected)
+    except manifests.InvalidManifests:
+        settled = None  # ours is valid: it was not found yet
     return settled if settled is not None else (manifest, data)
 
 

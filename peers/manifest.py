@@ -127,20 +127,30 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
         raise RecordRejected("manifest_invalid", str(e)) from None
 
 
+class InvalidManifests(LookupError):
+    """The DHT holds manifests of the run, and not one of them is valid: nobody can join it as it is."""
+
+
 def choose(manifests: list[RunManifest]) -> RunManifest | None:
     """The run's manifest among those found: the earliest, ties broken by creator ID."""
     return min(manifests, key=lambda m: m.order, default=None)
 
 
 async def fetch(node, run_id: str, secret: RunSecret | None, on_rejected) -> tuple[RunManifest, bytes] | None:
-    """Read the run's manifests from the DHT; returns the chosen one with its signed bytes, or None.
-    Invalid ones are counted through on_rejected(reason) and ignored."""
+    """Read the run's manifests from the DHT; returns the chosen one with its signed bytes, or None
+    when there is none. Invalid ones are counted through on_rejected(reason) and ignored while a valid
+    one exists; if every one found is invalid, raises InvalidManifests saying why."""
     found: list[tuple[RunManifest, bytes]] = []
+    rejected: list[RecordRejected] = []
     for subkey, (value, _expiration) in (await node.get(run_dht_key(run_id, secret, "manifest"))).items():
         try:
             found.append((decode_manifest(value, run_id=run_id, secret=secret, subkey=subkey), value))
         except RecordRejected as e:
             on_rejected(e.reason)
+            rejected.append(e)
+    if rejected and not found:
+        why = "; ".join(sorted({str(e)[:200] for e in rejected}))
+        raise InvalidManifests(f"run {run_id!r} has {len(rejected)} manifest(s) in the DHT and none is valid ({why})")
     best = choose([m for m, _ in found])
     return next(((m, b) for m, b in found if m is best), None)
 

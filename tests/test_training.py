@@ -5,11 +5,19 @@ Training together (averaging, failures, late joiners) is in tests/test_cluster_t
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from daemon.client import ControlClient
+from peers.clock import now
+from peers.envelope import RecordKind, seal
+from peers.events import PeerEvents
+from peers.manifest import MANIFEST_FORMAT_VERSION
+from peers.node import NodeSettings, PeerNode
+from peers.runs import run_dht_key
+from protos import records_pb2
 from tests.helpers import peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow
@@ -75,4 +83,35 @@ def test_status_json_shows_training(spawn):
     out = json.loads(peerd("status", "--json", "--control", d.control).stdout)
     (run,) = out["runs"]
     assert run["task"] == "digits-mlp" and run["step"] == 10 and run["eval_metric"] == "accuracy"
+    assert d.stop() == 0
+
+
+def test_a_missing_task_or_an_invalid_manifest_is_refused_and_changes_nothing(spawn, tmp_path):
+    d = spawn("refuser", [])
+    missing = peerd("join", "fresh", "--task", "no-such-task", "--control", d.control)
+    assert missing.returncode == 2 and "no-such-task" in missing.stderr and "Traceback" not in missing.stderr, missing
+
+    # Mallory publishes, under her own slot, a manifest of a format this daemon does not know.
+    async def publish_bad() -> bool:
+        node = await PeerNode.start(
+            NodeSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / "mallory.key", initial_peers=[d.maddrs[0]]),
+            PeerEvents(),
+        )
+        try:
+            body = records_pb2.RunManifest(
+                format_version=MANIFEST_FORMAT_VERSION + 1, run_id="bad", task="digits-mlp",
+                creator=node.peer_id, created_at=now(),
+            ).SerializeToString()  # fmt: skip
+            data = seal(RecordKind.MANIFEST, body, node.identity, None, "bad")
+            return await node.store(run_dht_key("bad", None, "manifest"), node.peer_id, data, now() + 60)
+        finally:
+            await node.shutdown()
+
+    assert asyncio.run(publish_bad())
+    for args in (["join", "bad"], ["join", "bad", "--task", "digits-mlp"]):
+        out = peerd(*args, "--control", d.control)
+        assert out.returncode == 2 and "none is valid" in out.stderr and "record_version" in out.stderr, out
+    with ControlClient(d.control) as c:
+        assert list(c.status().runs) == []
+    assert scrape(d.metrics_url)[("peerd_rejected_total", (("reason", "record_version"),))] >= 2
     assert d.stop() == 0
