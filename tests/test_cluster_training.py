@@ -11,6 +11,7 @@ downloading the run's state.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -107,9 +108,12 @@ class StepWatch:
                 if name in self.frozen or d.proc.poll() is not None:
                     continue
                 try:
-                    step = status(d, self.run).step
+                    r = status(d, self.run)
                 except Exception:
                     continue
+                if r.train_state in ("", "LOADING"):
+                    continue  # a (re)started daemon has no step before it has loaded its state
+                step = r.step
                 if step < self.last.get(name, 0):
                     self.regressions.append(f"{name}: {self.last[name]} -> {step}")
                 self.last[name] = max(step, self.last.get(name, 0))
@@ -193,6 +197,21 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secre
             assert m.get(("peerd_state_syncs_total", (("result", result), ("run", "churn"))), 0) >= 1, d.log_tail(40)
         for d in (a, b, late):  # members of the run always hold the secret: no link of theirs was refused
             assert scrape(d.metrics_url).get(("peerd_rejected_total", (("reason", "wire_bad_hello"),)), 0) == 0
+
+        # A restart resumes from whichever is newer, its checkpoint or the run: `late` checkpoints
+        # as it stops, the others train on, and the restarted `late` loads its checkpoint, then
+        # downloads the newer state. (A restart whose checkpoint is the newest: tests/test_training.py.)
+        assert late.stop() == 0
+        stopped_at = watch.last[late.data_dir.name]
+        wait_for(lambda: status(a, "churn").step >= stopped_at + 3 * every, timeout=60, what="a trains on while late is down")
+        late.start()
+        wait_for(lambda: status(late, "churn").step >= status(a, "churn").step - every, timeout=60, what="restarted late catches up")
+        # Its first start had no checkpoint to resume from: the line is the restart's.
+        resumed = re.search(r"resumed from checkpoint at step (\d+)", late.log_path.read_text(errors="replace"))
+        assert resumed and int(resumed[1]) >= stopped_at, late.log_tail(60)
+        m = scrape(late.metrics_url)
+        assert m.get(("peerd_state_syncs_total", (("result", "ok"), ("run", "churn"))), 0) >= 1, late.log_tail(40)
+        assert status(late, "churn").step > int(resumed[1])
         assert not watch.regressions, watch.regressions
     finally:
         watch.stop()
