@@ -34,7 +34,7 @@ from peers.collective import (
     shard_bounds,
 )
 from peers.collective.decision import Decision, Verdict, decide
-from peers.collective.wire import HEADER_SIZE, AbortCode, Header, Kind, WireError, decode, run_tag
+from peers.collective.wire import HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
 from peers.events import PeerEvents
 from tests.helpers import ROOT
 
@@ -111,6 +111,7 @@ def test_header_round_trip_and_refusals():
         (b"XXXX" + raw[4:], "wire_bad_magic"),
         (raw[:4] + b"\x09" + raw[5:], "wire_bad_version"),
         (raw[:5] + b"\x09" + raw[6:], "wire_bad_kind"),
+        (raw[:6] + b"\x09" + raw[7:], "wire_bad_dtype"),
         (raw[:32] + (21).to_bytes(8, "little") + raw[40:], "wire_bad_size"),  # length != count * 4
         (raw[:10], "wire_truncated"),
     ]:
@@ -247,10 +248,13 @@ def test_bad_input_is_refused_counted_and_the_round_completes(chunk):
             Header(**{**base, "round": 1, "count": 5}).pack() + bytes(20),  # wrong size for shard 0
             Header(**{**base, "round": 1, "run_tag": run_tag("other")}).pack(),  # another run
             Header(**{**base, "round": 1, "offset": 1}).pack(),  # off the chunk grid
+            # Bytes where the round carries float32: a wrong dtype. (An unknown dtype code fails
+            # decoding: test_header_round_trip_and_refusals.)
+            Header(**{**base, "round": 1, "dtype": DType.BYTES, "count": 4 * min(chunk, 333)}).pack() + bytes(4 * min(chunk, 333)),
         ]
         writers = [(await raw(target, f))[1] for f in forged]
         expected = {"wire_bad_magic", "wire_wrong_round", "wire_not_in_group", "wire_bad_size", "wire_wrong_run"}
-        expected |= {"wire_bad_offset"}
+        expected |= {"wire_bad_offset", "wire_bad_dtype"}
         await rec.wait_for(lambda c: all(c[r] >= 1 for r in expected))
 
         xs = [torch.randn(numel) for _ in range(n)]

@@ -401,7 +401,9 @@ class Halves:
             fits = 0 < h.count <= chunk and h.offset + h.count <= self.settings.max_parked
         else:  # chunks are full but the last of each slice
             fits = h.count == min(chunk, slot.size[k] - h.offset) > 0
-        if h.dtype is not DType.FLOAT32 or not fits:
+        if h.dtype is not DType.FLOAT32:
+            return "wire_bad_dtype"
+        if not fits:
             return "wire_bad_size"
         if h.kind is Kind.CONTRIBUTION and not (
             math.isfinite(h.weight) and h.weight >= 0 and slot.weight.get(k, h.weight) == h.weight

@@ -276,7 +276,7 @@ class Inbox:
     def _off_grid(self, shard: int, c: int, h: Header) -> str | None:
         """Why chunk c of shard cannot be what h announces, or None if it can."""
         if h.dtype is not DType.FLOAT32:
-            return "wire_bad_size"
+            return "wire_bad_dtype"
         if c >= self.nchunks[shard]:
             return "wire_duplicate"  # more chunks than the shard has: a replay
         start, end = self.chunks[shard][c]
