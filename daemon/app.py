@@ -67,6 +67,7 @@ class RunSummary:
     param_divergence: float = math.nan
     last_round_digest: str = ""
     last_round_links: str = ""
+    last_round_group: tuple[str, ...] = ()  # this daemon, then the members the last round reached
     local_group: str = ""  # --local-group; "" when unset
     local_group_size: int = 0  # members of the active DeAR group (this daemon included); 0 when none
     local_group_rank: int = -1  # this daemon's rank in it; -1 when none
@@ -493,6 +494,7 @@ class Daemon:
                     param_divergence=tr.param_divergence if tr else math.nan,
                     last_round_digest=lr.outcome.digest.hex() if lr and lr.completed else "",
                     last_round_links=lr.links_summary if lr else "",
+                    last_round_group=(self.node.peer_id, *sorted(lr.links)) if lr else (),
                     local_group=tr.local_group.label if tr and tr.local_group else "",
                     local_group_size=tr.local_group.size if tr and tr.local_group else 0,
                     local_group_rank=tr.local_group.rank if tr and tr.local_group else -1,

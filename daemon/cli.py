@@ -187,6 +187,7 @@ def _cmd_status(args) -> int:
                         "group_size": r.group_size,
                         "last_round_digest": r.last_round_digest,
                         "last_round_links": r.last_round_links,
+                        "last_round_group": list(r.last_round_group),
                         "param_divergence": None if math.isnan(r.param_divergence) else r.param_divergence,
                         "local_group": r.local_group,
                         "local_group_size": r.local_group_size,
@@ -235,6 +236,10 @@ def _cmd_status(args) -> int:
             overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"
             print(f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
                   f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}")
+        if len(r.last_round_group) > 1:
+            # Peer IDs share their first characters ("12D3KooW..."); the last ones tell them apart.
+            mates = ", ".join("…" + p[-8:] for p in r.last_round_group[1:])
+            print(f"{r.run_id}: group of round {r.last_round}: this daemon, {mates}")
         if r.error:
             print(f"{r.run_id}: training failed: {r.error}")
     return 0

@@ -76,6 +76,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     param_divergence=r.param_divergence,
                     last_round_digest=r.last_round_digest,
                     last_round_links=r.last_round_links,
+                    last_round_group=list(r.last_round_group),
                     local_group=r.local_group,
                     local_group_size=r.local_group_size,
                     local_group_rank=r.local_group_rank,

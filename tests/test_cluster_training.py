@@ -21,7 +21,7 @@ import pytest
 from daemon.client import ControlClient
 from daemon.tasks import get_task, train_single_process
 from peers.collective import AllReduceSettings
-from tests.helpers import scrape, wait_for
+from tests.helpers import peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +69,9 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
         # this loop over 8 seeds scored 96.7-97.2 % against single-process 96.7-97.2 % (sd 0.2 points).
         print(f"accuracy {r.eval_score:.4f}, single process {single:.4f}")
         assert r.eval_score >= single - 0.01, (r.eval_score, single)
+    for d, r in zip(daemons, finals):  # `peerd status` names the last round's group: all three
+        assert r.last_round_group[0] == d.peer_id and sorted(r.last_round_group) == sorted(x.peer_id for x in daemons), r
+    assert "acc: group of round" in peerd("status", "--control", a.control).stdout
     # The last round ended with every member holding the same bytes: the same evaluation.
     assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     m = scrape(a.metrics_url)
