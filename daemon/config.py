@@ -44,7 +44,7 @@ class NetworkConfig:
     nat_port_map: bool = False  # UPnP/NAT-PMP port mapping: multicasts on the LAN, so opt-in
     auto_nat: bool = False  # libp2p AutoNAT: asks peers to dial back, so opt-in
     startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
-    request_timeout: float = 5.0  # one DHT get or store, all hops included
+    request_timeout: float = 4.0  # one DHT get or store, all hops included
     transport: str = "auto"  # loss-tolerant runs' data per link: auto (UDP where the probe passes), reliable, udp
     reliable_links: str = "auto"  # reliable links: auto (direct TCP, else libp2p streams), tcp, libp2p
     udp_rate_mbit: float = 0.0  # pace the UDP engine's sends to this rate (Mbit/s); 0 = unpaced
@@ -177,6 +177,13 @@ class DaemonConfig:
             )
 
     @property
+    def peer_leave_bound(self) -> float:
+        """Seconds within which a peer that stops heartbeating (killed, frozen) leaves this daemon's
+        tables: its last record ages out after peer_ttl, the next refresh starts within
+        refresh_interval and its DHT read ends within one request timeout. 15 s by default."""
+        return self.discovery.peer_ttl + self.discovery.refresh_interval + self.network.request_timeout
+
+    @property
     def control_address(self) -> str:
         return self.control.address or f"unix:{self.data_dir / 'control.sock'}"
 
@@ -212,7 +219,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("network.udp_rate_mbit", "--udp-rate", "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)", "MBIT"),
     Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
-    Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped", "SECONDS"),
+    Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped; a killed peer leaves the tables within --peer-ttl + --refresh-interval + --dht-timeout", "SECONDS"),
     Option("discovery.goodbye_timeout", "--goodbye-timeout", "seconds allowed for telling a run's peers we leave", "SECONDS"),
     Option("control.address", "--control", "control API address: unix:/path or HOST:PORT (default: unix socket in the data dir)", "ADDR"),
     Option("control.max_request_bytes", "--control-max-request-bytes", "larger control requests are refused", "BYTES"),
