@@ -85,6 +85,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
     from daemon.app import Daemon
     from daemon.datadir import DataDirError
     from daemon.runs import RunRefused
+    from peers.runs import InvalidSecret
 
     async def serve() -> None:
         daemon = Daemon(config)
@@ -122,7 +123,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(serve())
-    except (DataDirError, RunRefused) as e:
+    except (DataDirError, RunRefused, InvalidSecret) as e:  # InvalidSecret: --run-secret-file, checked first
         return _fail(2, str(e))
     except TimeoutError:  # before OSError: TimeoutError is one of its subclasses
         return _fail(1, "timed out (starting p2pd, reaching the initial peers, or draining)")

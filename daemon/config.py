@@ -91,6 +91,7 @@ class ControlConfig:
     max_request_bytes: int = 64 * 1024  # larger control requests are refused (RESOURCE_EXHAUSTED)
 
     def __post_init__(self) -> None:
+        _check_control_address(self.address)
         if not 1024 <= self.max_request_bytes <= 1024 * 1024:
             raise ConfigError(f"max_request_bytes must be in 1024..1048576 (gRPC's hard limit), got {self.max_request_bytes}")
 
@@ -332,6 +333,17 @@ def load_config(
         return DaemonConfig(**top, **built)
     except TypeError as e:  # a key the tree does not have; the file check catches most of these first
         raise ConfigError(str(e)) from None
+
+
+def _check_control_address(address: str) -> None:
+    """Empty (the data dir's socket), unix:PATH or HOST:PORT; whether it can be bound is known only when binding."""
+    if address.startswith("unix:"):
+        ok = len(address) > len("unix:")
+    else:
+        host, _, port = address.rpartition(":")
+        ok = bool(host) and port.isdigit() and int(port) <= 65535
+    if address and not ok:
+        raise ConfigError(f"control: {address!r} is neither unix:PATH nor HOST:PORT")
 
 
 def _check_positive(name: str, value: float) -> None:

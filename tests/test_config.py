@@ -78,3 +78,25 @@ def test_help_lists_every_subcommand():
         assert sub in r.stdout
     for sub in ("start", "status", "peers", "join", "leave", "stop", "health"):
         assert peerd(sub, "--help").returncode == 0
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:http", "127.0.0.1:70000", ":9000", "unix:"])
+def test_malformed_control_address(address):
+    with pytest.raises(ConfigError, match="neither unix:PATH nor HOST:PORT"):
+        load_config({"control.address": address}, environ={})
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "directory", "control"])
+def test_cli_bad_secret_file_or_control_address_is_one_line_and_exit_2(case, tmp_path):
+    """Checked before anything starts: the data dir is not even created."""
+    secret = tmp_path / "run.secret"
+    if case == "empty":
+        secret.write_text("")
+    elif case == "directory":
+        secret.mkdir()
+    bad = ["--control", "localhost"] if case == "control" else ["--run-secret-file", str(secret)]
+    r = peerd("start", "--data-dir", str(tmp_path / "d"), "--port", "0", "--metrics-port", "0", *bad)
+    assert r.returncode == 2, r
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert ("control" if case == "control" else str(secret)) in r.stderr, r.stderr
+    assert not (tmp_path / "d").exists()
