@@ -223,6 +223,31 @@ def test_sigkill_leaves_the_tables_within_the_ttl(spawn, cluster, secret_file):
     wait_for(lambda: session_pids(d.pid) == [], timeout=10, what="p2pd exits after its daemon is killed")
 
 
+def test_draining_is_not_serving_and_a_second_signal_exits_at_once(spawn):
+    """A run peer frozen with its p2pd holds the drain in its goodbye (--goodbye-timeout 60): health
+    says NOT_SERVING, requests get UNAVAILABLE, and a second SIGTERM ends the daemon and its p2pd."""
+    frozen = spawn("frozen", ["--run", "slow-bye"])
+    d = spawn("drainer", ["--run", "slow-bye", "--initial-peers", frozen.maddrs[0], "--goodbye-timeout", "60", "--drain-timeout", "90"])
+    wait_for(lambda: peer_ids(d, "slow-bye") == [frozen.peer_id], timeout=15, what="the drainer sees its peer")
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        with ControlClient(d.control) as c:
+            assert c.health() == "SERVING"
+            d.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: c.health() == "NOT_SERVING", timeout=10, what="health NOT_SERVING once draining")
+            assert c.status().state == "DRAINING"  # the goodbye to the frozen peer cannot end for 60 s
+            with pytest.raises(grpc.RpcError) as e:
+                c.leave("slow-bye")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(5) == 1
+        # p2pd exits with its daemon (docs/operations.md); a bounded wait covers its reaping.
+        wait_for(lambda: session_pids(d.pid) == [], timeout=2, what="p2pd gone after a forced exit")
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+    assert frozen.stop() == 0
+
+
 def test_restart_with_the_same_data_dir_keeps_the_peer_id(spawn):
     d = spawn("restart")
     first = d.peer_id
