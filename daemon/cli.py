@@ -22,7 +22,7 @@ import grpc
 
 from daemon import __version__
 from daemon.client import ControlClient, control_address
-from daemon.config import OPTIONS, ConfigError, default_data_dir, load_config
+from daemon.config import OPTIONS, ConfigError, default_data_dir, default_of, load_config
 
 logger = logging.getLogger("peerd")
 
@@ -51,13 +51,13 @@ def _add_start(sub) -> None:
         description="Run a peerd daemon in the foreground until SIGTERM/SIGINT or `peerd stop`. "
         "Settings come from flags > PEERD_* variables > the --config TOML file > defaults; each flag's "
         "variable is named after it, e.g. --metrics-port is PEERD_METRICS_PORT.",
-        argument_default=argparse.SUPPRESS,
+        argument_default=argparse.SUPPRESS,  # only what was typed goes to load_config: it applies the precedence
     )
     p.add_argument("--config", metavar="FILE", help="TOML config file (variable PEERD_CONFIG)")
     for o in OPTIONS:
-        help_text = f"{o.help} [{o.env}]"
-        if o.path in _BOOL_PATHS:
-            p.add_argument(o.flag, dest=o.path, action="store_true", help=help_text)
+        help_text = f"{o.help} (default: {_shown(default_of(o.path))}) [{o.env}]".replace("%", "%%")
+        if o.path in _BOOL_PATHS:  # --no-X too, to override a true from the variable or the file
+            p.add_argument(o.flag, dest=o.path, action=argparse.BooleanOptionalAction, help=help_text)
         elif o.path in _APPEND_PATHS:
             p.add_argument(o.flag, dest=o.path, action="append", metavar=o.metavar, help=help_text)
         elif o.path in _EXTEND_PATHS:
@@ -65,6 +65,12 @@ def _add_start(sub) -> None:
         else:
             p.add_argument(o.flag, dest=o.path, metavar=o.metavar, help=help_text)
     p.set_defaults(func=_cmd_start)
+
+
+def _shown(default) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default) if default not in ("", []) else "none"
 
 
 def _cmd_start(args: argparse.Namespace) -> int:

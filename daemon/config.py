@@ -204,15 +204,15 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("data_dir", "--data-dir", "directory for the identity key, control socket, ready.json and lock", "DIR"),
     Option("runs", "--run", "join this run at start (repeatable)", "RUN_ID"),
-    Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start", "FILE"),
+    Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
     Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
     Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
     Option("network.host", "--host", "libp2p listen address", "ADDR"),
     Option("network.port", "--port", "libp2p listen port (0: any free port)", "PORT"),
     Option("network.announce", "--announce", "public multiaddr to announce (repeatable)", "MADDR"),
     Option("network.initial_peers", "--initial-peers", "multiaddrs of peers to bootstrap from", "MADDR"),
-    Option("network.nat_port_map", "--nat-port-map", "opt in to UPnP/NAT-PMP port mapping (multicasts on the LAN)"),
-    Option("network.auto_nat", "--auto-nat", "opt in to libp2p AutoNAT (asks peers to dial back)"),
+    Option("network.nat_port_map", "--nat-port-map", "UPnP/NAT-PMP port mapping (multicasts on the LAN, so opt-in)"),
+    Option("network.auto_nat", "--auto-nat", "libp2p AutoNAT (asks peers to dial back, so opt-in)"),
     Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
     Option("network.request_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
     Option("network.transport", "--transport", "data of loss-tolerant runs (averaging.transport=udp), per link: auto (UDP where the link probe passes, else the reliable link), reliable, or udp", "MODE"),
@@ -222,7 +222,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
     Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped; a killed peer leaves the tables within --peer-ttl + --refresh-interval + --dht-timeout", "SECONDS"),
     Option("discovery.goodbye_timeout", "--goodbye-timeout", "seconds allowed for telling a run's peers we leave", "SECONDS"),
-    Option("control.address", "--control", "control API address: unix:/path or HOST:PORT (default: unix socket in the data dir)", "ADDR"),
+    Option("control.address", "--control", "control API address: unix:/path or HOST:PORT; none: the unix socket in the data dir", "ADDR"),
     Option("control.max_request_bytes", "--control-max-request-bytes", "larger control requests are refused", "BYTES"),
     Option("metrics.host", "--metrics-host", "address /metrics listens on", "ADDR"),
     Option("metrics.port", "--metrics-port", "port of /metrics (0: any free port)", "PORT"),
@@ -234,7 +234,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
     Option("train.min_peers", "--min-peers", "live peers (this daemon included) to wait for before training", "N"),
     Option("train.min_peers_timeout", "--min-peers-timeout", "longest wait for --min-peers", "SECONDS"),
-    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md); empty: none", "NAME"),
+    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md)", "NAME"),
 )
 
 _SECTIONS = {
@@ -249,6 +249,13 @@ _LEAF_TYPES: dict[str, str] = {
     **{f.name: f.type for f in dataclasses.fields(DaemonConfig) if f.name not in _SECTIONS},
     **{f"{s}.{f.name}": f.type for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)},
 }
+
+
+def default_of(path: str) -> Any:
+    """The tree's default for one setting, e.g. "network.port" -> 31337 (for --help)."""
+    section, _, leaf = path.rpartition(".")
+    f = next(f for f in dataclasses.fields(_SECTIONS[section] if section else DaemonConfig) if f.name == leaf)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _leaf_type(path: str) -> str:

@@ -1,8 +1,11 @@
 """The config tree: precedence, validation, and the CLI's handling of bad input."""
 
+import argparse
+
 import pytest
 
-from daemon.config import ConfigError, load_config
+from daemon.cli import build_parser
+from daemon.config import OPTIONS, ConfigError, load_config
 from tests.helpers import peerd
 
 
@@ -100,3 +103,29 @@ def test_cli_bad_secret_file_or_control_address_is_one_line_and_exit_2(case, tmp
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
     assert ("control" if case == "control" else str(secret)) in r.stderr, r.stderr
     assert not (tmp_path / "d").exists()
+
+
+def _start_options(argv: list[str]) -> dict:
+    """What `peerd start ARGV` hands load_config: only the options that were typed."""
+    args = build_parser().parse_args(["start", *argv])
+    return {o.path: getattr(args, o.path) for o in OPTIONS if hasattr(args, o.path)}
+
+
+def test_no_flag_overrides_a_true_from_the_environment():
+    env = {"PEERD_NAT_PORT_MAP": "true", "PEERD_AUTO_NAT": "yes"}
+    assert _start_options([]) == {}
+    c = load_config(_start_options(["--no-nat-port-map"]), environ=env)
+    assert (c.network.nat_port_map, c.network.auto_nat) == (False, True)
+    c = load_config(_start_options(["--nat-port-map", "--no-auto-nat"]), environ={})
+    assert (c.network.nat_port_map, c.network.auto_nat) == (True, False)
+
+
+def test_start_help_shows_every_default():
+    start = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["start"]
+    helps = {flag: a.help for a in start._actions for flag in a.option_strings}
+    for o in OPTIONS:
+        assert "(default: " in helps[o.flag], o.flag
+    assert "(default: 10.0)" in helps["--peer-ttl"] and "(default: 31337)" in helps["--port"]
+    assert "(default: off)" in helps["--nat-port-map"] and "(default: none)" in helps["--run"]
+    r = peerd("start", "--help")
+    assert r.returncode == 0 and "(default: 9400)" in " ".join(r.stdout.split()), r

@@ -248,6 +248,22 @@ def test_draining_is_not_serving_and_a_second_signal_exits_at_once(spawn):
     assert frozen.stop() == 0
 
 
+def p2pd_args(d) -> list[str]:
+    (pid,) = [p for p in session_pids(d.pid) if p != d.pid]
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+
+
+def test_upnp_and_autonat_are_off_unless_asked_for(spawn, cluster):
+    args = p2pd_args(cluster[0])
+    assert "-natPortMap=0" in args and "-autonat=0" in args, args
+    d = spawn("natted", ["--nat-port-map", "--auto-nat"])
+    try:
+        args = p2pd_args(d)
+        assert "-natPortMap=1" in args and "-autonat=1" in args, args
+    finally:
+        assert d.stop() == 0
+
+
 def test_restart_with_the_same_data_dir_keeps_the_peer_id(spawn):
     d = spawn("restart")
     first = d.peer_id
