@@ -1,12 +1,14 @@
 """The config tree: precedence, validation, and the CLI's handling of bad input."""
 
 import argparse
+import re
+import tomllib
 
 import pytest
 
 from daemon.cli import build_parser
 from daemon.config import OPTIONS, ConfigError, load_config
-from tests.helpers import peerd
+from tests.helpers import ROOT, peerd
 
 
 def test_precedence_cli_over_env_over_file_over_default(tmp_path):
@@ -129,3 +131,16 @@ def test_start_help_shows_every_default():
     assert "(default: off)" in helps["--nat-port-map"] and "(default: none)" in helps["--run"]
     r = peerd("start", "--help")
     assert r.returncode == 0 and "(default: 9400)" in " ".join(r.stdout.split()), r
+
+
+def test_the_complete_file_in_the_docs_is_complete_and_loads(tmp_path):
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (example,) = re.findall(r"A complete file.*?```toml\n(.*?)```", text, re.S)
+    keys = set()
+    for key, value in tomllib.loads(example).items():
+        keys |= {f"{key}.{sub}" for sub in value} if isinstance(value, dict) else {key}
+    assert keys == {o.path for o in OPTIONS}
+    f = tmp_path / "peerd.toml"
+    f.write_text(example)
+    c = load_config({}, config_file=str(f), environ={})
+    assert c.runs == ["demo"] and c.train.checkpoint_every == 100
