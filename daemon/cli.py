@@ -22,7 +22,7 @@ import grpc
 
 from daemon import __version__
 from daemon.client import ControlClient, control_address
-from daemon.config import OPTIONS, ConfigError, default_data_dir, default_of, load_config
+from daemon.config import OPTIONS, ConfigError, client_defaults, default_of, load_config
 
 logger = logging.getLogger("peerd")
 
@@ -121,7 +121,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         print(
             f"peerd {__version__} ready\n  peer ID:  {info['peer_id']}\n"
             + "".join(f"  address:  {m}\n" for m in info["maddrs"])
-            + f"  control:  {info['control']}\n  metrics:  {info['metrics_url']}\n"
+            + f"  control:  {info['control']}\n  metrics:  {info['metrics_url']}\n  pid:      {info['pid']}\n"
             + f"  runs:     {', '.join(info['runs']) or '(none)'}\n  ready file: {config.data_dir / 'ready.json'}",
             flush=True,
         )
@@ -145,14 +145,10 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
 
 def _client_parent() -> argparse.ArgumentParser:
+    data_dir, control = client_defaults()
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument(
-        "--data-dir",
-        type=Path,
-        default=Path(os.environ.get("PEERD_DATA_DIR") or default_data_dir()),
-        help="data dir of the daemon to talk to [PEERD_DATA_DIR]",
-    )
-    p.add_argument("--control", default=os.environ.get("PEERD_CONTROL"), help="control address instead of --data-dir [PEERD_CONTROL]")
+    p.add_argument("--data-dir", type=Path, default=data_dir, help="data dir of the daemon to talk to [PEERD_DATA_DIR]")
+    p.add_argument("--control", default=control, help="control address instead of --data-dir [PEERD_CONTROL]")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     return p
 

@@ -342,6 +342,13 @@ def load_config(
         raise ConfigError(str(e)) from None
 
 
+def client_defaults(environ: Mapping[str, str] | None = None) -> tuple[Path, str | None]:
+    """The data dir and control address the client commands (status, join, ...) use when not given:
+    the variables of `peerd start`'s --data-dir and --control, so both find the same daemon."""
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("PEERD_DATA_DIR") or default_data_dir()), environ.get("PEERD_CONTROL") or None
+
+
 def _check_control_address(address: str) -> None:
     """Empty (the data dir's socket), unix:PATH or HOST:PORT; whether it can be bound is known only when binding."""
     if address.startswith("unix:"):

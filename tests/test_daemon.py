@@ -61,6 +61,8 @@ def test_metrics_show_two_peers_and_no_remote_ids(cluster):
         assert m[("peerd_state", (("state", "READY"),))] == 1
         assert m[("peerd_heartbeats_total", (("result", "ok"),))] >= 1
         assert m[("process_resident_memory_bytes", ())] > 0
+        # Counted from the process's start (as Prometheus's own process_start_time_seconds), not a later moment.
+        assert abs(m[("peerd_uptime_seconds", ())] - (time.time() - m[("process_start_time_seconds", ())])) < 1.0
         for name, labels in m:
             for key, value in labels:
                 if value in ids:
