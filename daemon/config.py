@@ -350,7 +350,8 @@ def client_defaults(environ: Mapping[str, str] | None = None) -> tuple[Path, str
 
 
 def _check_control_address(address: str) -> None:
-    """Empty (the data dir's socket), unix:PATH or HOST:PORT; whether it can be bound is known only when binding."""
+    """Empty (the data dir's socket), unix:PATH or HOST:PORT. Only the form: whether the address
+    can be bound is known when the control server binds it."""
     if address.startswith("unix:"):
         ok = len(address) > len("unix:")
     else:
