@@ -103,7 +103,6 @@ class Daemon:
     def __init__(self, config: DaemonConfig):
         self.config = config
         self.state = DaemonState.STARTING
-        self.started = time.monotonic()
         self.data_dir = DataDir(config.data_dir)
         self.metrics = DaemonMetrics(
             version=__version__,
@@ -510,7 +509,7 @@ class Daemon:
             peer_id=self.node.peer_id if self.node else "",
             maddrs=self.maddrs,
             runs=sorted(runs, key=lambda r: r.run_id),
-            uptime_seconds=time.monotonic() - self.started,
+            uptime_seconds=time.monotonic() - self.metrics.started,
             version=__version__,
             metrics_url=self.metrics_server.url,
             pid=os.getpid(),

@@ -22,7 +22,7 @@ import grpc
 
 from daemon import __version__
 from daemon.client import ControlClient, control_address
-from daemon.config import OPTIONS, ConfigError, default_data_dir, load_config
+from daemon.config import OPTIONS, ConfigError, client_defaults, default_of, load_config
 
 logger = logging.getLogger("peerd")
 
@@ -51,13 +51,13 @@ def _add_start(sub) -> None:
         description="Run a peerd daemon in the foreground until SIGTERM/SIGINT or `peerd stop`. "
         "Settings come from flags > PEERD_* variables > the --config TOML file > defaults; each flag's "
         "variable is named after it, e.g. --metrics-port is PEERD_METRICS_PORT.",
-        argument_default=argparse.SUPPRESS,
+        argument_default=argparse.SUPPRESS,  # only what was typed goes to load_config: it applies the precedence
     )
     p.add_argument("--config", metavar="FILE", help="TOML config file (variable PEERD_CONFIG)")
     for o in OPTIONS:
-        help_text = f"{o.help} [{o.env}]"
-        if o.path in _BOOL_PATHS:
-            p.add_argument(o.flag, dest=o.path, action="store_true", help=help_text)
+        help_text = f"{o.help} (default: {_shown(default_of(o.path))}) [{o.env}]".replace("%", "%%")
+        if o.path in _BOOL_PATHS:  # --no-X too, to override a true from the variable or the file
+            p.add_argument(o.flag, dest=o.path, action=argparse.BooleanOptionalAction, help=help_text)
         elif o.path in _APPEND_PATHS:
             p.add_argument(o.flag, dest=o.path, action="append", metavar=o.metavar, help=help_text)
         elif o.path in _EXTEND_PATHS:
@@ -65,6 +65,12 @@ def _add_start(sub) -> None:
         else:
             p.add_argument(o.flag, dest=o.path, metavar=o.metavar, help=help_text)
     p.set_defaults(func=_cmd_start)
+
+
+def _shown(default) -> str:
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default) if default not in ("", []) else "none"
 
 
 def _cmd_start(args: argparse.Namespace) -> int:
@@ -85,6 +91,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
     from daemon.app import Daemon
     from daemon.datadir import DataDirError
     from daemon.runs import RunRefused
+    from peers.runs import InvalidSecret
 
     async def serve() -> None:
         daemon = Daemon(config)
@@ -114,7 +121,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         print(
             f"peerd {__version__} ready\n  peer ID:  {info['peer_id']}\n"
             + "".join(f"  address:  {m}\n" for m in info["maddrs"])
-            + f"  control:  {info['control']}\n  metrics:  {info['metrics_url']}\n"
+            + f"  control:  {info['control']}\n  metrics:  {info['metrics_url']}\n  pid:      {info['pid']}\n"
             + f"  runs:     {', '.join(info['runs']) or '(none)'}\n  ready file: {config.data_dir / 'ready.json'}",
             flush=True,
         )
@@ -122,7 +129,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     try:
         uvloop.run(serve())
-    except (DataDirError, RunRefused) as e:
+    except (DataDirError, RunRefused, InvalidSecret) as e:  # InvalidSecret: --run-secret-file, checked first
         return _fail(2, str(e))
     except TimeoutError:  # before OSError: TimeoutError is one of its subclasses
         return _fail(1, "timed out (starting p2pd, reaching the initial peers, or draining)")
@@ -138,14 +145,10 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
 
 def _client_parent() -> argparse.ArgumentParser:
+    data_dir, control = client_defaults()
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument(
-        "--data-dir",
-        type=Path,
-        default=Path(os.environ.get("PEERD_DATA_DIR") or default_data_dir()),
-        help="data dir of the daemon to talk to [PEERD_DATA_DIR]",
-    )
-    p.add_argument("--control", default=os.environ.get("PEERD_CONTROL"), help="control address instead of --data-dir [PEERD_CONTROL]")
+    p.add_argument("--data-dir", type=Path, default=data_dir, help="data dir of the daemon to talk to [PEERD_DATA_DIR]")
+    p.add_argument("--control", default=control, help="control address instead of --data-dir [PEERD_CONTROL]")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     return p
 

@@ -44,7 +44,7 @@ class NetworkConfig:
     nat_port_map: bool = False  # UPnP/NAT-PMP port mapping: multicasts on the LAN, so opt-in
     auto_nat: bool = False  # libp2p AutoNAT: asks peers to dial back, so opt-in
     startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
-    request_timeout: float = 5.0  # one DHT get or store, all hops included
+    request_timeout: float = 4.0  # one DHT get or store, all hops included
     transport: str = "auto"  # loss-tolerant runs' data per link: auto (UDP where the probe passes), reliable, udp
     reliable_links: str = "auto"  # reliable links: auto (direct TCP, else libp2p streams), tcp, libp2p
     udp_rate_mbit: float = 0.0  # pace the UDP engine's sends to this rate (Mbit/s); 0 = unpaced
@@ -91,6 +91,7 @@ class ControlConfig:
     max_request_bytes: int = 64 * 1024  # larger control requests are refused (RESOURCE_EXHAUSTED)
 
     def __post_init__(self) -> None:
+        _check_control_address(self.address)
         if not 1024 <= self.max_request_bytes <= 1024 * 1024:
             raise ConfigError(f"max_request_bytes must be in 1024..1048576 (gRPC's hard limit), got {self.max_request_bytes}")
 
@@ -177,6 +178,13 @@ class DaemonConfig:
             )
 
     @property
+    def peer_leave_bound(self) -> float:
+        """Seconds within which a peer that stops heartbeating (killed, frozen) leaves this daemon's
+        tables: its last record ages out after peer_ttl, the next refresh starts within
+        refresh_interval and its DHT read ends within one request timeout. 15 s by default."""
+        return self.discovery.peer_ttl + self.discovery.refresh_interval + self.network.request_timeout
+
+    @property
     def control_address(self) -> str:
         return self.control.address or f"unix:{self.data_dir / 'control.sock'}"
 
@@ -196,15 +204,15 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("data_dir", "--data-dir", "directory for the identity key, control socket, ready.json and lock", "DIR"),
     Option("runs", "--run", "join this run at start (repeatable)", "RUN_ID"),
-    Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start", "FILE"),
+    Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
     Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
     Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
     Option("network.host", "--host", "libp2p listen address", "ADDR"),
     Option("network.port", "--port", "libp2p listen port (0: any free port)", "PORT"),
     Option("network.announce", "--announce", "public multiaddr to announce (repeatable)", "MADDR"),
     Option("network.initial_peers", "--initial-peers", "multiaddrs of peers to bootstrap from", "MADDR"),
-    Option("network.nat_port_map", "--nat-port-map", "opt in to UPnP/NAT-PMP port mapping (multicasts on the LAN)"),
-    Option("network.auto_nat", "--auto-nat", "opt in to libp2p AutoNAT (asks peers to dial back)"),
+    Option("network.nat_port_map", "--nat-port-map", "UPnP/NAT-PMP port mapping (multicasts on the LAN, so opt-in)"),
+    Option("network.auto_nat", "--auto-nat", "libp2p AutoNAT (asks peers to dial back, so opt-in)"),
     Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
     Option("network.request_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
     Option("network.transport", "--transport", "data of loss-tolerant runs (averaging.transport=udp), per link: auto (UDP where the link probe passes, else the reliable link), reliable, or udp", "MODE"),
@@ -212,9 +220,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("network.udp_rate_mbit", "--udp-rate", "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)", "MBIT"),
     Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
-    Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped", "SECONDS"),
+    Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped; a killed peer leaves the tables within --peer-ttl + --refresh-interval + --dht-timeout", "SECONDS"),
     Option("discovery.goodbye_timeout", "--goodbye-timeout", "seconds allowed for telling a run's peers we leave", "SECONDS"),
-    Option("control.address", "--control", "control API address: unix:/path or HOST:PORT (default: unix socket in the data dir)", "ADDR"),
+    Option("control.address", "--control", "control API address: unix:/path or HOST:PORT; none: the unix socket in the data dir", "ADDR"),
     Option("control.max_request_bytes", "--control-max-request-bytes", "larger control requests are refused", "BYTES"),
     Option("metrics.host", "--metrics-host", "address /metrics listens on", "ADDR"),
     Option("metrics.port", "--metrics-port", "port of /metrics (0: any free port)", "PORT"),
@@ -226,7 +234,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
     Option("train.min_peers", "--min-peers", "live peers (this daemon included) to wait for before training", "N"),
     Option("train.min_peers_timeout", "--min-peers-timeout", "longest wait for --min-peers", "SECONDS"),
-    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md); empty: none", "NAME"),
+    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md)", "NAME"),
 )
 
 _SECTIONS = {
@@ -241,6 +249,13 @@ _LEAF_TYPES: dict[str, str] = {
     **{f.name: f.type for f in dataclasses.fields(DaemonConfig) if f.name not in _SECTIONS},
     **{f"{s}.{f.name}": f.type for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)},
 }
+
+
+def default_of(path: str) -> Any:
+    """The tree's default for one setting, e.g. "network.port" -> 31337 (for --help)."""
+    section, _, leaf = path.rpartition(".")
+    f = next(f for f in dataclasses.fields(_SECTIONS[section] if section else DaemonConfig) if f.name == leaf)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _leaf_type(path: str) -> str:
@@ -325,6 +340,25 @@ def load_config(
         return DaemonConfig(**top, **built)
     except TypeError as e:  # a key the tree does not have; the file check catches most of these first
         raise ConfigError(str(e)) from None
+
+
+def client_defaults(environ: Mapping[str, str] | None = None) -> tuple[Path, str | None]:
+    """The data dir and control address the client commands (status, join, ...) use when not given:
+    the variables of `peerd start`'s --data-dir and --control, so both find the same daemon."""
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("PEERD_DATA_DIR") or default_data_dir()), environ.get("PEERD_CONTROL") or None
+
+
+def _check_control_address(address: str) -> None:
+    """Empty (the data dir's socket), unix:PATH or HOST:PORT. Only the form: whether the address
+    can be bound is known when the control server binds it."""
+    if address.startswith("unix:"):
+        ok = len(address) > len("unix:")
+    else:
+        host, _, port = address.rpartition(":")
+        ok = bool(host) and port.isdigit() and int(port) <= 65535
+    if address and not ok:
+        raise ConfigError(f"control: {address!r} is neither unix:PATH nor HOST:PORT")
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -133,6 +133,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             await self.daemon.leave_run(run_id)
         except UnknownRun:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"this daemon is not in run {run_id!r}")
+        except RuntimeError as e:  # not READY
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return control_pb2.LeaveRunResponse()
 
     async def Shutdown(self, request, context):

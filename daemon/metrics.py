@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import (
@@ -125,6 +127,17 @@ class _TrainingCollector(Collector):
         yield from (step, local, loss, samples, score, divergence, group, dear_steps, overlap, wan_share, bucket_bytes)
 
 
+def process_started() -> float:
+    """The time.monotonic() value at which this process started (Linux: its start time in
+    /proc/self/stat, in clock ticks since boot, against /proc/uptime); now where /proc is unreadable."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+    return time.monotonic() - (since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 class DaemonMetrics:
     def __init__(
         self,
@@ -139,7 +152,7 @@ class DaemonMetrics:
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         self.version = version
-        self.started = time.monotonic()
+        self.started = process_started()  # peerd_uptime_seconds and `peerd status` count from here
         r = self.registry
         self.info = Gauge("peerd_info", "Always 1; labels give this daemon's version and peer ID.", ["version", "peer_id"], registry=r)
         self.state = Gauge("peerd_state", "1 for the daemon's current lifecycle state, 0 for the others.", ["state"], registry=r)

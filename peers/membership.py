@@ -4,7 +4,7 @@ Timing contract (defaults in daemon/config.py, DiscoveryConfig):
 * every `heartbeat_interval` the daemon stores its signed record with expiration now + `peer_ttl`;
 * every `refresh_interval` it reads the run's records and drops peers whose heartbeat has not
   advanced for `peer_ttl`, so a killed peer leaves the table within
-  peer_ttl + refresh_interval + one DHT request timeout;
+  peer_ttl + refresh_interval + one DHT request timeout (10 + 1 + 4 = 15 s with the daemon's defaults);
 * a peer that leaves on purpose stores a LEFT record and sends it to every known peer directly,
   so they drop it at once;
 * before a round, a trainer announces its step at once and waits, bounded, for the mates of its

@@ -65,7 +65,10 @@ class RunSecret:
             data = path.read_bytes()
         except OSError as e:
             raise InvalidSecret(f"cannot read run secret file {path}: {e.strerror}") from None
-        return cls.from_bytes(data, run_id)
+        try:
+            return cls.from_bytes(data, run_id)
+        except InvalidSecret as e:
+            raise InvalidSecret(f"run secret file {path}: {e}") from None
 
 
 def run_namespace(run_id: str, secret: RunSecret | None) -> str:

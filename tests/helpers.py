@@ -39,13 +39,15 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def families(url: str) -> dict[str, str]:
-    """Metric family names on an endpoint with their types (counters named with _total)."""
+def families(url: str) -> dict[str, tuple[str, frozenset[str] | None]]:
+    """Metric family names on an endpoint (counters named with _total) with their types and label
+    names; the label names are None for a family with no series yet (the text format shows none)."""
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     out = {}
     for f in text_string_to_metric_families(text):
-        out[f.name + "_total" if f.type == "counter" else f.name] = f.type
+        labels = {k for s in f.samples for k in s.labels if k not in ("le", "quantile")}  # a histogram's own
+        out[f.name + "_total" if f.type == "counter" else f.name] = (f.type, frozenset(labels) if f.samples else None)
     return out
 
 

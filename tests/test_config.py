@@ -1,9 +1,14 @@
 """The config tree: precedence, validation, and the CLI's handling of bad input."""
 
+import argparse
+import re
+import tomllib
+
 import pytest
 
-from daemon.config import ConfigError, load_config
-from tests.helpers import peerd
+from daemon.cli import build_parser
+from daemon.config import OPTIONS, ConfigError, load_config
+from tests.helpers import ROOT, peerd
 
 
 def test_precedence_cli_over_env_over_file_over_default(tmp_path):
@@ -78,3 +83,64 @@ def test_help_lists_every_subcommand():
         assert sub in r.stdout
     for sub in ("start", "status", "peers", "join", "leave", "stop", "health"):
         assert peerd(sub, "--help").returncode == 0
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:http", "127.0.0.1:70000", ":9000", "unix:"])
+def test_malformed_control_address(address):
+    with pytest.raises(ConfigError, match="neither unix:PATH nor HOST:PORT"):
+        load_config({"control.address": address}, environ={})
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "directory", "control"])
+def test_cli_bad_secret_file_or_control_address_is_one_line_and_exit_2(case, tmp_path):
+    """Checked before anything starts: the data dir is not even created."""
+    secret = tmp_path / "run.secret"
+    if case == "empty":
+        secret.write_text("")
+    elif case == "directory":
+        secret.mkdir()
+    bad = ["--control", "localhost"] if case == "control" else ["--run-secret-file", str(secret)]
+    r = peerd("start", "--data-dir", str(tmp_path / "d"), "--port", "0", "--metrics-port", "0", *bad)
+    assert r.returncode == 2, r
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert ("control" if case == "control" else str(secret)) in r.stderr, r.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def _start_options(argv: list[str]) -> dict:
+    """What `peerd start ARGV` hands load_config: only the options that were typed."""
+    args = build_parser().parse_args(["start", *argv])
+    return {o.path: getattr(args, o.path) for o in OPTIONS if hasattr(args, o.path)}
+
+
+def test_no_flag_overrides_a_true_from_the_environment():
+    env = {"PEERD_NAT_PORT_MAP": "true", "PEERD_AUTO_NAT": "yes"}
+    assert _start_options([]) == {}
+    c = load_config(_start_options(["--no-nat-port-map"]), environ=env)
+    assert (c.network.nat_port_map, c.network.auto_nat) == (False, True)
+    c = load_config(_start_options(["--nat-port-map", "--no-auto-nat"]), environ={})
+    assert (c.network.nat_port_map, c.network.auto_nat) == (True, False)
+
+
+def test_start_help_shows_every_default():
+    start = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["start"]
+    helps = {flag: a.help for a in start._actions for flag in a.option_strings}
+    for o in OPTIONS:
+        assert "(default: " in helps[o.flag], o.flag
+    assert "(default: 10.0)" in helps["--peer-ttl"] and "(default: 31337)" in helps["--port"]
+    assert "(default: off)" in helps["--nat-port-map"] and "(default: none)" in helps["--run"]
+    r = peerd("start", "--help")
+    assert r.returncode == 0 and "(default: 9400)" in " ".join(r.stdout.split()), r
+
+
+def test_the_complete_file_in_the_docs_is_complete_and_loads(tmp_path):
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (example,) = re.findall(r"A complete file.*?```toml\n(.*?)```", text, re.S)
+    keys = set()
+    for key, value in tomllib.loads(example).items():
+        keys |= {f"{key}.{sub}" for sub in value} if isinstance(value, dict) else {key}
+    assert keys == {o.path for o in OPTIONS}
+    f = tmp_path / "peerd.toml"
+    f.write_text(example)
+    c = load_config({}, config_file=str(f), environ={})
+    assert c.runs == ["demo"] and c.train.checkpoint_every == 100
