@@ -28,6 +28,7 @@ from peers.clock import now
 from peers.node import P2PContext, PeerNode
 from peers.records import LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
 from peers.runs import RunSecret, run_dht_key
+from peers.sketch import Divergence, ParamSketch, divergence
 from peers.table import PeerEntry, PeerTable
 from protos import records_pb2
 
@@ -79,6 +80,7 @@ class RunMembership:
         self.delegation_of: Callable[[], tuple[int, str]] = lambda: (0, "")
         self.links_of: Callable[[], tuple[LinkReport, ...]] = lambda: ()  # its fresh link reports, put into each heartbeat
         self.published_links: tuple[float, tuple[LinkReport, ...]] = (0.0, ())  # (timestamp, links) of the latest heartbeat
+        self.sketch_of: Callable[[], ParamSketch | None] = lambda: None  # its latest parameter sketch, put into each heartbeat
 
     @property
     def secured(self) -> bool:
@@ -176,8 +178,18 @@ class RunMembership:
     def peers(self) -> list[PeerEntry]:
         return self.table.entries()
 
+    def divergence(self) -> Divergence | None:
+        """The largest estimated parameter distance between two live peers of the run, this daemon
+        included, among the latest sketches taken at the newest step two of them share
+        (peers/sketch.py); None until two peers have published one of the same step."""
+        sketches = [self.sketch_of(), *(e.sketch for e in self.table.entries())]
+        return divergence(s for s in sketches if s is not None)
+
     def _envelope(self, state: MemberState) -> bytes:
         delegated, group = self.delegation_of()  # one read: the trainer replaces the pair as a whole
+        # Read before the step: the trainer takes a sketch after reaching its step, so the record's
+        # step is never below the sketch's (peers refuse such a record).
+        sketch = self.sketch_of() if state is MemberState.ACTIVE else None
         record = MemberRecord(
             run_id=self.run_id,
             peer_id=self.node.peer_id,
@@ -193,6 +205,7 @@ class RunMembership:
             delegated_lanes=delegated if state is MemberState.ACTIVE else 0,
             dear_group=group if state is MemberState.ACTIVE else "",
             links=self.links_of() if state is MemberState.ACTIVE else (),
+            sketch=sketch,
         )
         if state is MemberState.ACTIVE:  # what peers see of this daemon's links: the local group uses the same
             self.published_links = (record.timestamp, record.links)

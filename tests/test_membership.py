@@ -71,3 +71,25 @@ def test_rendezvous_gives_up_on_a_stuck_mate_after_its_patience(tmp_path):
                 await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_sketches_travel_in_heartbeats_and_every_member_finds_the_same_divergence(tmp_path):
+    """Each member's sketch reaches the others through the DHT; a member whose latest sketch is of
+    an older step is left out of the comparison, but reports the same figure from the others'."""
+    from peers.sketch import ParamSketch
+
+    async def scenario():
+        async with peer_nodes(3, tmp_path) as nodes:
+            a, b, c = members = await _members(nodes)
+            try:
+                sketches = {a: ParamSketch(20, 2, (0.0, 0.0)), b: ParamSketch(20, 2, (3.0, 4.0)), c: ParamSketch(10, 2, (0.0, 90.0))}
+                for m in members:
+                    m.step_of, m.sketch_of = (lambda: 20), (lambda m=m: sketches[m])
+                    await m.heartbeat()
+                await asyncio.gather(*(m.refresh() for m in members))
+                views = [m.divergence() for m in members]
+                assert [(d.value, d.step, d.peers) for d in views] == [(5.0, 20, 2)] * 3, views
+            finally:
+                await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
+
+    asyncio.run(scenario())
