@@ -188,6 +188,8 @@ def _cmd_status(args) -> int:
                         "last_round_digest": r.last_round_digest,
                         "last_round_links": r.last_round_links,
                         "param_divergence": None if math.isnan(r.param_divergence) else r.param_divergence,
+                        "param_divergence_step": r.param_divergence_step,
+                        "param_distance_to_group_mean": None if math.isnan(r.param_distance_to_group_mean) else r.param_distance_to_group_mean,
                         "local_group": r.local_group,
                         "local_group_size": r.local_group_size,
                         "local_group_rank": r.local_group_rank,
@@ -235,6 +237,8 @@ def _cmd_status(args) -> int:
             overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"
             print(f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
                   f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}")
+        if not math.isnan(r.param_divergence):
+            print(f"{r.run_id}: parameter divergence {r.param_divergence:.4g} (largest pair of peers at step {r.param_divergence_step})")
         if r.error:
             print(f"{r.run_id}: training failed: {r.error}")
     return 0

@@ -81,6 +81,7 @@ class RunMembership:
         self.links_of: Callable[[], tuple[LinkReport, ...]] = lambda: ()  # its fresh link reports, put into each heartbeat
         self.published_links: tuple[float, tuple[LinkReport, ...]] = (0.0, ())  # (timestamp, links) of the latest heartbeat
         self.sketch_of: Callable[[], ParamSketch | None] = lambda: None  # its latest parameter sketch, put into each heartbeat
+        self._divergence: Divergence | None = None  # the newest step's figure found so far
 
     @property
     def secured(self) -> bool:
@@ -181,9 +182,15 @@ class RunMembership:
     def divergence(self) -> Divergence | None:
         """The largest estimated parameter distance between two live peers of the run, this daemon
         included, among the latest sketches taken at the newest step two of them share
-        (peers/sketch.py); None until two peers have published one of the same step."""
+        (peers/sketch.py); None until two peers have published one of the same step.
+
+        Kept until a figure of a newer step replaces it: right after a round each peer's new sketch
+        reaches the others a heartbeat later, and meanwhile no step has two latest sketches."""
         sketches = [self.sketch_of(), *(e.sketch for e in self.table.entries())]
-        return divergence(s for s in sketches if s is not None)
+        found = divergence(s for s in sketches if s is not None)
+        if found is not None and (self._divergence is None or found.step >= self._divergence.step):
+            self._divergence = found
+        return self._divergence
 
     def _envelope(self, state: MemberState) -> bytes:
         delegated, group = self.delegation_of()  # one read: the trainer replaces the pair as a whole
