@@ -397,7 +397,7 @@ class Daemon:
                 announce=lambda: self._announce_soon(membership, loop),
             )
             membership.step_of = lambda: trainer.global_step
-            membership.sketch_of = lambda: trainer.sketch
+            membership.sketches_of = lambda: trainer.sketches
             self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
             trainer.start()
             handle.republisher = asyncio.create_task(

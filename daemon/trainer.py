@@ -36,7 +36,7 @@ from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarc
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peers.dear.schedule import DeAR, DeARSettings
 from peers.averaging import RoundResult
-from peers.sketch import ParamSketch, SketchPlan
+from peers.sketch import HISTORY, ParamSketch, SketchPlan
 from peers.statesync import Snapshot
 from daemon.tasks import EvalResult, Hparams, Task
 
@@ -183,9 +183,10 @@ class Trainer:
         self.on_sync = on_sync or (lambda result: None)
         self.last_round = None  # the RoundResult of the latest averaging round
         self.param_distance_to_group_mean = math.nan  # at the last completed round, just before it
-        # The parameters' sketch just before the latest round (peers/sketch.py), replaced as a whole;
-        # the heartbeat publishes it, and peers estimate their distances from it.
-        self.sketch: ParamSketch | None = None
+        # The parameters' sketches just before the latest rounds (peers/sketch.py), oldest first, at
+        # most HISTORY, replaced as a whole: the heartbeat publishes the newest, and each is compared
+        # with the peers' sketches of its step.
+        self.sketches: tuple[ParamSketch, ...] = ()
         self._sketch_plan: SketchPlan | None = None
         self.snapshot: Snapshot | None = None  # the state vector served to peers; replaced, never changed
         self._flat: torch.Tensor | None = None  # reused by every round: no allocation per round
@@ -399,7 +400,8 @@ class Trainer:
         all-gather within it. Then form a DeAR group where the rounds allow it."""
         gather(self._tensors, self._flat)
         # Before the round, when peers have drifted furthest and all stand at this same step.
-        self.sketch = self._sketch_plan.take(self._flat[: self._sketch_plan.size].numpy(), self.global_step)
+        sketch = self._sketch_plan.take(self._flat[: self._sketch_plan.size].numpy(), self.global_step)
+        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
         round_t, weight = self.global_step // self.average_every, float(self._samples_since_round)
         lg, gathered, broke = self.local_group, False, ""
         if self._dear is not None and lg is not None and self._exchange is not None:

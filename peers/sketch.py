@@ -29,6 +29,10 @@ import numpy as np
 
 SKETCH_SIZE = 512  # coordinates a trainer samples: 2 KiB of float32 in its record
 MAX_SKETCH_VALUES = 1024  # the most a record may carry (room for a later, larger SKETCH_SIZE)
+# Own sketches a daemon keeps (its latest rounds'): a peer's latest published sketch is often of a
+# round this daemon has already passed (rounds can be faster than heartbeats), and is compared
+# with this daemon's sketch of that round.
+HISTORY = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,8 @@ def estimate(a: ParamSketch, b: ParamSketch) -> float:
 def divergence(sketches: Iterable[ParamSketch]) -> Divergence | None:
     """The largest estimated pairwise distance among sketches taken at the same step, the newest
     step that at least two comparable sketches (same P and m) share; None when no step has two.
+    The caller passes at most one sketch per peer and step: each peer's latest, and its own of
+    the latest rounds.
 
     Only sketches of one step are compared: peers drift between rounds, so a distance between
     states of different steps would mostly measure training progress."""

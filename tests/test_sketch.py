@@ -87,3 +87,11 @@ def test_sketches_of_different_plans_are_not_compared():
 def test_a_plan_refuses_a_vector_of_another_size():
     with pytest.raises(ValueError):
         SketchPlan.for_run("r", 10).take(np.zeros(11, dtype=np.float32), 1)
+
+
+def test_a_daemons_own_earlier_sketch_meets_a_peers_latest():
+    """Rounds faster than heartbeats: the peer's latest published sketch is of step 20, this
+    daemon has taken two more since; its own of step 20 is compared with it."""
+    own = [ParamSketch(20, 2, (0.0, 0.0)), ParamSketch(30, 2, (1.0, 1.0)), ParamSketch(40, 2, (2.0, 2.0))]
+    d = divergence([*own, ParamSketch(20, 2, (0.0, 2.0))])
+    assert (d.value, d.step, d.peers) == (2.0, 20, 2)
