@@ -14,7 +14,7 @@ sd about sqrt(1 / (2m)): 3.1 % at m = 512. Carried by a fraction f of the coordi
 strata there count, and the sd grows to about sqrt(1 / (2fm)) (f = 0.1: about 10 %); a
 difference in a few coordinates that no stratum's pick hits (one bias vector drifting alone) is
 missed. (A random projection has no such blind spot but costs a pass over all P entries; this
-costs O(m), 16 ms for P = 10^8.) The largest of several noisy estimates leans high by about their
+costs O(m): about 0.1 ms for P = 10^8.) The largest of several noisy estimates leans high by about their
 error. tests/test_sketch.py measures both cases; docs/algorithms.md, "Divergence".
 """
 
