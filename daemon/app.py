@@ -64,7 +64,9 @@ class RunSummary:
     last_round: int = 0
     last_round_outcome: str = ""
     group_size: int = 0
-    param_divergence: float = math.nan
+    param_divergence: float = math.nan  # largest estimated pairwise distance (peers/sketch.py)
+    param_divergence_step: int = 0  # the step of the sketches it compares; 0 while it is NaN
+    param_distance_to_group_mean: float = math.nan
     last_round_digest: str = ""
     last_round_links: str = ""
     last_round_group: tuple[str, ...] = ()  # this daemon, then the members the last round reached
@@ -395,6 +397,7 @@ class Daemon:
                 announce=lambda: self._announce_soon(membership, loop),
             )
             membership.step_of = lambda: trainer.global_step
+            membership.sketches_of = lambda: trainer.sketches
             self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
             trainer.start()
             handle.republisher = asyncio.create_task(
@@ -471,6 +474,7 @@ class Daemon:
             handle = self.runs.get(m.run_id)
             tr = handle.trainer if handle else None
             lr = tr.last_round if tr else None
+            div = m.divergence() if tr else None
             runs.append(
                 RunSummary(
                     m.run_id,
@@ -490,7 +494,9 @@ class Daemon:
                     last_round=lr.round_t if lr else 0,
                     last_round_outcome=lr.outcome_name if lr else "",
                     group_size=lr.group_size if lr else 0,
-                    param_divergence=tr.param_divergence if tr else math.nan,
+                    param_divergence=div.value if div else math.nan,
+                    param_divergence_step=div.step if div else 0,
+                    param_distance_to_group_mean=tr.param_distance_to_group_mean if tr else math.nan,
                     last_round_digest=lr.outcome.digest.hex() if lr and lr.completed else "",
                     last_round_links=lr.links_summary if lr else "",
                     last_round_group=(self.node.peer_id, *sorted(lr.links)) if lr else (),

@@ -192,6 +192,8 @@ def _cmd_status(args) -> int:
                         "last_round_links": r.last_round_links,
                         "last_round_group": list(r.last_round_group),
                         "param_divergence": None if math.isnan(r.param_divergence) else r.param_divergence,
+                        "param_divergence_step": r.param_divergence_step,
+                        "param_distance_to_group_mean": None if math.isnan(r.param_distance_to_group_mean) else r.param_distance_to_group_mean,
                         "local_group": r.local_group,
                         "local_group_size": r.local_group_size,
                         "local_group_rank": r.local_group_rank,
@@ -243,6 +245,8 @@ def _cmd_status(args) -> int:
             # Peer IDs share their first characters ("12D3KooW..."); the last ones tell them apart.
             mates = ", ".join("…" + p[-8:] for p in r.last_round_group[1:])
             print(f"{r.run_id}: group of round {r.last_round}: this daemon, {mates}")
+        if not math.isnan(r.param_divergence):
+            print(f"{r.run_id}: parameter divergence {r.param_divergence:.4g} (largest pair of peers at step {r.param_divergence_step})")
         if r.error:
             print(f"{r.run_id}: training failed: {r.error}")
     return 0

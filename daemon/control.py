@@ -74,6 +74,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     last_round_outcome=r.last_round_outcome,
                     group_size=r.group_size,
                     param_divergence=r.param_divergence,
+                    param_divergence_step=r.param_divergence_step,
+                    param_distance_to_group_mean=r.param_distance_to_group_mean,
                     last_round_digest=r.last_round_digest,
                     last_round_links=r.last_round_links,
                     last_round_group=list(r.last_round_group),

@@ -88,7 +88,10 @@ class _TrainingCollector(Collector):
         step = GaugeMetricFamily("peerd_train_step", "Global step of the run's state this daemon holds.", labels=["run"])
         local = CounterMetricFamily("peerd_local_steps", "Optimizer steps this daemon computed in the run.", labels=["run"])
         divergence = GaugeMetricFamily(
-            "peerd_param_divergence", "L2 distance of the parameters from the group mean at the last completed round.", labels=["run"]
+            "peerd_param_divergence", "Largest estimated L2 parameter distance between two live peers of the run, from sketches.", labels=["run"]
+        )
+        to_mean = GaugeMetricFamily(
+            "peerd_param_distance_to_group_mean", "L2 distance of the parameters from the group mean at the last completed round.", labels=["run"]
         )
         loss = GaugeMetricFamily("peerd_train_loss", "Training loss of the run's last step.", labels=["run"])
         samples = CounterMetricFamily("peerd_samples", "Training samples this daemon processed in the run.", labels=["run"])
@@ -113,6 +116,8 @@ class _TrainingCollector(Collector):
             local.add_metric([r.run_id], r.local_step)
             if not math.isnan(r.param_divergence):
                 divergence.add_metric([r.run_id], r.param_divergence)
+            if not math.isnan(r.param_distance_to_group_mean):
+                to_mean.add_metric([r.run_id], r.param_distance_to_group_mean)
             loss.add_metric([r.run_id], r.loss)
             samples.add_metric([r.run_id], r.samples)
             if r.eval_metric:
@@ -124,7 +129,7 @@ class _TrainingCollector(Collector):
                 bucket_bytes.add_metric([r.run_id], r.dear_bucket_bytes)
                 if not math.isnan(r.dear_overlap_ratio):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
-        yield from (step, local, loss, samples, score, divergence, group, dear_steps, overlap, wan_share, bucket_bytes)
+        yield from (step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes)
 
 
 def process_started() -> float:

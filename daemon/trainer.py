@@ -36,6 +36,7 @@ from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarc
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peers.dear.schedule import DeAR, DeARSettings
 from peers.averaging import RoundResult
+from peers.sketch import HISTORY, ParamSketch, SketchPlan
 from peers.statesync import Snapshot
 from daemon.tasks import EvalResult, Hparams, Task
 
@@ -181,7 +182,12 @@ class Trainer:
         self.peer_steps, self.sync = peer_steps or (lambda: []), sync
         self.on_sync = on_sync or (lambda result: None)
         self.last_round = None  # the RoundResult of the latest averaging round
-        self.param_divergence = math.nan  # distance to the group's mean at the last completed round
+        self.param_distance_to_group_mean = math.nan  # at the last completed round, just before it
+        # The parameters' sketches just before the latest rounds (peers/sketch.py), oldest first, at
+        # most HISTORY, replaced as a whole: the heartbeat publishes the newest, and each is compared
+        # with the peers' sketches of its step.
+        self.sketches: tuple[ParamSketch, ...] = ()
+        self._sketch_plan: SketchPlan | None = None
         self.snapshot: Snapshot | None = None  # the state vector served to peers; replaced, never changed
         self._flat: torch.Tensor | None = None  # reused by every round: no allocation per round
         self._tensors: list[torch.Tensor] = []
@@ -237,6 +243,7 @@ class Trainer:
                 logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
             self._tensors, self._n_params = state_tensors(model, optimizer)
             self._flat = torch.empty(sum(t.numel() for t in self._tensors), dtype=torch.float32)
+            self._sketch_plan = SketchPlan.for_run(self.run_id, sum(t.numel() for t in self._tensors[: self._n_params]))
             self._train(model, optimizer)
         except Exception as e:  # a task bug must not take the daemon down; it is shown in status
             logger.exception("run %s: trainer failed", self.run_id)
@@ -392,6 +399,9 @@ class Trainer:
         daemon averages its own lanes for the whole group, between a reduce-scatter and an
         all-gather within it. Then form a DeAR group where the rounds allow it."""
         gather(self._tensors, self._flat)
+        # Before the round, when peers have drifted furthest and all stand at this same step.
+        sketch = self._sketch_plan.take(self._flat[: self._sketch_plan.size].numpy(), self.global_step)
+        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
         round_t, weight = self.global_step // self.average_every, float(self._samples_since_round)
         lg, gathered, broke = self.local_group, False, ""
         if self._dear is not None and lg is not None and self._exchange is not None:
@@ -418,7 +428,7 @@ class Trainer:
         if applied or broke:  # a broken hierarchical round may still have changed this member's lanes
             # Before the result replaces them: how far this member's parameters were from the mean.
             if applied:
-                self.param_divergence = distance(self._flat, self._tensors[: self._n_params])
+                self.param_distance_to_group_mean = distance(self._flat, self._tensors[: self._n_params])
             scatter(self._flat, self._tensors)
         if applied:
             self._samples_since_round = 0  # otherwise they count toward the next round's weight

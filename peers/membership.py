@@ -28,6 +28,7 @@ from peers.clock import now
 from peers.node import P2PContext, PeerNode
 from peers.records import LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
 from peers.runs import RunSecret, run_dht_key
+from peers.sketch import Divergence, ParamSketch, divergence
 from peers.table import PeerEntry, PeerTable
 from protos import records_pb2
 
@@ -79,6 +80,9 @@ class RunMembership:
         self.delegation_of: Callable[[], tuple[int, str]] = lambda: (0, "")
         self.links_of: Callable[[], tuple[LinkReport, ...]] = lambda: ()  # its fresh link reports, put into each heartbeat
         self.published_links: tuple[float, tuple[LinkReport, ...]] = (0.0, ())  # (timestamp, links) of the latest heartbeat
+        # Its parameter sketches of the latest rounds, oldest first: the newest goes into each heartbeat.
+        self.sketches_of: Callable[[], tuple[ParamSketch, ...]] = lambda: ()
+        self._divergence: Divergence | None = None  # the newest step's figure found so far
 
     @property
     def secured(self) -> bool:
@@ -176,8 +180,25 @@ class RunMembership:
     def peers(self) -> list[PeerEntry]:
         return self.table.entries()
 
+    def divergence(self) -> Divergence | None:
+        """The largest estimated parameter distance between two live peers of the run, this daemon
+        included, among their sketches taken at the newest step two of them share: each peer's
+        latest, and this daemon's of its latest rounds (peers/sketch.py); None until two peers have
+        a sketch of the same step.
+
+        Kept until a figure of a newer step replaces it: right after a round each peer's new sketch
+        reaches the others a heartbeat later, and meanwhile no step may have two."""
+        peers = (e.sketch for e in self.table.entries() if e.sketch is not None)
+        found = divergence([*self.sketches_of(), *peers])
+        if found is not None and (self._divergence is None or found.step >= self._divergence.step):
+            self._divergence = found
+        return self._divergence
+
     def _envelope(self, state: MemberState) -> bytes:
         delegated, group = self.delegation_of()  # one read: the trainer replaces the pair as a whole
+        # Read before the step: the trainer takes a sketch after reaching its step, so the record's
+        # step is never below the sketch's (peers refuse such a record).
+        own = self.sketches_of() if state is MemberState.ACTIVE else ()
         record = MemberRecord(
             run_id=self.run_id,
             peer_id=self.node.peer_id,
@@ -193,6 +214,7 @@ class RunMembership:
             delegated_lanes=delegated if state is MemberState.ACTIVE else 0,
             dear_group=group if state is MemberState.ACTIVE else "",
             links=self.links_of() if state is MemberState.ACTIVE else (),
+            sketch=own[-1] if own else None,
         )
         if state is MemberState.ACTIVE:  # what peers see of this daemon's links: the local group uses the same
             self.published_links = (record.timestamp, record.links)

@@ -10,10 +10,13 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
+
 from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal, verified
 from peers.identity import Identity
 from peers.linkprobe import LinkReport
 from peers.runs import RunSecret
+from peers.sketch import MAX_SKETCH_VALUES, ParamSketch
 from protos import records_pb2
 
 RECORD_FORMAT_VERSION = 1
@@ -24,7 +27,7 @@ MAX_LINKS = 64  # link reports per record (peers/linkprobe.py MAX_REPORTS)
 MAX_LINK_AGE = 3600.0  # seconds: a report claiming an older measurement is malformed (fresh ones are < 60 s)
 MAX_LINK_RTT = 60.0  # seconds
 
-__all__ = ["LinkReport", "MemberRecord", "MemberState", "RecordRejected", "seal_record", "open_envelope", "check_storable"]
+__all__ = ["LinkReport", "MemberRecord", "MemberState", "ParamSketch", "RecordRejected", "seal_record", "open_envelope", "check_storable"]
 
 
 class MemberState(Enum):
@@ -48,6 +51,7 @@ class MemberRecord:
     delegated_lanes: int = 0  # bit l: another member of its local group averages lane l (peers/dear/hierarchy.py)
     dear_group: str = ""  # ID of its active DeAR group (hierarchy.group_id); "" when none
     links: tuple[LinkReport, ...] = ()  # its fresh link measurements (--local-group auto); at most MAX_LINKS
+    sketch: ParamSketch | None = None  # its latest parameter sketch (peers/sketch.py); None before its first round
 
 
 def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | None) -> bytes:
@@ -71,8 +75,11 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         dear_group=record.dear_group,
         links=[records_pb2.LinkReport(peer_id=r.peer_id, rtt=r.rtt, bandwidth=r.bandwidth, loss=r.loss, age=r.age)
                for r in record.links],  # fmt: skip
-    ).SerializeToString()
-    return seal(RecordKind.MEMBER, body, identity, secret, record.run_id)
+    )
+    if record.sketch is not None:
+        s = record.sketch
+        body.sketch.step, body.sketch.size, body.sketch.values = s.step, s.size, np.asarray(s.values, "<f4").tobytes()
+    return seal(RecordKind.MEMBER, body.SerializeToString(), identity, secret, record.run_id)
 
 
 def open_envelope(
@@ -96,6 +103,7 @@ def open_envelope(
     if max(len(body.local_group), len(body.dear_address), len(body.probe_address), len(body.dear_group)) > MAX_LABEL:
         raise RecordRejected("record_malformed", "local group label, DeAR group, DeAR or probe address too long")
     links = _links(body)
+    sketch = _sketch(body)
     return MemberRecord(
         run_id=body.run_id,
         peer_id=body.peer_id,
@@ -111,6 +119,7 @@ def open_envelope(
         delegated_lanes=body.delegated_lanes,
         dear_group=body.dear_group,
         links=links,
+        sketch=sketch,
     )
 
 
@@ -132,6 +141,23 @@ def _links(body: records_pb2.PeerRecord) -> tuple[LinkReport, ...]:
         seen.add(r.peer_id)
         out.append(LinkReport(r.peer_id, r.rtt, r.bandwidth, r.loss, r.age))
     return tuple(out)
+
+
+def _sketch(body: records_pb2.PeerRecord) -> ParamSketch | None:
+    """The record's parameter sketch, checked: bounded in size, no more values than the vector has
+    entries, every value finite, taken at a step the sender has reached. A bad one refuses the record."""
+    if not body.HasField("sketch"):
+        return None
+    s = body.sketch
+    count, odd = divmod(len(s.values), 4)
+    if odd or not 0 < count <= MAX_SKETCH_VALUES or count > s.size:
+        raise RecordRejected("record_malformed", f"parameter sketch of {len(s.values)} bytes for {s.size} parameters")
+    if not 0 < s.step <= body.step:
+        raise RecordRejected("record_malformed", f"parameter sketch of step {s.step} in a record of step {body.step}")
+    values = np.frombuffer(s.values, dtype="<f4")
+    if not np.isfinite(values).all():
+        raise RecordRejected("record_malformed", "parameter sketch with a NaN or infinite value")
+    return ParamSketch(s.step, s.size, tuple(values.tolist()))
 
 
 def check_storable(data: object, subkey: str) -> None:

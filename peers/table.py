@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peers.records import LinkReport, MemberRecord, MemberState
+from peers.records import LinkReport, MemberRecord, MemberState, ParamSketch
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class PeerEntry:
     delegated_lanes: int = 0  # lanes another member of its local group averages for it (a bit mask)
     dear_group: str = ""  # ID of its active DeAR group; "" when none
     links: tuple[LinkReport, ...] = ()  # its link reports, as of `timestamp` (each report's age counts from it)
+    sketch: ParamSketch | None = None  # its latest parameter sketch (peers/sketch.py); None before its first round
 
 
 class PeerTable:
@@ -55,7 +56,7 @@ class PeerTable:
             self._entries[record.peer_id] = PeerEntry(
                 record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step,
                 record.local_group, record.dear_address, record.probe_address, record.delegated_lanes,
-                record.dear_group, record.links,
+                record.dear_group, record.links, record.sketch,
             )
             return "new"
         if record.timestamp <= entry.timestamp:
@@ -63,7 +64,7 @@ class PeerTable:
         entry.maddrs, entry.version, entry.role, entry.step = record.maddrs, record.version, record.role, record.step
         entry.local_group, entry.dear_address = record.local_group, record.dear_address
         entry.probe_address, entry.delegated_lanes = record.probe_address, record.delegated_lanes
-        entry.dear_group, entry.links = record.dear_group, record.links
+        entry.dear_group, entry.links, entry.sketch = record.dear_group, record.links, record.sketch
         entry.timestamp, entry.last_seen = record.timestamp, now
         return "refreshed"
 

@@ -43,7 +43,7 @@ JOIN_STATUS_LATE: JoinStatus
 JOIN_STATUS_GROUP_FULL: JoinStatus
 
 class PeerRecord(_message.Message):
-    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address", "probe_address", "links", "delegated_lanes", "dear_group")
+    __slots__ = ("format_version", "run_id", "peer_id", "maddrs", "version", "role", "state", "timestamp", "step", "local_group", "dear_address", "probe_address", "links", "delegated_lanes", "dear_group", "sketch")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class PeerRecord(_message.Message):
     LINKS_FIELD_NUMBER: _ClassVar[int]
     DELEGATED_LANES_FIELD_NUMBER: _ClassVar[int]
     DEAR_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     run_id: str
     peer_id: str
@@ -74,7 +75,18 @@ class PeerRecord(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[LinkReport]
     delegated_lanes: int
     dear_group: str
-    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ..., probe_address: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkReport, _Mapping]]] = ..., delegated_lanes: _Optional[int] = ..., dear_group: _Optional[str] = ...) -> None: ...
+    sketch: ParamSketch
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[MemberState, str]] = ..., timestamp: _Optional[float] = ..., step: _Optional[int] = ..., local_group: _Optional[str] = ..., dear_address: _Optional[str] = ..., probe_address: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkReport, _Mapping]]] = ..., delegated_lanes: _Optional[int] = ..., dear_group: _Optional[str] = ..., sketch: _Optional[_Union[ParamSketch, _Mapping]] = ...) -> None: ...
+
+class ParamSketch(_message.Message):
+    __slots__ = ("step", "size", "values")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    size: int
+    values: bytes
+    def __init__(self, step: _Optional[int] = ..., size: _Optional[int] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class LinkReport(_message.Message):
     __slots__ = ("peer_id", "rtt", "bandwidth", "loss", "age")

@@ -117,7 +117,7 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     # tests/test_cluster_training.py), and the same final evaluation. With nobody outside the
     # group, its WAN round (rank 0's, for the group) finds no group; rank 1 delegated its lane.
     assert sorted(r.last_round_outcome for r in finals) == ["delegated", "no_group"], finals
-    assert all(r.param_divergence < 1e-3 for r in finals), finals
+    assert all(r.param_distance_to_group_mean < 1e-3 for r in finals), finals
     assert finals[0].eval_score == finals[1].eval_score, finals
     # The fusion tuner runs in the daemon: every RETUNE_EVERY DeAR steps the members re-tune together.
     assert all("retune at step" in d.log_tail(100000) for d in (a, b)), a.log_tail(40)
@@ -187,7 +187,7 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lan
     assert ga.eval_score == gb.eval_score, (ga, gb)
     for name in ("h-c", "h-d"):
         assert abs(finals[name].eval_score - ga.eval_score) < 0.05, finals
-        assert finals[name].param_divergence < 1.0, finals[name]
+        assert finals[name].param_distance_to_group_mean < 1.0, finals[name]
     task = get_task("digits-mlp")
     h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
     single = train_single_process(task, h, steps=STEPS, batch_size=2 * BATCH, seed=0).score

@@ -71,3 +71,35 @@ def test_rendezvous_gives_up_on_a_stuck_mate_after_its_patience(tmp_path):
                 await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_sketches_travel_in_heartbeats_and_every_member_finds_the_same_divergence(tmp_path):
+    """Each member's latest sketch reaches the others through the DHT; a member whose latest
+    sketch is of an older step is left out of the comparison, but reports the same figure from the
+    others'. A figure holds until one of a newer step replaces it; a member compares a peer's
+    latest sketch with its own of the same step, even when it has taken newer ones since."""
+    from peers.sketch import ParamSketch
+
+    async def scenario():
+        async with peer_nodes(3, tmp_path) as nodes:
+            a, b, c = members = await _members(nodes)
+            try:
+                sketches = {a: (ParamSketch(20, 2, (0.0, 0.0)),), b: (ParamSketch(20, 2, (3.0, 4.0)),), c: (ParamSketch(10, 2, (0.0, 90.0)),)}
+                for m in members:
+                    m.step_of, m.sketches_of = (lambda m=m: sketches[m][-1].step), (lambda m=m: sketches[m])
+                    await m.heartbeat()
+                await asyncio.gather(*(m.refresh() for m in members))
+                views = [m.divergence() for m in members]
+                assert [(d.value, d.step, d.peers) for d in views] == [(5.0, 20, 2)] * 3, views
+                # b takes the next round's sketch first: no step has two latest sketches for a
+                # heartbeat or so, and the figure stays; once a follows, the new step's replaces it.
+                sketches[b] += (ParamSketch(30, 2, (0.0, 1.0)),)
+                await b.heartbeat()
+                await a.refresh()
+                assert (a.divergence().value, a.divergence().step) == (5.0, 20)
+                sketches[a] += (ParamSketch(30, 2, (0.0, 3.0)), ParamSketch(40, 2, (0.0, 7.0)))
+                assert (a.divergence().value, a.divergence().step) == (2.0, 30)
+            finally:
+                await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
+
+    asyncio.run(scenario())

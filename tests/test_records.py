@@ -11,6 +11,7 @@ from peers.envelope import RecordKind, seal
 from peers.events import PeerEvents
 from peers.identity import Identity
 from peers.records import MAX_LINKS, LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
+from peers.sketch import MAX_SKETCH_VALUES, ParamSketch
 from peers.runs import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
 from peers.validator import PeerdRecordValidator
 from protos import records_pb2
@@ -133,12 +134,14 @@ def link(peer_id: str, **kw) -> LinkReport:
     return LinkReport(**{"peer_id": peer_id, "rtt": 0.0002, "bandwidth": 2.5e8, "loss": 0.0, "age": 3.5, **kw})
 
 
-def test_link_reports_round_trip_and_a_full_record_fits(alice):
-    """MAX_LINKS reports with real peer IDs still fit an envelope (peers/envelope.py's bound)."""
+def test_link_reports_and_a_sketch_round_trip_and_a_full_record_fits(alice):
+    """MAX_LINKS reports with real peer IDs and a sketch of MAX_SKETCH_VALUES values still fit an
+    envelope (peers/envelope.py's bound)."""
     secret = RunSecret.from_bytes(b"s" * 32, "r1")
     ids = [f"Qm{i:044d}" for i in range(MAX_LINKS)]  # as long as an RSA identity's peer ID
     links = tuple(link(p, rtt=1e-4 * i, loss=i / 1000, bandwidth=1e6 * i) for i, p in enumerate(ids))
-    rec = dataclasses.replace(record(alice), links=links)
+    sketch = ParamSketch(step=40, size=10**8, values=tuple(0.25 * i - 7.5 for i in range(MAX_SKETCH_VALUES)))
+    rec = dataclasses.replace(record(alice), links=links, step=41, sketch=sketch)
     data = seal_record(rec, alice, secret)
     assert open_envelope(data, run_id="r1", secret=secret, subkey=alice.peer_id, now=NOW) == rec
 
@@ -167,4 +170,39 @@ def test_malformed_link_reports_refuse_the_record(alice, links):
     for r in links(alice.peer_id):
         body.links.add(peer_id=r.peer_id, rtt=r.rtt, bandwidth=r.bandwidth, loss=r.loss, age=r.age)
     data = seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1")
+    rejected("record_malformed", data)
+
+
+def sketch_body(peer_id: str, *, step=50, size=1000, values=b"\0\0\x80\x3f" * 8, record_step=50, present=True):
+    body = records_pb2.PeerRecord(format_version=1, run_id="r1", peer_id=peer_id, state=1, timestamp=NOW, step=record_step)
+    if present:
+        body.sketch.step, body.sketch.size, body.sketch.values = step, size, values
+    return body
+
+
+def test_a_sketch_round_trips_and_an_absent_one_is_none(alice):
+    body = sketch_body(alice.peer_id)
+    rec = open_envelope(seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1"), run_id="r1", secret=None, subkey=None, now=NOW)
+    assert rec.sketch == ParamSketch(50, 1000, (1.0,) * 8)
+    body = sketch_body(alice.peer_id, present=False)
+    rec = open_envelope(seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1"), run_id="r1", secret=None, subkey=None, now=NOW)
+    assert rec.sketch is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"values": b""}, id="empty"),
+        pytest.param({"values": b"\0" * 7}, id="not-float32"),
+        pytest.param({"values": b"\0" * 4 * (MAX_SKETCH_VALUES + 1), "size": 10**6}, id="too-many"),
+        pytest.param({"values": b"\0" * 4 * 9, "size": 8}, id="more-values-than-parameters"),
+        pytest.param({"values": b"\0\0\xc0\x7f" + b"\0" * 4}, id="nan"),
+        pytest.param({"values": b"\0\0\x80\x7f" + b"\0" * 4}, id="inf"),
+        pytest.param({"step": 0}, id="step-zero"),
+        pytest.param({"step": 60, "record_step": 50}, id="step-ahead-of-the-record"),
+    ],
+)
+def test_malformed_sketches_refuse_the_record(alice, fields):
+    """Like a bad link report, a bad sketch refuses the whole record as record_malformed."""
+    data = seal(RecordKind.MEMBER, sketch_body(alice.peer_id, **fields).SerializeToString(), alice, None, "r1")
     rejected("record_malformed", data)

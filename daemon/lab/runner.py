@@ -58,7 +58,7 @@ class Sample:
     outcome: str  # of the last round: completed, aborted, no_group, or ""
     group_size: int
     peers: frozenset[str]  # peer IDs in its table of the run
-    divergence: float  # peerd_param_divergence, NaN before the first completed round
+    divergence: float  # peerd_param_divergence (largest pairwise, from sketches), NaN until two peers share a sketch step
     eval_score: float
     metrics: dict[str, float]  # peerd_rounds_total by outcome and byte counters (this incarnation)
 
