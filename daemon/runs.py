@@ -200,7 +200,7 @@ async def resolve(
         if settings:
             raise RunRefused(f"run {run_id!r} exists: its hyper-parameters are fixed by its manifest; drop --set")
         task = _installed(manifest.task)
-        from daemon.tasks import HparamsError  # loaded by _installed: not before, a discovery-only run needs no tasks
+        from daemon.tasks import HparamsError
 
         try:
             hparams_from_text(task, manifest.hparams)
