@@ -3,9 +3,9 @@
 peerd uses hivemind's p2p, DHT node, record validation, utils and protos. Three `__init__.py`
 files import far more: `hivemind/` imports averaging (which pulls in scipy.optimize), moe and
 optim; `hivemind/utils/` and `hivemind/dht/` import torch (through utils/mpfuture.py and
-utils/tensor_descr.py), which none of the parts peerd uses needs. Together that is about 250 MiB
-of resident memory and a second of start-up in a daemon that does not train (docs/benchmarks.md,
-"Daemon costs"); a daemon whose run trains imports torch itself.
+utils/tensor_descr.py), which none of the parts peerd uses needs. In a daemon that trains nothing
+the first costs 46 MiB of resident memory, torch 207 MiB, together about a second of start-up
+(docs/benchmarks.md, "Daemon costs"); a daemon whose run trains imports torch itself.
 
 `install()` puts these three packages into `sys.modules` empty, made from hivemind's own import
 specs, so their `__path__` is the real one and `import hivemind.dht.node` loads the real
