@@ -243,7 +243,7 @@ class Bench:
         baseline = round(median(dht_start), 3)
         excludes = (
             "the baseline is the hivemind.DHT constructor in a warm Python: "
-            "it excludes interpreter start and `import hivemind`, which the daemon pays"
+            "it excludes interpreter start and imports (hivemind for it), which the daemon pays"
         )
         headline = result(
             BENCH, "start_to_ready_s", round(median(fresh), 3), baseline, "s",

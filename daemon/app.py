@@ -23,7 +23,6 @@ from daemon.lifecycle import ALLOWED, DaemonState
 from daemon.metrics import DaemonMetrics, MetricsServer
 from daemon import runs as run_setup
 from daemon.runs import RunHandle
-from peers.averaging import MoshpitAverager
 from peers.collective.group import MAX_GROUP
 from peers.dear.member import AUTO, GroupPeer, LocalGroupMember
 from peers.linkprobe import LinkProber
@@ -334,6 +333,10 @@ class Daemon:
         self.memberships.runs[run_id].probe_address = self.prober.announced(self._advertise_host()) if self.prober else ""
         handle = RunHandle(run_id, None, None)
         if resolved is not None:
+            # Imported here, as the trainer is (daemon/runs.py): the averager imports torch, which a
+            # daemon whose runs are discovery only never loads.
+            from peers.averaging import MoshpitAverager
+
             manifest, data = resolved
             handle.manifest = manifest
             membership = self.memberships.runs[run_id]

@@ -14,20 +14,25 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from daemon.checkpoint import CheckpointStore
 from daemon.config import TrainConfig
-from daemon.tasks import HparamsError, Task, TaskLoadError, TaskNotFound, get_task
-from daemon.trainer import Trainer, seed_from
 from peers import manifest as manifests
 from peers.clock import now
-from peers.averaging import RoundResult
 from peers.manifest import AveragingSettings, RunManifest
 from peers.node import PeerNode
 from peers.runs import RunSecret
 from peers.statesync import FetchResult, fetch_state
+
+# Training code (torch, the tasks, the trainer, the averager) is imported by the functions that
+# set up training: a daemon whose runs are discovery only never loads torch, about 210 MiB
+# (docs/benchmarks.md, "Daemon costs").
+if TYPE_CHECKING:
+    import torch
+
+    from daemon.tasks import Task
+    from daemon.trainer import Trainer
+    from peers.averaging import RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,7 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
     runs `run_round` (one round per lane; `lanes` None: every lane) on the event loop and waits at
     most `timeout` (the run's round_timeout). Rounds that time out or are cancelled (leave, drain)
     are cancelled on the loop and leave the vector as it was."""
+    from peers.averaging import RoundResult
 
     def average(vector, weight: float, round_t: int, lanes=None) -> list[RoundResult]:
         future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes), loop)
@@ -97,6 +103,8 @@ def sync_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNo
     live peers that announce at least min_step (peers/statesync.py), at most SYNC_TIMEOUT seconds,
     and copies it into `out` only when complete and verified. Downloads land in one buffer of the
     bridge's own, so a failed download's verified chunks survive until the next call resumes them."""
+    import torch
+
     partial, buffer = None, None
 
     def sync(min_step: int, out: torch.Tensor) -> FetchResult:
@@ -132,6 +140,8 @@ def sync_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNo
 
 def hparams_from_text(task: Task, text: dict[str, str]):
     """Typed hyper-parameters from KEY=VALUE text, by the types the task declares."""
+    from daemon.tasks import HparamsError
+
     types = {f.name: f.type for f in dataclasses.fields(task.hparams_type)}
     values: dict[str, object] = {}
     for key, raw in text.items():
@@ -169,6 +179,8 @@ def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSett
 
 
 def _installed(name: str) -> Task:
+    from daemon.tasks import TaskLoadError, TaskNotFound, get_task
+
     try:
         return get_task(name)
     except (TaskNotFound, TaskLoadError, ValueError) as e:
@@ -191,6 +203,8 @@ async def resolve(
         if settings:
             raise RunRefused(f"run {run_id!r} exists: its hyper-parameters are fixed by its manifest; drop --set")
         task = _installed(manifest.task)
+        from daemon.tasks import HparamsError
+
         try:
             hparams_from_text(task, manifest.hparams)
         except (HparamsError, TypeError) as e:
@@ -199,6 +213,8 @@ async def resolve(
     if not task_name:
         return None  # discovery only
     task = _installed(task_name)
+    from daemon.tasks import HparamsError
+
     hparam_text, averaging = _split_settings(settings)
     try:
         hparams = hparams_from_text(task, hparam_text)
@@ -243,6 +259,9 @@ def make_trainer(
     local_group=None,
     announce=None,
 ) -> Trainer:
+    from daemon.checkpoint import CheckpointStore
+    from daemon.trainer import Trainer, seed_from
+
     task = _installed(manifest.task)
     return Trainer(
         run_id=manifest.run_id,

@@ -2,3 +2,10 @@
 
 Nothing here imports daemon/: the daemon hands plain values and callbacks in (see events.py).
 """
+
+# Before any module here imports a hivemind submodule: skip what hivemind's package __init__.py
+# files import and peerd does not use (averaging with scipy, moe, optim, and torch through
+# hivemind.utils); hivemind_lazy.py says why and how.
+from peers import hivemind_lazy as _hivemind_lazy
+
+_hivemind_lazy.install()

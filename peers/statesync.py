@@ -49,14 +49,15 @@ import hmac
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from peers.events import PeerEvents
 from peers.node import P2PContext, PeerNode
 from peers.runs import RunSecret, run_dht_key
 from protos import state_pb2 as pb
+
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: a daemon that trains nothing never loads it
+    import torch
 
 __all__ = ["FetchResult", "Partial", "Snapshot", "SnapshotInfo", "StateServer", "choose_snapshot", "fetch_state",
            "snapshot_id", "state_tag"]
@@ -91,6 +92,8 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 
 def _fits(t: torch.Tensor | None, numel: int) -> bool:
     """Whether t can hold a snapshot of `numel` elements in place."""
+    import torch
+
     return (t is not None and t.numel() == numel and t.dtype == torch.float32 and t.device.type == "cpu"
             and t.is_contiguous())
 
@@ -306,6 +309,8 @@ class _Fetch:
 
     def prepare(self, info: SnapshotInfo, out: torch.Tensor | None, resume: Partial | None) -> None:
         """Pick the buffer (out, else resume's, else new) and keep resumed chunks whose hash is unchanged."""
+        import torch
+
         self.info = info
         old = resume.tensor if resume is not None and _fits(resume.tensor, info.numel) else None
         fresh = old if old is not None else torch.empty(info.numel, dtype=torch.float32)

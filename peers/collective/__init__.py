@@ -19,13 +19,24 @@ lossy.py (the loss-tolerant rule and packet grid), packets.py (receiving packets
 lossy_allreduce.py (the loss-tolerant round).
 """
 
-from peers.collective.allreduce import GroupAllReduce
 from peers.collective.group import AllReduceSettings, Group, shard_bounds
-from peers.collective.lossy_allreduce import LossyAllReduce
 from peers.collective.outcome import Outcome, Status
 from peers.collective.tcp import TcpTransport
 from peers.collective.transport import FilteredTransport, Transport
 from peers.collective.udp import UdpTransport
+
+# The two rounds import torch; they are loaded on first use, so that a daemon that trains
+# nothing can import the package's light modules (group.py, tcp.py) without torch.
+_LAZY = {"GroupAllReduce": "peers.collective.allreduce", "LossyAllReduce": "peers.collective.lossy_allreduce"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AllReduceSettings",

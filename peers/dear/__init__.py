@@ -13,13 +13,28 @@ size from fitted latency and bandwidth), localgroup.py (which peers form a fast 
 member.py (a daemon's labelled local group: when it forms, its engine; used by daemon/trainer.py).
 """
 
-from peers.dear.buckets import Bucket, BucketPlan, plan_buckets
-from peers.dear.collective import Collective, CollectiveError, Handle, Kind
-from peers.dear.engine import EngineCollective
 from peers.dear.localgroup import LinkSample, LocalGroupRules, LocalGroups, PeerSample, local_groups
-from peers.dear.overlap import StepStats
-from peers.dear.schedule import DeAR, DeARSettings, Mode
 from peers.dear.tuner import Fit, FusionTuner, Retune, TunerSettings
+
+# The rest imports torch and is loaded on first use: the daemon imports member.py (through this
+# package) whether or not it trains, and a daemon that trains nothing never loads torch.
+_LAZY = {
+    "peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
+    "peers.dear.collective": ("Collective", "CollectiveError", "Handle", "Kind"),
+    "peers.dear.engine": ("EngineCollective",),
+    "peers.dear.overlap": ("StepStats",),
+    "peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
+}
+_SOURCE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name in _SOURCE:
+        import importlib
+
+        return getattr(importlib.import_module(_SOURCE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Bucket",

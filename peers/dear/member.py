@@ -33,14 +33,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from peers.collective.linkauth import LinkAuth
 from peers.collective.tcp import TcpTransport
-from peers.dear.engine import EngineCollective
 from peers.clock import now as dht_now
 from peers.dear.localgroup import LinkSample, LocalGroupRules, PeerSample, local_groups
 from peers.events import PeerEvents
 from peers.linkprobe import LinkReport
+
+if TYPE_CHECKING:  # the engine (and torch) is imported when a group forms: the daemon imports this module idle
+    from peers.dear.engine import EngineCollective
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +136,8 @@ class LocalGroupMember:
     def prepare(self) -> None:
         """Have an engine listening (and its address announced) for the next formation."""
         if self._engine is None:
+            from peers.dear.engine import EngineCollective
+
             self._engine = EngineCollective(
                 rank=0, world=1, timeout=self.timeout, run_id=self.run_id, events=self.events,
                 transport=lambda: TcpTransport(self.host, 0, events=self.events, auth=self._auth),
