@@ -79,6 +79,8 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     # One lane (the default): rank 0 averages the whole state over the WAN for the group.
     assert sorted(r.wan_share for r in rs) == [0.0, 0.0, 1.0], rs
     assert all(r.train_state == "TRAINING" for r in rs), rs  # killed mid-run, not after
+    out = peerd("status", "--control", a.control).stdout
+    assert "lg: local group rack  size 3  rank " in out and "DeAR buckets " in out, out
 
     c.proc.send_signal(signal.SIGKILL)
     c.proc.wait(10)
@@ -95,9 +97,9 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     # Once c left their tables (peer ttl 4 s), the next round with both re-forms the group as two.
     before = {d.data_dir.name: status(d, "lg").dear_steps for d in (a, b)}
     rs = wait_group((a, b), "lg", 2, "a and b re-form a group of two")
+    # (Not read from `peerd status` text here: training may have reached --max-steps and left the
+    # group by the time it runs; the text is checked while the group of three trains, above.)
     assert sorted(r.local_group_rank for r in rs) == [0, 1], rs
-    out = peerd("status", "--control", a.control).stdout
-    assert "lg: local group rack  size 2  rank " in out and "DeAR buckets " in out, out
 
     for d in (a, b):
         wait_for(lambda: status(d, "lg").train_state == "FINISHED", timeout=90, what=f"{d.data_dir.name} finishes")
