@@ -66,8 +66,9 @@ class GroupAllReduce:
     """All-reduces float32 vectors of `numel` elements within one group, over one transport.
 
     Buffers and connections are allocated once and reused by every round; `buffers` lends the
-    engine receive buffers kept from an earlier engine (a caller that builds one engine per round). Rounds must be called one
-    at a time, with increasing numbers (consecutive numbers let early messages be buffered)."""
+    engine receive buffers kept from an earlier engine (a caller that builds one engine per round).
+    Rounds must be called one at a time, with increasing numbers (consecutive numbers let early
+    messages be buffered)."""
 
     def __init__(
         self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
