@@ -49,6 +49,7 @@ from hivemind.p2p import P2P
 
 from peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, Outcome, UdpTransport
 from peers.collective.fallback import FallbackTransport, member_address
+from peers.collective.inbox import BufferPool, InboxBuffers
 from peers.collective.linkauth import LinkAuth
 from peers.collective.tcp import split_address
 from peers.dear.hierarchy import lane_bounds, lane_view
@@ -141,6 +142,9 @@ class MoshpitAverager:
         self.settings = settings or AllReduceSettings()
         self.events = events or PeerEvents()
         self.lanes = lanes
+        # Each round builds its own engine (its transport is keyed by the round's group), but the
+        # receive buffers (a full-size backup and one buffer per other member) carry over.
+        self.buffers = BufferPool(keep=2 * lanes)
 
     async def average(
         self, vector: torch.Tensor, weight: float, round_t: int, live_peers: Mapping[str, tuple[int, str]],
@@ -190,6 +194,7 @@ class MoshpitAverager:
     async def _round(self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int) -> RoundResult:
         """One lane's round under group key `key`: listen, matchmaking, all-reduce of `vector` (a slice)."""
         transport, address = await self._listen(key)
+        buffers: InboxBuffers | None = None
         try:
             port = split_address(address)[1]
             me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
@@ -202,7 +207,9 @@ class MoshpitAverager:
             if self.loss_tolerant:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
             engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
-            engine = engine_type(group, transport, vector.numel(), settings=self.settings, events=self.events)
+            buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
+            engine = engine_type(group, transport, vector.numel(), settings=self.settings, events=self.events,
+                                 buffers=buffers)  # fmt: skip
             try:
                 # A fresh engine's first round is number 1; the group key already names round_t.
                 outcome = await engine.all_reduce(vector, float(weight), 1)
@@ -212,6 +219,8 @@ class MoshpitAverager:
                                transport.bytes_by_transport(), lane=lane)  # fmt: skip
         finally:
             await transport.close()
+            if buffers is not None:  # only now: a closed transport writes into nothing
+                self.buffers.give(buffers)
 
     async def _listen(self, key: str) -> tuple[FallbackTransport | UdpTransport, str]:
         """A started listener for this round and its address. The UDP engine needs one port free for

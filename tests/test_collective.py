@@ -34,6 +34,7 @@ from peers.collective import (
     shard_bounds,
 )
 from peers.collective.decision import Decision, Verdict, decide
+from peers.collective.inbox import BufferPool
 from peers.collective.wire import HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
 from peers.events import PeerEvents
 from tests.helpers import ROOT
@@ -209,6 +210,55 @@ def test_weighted_mean_is_exact_and_buffers_are_reused(n, numel, chunk):
         await stop_group(engines, transports)
 
     uvloop.run(main())
+
+
+def test_engines_built_per_round_reuse_pooled_buffers():
+    """The daemon builds an engine per round; a BufferPool lends each the previous one's receive
+    buffers (stale contents and all) and the results stay exact. Member indices change between
+    rounds, shards of unequal length included: the buffers fit any member."""
+
+    async def main():
+        n, numel, pools = 3, 1001, [BufferPool() for _ in range(3)]
+        seen: list[set[int]] = [set() for _ in range(n)]
+        for r in (1, 2, 3):
+            transports = [TcpTransport("127.0.0.1", 0) for _ in range(n)]
+            addresses = [await t.start() for t in transports]
+            order = [(i + r) % n for i in range(n)]  # daemon i is member order[i] this round
+            members = [f"m{order.index(k)}" for k in range(n)]
+            grouped = [addresses[order.index(k)] for k in range(n)]
+            lent = [pools[i].take(numel, n, 37) for i in range(n)]
+            settings = dataclasses.replace(FAST, chunk_elements=37)
+            engines = [
+                GroupAllReduce(Group(RUN, members, grouped, order[i]), transports[i], numel, settings=settings,
+                               buffers=lent[i])
+                for i in range(n)
+            ]  # fmt: skip
+            xs = [torch.randn(numel) for _ in range(n)]
+            ws = [float(i + r) for i in range(n)]
+            expect = weighted_mean(xs, ws)
+            outcomes = await asyncio.gather(*(e.all_reduce(x, w, 1) for e, x, w in zip(engines, xs, ws)))
+            assert [o.status for o in outcomes] == [Status.COMPLETED] * n, [o.reason for o in outcomes]
+            assert all(close(x, expect) for x in xs)
+            await stop_group(engines, transports)
+            for i in range(n):
+                pools[i].give(lent[i])
+                seen[i].add(lent[i].backup.data_ptr())
+        assert all(len(ptrs) == 1 for ptrs in seen)  # one allocation per daemon, for all three rounds
+
+    uvloop.run(main())
+
+
+def test_buffer_pool_lends_by_shape_and_keeps_few():
+    pool = BufferPool(keep=2)
+    a = pool.take(100, 4, 10)
+    assert pool.take(100, 4, 10) is not a  # lent out: never to two engines at once
+    pool.give(a)
+    assert pool.take(100, 3, 10) is not a and pool.take(100, 4, 10) is a
+    for b in [pool.take(100, 4, 10) for _ in range(3)]:
+        pool.give(b)
+    assert len(pool._free) == 2
+    with pytest.raises(ValueError):
+        GroupAllReduce(Group(RUN, ["m0", "m1"], ["127.0.0.1:1"] * 2, 0), TcpTransport(), 100, buffers=a)
 
 
 def test_settings_refuse_timeouts_that_cannot_work():

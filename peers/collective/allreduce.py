@@ -53,7 +53,7 @@ import torch
 
 from peers.collective.decision import Decision, Verdict, decide, result_digest
 from peers.collective.group import AllReduceSettings, Group
-from peers.collective.inbox import Inbox, as_bytes
+from peers.collective.inbox import Inbox, InboxBuffers, as_bytes
 from peers.collective.outcome import Outcome, Status
 from peers.collective.reduction import ShardReducer
 from peers.collective.rounds import Phase, RoundState
@@ -65,19 +65,21 @@ from peers.events import PeerEvents
 class GroupAllReduce:
     """All-reduces float32 vectors of `numel` elements within one group, over one transport.
 
-    Buffers and connections are allocated once and reused by every round. Rounds must be called one
-    at a time, with increasing numbers (consecutive numbers let early messages be buffered)."""
+    Buffers and connections are allocated once and reused by every round; `buffers` lends the
+    engine receive buffers kept from an earlier engine (a caller that builds one engine per round).
+    Rounds must be called one at a time, with increasing numbers (consecutive numbers let early
+    messages be buffered)."""
 
     def __init__(
         self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
-        events: PeerEvents | None = None,
+        events: PeerEvents | None = None, buffers: InboxBuffers | None = None,
     ):  # fmt: skip
         if numel < group.size:
             raise ValueError(f"cannot shard {numel} elements among {group.size} members")
         self.group, self.transport, self.numel = group, transport, numel
         self.settings = settings or AllReduceSettings()
         self.events = events or PeerEvents()
-        self.inbox = self._make_inbox()
+        self.inbox = self._make_inbox(buffers)
         self.links: dict[int, Link | None] = {k: None for k in range(group.size) if k != group.me}
         self._busy = False
         transport.attach(self.inbox)
@@ -103,9 +105,10 @@ class GroupAllReduce:
             self._busy = False
         return self._outcome(st, decision, reason, digest, time.perf_counter() - began)
 
-    def _make_inbox(self) -> Inbox:
-        """The sink, and `self.reducer` for this member's shard (loss-tolerant rounds use others)."""
-        inbox = Inbox(self.group, self.numel, self.settings.chunk_elements, self.events)
+    def _make_inbox(self, buffers: InboxBuffers | None) -> Inbox:
+        """The sink, and `self.reducer` for this member's shard (loss-tolerant rounds use others);
+        `buffers` (see inbox.BufferPool) or fresh ones."""
+        inbox = Inbox(self.group, self.numel, self.settings.chunk_elements, self.events, buffers)
         self.reducer = ShardReducer(inbox, self.group.me, self.events)
         inbox.fold = self.reducer.fold
         return inbox

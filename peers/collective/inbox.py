@@ -1,7 +1,8 @@
 """The receiving side of the engine: preallocated buffers, per-round bookkeeping, and the checks
 every incoming header passes before its payload may touch either.
 
-Buffers (allocated once, reused every round):
+Buffers (allocated once per engine, or lent by a `BufferPool` to one engine after another; reused
+every round):
 * the caller's tensor `x`: owners' RESULT chunks land straight in it, and this member reduces its
   own shard in place, so COMPLETE costs nothing;
 * `backup`: each chunk of `x` is copied here just before it is first overwritten (one chunk at a
@@ -25,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,20 +43,69 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+@dataclass(frozen=True, slots=True)
+class InboxBuffers:
+    """What an Inbox receives into, for any member of a group of `size` over `numel` elements in
+    chunks of `chunk`: the backup, one contribution buffer per other member (as long as the longest
+    shard; a member uses the front of each), and the scratch chunk of `_unpark`. Nothing carries
+    over from one round to the next: every round writes a region before it reads it."""
+
+    key: tuple[int, int, int]  # (numel, size, chunk)
+    backup: torch.Tensor
+    parts: tuple[torch.Tensor, ...]
+    swap: np.ndarray
+
+    @classmethod
+    def new(cls, numel: int, size: int, chunk: int) -> "InboxBuffers":
+        longest = max(e - s for s, e in shard_bounds(numel, size))
+        return cls(
+            key=(numel, size, chunk), backup=torch.zeros(numel, dtype=torch.float32),
+            parts=tuple(torch.zeros(longest, dtype=torch.float32) for _ in range(size - 1)),
+            swap=np.zeros(min(chunk, longest), dtype=np.float32),
+        )  # fmt: skip
+
+
+class BufferPool:
+    """InboxBuffers kept from one engine to the next (the daemon builds an engine per round), so that
+    a round allocates nothing. A set is lent to one engine at a time (`take`) and given back
+    (`give`) only once nothing can write into it any more: its transport is closed. At most `keep`
+    sets wait here; the oldest goes first (group sizes change with the run)."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: list[InboxBuffers] = []
+
+    def take(self, numel: int, size: int, chunk: int) -> InboxBuffers:
+        key = (numel, size, chunk)
+        for i in range(len(self._free) - 1, -1, -1):  # newest first: the likeliest still in cache
+            if self._free[i].key == key:
+                return self._free.pop(i)
+        return InboxBuffers.new(numel, size, chunk)
+
+    def give(self, buffers: InboxBuffers) -> None:
+        self._free.append(buffers)
+        if len(self._free) > self.keep:
+            del self._free[0]
+
+
 class Inbox:
     """The transport's sink for one group. Runs on the event loop; the round waits on it with `until`."""
 
-    def __init__(self, group: Group, numel: int, chunk: int, events: PeerEvents):
+    def __init__(self, group: Group, numel: int, chunk: int, events: PeerEvents, buffers: InboxBuffers | None = None):
         self.group, self.numel, self.chunk, self.events = group, numel, chunk, events
         self.bounds = shard_bounds(numel, group.size)
         self.chunks = tuple(chunk_bounds(s, e, chunk) for s, e in self.bounds)  # absolute [start, end)
         self.nchunks = tuple(len(c) for c in self.chunks)
         start, end = self.bounds[group.me]
-        self.backup = torch.zeros(numel, dtype=torch.float32)
-        self.inbox = {k: torch.zeros(end - start, dtype=torch.float32) for k in range(group.size) if k != group.me}
+        self.buffers = buffers or InboxBuffers.new(numel, group.size, chunk)
+        if self.buffers.key != (numel, group.size, chunk):
+            raise ValueError(f"buffers for {self.buffers.key} cannot serve {(numel, group.size, chunk)}")
+        others = [k for k in range(group.size) if k != group.me]
+        self.backup = self.buffers.backup
+        self.inbox = {k: part[: end - start] for k, part in zip(others, self.buffers.parts)}
         self.backup_np, self._backup_bytes = self.backup.numpy(), as_bytes(self.backup)
         self.inbox_np = {k: t.numpy() for k, t in self.inbox.items()}
-        self._swap = np.zeros(min(chunk, max(e - s for s, e in self.bounds)), dtype=np.float32)
+        self._swap = self.buffers.swap
         self.x: np.ndarray | None = None  # the caller's tensor, while a round runs
         self._x_bytes: memoryview | None = None
         self._inbox_bytes = {k: as_bytes(t) for k, t in self.inbox.items()}

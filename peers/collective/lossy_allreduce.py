@@ -41,7 +41,7 @@ import torch
 from peers.collective.allreduce import GroupAllReduce
 from peers.collective.decision import Decision, sum64
 from peers.collective.group import AllReduceSettings, Group
-from peers.collective.inbox import as_bytes
+from peers.collective.inbox import InboxBuffers, as_bytes
 from peers.collective.lossy import keep_missing, masked_mean
 from peers.collective.outcome import Outcome, Status
 from peers.collective.packets import LossyInbox, PacketRound
@@ -57,13 +57,14 @@ class LossyAllReduce(GroupAllReduce):
 
     def __init__(
         self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
-        events: PeerEvents | None = None, packet_elements: int | None = None,
+        events: PeerEvents | None = None, packet_elements: int | None = None, buffers: InboxBuffers | None = None,
     ):  # fmt: skip
         self.packet_elements = packet_elements or transport.packet_elements
-        super().__init__(group, transport, numel, settings=settings, events=events)
+        super().__init__(group, transport, numel, settings=settings, events=events, buffers=buffers)
 
-    def _make_inbox(self) -> LossyInbox:
-        inbox = LossyInbox(self.group, self.numel, self.settings.chunk_elements, self.packet_elements, self.events)
+    def _make_inbox(self, buffers: InboxBuffers | None) -> LossyInbox:
+        inbox = LossyInbox(self.group, self.numel, self.settings.chunk_elements, self.packet_elements, self.events,
+                           buffers)  # fmt: skip
         self.reducer = PacketReducer(inbox, self.group.me, self.events)
         return inbox
 

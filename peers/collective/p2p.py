@@ -186,6 +186,8 @@ class _InboundStream:
                 if len(action) != header.length:
                     raise ValueError(f"sink gave a {len(action)}-byte buffer for a {header.length}-byte payload")
                 data = await reader.readexactly(remaining)
+                if self._closed:
+                    return  # closed while we waited: the buffer may already serve another engine
                 if not self._discard:  # the sink may have taken the buffer back while we waited
                     action[:] = data
             self.owner.bytes_received += header.length

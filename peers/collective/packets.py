@@ -26,7 +26,7 @@ import torch
 
 from peers.collective.datagram import OVERHEAD
 from peers.collective.group import Group
-from peers.collective.inbox import Inbox, as_bytes
+from peers.collective.inbox import Inbox, InboxBuffers, as_bytes
 from peers.collective.lossy import PacketGrid
 from peers.collective.rounds import Phase
 from peers.collective.transport import Action, Inbound
@@ -74,8 +74,10 @@ class PacketRound:
 class LossyInbox(Inbox):
     """The transport's sink for one group in loss-tolerant mode (see the module docstring)."""
 
-    def __init__(self, group: Group, numel: int, chunk: int, stride: int, events: PeerEvents):
-        super().__init__(group, numel, chunk, events)
+    def __init__(
+        self, group: Group, numel: int, chunk: int, stride: int, events: PeerEvents, buffers: InboxBuffers | None = None
+    ):
+        super().__init__(group, numel, chunk, events, buffers)
         self.grid = PacketGrid(self.bounds, chunk, stride)
         self.others = [k for k in range(group.size) if k != group.me]
         first = self.grid.first[group.me]
