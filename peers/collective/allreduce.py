@@ -37,8 +37,9 @@ skew). A member that was frozen through a round reports ABORTED (its tensor rest
 others may have completed: the Outcome says so, and the caller must resynchronise that member
 (state sync) before it contributes again.
 
-Not covered here: authentication (anyone who knows the run ID and a member index can speak as that
-member; a later layer must authenticate connections), retransmission (a contribution that misses
+Not covered here: authentication (in secret runs, linkauth.py makes every link open with a hello
+keyed by the secret; in open runs anyone who knows the run ID and a member index can speak as that
+member), retransmission (a contribution that misses
 its owner's deadline is left out, not resent), and re-owning a dead owner's shard (the round aborts).
 """
 
