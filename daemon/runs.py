@@ -203,22 +203,18 @@ async def resolve(
         if settings:
             raise RunRefused(f"run {run_id!r} exists: its hyper-parameters are fixed by its manifest; drop --set")
         task = _installed(manifest.task)
-        from daemon.tasks import HparamsError
-
         try:
             hparams_from_text(task, manifest.hparams)
-        except (HparamsError, TypeError) as e:
+        except (ValueError, TypeError) as e:  # HparamsError is a ValueError
             raise RunRefused(f"run {run_id!r} has a manifest this daemon cannot use: {e}") from None
         return manifest, data
     if not task_name:
         return None  # discovery only
     task = _installed(task_name)
-    from daemon.tasks import HparamsError
-
     hparam_text, averaging = _split_settings(settings)
     try:
         hparams = hparams_from_text(task, hparam_text)
-    except (HparamsError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # HparamsError is a ValueError
         raise RunRefused(str(e)) from None
     manifest = RunManifest(
         run_id=run_id,
