@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import pytest
 
 from daemon.client import ControlClient
 from daemon.config import DaemonConfig, DiscoveryConfig
+from daemon.procs import LocalDaemon
 from peers.events import PeerEvents
 from peers.identity import Identity
 from peers.node import NodeSettings, PeerNode
@@ -255,15 +259,32 @@ def p2pd_args(d) -> list[str]:
     return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
 
 
-def test_upnp_and_autonat_are_off_unless_asked_for(spawn, cluster):
+def test_upnp_and_autonat_are_off_by_default(cluster):
     args = p2pd_args(cluster[0])
     assert "-natPortMap=0" in args and "-autonat=0" in args, args
-    d = spawn("natted", ["--nat-port-map", "--auto-nat"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+                    reason="needs root, unshare and ip: the opted-in daemon runs in a network namespace of its own")  # fmt: skip
+def test_upnp_and_autonat_are_on_when_asked_for(tmp_path):
+    """UPnP discovery multicasts on the LAN: the daemon that opts in runs in a fresh network
+    namespace whose only interface is loopback, so nothing it sends leaves this machine."""
+    d = LocalDaemon(tmp_path / "natted", log_path=tmp_path / "natted.log")
+    d.data_dir.mkdir()
+    cmd = [
+        "unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
+        sys.executable, "-m", "daemon.cli", "start", "--data-dir", str(d.data_dir), "--host", "127.0.0.1", "--port", "0",
+        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--nat-port-map", "--auto-nat",
+    ]  # fmt: skip
+    with open(d.log_path, "ab") as log:
+        d.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        d.wait_ready()  # exec: the daemon keeps the pid of the process started here
         args = p2pd_args(d)
         assert "-natPortMap=1" in args and "-autonat=1" in args, args
+        assert os.readlink(f"/proc/{d.pid}/ns/net") != os.readlink("/proc/self/ns/net")  # it is contained
     finally:
-        assert d.stop() == 0
+        assert d.stop() == 0, d.log_tail()
 
 
 def test_restart_with_the_same_data_dir_keeps_the_peer_id(spawn):
