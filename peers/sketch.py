@@ -88,13 +88,18 @@ class SketchPlan:
         return ParamSketch(step, self.size, tuple(params[self.indices].astype(np.float32).tolist()))
 
 
+def _squared_distances(row: np.ndarray, rows: np.ndarray, size: int) -> np.ndarray:
+    """The estimator: sum_k n_k (s_row[k] - s[k])^2 for each of `rows`, n_k the size of stratum k."""
+    weights = np.diff(strata(size, row.shape[-1])).astype(np.float64)
+    return (rows - row) ** 2 @ weights
+
+
 def estimate(a: ParamSketch, b: ParamSketch) -> float:
     """Estimated ||x_a - x_b|| from two sketches of the same plan (exact when P <= m)."""
     if a.size != b.size or len(a.values) != len(b.values):
         raise ValueError("sketches of different plans are not comparable")
-    weights = np.diff(strata(a.size, len(a.values))).astype(np.float64)
-    d = np.asarray(a.values, dtype=np.float64) - np.asarray(b.values, dtype=np.float64)
-    return math.sqrt(float(np.dot(weights, d * d)))
+    x = np.asarray([a.values, b.values], dtype=np.float64)
+    return math.sqrt(float(_squared_distances(x[0], x[1:], a.size)[0]))
 
 
 def divergence(sketches: Iterable[ParamSketch]) -> Divergence | None:
@@ -111,9 +116,8 @@ def divergence(sketches: Iterable[ParamSketch]) -> Divergence | None:
     comparable = [(key, group) for key, group in groups.items() if len(group) >= 2]
     if not comparable:
         return None
-    (step, size, m), group = max(comparable, key=lambda kv: (kv[0][0], len(kv[1])))
-    weights = np.diff(strata(size, m)).astype(np.float64)
+    (step, size, _), group = max(comparable, key=lambda kv: (kv[0][0], len(kv[1])))
     x = np.asarray([s.values for s in group], dtype=np.float64)
     # One row against the rows after it at a time: O(n^2 m) flops in n numpy calls.
-    largest = max(float(((x[i + 1 :] - x[i]) ** 2 @ weights).max()) for i in range(len(group) - 1))
+    largest = max(float(_squared_distances(x[i], x[i + 1 :], size).max()) for i in range(len(group) - 1))
     return Divergence(math.sqrt(largest), step, len(group))

@@ -25,17 +25,13 @@ from peers.collective.tcp import TcpTransport
 from peers.collective.transport import FilteredTransport, Transport
 from peers.collective.udp import UdpTransport
 
-# The two rounds import torch; they are loaded on first use, so that a daemon that trains
-# nothing can import the package's light modules (group.py, tcp.py) without torch.
-_LAZY = {"GroupAllReduce": "peers.collective.allreduce", "LossyAllReduce": "peers.collective.lossy_allreduce"}
+from peers.lazy import attributes
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The two rounds import torch: loaded on first use (peers/lazy.py).
+__getattr__ = attributes(__name__, {
+    "peers.collective.allreduce": ("GroupAllReduce",),
+    "peers.collective.lossy_allreduce": ("LossyAllReduce",),
+})  # fmt: skip
 
 
 __all__ = [

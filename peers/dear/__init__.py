@@ -16,24 +16,17 @@ member.py (a daemon's labelled local group: when it forms, its engine; used by d
 from peers.dear.localgroup import LinkSample, LocalGroupRules, LocalGroups, PeerSample, local_groups
 from peers.dear.tuner import Fit, FusionTuner, Retune, TunerSettings
 
-# The rest imports torch and is loaded on first use: the daemon imports member.py (through this
-# package) whether or not it trains, and a daemon that trains nothing never loads torch.
-_LAZY = {
+from peers.lazy import attributes
+
+# The rest imports torch: loaded on first use (peers/lazy.py). The daemon imports member.py, through
+# this package, whether or not it trains.
+__getattr__ = attributes(__name__, {
     "peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
     "peers.dear.collective": ("Collective", "CollectiveError", "Handle", "Kind"),
     "peers.dear.engine": ("EngineCollective",),
     "peers.dear.overlap": ("StepStats",),
     "peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
-}
-_SOURCE = {name: module for module, names in _LAZY.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name in _SOURCE:
-        import importlib
-
-        return getattr(importlib.import_module(_SOURCE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+})  # fmt: skip
 
 
 __all__ = [
