@@ -2,7 +2,9 @@
 
     python -m bench.engine_allreduce [--quick] [--mib 64] [--peers 4] [--rounds 21] [--skip-hivemind]
 
-(1) peerd: peers.collective.GroupAllReduce over TcpTransport on a uvloop loop, a weighted mean, and
+(1) peerd: peers.collective.GroupAllReduce over TcpTransport on a uvloop loop, a weighted mean,
+    with restore=False as the daemon's trainer calls it (it keeps no backup of other shards; the
+    complete-or-abort verdict and digest are unchanged), and
 (2) torch.distributed gloo all_reduce (a sum; rendezvous through a FileStore in a temp dir) run in
     the same `--peers` processes on loopback, one round of each in turn (which goes first
     alternates), so both see the same machine at the same moment;
@@ -94,7 +96,7 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, chunk) -> dict:
     report = {"peerd": [], "gloo": [], "peerd_cpu": [], "gloo_cpu": [], "outcomes": [], "max_error": None}
 
     def peerd(r: int) -> None:
-        outcome = loop.run_until_complete(engine.all_reduce(x, float(rank + 1), r))
+        outcome = loop.run_until_complete(engine.all_reduce(x, float(rank + 1), r, restore=False))
         report["outcomes"].append((outcome.status.value, outcome.digest.hex(), outcome.reason))
 
     def gloo(r: int) -> None:

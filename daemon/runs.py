@@ -76,20 +76,22 @@ class RunHandle:
 
 
 def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, timeout: float):
-    """A blocking `average(vector, weight, round_t, lanes) -> [RoundResult]` for the trainer thread:
-    runs `run_round` (one round per lane; `lanes` None: every lane) on the event loop and waits at
-    most `timeout` (the run's round_timeout). Rounds that time out or are cancelled (leave, drain)
-    are cancelled on the loop and leave the vector as it was."""
+    """A blocking `average(vector, weight, round_t, lanes, restore) -> [RoundResult]` for the trainer
+    thread: runs `run_round` (one round per lane; `lanes` None: every lane) on the event loop and
+    waits at most `timeout` (the run's round_timeout). Rounds that time out or are cancelled
+    (leave, drain) are cancelled on the loop and leave the vector as it was if `restore`, else
+    partly written (MoshpitAverager.average)."""
     from peers.averaging import RoundResult
 
-    def average(vector, weight: float, round_t: int, lanes=None) -> list[RoundResult]:
-        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes), loop)
+    def average(vector, weight: float, round_t: int, lanes=None, restore: bool = True) -> list[RoundResult]:
+        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore), loop)
         handle.round_future = future
         try:
             return future.result(timeout)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             future.cancel()
-            # The engine restores the vector when cancelled; wait for that before the thread reuses it.
+            # The engine restores the vector (or its own shard) when cancelled; wait for that before
+            # the thread reuses it.
             concurrent.futures.wait([future], timeout=CANCEL_GRACE)
             return [RoundResult(round_t, 1, None, "round timed out or was cancelled")]
         finally:

@@ -32,7 +32,7 @@ import torch
 
 from daemon.checkpoint import CheckpointStore
 from peers.dear.collective import CollectiveError
-from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round
+from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peers.dear.schedule import DeAR, DeARSettings
 from peers.averaging import RoundResult
@@ -93,10 +93,13 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
     return params + extra, len(params)
 
 
-def gather(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    offset = 0
+def gather(tensors: list[torch.Tensor], flat: torch.Tensor, start: int = 0, end: int | None = None) -> None:
+    """Copy the tensors into flat, or only into flat[start:end]."""
+    end, offset = flat.numel() if end is None else end, 0
     for t in tensors:
-        flat[offset : offset + t.numel()].copy_(t.detach().view(-1))
+        a, b = max(start, offset), min(end, offset + t.numel())
+        if a < b:
+            flat[a:b].copy_(t.detach().view(-1)[a - offset : b - offset])
         offset += t.numel()
 
 
@@ -412,7 +415,13 @@ class Trainer:
             )  # fmt: skip
             results, gathered, broke = done.results, done.gathered, done.error
         else:
-            results = self.average(self._flat, weight, round_t, None)
+            # restore=False: the engine keeps no backup of the vector (a copy of it per round); a
+            # lane that applied no result is copied again from the model, which holds its old value.
+            results = self.average(self._flat, weight, round_t, None, restore=False)
+            applied_lanes = {r.lane for r in results if r.applied}
+            for lane, (start, end) in enumerate(lane_bounds(self._flat.numel(), self.lanes)):
+                if lane not in applied_lanes:
+                    gather(self._tensors, self._flat, start, end)
         applied = gathered or any(getattr(r, "applied", False) for r in results)
         previous = self.last_round
         # Status shows the round of this daemon's first lane (or that its group averaged them all).

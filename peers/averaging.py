@@ -148,12 +148,14 @@ class MoshpitAverager:
 
     async def average(
         self, vector: torch.Tensor, weight: float, round_t: int, live_peers: Mapping[str, tuple[int, str]],
-        lanes: Sequence[int] | None = None, group: str = "",
+        lanes: Sequence[int] | None = None, group: str = "", restore: bool = True,
     ) -> list[RoundResult]:  # fmt: skip
         """Average `lanes` of `vector` (flat float32, in place; every lane of the run when None) with
         this round's groups, one round per lane. `live_peers`: peer ID -> (the lanes it delegated as
         a bit mask, its DeAR group's ID), as announced; `group`: this daemon's DeAR group ID ("" when
-        none). Returns one RoundResult per lane, in lane order."""
+        none). Returns one RoundResult per lane, in lane order. restore=False: a lane whose round
+        did not complete may hold part of a result (GroupAllReduce.all_reduce); the caller puts
+        back the lanes that did not apply a result."""
         mine = sorted(range(self.lanes) if lanes is None else set(lanes))
         bounds = lane_bounds(vector.numel(), self.lanes)
         plans: dict[int, tuple[str, str, list[str]] | None] = {}
@@ -181,7 +183,7 @@ class MoshpitAverager:
             namespace, key, _ = plans[lane]
             s, e = bounds[lane]
             try:
-                return await self._round(vector[s:e], weight, round_t, namespace, key, lane)
+                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore)
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
                 return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane)
@@ -191,7 +193,9 @@ class MoshpitAverager:
         return [dataclasses.replace(r, waited=waited, stragglers=stragglers) if k == 0 else dataclasses.replace(r, waited=math.nan)
                 for k, r in enumerate(results)]  # fmt: skip
 
-    async def _round(self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int) -> RoundResult:
+    async def _round(
+        self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int, restore: bool
+    ) -> RoundResult:  # fmt: skip
         """One lane's round under group key `key`: listen, matchmaking, all-reduce of `vector` (a slice)."""
         transport, address = await self._listen(key)
         buffers: InboxBuffers | None = None
@@ -212,7 +216,7 @@ class MoshpitAverager:
                                  buffers=buffers)  # fmt: skip
             try:
                 # A fresh engine's first round is number 1; the group key already names round_t.
-                outcome = await engine.all_reduce(vector, float(weight), 1)
+                outcome = await engine.all_reduce(vector, float(weight), 1, restore=restore)
             finally:
                 await engine.close()
             return RoundResult(round_t, group.size, outcome, outcome.reason, self._links(transport, group),

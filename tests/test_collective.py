@@ -375,6 +375,47 @@ def test_a_silent_member_makes_everyone_abort_and_keep_their_tensor():
     uvloop.run(main())
 
 
+def test_without_restore_only_the_own_shard_is_backed_up_and_put_back():
+    """restore=False (the trainer's rounds: it holds the old values in its model): a completed round
+    is exact and never writes the backup outside this member's shard; an aborted one puts back this
+    member's own shard only, and other shards' chunks may hold their owner's result."""
+    n, numel, chunk = 3, 3000, 256
+
+    async def main():
+        settings = dataclasses.replace(FAST, chunk_elements=chunk)
+        engines, transports = await start_group(n, numel, settings=settings)
+        bounds = shard_bounds(numel, n)
+        for e in engines:
+            e.inbox.backup.fill_(float("nan"))
+        xs = [torch.randn(numel) for _ in range(n)]
+        expect = weighted_mean(xs, [1.0, 2.0, 3.0])
+        outcomes = await asyncio.gather(*(e.all_reduce(x, i + 1.0, 1, restore=False) for i, (e, x) in enumerate(zip(engines, xs))))
+        assert {o.status for o in outcomes} == {Status.COMPLETED}, [o.reason for o in outcomes]
+        assert all(close(x, expect) for x in xs)
+        for i, e in enumerate(engines):
+            untouched = [e.inbox.backup[s:t] for j, (s, t) in enumerate(bounds) if j != i]
+            assert all(torch.isnan(b).all() for b in untouched)
+            s, t = bounds[i]
+            assert not torch.isnan(e.inbox.backup[s:t]).any()  # the own shard: its contribution, read again
+
+        # Member 2 stays silent in round 2: members 0 and 1 abort, having swapped shards 0 and 1.
+        xs = [torch.randn(numel) for _ in range(2)]
+        before = [x.clone() for x in xs]
+        outcomes = await asyncio.gather(*(e.all_reduce(x, 1.0, 2, restore=False) for e, x in zip(engines, xs)))
+        assert {o.status for o in outcomes} == {Status.ABORTED}, [o.reason for o in outcomes]
+        mean01 = [(before[0][s:t] + before[1][s:t]) / 2 for s, t in bounds[:2]]
+        for i, (x, b) in enumerate(zip(xs, before)):
+            s, t = bounds[i]
+            assert torch.equal(x[s:t], b[s:t])  # own shard: put back
+            s, t = bounds[1 - i]
+            assert close(x[s:t], mean01[1 - i])  # the other member's shard: its result, left there
+            s, t = bounds[2]
+            assert torch.equal(x[s:t], b[s:t])  # the silent member's shard: never written
+        await stop_group(engines, transports)
+
+    uvloop.run(main())
+
+
 def test_a_shard_that_reaches_only_some_members_makes_all_abort():
     """Owner 2's result reaches member 0 but not member 1 (as if owner 2 died while sending it):
     member 1 aborts, says so, and members 0 and 2, who hold the whole result, abort too."""

@@ -16,11 +16,13 @@ A round, on each member, timed from the call (settings in group.py):
    Contributions with NaN/Inf are left out of their chunk, refused and counted.
 2. GATHER: wait until every chunk of every shard arrived, or one no longer can (its owner's
    connection closed, or it was refused), or `gather_timeout` passed. Chunks land straight in the
-   tensor; each chunk's old value is saved first (inbox.py), so nothing is copied on COMPLETE.
+   tensor; each chunk's old value is saved first (inbox.py), so nothing is copied on COMPLETE
+   (with `restore=False`, only this member's own shard is saved: the caller restores the rest).
 3. DECIDE: broadcast my verdict (OK with a digest of the whole result, or ABORT), then apply the
    pure rule of decision.py until it says COMPLETE or ABORT, at the latest at `gather_timeout +
    verdict_timeout`. Wait up to `drain_timeout` for queued sends (links still full are closed);
-   on ABORT put back every chunk the round overwrote: the tensor is exactly as before the call.
+   on ABORT put back every chunk the round overwrote: the tensor is exactly as before the call
+   (with `restore=False`, only this member's own shard; see all_reduce).
 
 Contract. A member SIGKILLed or SIGSTOPped at any point holds the others up for at most
 `longest_round` (gather + verdict + drain timeouts), and the survivors all decide the same:
@@ -71,6 +73,8 @@ class GroupAllReduce:
     Rounds must be called one at a time, with increasing numbers (consecutive numbers let early
     messages be buffered)."""
 
+    always_restore = False  # True: back up the whole tensor even when the caller says restore=False
+
     def __init__(
         self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None, buffers: InboxBuffers | None = None,
@@ -85,15 +89,22 @@ class GroupAllReduce:
         self._busy = False
         transport.attach(self.inbox)
 
-    async def all_reduce(self, tensor: torch.Tensor, weight: float, round_no: int) -> Outcome:
+    async def all_reduce(self, tensor: torch.Tensor, weight: float, round_no: int, *, restore: bool = True) -> Outcome:
         """Average `tensor` (in place) with the group's; see the module docstring for the contract.
 
         Nothing else may read or write the tensor until this returns: result chunks land in it while
         the round runs. Raises ValueError for a tensor, weight or round number this engine cannot
-        take; network trouble never raises: it shows in the Outcome."""
+        take; network trouble never raises: it shows in the Outcome.
+
+        restore=False is for a caller that holds the tensor's old value elsewhere (the trainer: the
+        model it gathered the vector from): the engine then keeps no copy of the other members'
+        shards, and after an ABORT their chunks may hold results of this round (this member's own
+        shard is still put back). The caller must restore the tensor itself after anything but
+        COMPLETED. The loss-tolerant engine ignores it: a PARTIAL round needs every old value."""
         self._check_call(tensor, weight, round_no)
         began, loop = time.perf_counter(), asyncio.get_running_loop()
-        self._busy, st, decision = True, self.inbox.open(round_no, tensor.view(-1)), Decision.ABORT
+        st = self.inbox.open(round_no, tensor.view(-1), restore or self.always_restore)
+        self._busy, decision = True, Decision.ABORT
         self.reducer.begin(st, tensor.view(-1).numpy(), float(weight))
         try:
             decision, reason, digest = await self._run(st, tensor.view(-1), float(weight), loop.time())

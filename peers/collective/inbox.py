@@ -6,7 +6,10 @@ every round):
 * the caller's tensor `x`: owners' RESULT chunks land straight in it, and this member reduces its
   own shard in place, so COMPLETE costs nothing;
 * `backup`: each chunk of `x` is copied here just before it is first overwritten (one chunk at a
-  time, while it is in cache), and copied back if the round aborts;
+  time), and copied back if the round aborts. A round opened with `restore=False` backs up only
+  this member's own shard (its own contribution, read again while reducing): the caller holds the
+  tensor's old value elsewhere and puts it back itself, which saves copying the other
+  (size - 1) / size of the tensor every round;
 * `inbox[k]`: member k's contribution to this member's shard.
 
 Shards travel in chunks on a fixed grid (`AllReduceSettings.chunk_elements`), in order on each
@@ -119,13 +122,14 @@ class Inbox:
         self.fold: Callable[[RoundState, int, int], None] | None = None  # called as contributions arrive
         self._done: Callable[[], bool] | None = None  # what the round waits for
         self._ready: asyncio.Future | None = None
+        self.keep_results = True  # back up chunks of other shards before results overwrite them
 
-    def open(self, number: int, x: torch.Tensor) -> RoundState:
+    def open(self, number: int, x: torch.Tensor, restore: bool = True) -> RoundState:
         self._discard(lambda n: n != number)  # e.g. parked for a round the caller skipped: not into backup
         nxt = self.next
         st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
         self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
-        self.x, self._x_bytes = x.numpy(), as_bytes(x)
+        self.x, self._x_bytes, self.keep_results = x.numpy(), as_bytes(x), restore
         for j, parked in enumerate(st.parked):
             for c in bits(parked & st.result_have[j]):
                 self._unpark(st, j, c)
@@ -164,14 +168,16 @@ class Inbox:
             self._ready.set_result(None)
 
     def back_up(self, st: RoundState, j: int, c: int) -> None:
-        """Save chunk c of shard j of x before it is overwritten (once per round)."""
-        if not st.backed[j] >> c & 1:
+        """Save chunk c of shard j of x before it is overwritten (once per round; another member's
+        shard only if the round restores it)."""
+        if not st.backed[j] >> c & 1 and (self.keep_results or j == self.group.me):
             start, end = self.chunks[j][c]
             np.copyto(self.backup_np[start:end], self.x[start:end])
             st.backed[j] |= 1 << c
 
     def restore(self, st: RoundState) -> None:
-        """Put back every chunk of x this round overwrote: x is as it was before the round."""
+        """Put back every chunk of x this round backed up: with `keep_results`, x is as it was
+        before the round; without, other shards' chunks may hold the round's results."""
         for j, backed in enumerate(st.backed):
             for c in bits(backed):
                 start, end = self.chunks[j][c]

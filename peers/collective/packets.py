@@ -84,7 +84,8 @@ class LossyInbox(Inbox):
         self.want = [b - a for a, b in zip(first, first[1:])]  # packets per chunk of my shard
         self._pending: tuple[PacketRound, int, int] | None = None  # (round, chunk, packet) between the two calls
 
-    def open(self, number: int, x: torch.Tensor) -> PacketRound:
+    def open(self, number: int, x: torch.Tensor, restore: bool = True) -> PacketRound:
+        """As Inbox.open; `restore` is always true here (LossyAllReduce.always_restore)."""
         nxt = self.next
         st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
         self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
