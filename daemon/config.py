@@ -20,6 +20,9 @@ from peers.runs import MAX_RECORD_TTL, InvalidRunId, validate_run_id
 MAX_PEER_TTL = MAX_RECORD_TTL / 2
 
 
+UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108, with the final NUL)
+
+
 class ConfigError(ValueError):
     """A setting is unusable; the message names it and is meant to be printed as one line."""
 
@@ -169,6 +172,12 @@ class DaemonConfig:
             raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
         self.log_level = self.log_level.upper()
         _check_positive("drain_timeout", self.drain_timeout)
+        control = self.control_address
+        if control.startswith("unix:") and len(os.fsencode(control[len("unix:") :])) > UNIX_PATH_MAX:
+            raise ConfigError(
+                f"control: the socket path {control[len('unix:'):]!r} is longer than the {UNIX_PATH_MAX} bytes a "
+                "unix socket allows; pass a shorter --control unix:PATH (or a shorter --data-dir)"
+            )
         if self.network.request_timeout > self.discovery.peer_ttl / 2:
             # Seen in the lab: one frozen DHT node held every refresh past the TTL, and live peers
             # dropped each other, not only the frozen one (docs/lab.md).

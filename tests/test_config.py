@@ -91,7 +91,7 @@ def test_malformed_control_address(address):
         load_config({"control.address": address}, environ={})
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "directory", "control"])
+@pytest.mark.parametrize("case", ["missing", "empty", "directory", "control", "long-socket"])
 def test_cli_bad_secret_file_or_control_address_is_one_line_and_exit_2(case, tmp_path):
     """Checked before anything starts: the data dir is not even created."""
     secret = tmp_path / "run.secret"
@@ -99,11 +99,15 @@ def test_cli_bad_secret_file_or_control_address_is_one_line_and_exit_2(case, tmp
         secret.write_text("")
     elif case == "directory":
         secret.mkdir()
-    bad = ["--control", "localhost"] if case == "control" else ["--run-secret-file", str(secret)]
+    bad = ["--run-secret-file", str(secret)]
+    if case == "control":
+        bad = ["--control", "localhost"]
+    elif case == "long-socket":  # a unix socket path longer than sun_path: bind() would fail after p2pd started
+        bad = ["--control", f"unix:{tmp_path / ('s' * 120)}"]
     r = peerd("start", "--data-dir", str(tmp_path / "d"), "--port", "0", "--metrics-port", "0", *bad)
     assert r.returncode == 2, r
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert ("control" if case == "control" else str(secret)) in r.stderr, r.stderr
+    assert ("control" if case in ("control", "long-socket") else str(secret)) in r.stderr, r.stderr
     assert not (tmp_path / "d").exists()
 
 
