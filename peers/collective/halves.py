@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -218,6 +219,8 @@ class Halves:
             unreachable = await open_links(self.transport, self.group.addresses, self.links, s.connect_timeout)
             if unreachable:
                 return self._break(f"members {unreachable} cannot be reached")
+            for k, link in self.links.items():
+                link.on_close(functools.partial(self._on_link_closed, k, link))
         closed = [k for k, link in self.links.items() if link.closed]
         if closed:
             return self._break(f"the connections to members {closed} closed")
@@ -437,6 +440,14 @@ class Halves:
         self._lost.add(k)
         if self._waiting_for().get(k):
             self._break(f"the connection of member {k} closed")
+
+    def _on_link_closed(self, k: int, link: Link) -> None:
+        """The link this member dialed to k closed (k closed it, or it broke): as on_lost, k is gone."""
+        if self.links.get(k) is not link:
+            return
+        self._lost.add(k)
+        if self._waiting_for().get(k):
+            self._break(f"the connection to member {k} closed")
 
     def _refuse(self, reason: str) -> Action:
         self.events.rejected(reason)

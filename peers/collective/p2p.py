@@ -118,6 +118,9 @@ class _StreamLink(Link):
     def __init__(self, owner: P2PTransport, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.owner, self.reader, self.writer = owner, reader, writer
         self._closed = False
+        # Nothing comes back on a stream we opened: reading it only finds out when the peer (or
+        # p2pd) closes it, so that on_close fires then, as it does on TCP.
+        self._watch = asyncio.get_running_loop().create_task(self._watch_peer())
 
     def send(self, header: Header, payload: memoryview | None = None) -> int:
         if self._closed or self.writer.is_closing():
@@ -136,6 +139,14 @@ class _StreamLink(Link):
         except ConnectionError:
             self.close()
 
+    async def _watch_peer(self) -> None:
+        try:
+            if await self.reader.read(1):
+                self.owner.events.rejected("wire_unexpected_data")  # a peer that talks back is not one of ours
+        except (ConnectionError, OSError):
+            pass
+        self.close()
+
     @property
     def closed(self) -> bool:
         return self._closed or self.writer.is_closing()
@@ -145,6 +156,9 @@ class _StreamLink(Link):
             self._closed = True
             self.owner._links.discard(self)
             self.writer.transport.abort()
+            if self._watch is not asyncio.current_task():
+                self._watch.cancel()
+            self._notify_closed()
 
 
 class _InboundStream:

@@ -158,6 +158,7 @@ class _Outbound(asyncio.Protocol, Link):
         self._closed = True
         self.owner._outbound.discard(self)
         self.resume_writing()
+        self._notify_closed()
 
     @property
     def closed(self) -> bool:
@@ -167,6 +168,7 @@ class _Outbound(asyncio.Protocol, Link):
         if not self._closed:
             self._closed = True
             self.transport.abort()
+            self._notify_closed()
 
 
 _HEADER, _PAYLOAD, _SKIP, _HELLO = range(4)

@@ -47,7 +47,32 @@ class Sink(Protocol):
 
 
 class Link(abc.ABC):
-    """An outgoing connection to one member. Sends never block: they queue; drain() waits."""
+    """An outgoing connection to one member. Sends never block: they queue; drain() waits.
+
+    A dialed link only writes, so its owner would learn that it closed only by asking (`closed`);
+    `on_close` tells it instead. Implementations call `_notify_closed()` once they are closed, for
+    any reason: the peer closed or reset it, a send failed, or `close()` was called."""
+
+    _close_callbacks: list[Callable[[], None]] | None = None
+    _close_notified = False
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call callback() (on the event loop) once, when this link closes; at once if it already is."""
+        if self._close_notified or self.closed:
+            callback()
+            return
+        if self._close_callbacks is None:
+            self._close_callbacks = []
+        self._close_callbacks.append(callback)
+
+    def _notify_closed(self) -> None:
+        """Run the on_close callbacks, once. Implementations call it on the event loop when they close."""
+        if self._close_notified:
+            return
+        self._close_notified = True
+        callbacks, self._close_callbacks = self._close_callbacks or [], None
+        for callback in callbacks:
+            callback()
 
     @abc.abstractmethod
     def send(self, header: Header, payload: memoryview | None = None) -> int:
@@ -123,6 +148,9 @@ class WrappedLink(Link):
 
     def close(self) -> None:
         self.inner.close()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self.inner.on_close(callback)  # the wrapped link is the one that closes
 
 
 class _FilteredLink(WrappedLink):

@@ -243,6 +243,9 @@ class DatagramLink(Link):
         self._wake()
         self.control.close()
 
+    def on_close(self, callback) -> None:
+        self.control.on_close(callback)  # close() closes the control link, and `closed` follows it
+
 
 class StreamPacketLink(WrappedLink):
     """A link of the UDP transport whose data goes over the member's reliable link instead (its UDP
