@@ -1,11 +1,10 @@
-"""Dialed TCP links (peers/collective/tcp.py `_Outbound`): close notification, order, and a writer
-that never outlives its link or transport, even when the peer stops reading."""
+"""Dialed TCP links (peers/collective/tcp.py `_Outbound`): close notification (Link.on_close, which
+the DeAR engine relies on to fail an op at once when a member it waits for goes), and order."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 
 import uvloop
@@ -15,10 +14,6 @@ from peers.collective.transport import FilteredTransport
 from peers.collective.wire import Header, Kind, run_tag
 
 TAG = run_tag("tcp-links-test")
-
-
-def _writers() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("peerd-tcp-writer")]
 
 
 class Collect:
@@ -81,7 +76,6 @@ def test_on_close_fires_once_on_peer_close_and_on_local_close():
         assert sorted(fired) == ["a", "b", "c", "late"]
 
     uvloop.run(main())
-    assert not _writers()
 
 
 def test_many_messages_of_many_sizes_arrive_in_order():
@@ -105,4 +99,3 @@ def test_many_messages_of_many_sizes_arrive_in_order():
         await receiver.close()
 
     uvloop.run(main())
-    assert not _writers()
