@@ -212,6 +212,24 @@ def test_weighted_mean_is_exact_and_buffers_are_reused(n, numel, chunk):
     uvloop.run(main())
 
 
+@pytest.mark.parametrize("ws", [(0.0, 1.0, 2.0), (1.0, 0.0, 0.0), (1e-3, 1e3, 7.0), (5.0, 5.0, 5.0)])
+def test_weighted_mean_with_zero_and_far_apart_weights(ws):
+    """An owner's accumulator counts in units of its own weight (reduction.py): a zero own weight,
+    or weights six orders of magnitude apart, still give the weighted mean."""
+    n, numel, chunk = 3, 5000, 700
+
+    async def main():
+        engines, transports = await start_group(n, numel, settings=dataclasses.replace(FAST, chunk_elements=chunk))
+        xs = [torch.randn(numel) for _ in range(n)]
+        expect = weighted_mean(xs, ws)
+        outcomes = await asyncio.gather(*(e.all_reduce(x, w, 1) for e, x, w in zip(engines, xs, ws)))
+        assert [o.status for o in outcomes] == [Status.COMPLETED] * n, [o.reason for o in outcomes]
+        assert all(close(x, expect) for x in xs)
+        await stop_group(engines, transports)
+
+    uvloop.run(main())
+
+
 def test_engines_built_per_round_reuse_pooled_buffers():
     """The daemon builds an engine per round; a BufferPool lends each the previous one's receive
     buffers (stale contents and all) and the results stay exact. Member indices change between

@@ -105,7 +105,7 @@ class GroupAllReduce:
         began, loop = time.perf_counter(), asyncio.get_running_loop()
         st = self.inbox.open(round_no, tensor.view(-1), restore or self.always_restore)
         self._busy, decision = True, Decision.ABORT
-        self.reducer.begin(st, tensor.view(-1).numpy(), float(weight))
+        self.reducer.begin(st, tensor.view(-1), float(weight))
         try:
             decision, reason, digest = await self._run(st, tensor.view(-1), float(weight), loop.time())
         finally:

@@ -174,8 +174,9 @@ class PacketReducer:
         self.x: np.ndarray | None = None
         self.weight = 0.0
 
-    def begin(self, st: PacketRound, x: np.ndarray, weight: float) -> None:
-        self.x, self.weight = x, weight
+    def begin(self, st: PacketRound, x: torch.Tensor, weight: float) -> None:
+        """Start a round on the flat tensor x."""
+        self.x, self.weight = x.numpy(), weight
 
     def end(self) -> None:
         self.x = None

@@ -1,10 +1,12 @@
 """Reducing this member's own shard, chunk by chunk, in place in the caller's tensor.
 
 Chunk c ends as sum_k(w_k v_k) / sum_k(w_k) over the contributions v_k that reached it in time,
-this member's own included (read from the backup: the chunk of x is the accumulator). Each
-contribution is folded in (`fold`) as soon as it has arrived, while the kernel's copy of it is
-still in cache; `finish` scales the chunk once all are in or the contribute deadline passed, and
-checks it once. Only if that check fails (rare) is every part checked on its own: those with NaN
+this member's own included. The chunk of x is the accumulator, and it starts as this member's own
+values unscaled: it holds own + sum_k (w_k / s) v_k with s = this member's weight (1 if that is 0,
+and then the chunk starts at zero), so the own part costs no pass of its own (its old value is
+copied to the backup first). Each contribution is folded in (`fold`) as soon as it has arrived,
+while the kernel's copy of it is still in cache; `finish` scales the chunk by s / sum_k(w_k) once
+all are in or the contribute deadline passed, and checks it once. Only if that check fails (rare) is every part checked on its own: those with NaN
 or Inf are refused ("contribution_nonfinite"), left out of that chunk only, and the chunk is
 summed again from the parts, which are all still in their buffers.
 
@@ -37,25 +39,31 @@ class ShardReducer:
         self.inbox, self.me, self.events = inbox, me, events
         self.base = inbox.bounds[me][0]
         self.x: np.ndarray | None = None
+        self.xt: torch.Tensor | None = None  # the same memory as x
         self.weight = 0.0
+        self.scale = 1.0  # the accumulator's unit (see the module docstring)
 
-    def begin(self, st: RoundState, x: np.ndarray, weight: float) -> None:
-        """Start a round: fold in what arrived before it opened."""
-        self.x, self.weight = x, weight
+    def begin(self, st: RoundState, x: torch.Tensor, weight: float) -> None:
+        """Start a round on the flat tensor x: fold in what arrived before it opened."""
+        self.xt, self.x, self.weight = x, x.numpy(), weight
+        self.scale = weight if weight > 0 else 1.0
         for k in self.inbox.inbox:
             for c in bits(st.contrib_have[k]):
                 self.fold(st, k, c)
 
     def end(self) -> None:
-        self.x = None
+        self.x = self.xt = None
 
     def fold(self, st: RoundState, k: int, c: int) -> None:
         """Add member k's chunk c to the accumulator (checked later, in finish)."""
-        out, v = torch.from_numpy(self._started(st, c)), torch.from_numpy(self._part(k, c))
-        step = len(v) if torch.get_num_threads() == 1 else TORCH_GRAIN
-        for a in range(0, len(v), step):
+        start, end = self.inbox.chunks[self.me][c]
+        self._started(st, c)
+        out, v = self.xt[start:end], self.inbox.inbox[k][start - self.base : end - self.base]
+        alpha, n = st.weights[k] / self.scale, end - start
+        step = n if torch.get_num_threads() == 1 else TORCH_GRAIN
+        for a in range(0, n, step):
             block = out[a : a + step]
-            torch.add(block, v[a : a + step], alpha=st.weights[k], out=block)
+            torch.add(block, v[a : a + step], alpha=alpha, out=block)
         st.acc_mask[c] |= 1 << k
         st.acc_weight[c] += st.weights[k]
 
@@ -66,7 +74,7 @@ class ShardReducer:
         out = self._started(st, c)
         st.reduced += 1
         if st.acc_weight[c] > 0:
-            np.multiply(out, np.float32(1.0 / st.acc_weight[c]), out=out)
+            np.multiply(out, np.float32(self.scale / st.acc_weight[c]), out=out)
         if not (st.acc_weight[c] > 0 and all_finite(out)):
             self._recompute(st, c, out)
         mask, total = st.acc_mask[c], st.acc_weight[c]
@@ -101,13 +109,15 @@ class ShardReducer:
         return self.inbox.inbox_np[k][start - self.base : end - self.base]
 
     def _started(self, st: RoundState, c: int) -> np.ndarray:
-        """Chunk c of x as an accumulator, holding this member's own weighted contribution."""
+        """Chunk c of x as an accumulator, holding this member's own contribution (in units of
+        self.scale: as it is, or zero if its weight is 0)."""
         start, end = self.inbox.chunks[self.me][c]
         out = self.x[start:end]
         if not st.acc_started >> c & 1:
             st.acc_started |= 1 << c
             self.inbox.back_up(st, self.me, c)
-            np.multiply(self._part(self.me, c), np.float32(self.weight), out=out)
+            if self.weight == 0:
+                out.fill(0.0)
             st.acc_mask[c], st.acc_weight[c] = 1 << self.me, self.weight
         return out
 
