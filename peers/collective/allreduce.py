@@ -56,7 +56,7 @@ import torch
 
 from peers.collective.decision import Decision, Verdict, decide, result_digest
 from peers.collective.group import AllReduceSettings, Group
-from peers.collective.inbox import Inbox, InboxBuffers, as_bytes
+from peers.collective.inbox import Inbox, InboxBuffers
 from peers.collective.outcome import Outcome, Status
 from peers.collective.reduction import ShardReducer
 from peers.collective.rounds import Phase, RoundState
@@ -136,7 +136,7 @@ class GroupAllReduce:
     async def _run(self, st: RoundState, x: torch.Tensor, weight: float, t0: float) -> tuple[Decision, str, bytes]:
         s, me, inbox = self.settings, self.group.me, self.inbox
         await self._connect(st)
-        xb = as_bytes(x)
+        xb = self.inbox.x_bytes
         for j, link in self._live_links():
             base = inbox.bounds[j][0]
             for start, end in inbox.chunks[j][st.result_next[j] :]:  # owner j already reduced the others
@@ -184,7 +184,7 @@ class GroupAllReduce:
             Kind.RESULT, st, shard=me, offset=start - self.inbox.bounds[me][0], count=end - start,
             weight=st.result_weight[me][c], mask=st.result_mask[me][c],
         )  # fmt: skip
-        payload = as_bytes(x)[start * 4 : end * 4]
+        payload = self.inbox.x_bytes[start * 4 : end * 4]
         for _, link in self._live_links():
             st.bytes_sent += link.send(h, payload)
 

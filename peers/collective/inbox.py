@@ -110,7 +110,7 @@ class Inbox:
         self.inbox_np = {k: t.numpy() for k, t in self.inbox.items()}
         self._swap = self.buffers.swap
         self.x: np.ndarray | None = None  # the caller's tensor, while a round runs
-        self._x_bytes: memoryview | None = None
+        self.x_bytes: memoryview | None = None  # x's bytes, while a round runs
         self._inbox_bytes = {k: as_bytes(t) for k, t in self.inbox.items()}
         self._verdict_bytes = {k: memoryview(bytearray(DIGEST_SIZE)) for k in self.inbox}
         self.phase = Phase.IDLE
@@ -129,7 +129,7 @@ class Inbox:
         nxt = self.next
         st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
         self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
-        self.x, self._x_bytes, self.keep_results = x.numpy(), as_bytes(x), restore
+        self.x, self.x_bytes, self.keep_results = x.numpy(), as_bytes(x), restore
         for j, parked in enumerate(st.parked):
             for c in bits(parked & st.result_have[j]):
                 self._unpark(st, j, c)
@@ -138,7 +138,7 @@ class Inbox:
     def close(self) -> None:
         """End the round: payloads of it still arriving are thrown away, not written into x or backup."""
         self._discard(lambda n: n == self.round)
-        self.current, self.phase, self.x, self._x_bytes = None, Phase.IDLE, None, None
+        self.current, self.phase, self.x, self.x_bytes = None, Phase.IDLE, None, None
 
     def _discard(self, which: Callable[[int], bool]) -> None:
         for link, number in list(self._filling.items()):
@@ -328,7 +328,7 @@ class Inbox:
             st.parked[j] |= 1 << c
             return self._backup_bytes[start * 4 : end * 4]
         self.back_up(st, j, c)
-        return self._x_bytes[start * 4 : end * 4]
+        return self.x_bytes[start * 4 : end * 4]
 
     def _off_grid(self, shard: int, c: int, h: Header) -> str | None:
         """Why chunk c of shard cannot be what h announces, or None if it can."""

@@ -89,11 +89,11 @@ class LossyInbox(Inbox):
         nxt = self.next
         st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
         self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
-        self.x, self._x_bytes = x.numpy(), as_bytes(x)
+        self.x, self.x_bytes = x.numpy(), as_bytes(x)
         return st
 
     def close(self) -> None:
-        self.current, self.phase, self.x, self._x_bytes = None, Phase.IDLE, None, None
+        self.current, self.phase, self.x, self.x_bytes = None, Phase.IDLE, None, None
 
     def _new_state(self, number: int) -> PacketRound:
         return PacketRound.new(number, self.grid, self.group.me)
@@ -206,7 +206,7 @@ class LossyInbox(Inbox):
         self.back_up(st, j, c)
         self._pending = (st, c, p)
         start = self.bounds[j][0] + h.offset
-        return self._x_bytes[start * 4 : (start + h.count) * 4]
+        return self.x_bytes[start * 4 : (start + h.count) * 4]
 
     def _drop(self, reason: str) -> Action:
         self.events.packet_rejected(reason)
