@@ -65,7 +65,12 @@ def _worker(system: str, rank: int, n: int, numel: int, rounds: int, conn, barri
 
     torch.set_num_threads(1)  # N processes share 2 cores; the same for every system (peerd computes in numpy)
     try:
-        report = {"duel": _duel, "hivemind": _hivemind}[system](rank, n, numel, rounds, conn, barrier, scratch, chunk)
+        if system.startswith("costs:"):  # bench.engine_costs: two peerd engines, a part switched off in one
+            from bench.engine_costs import pair
+
+            report = pair(system.split(":", 1)[1], rank, n, numel, rounds, conn, barrier, scratch, chunk)
+        else:
+            report = {"duel": _duel, "hivemind": _hivemind}[system](rank, n, numel, rounds, conn, barrier, scratch, chunk)
         conn.send(("done", report))
     except Exception as e:  # report, do not hang the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))

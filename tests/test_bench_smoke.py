@@ -1,5 +1,6 @@
-"""Smoke tests of benchmarks (bench.daemon_costs, bench.dear): each runs to the end and prints the
-promised JSON lines, the last one its headline.
+"""Smoke tests of benchmarks (bench.daemon_costs, bench.dear, bench.engine_allreduce,
+bench.engine_costs): each runs to the end and prints the promised JSON lines, the last one its
+headline.
 
 No figure is asserted: timings on a shared CI machine say nothing, and docs/benchmarks.md holds the
 measured ones.
@@ -55,3 +56,20 @@ def test_dear_quick_prints_json_lines_with_the_headline_last(backend):
     assert records and all(REQUIRED <= r.keys() for r in records), records
     assert records[-1]["bench"] == "dear" and records[-1]["metric"] == "steps_per_second_vs_ddp25", records[-1]
     assert records[-1].get("backend", "gloo") == backend, records[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, headline",
+    [
+        (["bench.engine_allreduce", "--quick", "--skip-hivemind"], "bus_bandwidth_vs_gloo"),
+        (["bench.engine_costs", "--quick", "--parts", "digest_sums,bare,contract"], "bus_bandwidth_with_contract"),
+    ],
+)
+def test_engine_benchmarks_quick_print_json_lines_with_the_headline_last(argv, headline):
+    """bench.engine_allreduce and bench.engine_costs --quick: 4 processes, 4 MiB, a few rounds; every
+    peerd round completed with agreeing digests (both exit 1 otherwise)."""
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert records and all(REQUIRED <= r.keys() for r in records), records
+    assert records[-1]["bench"] == argv[0].split(".")[1] and records[-1]["metric"] == headline, records[-1]
