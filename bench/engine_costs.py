@@ -9,6 +9,7 @@ contract switched off by patching it out around B's rounds only. Rounds of A and
 (which goes first alternates too) after a barrier, so both see the same machine at the same
 moment; a round's time is its slowest process's, the figure the median after warm-up. Parts:
 
+* none: nothing is switched off (A/A): how far from 1.0 the method itself lands;
 * digest_sums: the wrapping 64-bit sum of every chunk, as received or reduced, that goes into the
   digest members compare (decision.sum64);
 * own_backup: the copy of this member's own shard before it becomes the accumulator (what an
@@ -37,7 +38,7 @@ from bench.common import emit, progress, result
 from bench.engine_allreduce import BARRIER_TIMEOUT, ROUND_LIMIT, SETUP_TIMEOUT, Cluster, _data, summarize
 
 BENCH = "engine_costs"
-PARTS = ("digest_sums", "own_backup", "nonfinite_check", "contract", "bare")
+PARTS = ("none", "digest_sums", "own_backup", "nonfinite_check", "contract", "bare")
 
 
 @contextlib.contextmanager
@@ -45,7 +46,7 @@ def switched_off(part: str):
     """Patch the engine so that `part` does nothing, for the duration of one B round."""
     from peers.collective import inbox, reduction
 
-    parts = {"contract": ("digest_sums", "own_backup", "nonfinite_check"),
+    parts = {"none": (), "contract": ("digest_sums", "own_backup", "nonfinite_check"),
              "bare": ("digest_sums", "own_backup", "nonfinite_check", "arithmetic")}.get(part, (part,))  # fmt: skip
     saved = (inbox.sum64, reduction.sum64, inbox.Inbox.back_up, reduction.all_finite, reduction.ShardReducer.fold,
              reduction.ShardReducer.finish)  # fmt: skip
@@ -166,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             cores=os.cpu_count(), load_1min_at_start=round(load, 2), part=part, a_round_s=round(a["time"], 4),
             b_round_s=round(b["time"], 4), a_cpu_s_per_round=round(a["cpu"], 4), b_cpu_s_per_round=round(b["cpu"], 4),
             cost=round(1 - a["busbw"] / b["busbw"], 3), a_outcomes_agree=agree,
-            note=f"ours = the engine as shipped, baseline = the same engine without {part}, in alternating rounds "
-            "in the same processes; cost = 1 - ratio",
+            note=f"ours = the engine as shipped, baseline = {'the same engine again (A/A)' if part == 'none' else 'the same engine without ' + part}, "
+            "in alternating rounds in the same processes; cost = 1 - ratio",
         ))  # fmt: skip
     return 0 if ok else 1
 
