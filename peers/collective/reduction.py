@@ -6,9 +6,10 @@ values unscaled: it holds own + sum_k (w_k / s) v_k with s = this member's weigh
 and then the chunk starts at zero), so the own part costs no pass of its own (its old value is
 copied to the backup first). Each contribution is folded in (`fold`) as soon as it has arrived,
 while the kernel's copy of it is still in cache; `finish` scales the chunk by s / sum_k(w_k) once
-all are in or the contribute deadline passed, and checks it once. Only if that check fails (rare) is every part checked on its own: those with NaN
-or Inf are refused ("contribution_nonfinite"), left out of that chunk only, and the chunk is
-summed again from the parts, which are all still in their buffers.
+all are in or the contribute deadline passed, and checks it once. Only if that check fails (rare)
+is every part checked on its own: those with NaN or Inf are refused ("contribution_nonfinite"),
+left out of that chunk only, and the chunk is summed again from the parts, which are all still in
+their buffers.
 
 The arithmetic runs on one thread, on purpose: torch would spread each chunk over its intra-op
 threads, and with several processes (or a trainer) on few cores those threads spin and multiply the
