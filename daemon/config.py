@@ -172,10 +172,10 @@ class DaemonConfig:
             raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
         self.log_level = self.log_level.upper()
         _check_positive("drain_timeout", self.drain_timeout)
-        control = self.control_address
-        if control.startswith("unix:") and len(os.fsencode(control[len("unix:") :])) > UNIX_PATH_MAX:
+        socket_path = self.control_address.removeprefix("unix:")
+        if socket_path != self.control_address and len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
             raise ConfigError(
-                f"control: the socket path {control[len('unix:'):]!r} is longer than the {UNIX_PATH_MAX} bytes a "
+                f"control: the socket path {socket_path!r} is longer than the {UNIX_PATH_MAX} bytes a "
                 "unix socket allows; pass a shorter --control unix:PATH (or a shorter --data-dir)"
             )
         if self.network.request_timeout > self.discovery.peer_ttl / 2:

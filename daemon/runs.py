@@ -93,7 +93,7 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
             # The engine restores the vector (or its own shard) when cancelled; wait for that before
             # the thread reuses it.
             concurrent.futures.wait([future], timeout=CANCEL_GRACE)
-            return [RoundResult(round_t, 1, None, "round timed out or was cancelled")]
+            return [RoundResult(round_t, 1, None, "round timed out or was cancelled", interrupted=True)]
         finally:
             handle.round_future = None
 

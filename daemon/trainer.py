@@ -103,6 +103,17 @@ def gather(tensors: list[torch.Tensor], flat: torch.Tensor, start: int = 0, end:
         offset += t.numel()
 
 
+def lanes_to_put_back(results: list, lanes: int) -> list[int]:
+    """The lanes a round run with restore=False may have left partly written: those whose result
+    ran the engine without applying its outcome, was interrupted, or is missing (an interrupted
+    round answers once for every lane). A lane alone or without a group was not touched."""
+    by_lane = {r.lane: r for r in results}
+    return [
+        lane for lane in range(lanes)
+        if (r := by_lane.get(lane)) is None or (not r.applied and (r.outcome is not None or r.interrupted))
+    ]  # fmt: skip
+
+
 def scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     offset = 0
     with torch.no_grad():
@@ -416,12 +427,12 @@ class Trainer:
             results, gathered, broke = done.results, done.gathered, done.error
         else:
             # restore=False: the engine keeps no backup of the vector (a copy of it per round); a
-            # lane that applied no result is copied again from the model, which holds its old value.
+            # lane it may have left partly written is copied again from the model, which holds its
+            # old value.
             results = self.average(self._flat, weight, round_t, None, restore=False)
-            applied_lanes = {r.lane for r in results if r.applied}
-            for lane, (start, end) in enumerate(lane_bounds(self._flat.numel(), self.lanes)):
-                if lane not in applied_lanes:
-                    gather(self._tensors, self._flat, start, end)
+            bounds = lane_bounds(self._flat.numel(), self.lanes)
+            for lane in lanes_to_put_back(results, self.lanes):
+                gather(self._tensors, self._flat, *bounds[lane])
         applied = gathered or any(getattr(r, "applied", False) for r in results)
         previous = self.last_round
         # Status shows the round of this daemon's first lane (or that its group averaged them all).

@@ -75,6 +75,9 @@ class RoundResult:
     stragglers: int = 0  # group mates the rendezvous gave up on (still behind it)
     lane: int = 0  # the slice of the state vector this round averaged (peers/dear/hierarchy.py)
     delegated: bool = False  # not a round: every lane of this daemon was averaged by its local group's other members
+    # The round stopped without an outcome (an error, a timeout, a cancel) and may have written into
+    # its lane; a result with no outcome and not interrupted (alone, no group) left the lane as it was.
+    interrupted: bool = False
 
     @property
     def completed(self) -> bool:
@@ -186,7 +189,8 @@ class MoshpitAverager:
                 return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore)
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
-                return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane)
+                return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane,
+                                   interrupted=True)  # fmt: skip
 
         results = list(await asyncio.gather(*(one(lane) for lane in mine)))
         # The rendezvous served every lane: its wait is counted once, with the first.

@@ -135,6 +135,30 @@ def test_a_dead_member_fails_the_others_at_once():
     uvloop.run(main())
 
 
+def test_a_member_that_dies_before_sending_anything_fails_the_op_at_once():
+    """Member 1 never issues an op, so nothing arrives from it and only the link member 0 dialed to
+    it can tell that it went: that link's close (Link.on_close) fails member 0's op at once, not at
+    its timeout."""
+
+    async def main():
+        transports = [TcpTransport("127.0.0.1", 0) for _ in range(2)]
+        addresses = [await t.start() for t in transports]
+        settings = HalvesSettings(op_timeout=10.0, connect_timeout=TIMEOUT)
+        halves = [Halves(Group(RUN, ["m0", "m1"], addresses, i), t, settings=settings) for i, t in enumerate(transports)]
+        op = halves[0].reduce_scatter(integers(12, 0))
+        async with asyncio.timeout(5):
+            while halves[0].links[1] is None or not transports[1]._inbound:  # member 0 has dialed and sent
+                await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await transports[1].close()  # as when member 1's process dies
+        await op
+        assert "connection to member 1 closed" in op.error, op.error
+        assert time.monotonic() - t0 < 1.0
+        await stop_group(halves, transports)
+
+    uvloop.run(main())
+
+
 @pytest.mark.parametrize("fault", ["other_kind", "other_length", "nonfinite"])
 def test_members_issuing_different_ops_or_nonfinite_values_fail_at_once_and_are_counted(fault):
     async def main():

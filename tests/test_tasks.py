@@ -266,3 +266,26 @@ def test_the_trainer_gathers_all_of_the_state_vector_or_one_slice():
         assert (part[:start] == -1).all() and (part[end:] == -1).all(), (start, end)
     scatter(flat * 2, tensors)
     assert tensors[1].tolist() == [20, 22, 24, 26, 28, 30, 32] and float(tensors[2]) == 198
+
+
+def test_the_trainer_puts_back_only_lanes_a_round_may_have_written():
+    """After a round with restore=False, the trainer copies back from its model the lanes that ran
+    the engine without applying a result, were interrupted, or got no result; a lane alone or without
+    a group was not touched and costs no copy."""
+    from daemon.trainer import lanes_to_put_back
+    from peers.averaging import RoundResult
+    from peers.collective import Outcome, Status
+
+    def outcome(status):
+        return Outcome(status, "", 1, (), (), 0, 0, 0.0, b"")
+
+    results = [
+        RoundResult(5, 3, outcome(Status.COMPLETED), "", lane=0),
+        RoundResult(5, 3, outcome(Status.ABORTED), "", lane=1),
+        RoundResult(5, 1, None, "alone in the run", lane=2),
+        RoundResult(5, 1, None, "lane 3 failed: OSError", lane=3, interrupted=True),
+        RoundResult(5, 2, outcome(Status.PARTIAL), "", lane=4),
+    ]
+    assert lanes_to_put_back(results, 6) == [1, 3, 5]  # lane 5: no result at all
+    assert lanes_to_put_back([RoundResult(5, 1, None, "round timed out", interrupted=True)], 3) == [0, 1, 2]
+    assert lanes_to_put_back([RoundResult(5, 1, None, "no group: alone")], 1) == []

@@ -73,8 +73,6 @@ class GroupAllReduce:
     Rounds must be called one at a time, with increasing numbers (consecutive numbers let early
     messages be buffered)."""
 
-    always_restore = False  # True: back up the whole tensor even when the caller says restore=False
-
     def __init__(
         self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None, buffers: InboxBuffers | None = None,
@@ -103,7 +101,7 @@ class GroupAllReduce:
         COMPLETED. The loss-tolerant engine ignores it: a PARTIAL round needs every old value."""
         self._check_call(tensor, weight, round_no)
         began, loop = time.perf_counter(), asyncio.get_running_loop()
-        st = self.inbox.open(round_no, tensor.view(-1), restore or self.always_restore)
+        st = self.inbox.open(round_no, tensor.view(-1), restore)
         self._busy, decision = True, Decision.ABORT
         self.reducer.begin(st, tensor.view(-1), float(weight))
         try:

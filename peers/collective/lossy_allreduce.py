@@ -55,8 +55,6 @@ class LossyAllReduce(GroupAllReduce):
     """GroupAllReduce's API and lifecycle, with the loss-tolerant round. `transport` must cut
     messages into packets of `packet_elements` elements (UdpTransport does, and says how many)."""
 
-    always_restore = True  # a PARTIAL round keeps the old value of every chunk that did not arrive
-
     def __init__(
         self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None, packet_elements: int | None = None, buffers: InboxBuffers | None = None,

@@ -85,7 +85,8 @@ class LossyInbox(Inbox):
         self._pending: tuple[PacketRound, int, int] | None = None  # (round, chunk, packet) between the two calls
 
     def open(self, number: int, x: torch.Tensor, restore: bool = True) -> PacketRound:
-        """As Inbox.open; `restore` is always true here (LossyAllReduce.always_restore)."""
+        """As Inbox.open, but `restore` is ignored (keep_results stays true): a PARTIAL round keeps
+        the old value of every chunk that did not arrive, so every overwritten chunk is backed up."""
         nxt = self.next
         st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
         self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
