@@ -151,7 +151,7 @@ def convergence_part(args) -> list[dict]:
         scenario = parse({
             "name": f"lossy-convergence-{loss:g}", "duration": args.converge_seconds, "congestion_control": "reno",
             "run": {"id": "lossy", "task": "digits-mlp", "max_steps": args.steps,
-                    "settings": {"averaging.average_every": "10", "averaging.transport": "udp", "optimizer": "sgd", "lr": "0.05"},
+                    "settings": {"averaging.average_every": "10", "averaging.algorithm": "state", "averaging.transport": "udp", "optimizer": "sgd", "lr": "0.05"},
                     "args": ["--eval-every", str(args.steps), "--udp-rate", str(args.rate * PACE)]},
             "link": {"rate_mbit": args.rate},
             "host": [{"name": f"h{i}"} for i in range(args.hosts)],

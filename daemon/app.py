@@ -77,6 +77,9 @@ class RunSummary:
     dear_steps: int = 0  # steps this daemon took under DeAR in the run
     dear_overlap_ratio: float = math.nan  # communication hidden behind compute (docs/dear.md)
     wan_share: float = 1.0  # the fraction of the state vector this daemon averages over the WAN
+    compute_fraction: float = math.nan  # compute time over wall time since training began
+    round_wait_seconds: float = 0.0  # time compute waited for averaging rounds
+    algorithm: str = ""  # what rounds average: diloco or state ("" when not training)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,10 +363,11 @@ class Daemon:
                 lanes=manifest.averaging.lanes,
             )
 
-            async def run_round(vector, weight, round_t, lanes, restore):
+            async def run_round(vector, weight, round_t, lanes, restore, codec):
                 live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers()}
                 # The trainer thread waits for this round: its delegation cannot change meanwhile.
-                return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore)
+                return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore,
+                                              codec)
 
             loop = asyncio.get_running_loop()
             average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
@@ -511,6 +515,9 @@ class Daemon:
                     dear_steps=tr.dear_steps if tr else 0,
                     dear_overlap_ratio=tr.dear_overlap_ratio if tr else math.nan,
                     wan_share=tr.wan_share if tr else 1.0,
+                    compute_fraction=tr.compute_fraction if tr else math.nan,
+                    round_wait_seconds=tr.round_wait_seconds if tr else 0.0,
+                    algorithm=handle.manifest.averaging.algorithm if handle and handle.manifest else "",
                 )
             )
         return StatusSnapshot(

@@ -202,6 +202,9 @@ def _cmd_status(args) -> int:
                         "dear_steps": r.dear_steps,
                         "dear_overlap_ratio": None if math.isnan(r.dear_overlap_ratio) else r.dear_overlap_ratio,
                         "wan_share": r.wan_share,
+                        "algorithm": r.algorithm,
+                        "compute_fraction": None if math.isnan(r.compute_fraction) else r.compute_fraction,
+                        "round_wait_seconds": r.round_wait_seconds,
                     }
                     for r in s.runs
                 ],

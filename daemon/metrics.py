@@ -109,10 +109,19 @@ class _TrainingCollector(Collector):
         wan_share = GaugeMetricFamily(
             "peerd_wan_share", "Fraction of the run's state this daemon averages over the WAN (1 outside a local group).", labels=["run"]
         )
+        compute = GaugeMetricFamily(
+            "peerd_train_compute_fraction", "Forward, backward and optimizer time over wall time since training began.", labels=["run"]
+        )
+        waited = CounterMetricFamily(
+            "peerd_round_wait_seconds", "Seconds compute waited for averaging rounds in the run.", labels=["run"]
+        )
         for r in self.runs():
             if not r.task:
                 continue
             step.add_metric([r.run_id], r.step)
+            if not math.isnan(r.compute_fraction):
+                compute.add_metric([r.run_id], r.compute_fraction)
+            waited.add_metric([r.run_id], r.round_wait_seconds)
             local.add_metric([r.run_id], r.local_step)
             if not math.isnan(r.param_divergence):
                 divergence.add_metric([r.run_id], r.param_divergence)
@@ -129,7 +138,8 @@ class _TrainingCollector(Collector):
                 bucket_bytes.add_metric([r.run_id], r.dear_bucket_bytes)
                 if not math.isnan(r.dear_overlap_ratio):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
-        yield from (step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes)
+        yield from (step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes,
+                    compute, waited)
 
 
 def process_started() -> float:

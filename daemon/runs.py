@@ -76,15 +76,16 @@ class RunHandle:
 
 
 def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, timeout: float):
-    """A blocking `average(vector, weight, round_t, lanes, restore) -> [RoundResult]` for the trainer
-    thread: runs `run_round` (one round per lane; `lanes` None: every lane) on the event loop and
+    """A blocking `average(vector, weight, round_t, lanes, restore, codec) -> [RoundResult]` for the
+    trainer: runs `run_round` (one round per lane; `lanes` None: every lane; the vector travels in
+    `codec`'s format, peers/collective/codec.py) on the event loop and
     waits at most `timeout` (the run's round_timeout). Rounds that time out or are cancelled
     (leave, drain) are cancelled on the loop and leave the vector as it was if `restore`, else
     partly written (MoshpitAverager.average)."""
     from peers.averaging import RoundResult
 
-    def average(vector, weight: float, round_t: int, lanes=None, restore: bool = True) -> list[RoundResult]:
-        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore), loop)
+    def average(vector, weight: float, round_t: int, lanes=None, restore: bool = True, codec: str = "fp32") -> list[RoundResult]:
+        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore, codec), loop)
         handle.round_future = future
         try:
             return future.result(timeout)
@@ -173,11 +174,17 @@ def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSett
     if unknown:
         raise RunRefused(f"unknown averaging setting(s): {', '.join(unknown)} (known: {', '.join(fields)})")
     try:
-        cast = {"int": int, "float": float, "str": str}
+        cast = {"int": int, "float": float, "str": str, "bool": _boolean}
         typed = {k: cast[fields[k]](v) for k, v in averaging.items()}
         return hparams, AveragingSettings(**typed)
     except ValueError as e:
         raise RunRefused(f"averaging: {e}") from None
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"{text!r} is not true or false")
+    return text.lower() in ("true", "1")
 
 
 def _installed(name: str) -> Task:
@@ -286,7 +293,19 @@ def make_trainer(
         ready_timeout=train.min_peers_timeout,
         local_group=local_group,
         announce=announce,
+        outer=outer_settings(manifest.averaging),
+        inner_budget=manifest.averaging.inner_budget if manifest.averaging.algorithm == "diloco" else 0.0,
     )
+
+
+def outer_settings(a: AveragingSettings):
+    """The DiLoCo settings of a run, None when its rounds average the state."""
+    from daemon.diloco import OuterSettings
+
+    if a.algorithm != "diloco":
+        return None
+    return OuterSettings(lr=a.outer_lr, momentum=a.outer_momentum, codec=a.codec, overlap=a.overlap,
+                         repair_every=a.repair_every)
 
 
 async def republish(node: PeerNode, manifest: RunManifest, data: bytes, secret: RunSecret | None) -> None:

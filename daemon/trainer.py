@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from daemon.checkpoint import CheckpointStore
+from daemon.diloco import OuterLoop, OuterSettings
 from peers.dear.collective import CollectiveError
 from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
@@ -48,6 +49,7 @@ STOP_TIMEOUT = 30.0  # seconds to wait for the thread: one step, one evaluation 
 # restores its lane within runs.CANCEL_GRACE; the rest is skew between the members' reduce-scatters).
 HIERARCHY_SLACK = 15.0
 CATCH_UP_PATIENCE = 10.0  # seconds a trainer behind its peers keeps trying to download their state
+BUDGET_CHECK = 0.2  # seconds between two looks at the peers' steps for the straggler budget
 
 
 class TrainState(Enum):
@@ -174,7 +176,18 @@ class Trainer:
         ready_timeout: float = 0.0,
         local_group: LocalGroupMember | None = None,
         announce: Callable[[], object] | None = None,
+        outer: OuterSettings | None = None,
+        inner_budget: float = 0.0,
     ):
+        # DiLoCo (averaging.algorithm = diloco): rounds average pseudo-gradients and an outer
+        # optimizer applies them (daemon/diloco.py); None: rounds average the whole state.
+        self.outer_settings, self.inner_budget = outer, inner_budget
+        self._outer: OuterLoop | None = None
+        self.repair_every = outer.repair_every if outer is not None else 0
+        self._budget_checked, self._others_done = 0.0, math.nan
+        self.compute_seconds = 0.0  # forward, backward and optimizer time since training began
+        self.train_seconds = 0.0  # wall time since training began (TRAINING state)
+        self.round_wait_seconds = 0.0  # time compute waited for averaging rounds
         self.local_group = local_group
         self._dear: DeAR | None = None  # active while this daemon trains in a DeAR group
         self.dear_steps = 0  # steps taken under DeAR, over every group this trainer was in
@@ -233,6 +246,11 @@ class Trainer:
     def step(self) -> int:
         return self.global_step
 
+    @property
+    def compute_fraction(self) -> float:
+        """Compute time over wall time since training began; NaN before the first step."""
+        return self.compute_seconds / self.train_seconds if self.train_seconds > 0 else math.nan
+
     def start(self) -> None:
         self._thread.start()
 
@@ -256,13 +274,23 @@ class Trainer:
                 self.samples = checkpoint.state.get("samples", 0)
                 logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
             self._tensors, self._n_params = state_tensors(model, optimizer)
-            self._flat = torch.empty(sum(t.numel() for t in self._tensors), dtype=torch.float32)
+            if self.outer_settings is not None:  # rounds average the parameters' pseudo-gradient
+                self._outer = OuterLoop(self._tensors[: self._n_params], self.outer_settings, self._round_in, self.run_id)
+                if checkpoint is not None and self.global_step and "outer" in checkpoint.state:
+                    self._outer.adopt(checkpoint.state["outer"])
+                    self._outer.residual.copy_(checkpoint.state["residual"])
+            # What a round averages (state) or what a download lands in: the state vector, or [θ; m].
+            size = 2 * self._outer.n if self._outer is not None else sum(t.numel() for t in self._tensors)
+            self._flat = torch.empty(size, dtype=torch.float32)
             self._sketch_plan = SketchPlan.for_run(self.run_id, sum(t.numel() for t in self._tensors[: self._n_params]))
             self._train(model, optimizer)
         except Exception as e:  # a task bug must not take the daemon down; it is shown in status
             logger.exception("run %s: trainer failed", self.run_id)
             self.error = f"{type(e).__name__}: {e}"
             self.state = TrainState.FAILED
+        finally:
+            if self._outer is not None:
+                self._outer.close()
 
     def _train(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         data = self.task.data(self.hparams, self.peer_seed)
@@ -275,10 +303,13 @@ class Trainer:
         self._catch_up()  # a late joiner or a restart whose checkpoint is older than the run
         self.state = TrainState.TRAINING
         window_start, window_samples = time.monotonic(), 0
+        began = phase_began = time.monotonic()
         while not self._stop.is_set():
             if self.max_steps and self.global_step >= self.max_steps:
                 self.state = TrainState.FINISHED
                 break
+            step_began = time.monotonic()
+            self.train_seconds = step_began - began
             batch = next(data)
             model.train()
             if self._dear is not None:
@@ -296,6 +327,7 @@ class Trainer:
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+            self.compute_seconds += time.monotonic() - step_began
             self.global_step += 1
             self.local_step += 1
             self.samples += batch.samples
@@ -306,7 +338,13 @@ class Trainer:
             if elapsed >= 2.0:
                 self.samples_per_second = window_samples / elapsed
                 window_start, window_samples = time.monotonic(), 0
-            if self.average is not None and self.global_step % self.average_every == 0:
+            if self._outer is not None and self.average is not None:
+                if self._phase_over(phase_began):
+                    self._flush()
+                    if not self._catch_up():  # a round among peers far ahead would find nobody
+                        self._outer_round()
+                    phase_began = time.monotonic()
+            elif self.average is not None and self.global_step % self.average_every == 0:
                 self._flush()
                 if self._catch_up():  # a round among peers far ahead would find nobody
                     self._leave_group("state downloaded from peers")
@@ -314,7 +352,7 @@ class Trainer:
                     self._average_round(model, optimizer)
             if self.global_step % self.eval_every == 0:
                 self._flush()
-                self.eval = self.task.evaluate(model, self.hparams)
+                self._evaluate(model)
             if self.global_step % self.checkpoint_every == 0:
                 self._flush()
                 self._checkpoint(model, optimizer)
@@ -322,10 +360,23 @@ class Trainer:
             self.state = TrainState.STOPPED
         self._flush()
         self._leave_group("training ended", rearm=False)
+        if self._outer is not None:  # the round in flight lands; the model is left at θ
+            applied = self._outer.finish()
+            if applied is not None:
+                self._after_outer_round(applied)
         if self.eval is None or self.global_step % self.eval_every:
-            self.eval = self.task.evaluate(model, self.hparams)
+            self._evaluate(model)
         if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)
+
+    def _evaluate(self, model: torch.nn.Module) -> None:
+        """Evaluate the run's model: under DiLoCo the outer parameters θ, which every member of a
+        completed round shares (the inner ones add this member's own, unaveraged progress)."""
+        if self._outer is None:
+            self.eval = self.task.evaluate(model, self.hparams)
+            return
+        with self._outer.outer_params():
+            self.eval = self.task.evaluate(model, self.hparams)
 
     def _flush(self) -> None:
         """Apply DeAR's pending updates before the state is read (a round, evaluation, checkpoint)."""
@@ -392,10 +443,14 @@ class Trainer:
                 logger.info("run %s: at step %d, peers at %d: downloading the run's state", self.run_id, self.global_step, max(self.peer_steps()))
             result = self.sync(self.global_step + 1, self._flat)
             if getattr(result, "ok", False) and result.step > self.global_step:
-                scatter(self._flat, self._tensors)
+                if self._outer is not None:
+                    self._outer.adopt(self._flat)
+                    self.snapshot = Snapshot(result.step, self._outer.outer.clone())
+                else:
+                    scatter(self._flat, self._tensors)
+                    self.snapshot = Snapshot(result.step, self._flat.clone())
                 self.global_step = self.synced_from = result.step
                 self._samples_since_round = 0
-                self.snapshot = Snapshot(self.global_step, self._flat.clone())
                 logger.info("run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step)
                 self.on_sync(result)
                 return True
@@ -467,6 +522,71 @@ class Trainer:
         else:
             self._regroup(model, optimizer, results)
 
+    def _phase_over(self, began: float) -> bool:
+        """Whether the inner phase ends now: at the next multiple of average_every steps, or, with a
+        straggler budget, once at least half of the other live peers announce the boundary and this
+        phase has run `inner_budget` times as long as it took them (DropCompute). An early end jumps
+        the global step to the boundary: steps count the run's synchronous steps."""
+        boundary = (self.global_step // self.average_every + 1) * self.average_every
+        if self.global_step % self.average_every == 0:
+            return True
+        if not self.inner_budget:
+            return False
+        now = time.monotonic()
+        if now < self._budget_checked + BUDGET_CHECK:
+            return False
+        self._budget_checked = now
+        steps = self.peer_steps()
+        if not steps or 2 * sum(s >= boundary for s in steps) < len(steps):
+            self._others_done = math.nan
+            return False
+        if math.isnan(self._others_done):
+            self._others_done = now  # when this trainer first saw half of its peers at the boundary
+        if now - began < self.inner_budget * (self._others_done - began):
+            return False
+        logger.info("run %s: phase ends at step %d of %d: its peers are at the boundary (straggler budget)",
+                    self.run_id, self.global_step % self.average_every, self.average_every)
+        self.global_step = boundary
+        self._others_done = math.nan
+        return True
+
+    @torch.no_grad()
+    def _outer_round(self) -> None:
+        """The end of an inner phase under DiLoCo: its pseudo-gradient goes to this boundary's round
+        and, with overlap, the previous round's result is applied (daemon/diloco.py)."""
+        outer, every = self._outer, self.average_every
+        round_t, weight = self.global_step // every, float(self._samples_since_round)
+        sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
+        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
+        repair = bool(self.repair_every and round_t % self.repair_every == 0)
+        applied = outer.end_phase(round_t, weight, repair)
+        self._samples_since_round = 0  # counted in this round, or (no group) in this member's own step
+        self._after_outer_round(applied)
+
+    def _after_outer_round(self, applied) -> None:
+        """Status, metrics and the snapshot peers download, once a round's result was applied."""
+        outer = self._outer
+        self.round_wait_seconds += applied.waited
+        if applied.round_t is None:  # overlap: the first round is still on the network
+            return
+        results, previous = applied.results, self.last_round
+        self.last_round = results[0]
+        if any(getattr(r, "applied", False) for r in results):
+            self.param_distance_to_group_mean = outer.distance
+        if not all(getattr(r, "completed", False) for r in results):
+            reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
+            same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason
+            (logger.debug if same else logger.info)(
+                "run %s: round %d not completed: %s", self.run_id, applied.round_t, reason)
+        self.snapshot = Snapshot(self.global_step, outer.outer.clone())
+        for result in results:
+            self.on_round(result)
+
+    def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+        """DiLoCo's rounds: every lane, the engine's backup kept (a lane without a result keeps this
+        member's own values, which the outer step then applies)."""
+        return self.average(vector, weight, round_t, None, restore=True, codec=fmt)
+
     def _checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         state = {
             "model": model.state_dict(),
@@ -475,4 +595,6 @@ class Trainer:
             "samples": self.samples,
             "local_step": self.local_step,
         }
+        if self._outer is not None:
+            state["outer"], state["residual"] = self._outer.outer, self._outer.residual
         self.store.save(self.global_step, state)

@@ -151,14 +151,15 @@ class MoshpitAverager:
 
     async def average(
         self, vector: torch.Tensor, weight: float, round_t: int, live_peers: Mapping[str, tuple[int, str]],
-        lanes: Sequence[int] | None = None, group: str = "", restore: bool = True,
+        lanes: Sequence[int] | None = None, group: str = "", restore: bool = True, codec: str = "fp32",
     ) -> list[RoundResult]:  # fmt: skip
         """Average `lanes` of `vector` (flat float32, in place; every lane of the run when None) with
         this round's groups, one round per lane. `live_peers`: peer ID -> (the lanes it delegated as
         a bit mask, its DeAR group's ID), as announced; `group`: this daemon's DeAR group ID ("" when
         none). Returns one RoundResult per lane, in lane order. restore=False: a lane whose round
         did not complete may hold part of a result (GroupAllReduce.all_reduce); the caller puts
-        back the lanes that did not apply a result."""
+        back the lanes that did not apply a result. `codec`: how the vector travels (fp32, fp16 or
+        int8 blocks, peers/collective/codec.py); owners reduce in float32 either way."""
         mine = sorted(range(self.lanes) if lanes is None else set(lanes))
         bounds = lane_bounds(vector.numel(), self.lanes)
         plans: dict[int, tuple[str, str, list[str]] | None] = {}
@@ -186,7 +187,7 @@ class MoshpitAverager:
             namespace, key, _ = plans[lane]
             s, e = bounds[lane]
             try:
-                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore)
+                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, codec)
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
                 return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane,
@@ -198,7 +199,8 @@ class MoshpitAverager:
                 for k, r in enumerate(results)]  # fmt: skip
 
     async def _round(
-        self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int, restore: bool
+        self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int, restore: bool,
+        codec: str = "fp32",
     ) -> RoundResult:  # fmt: skip
         """One lane's round under group key `key`: listen, matchmaking, all-reduce of `vector` (a slice)."""
         transport, address = await self._listen(key)
@@ -216,7 +218,8 @@ class MoshpitAverager:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
             engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
             buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
-            engine = engine_type(group, transport, vector.numel(), settings=self.settings, events=self.events,
+            settings = self.settings if codec == "fp32" else dataclasses.replace(self.settings, codec=codec)
+            engine = engine_type(group, transport, vector.numel(), settings=settings, events=self.events,
                                  buffers=buffers)  # fmt: skip
             try:
                 # A fresh engine's first round is number 1; the group key already names round_t.

@@ -26,7 +26,7 @@ MAX_LANES = 64  # lanes are announced as a 64-bit mask (PeerRecord.delegated_lan
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AveragingSettings:
-    average_every: int = 10  # local optimizer steps between two averaging rounds
+    average_every: int = 50  # local (inner) optimizer steps between two averaging rounds: DiLoCo's H
     max_group_size: int = 16  # largest Moshpit group; sizes the virtual grid
     round_timeout: float = 30.0  # seconds a round may take before members abort it
     # How rounds move data: "reliable" (GroupAllReduce over TCP, else libp2p streams: exact, all or
@@ -38,8 +38,41 @@ class AveragingSettings:
     # members of a local group can share the WAN averaging of their common state: member r of a
     # group of k averages lanes r, r+k, ... for the whole group (peers/dear/hierarchy.py).
     lanes: int = 1
+    # What a round averages: "diloco" (the default of new runs: the pseudo-gradient of the last
+    # `average_every` inner steps, applied by an outer Nesterov optimizer; daemon/diloco.py) or
+    # "state" (the whole training state: parameters and optimizer moments; manifests made before
+    # diloco existed decode as "state").
+    algorithm: str = "diloco"
+    outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7)
+    outer_momentum: float = 0.9  # its Nesterov momentum (DiLoCo's 0.9)
+    # How a pseudo-gradient travels: "int8" (8-bit values with a float32 scale per block), "fp16"
+    # or "fp32"; with error feedback, so quantization loses nothing over time (peers/collective/codec.py).
+    codec: str = "fp32"  # int8 once the codec lands
+    # Apply a round's result one outer step late, so that it runs on the network while the next inner
+    # steps compute (Streaming DiLoCo); False: compute waits for every round.
+    overlap: bool = True
+    # An inner phase ends after `average_every` steps or, when half of the other live peers have
+    # reached the round boundary, after `inner_budget` times the time they took, whichever comes
+    # first: a slow peer contributes fewer samples instead of stalling its group (DropCompute). 0: off.
+    inner_budget: float = 1.5
+    # With the UDP engine or several Moshpit groups, members' outer parameters can drift apart (a
+    # result packet lost, different groups): every `repair_every` outer steps the round averages the
+    # outer parameters themselves in float32 instead of a pseudo-gradient. 0: never.
+    repair_every: int = 10
 
     def __post_init__(self) -> None:
+        if self.algorithm not in ("diloco", "state"):
+            raise ValueError(f"algorithm must be diloco or state, got {self.algorithm!r}")
+        if self.codec not in ("int8", "fp16", "fp32"):
+            raise ValueError(f"codec must be int8, fp16 or fp32, got {self.codec!r}")
+        if not 0 < self.outer_lr <= 10:
+            raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not (self.inner_budget == 0 or 1 <= self.inner_budget <= 100):
+            raise ValueError(f"inner_budget must be 0 (off) or in 1..100, got {self.inner_budget}")
+        if not 0 <= self.repair_every <= 100_000:
+            raise ValueError(f"repair_every must be in 0..100000, got {self.repair_every}")
         if self.transport not in ("reliable", "udp"):
             raise ValueError(f"transport must be reliable or udp, got {self.transport!r}")
         if not 512 <= self.datagram_bytes <= 65507:
@@ -89,7 +122,9 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
         hparams=manifest.hparams,
         averaging=records_pb2.AveragingSettings(
             average_every=a.average_every, max_group_size=a.max_group_size, round_timeout=a.round_timeout,
-            transport=a.transport, datagram_bytes=a.datagram_bytes, lanes=a.lanes,
+            transport=a.transport, datagram_bytes=a.datagram_bytes, lanes=a.lanes, algorithm=a.algorithm,
+            outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, codec=a.codec, overlap=a.overlap,
+            inner_budget=a.inner_budget, repair_every=a.repair_every,
         ),
         creator=manifest.creator,
         created_at=manifest.created_at,
@@ -119,12 +154,21 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
                 transport=body.averaging.transport or "reliable",
                 datagram_bytes=body.averaging.datagram_bytes or 1472,
                 lanes=body.averaging.lanes or 1,
+                # A manifest without an algorithm was made before diloco: its run averages the state.
+                **(_diloco_fields(body.averaging) if body.averaging.algorithm == "diloco" else {"algorithm": "state"}),
             ),
             creator=body.creator,
             created_at=body.created_at,
         )
     except ValueError as e:
         raise RecordRejected("manifest_invalid", str(e)) from None
+
+
+def _diloco_fields(a: records_pb2.AveragingSettings) -> dict:
+    return dict(
+        algorithm="diloco", outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, codec=a.codec,
+        overlap=a.overlap, inner_budget=a.inner_budget, repair_every=a.repair_every,
+    )
 
 
 class InvalidManifests(LookupError):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/control.proto\x12\x10peerd.control.v1\"\x0f\n\rStatusRequest\"\xa9\x05\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05peers\x18\x02 \x01(\r\x12\x0f\n\x07secured\x18\x03 \x01(\x08\x12\x16\n\x0ejoined_seconds\x18\x04 \x01(\x01\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x13\n\x0btrain_state\x18\x06 \x01(\t\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\t \x01(\x01\x12\x13\n\x0b\x65val_metric\x18\n \x01(\t\x12\x12\n\neval_score\x18\x0b \x01(\x01\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x12\n\nlocal_step\x18\r \x01(\x04\x12\x12\n\nlast_round\x18\x0e \x01(\x04\x12\x1a\n\x12last_round_outcome\x18\x0f \x01(\t\x12\x12\n\ngroup_size\x18\x10 \x01(\r\x12\x18\n\x10param_divergence\x18\x11 \x01(\x01\x12\x19\n\x11last_round_digest\x18\x12 \x01(\t\x12\x18\n\x10last_round_links\x18\x13 \x01(\t\x12\x13\n\x0blocal_group\x18\x14 \x01(\t\x12\x18\n\x10local_group_size\x18\x15 \x01(\r\x12\x18\n\x10local_group_rank\x18\x16 \x01(\x05\x12\x14\n\x0c\x64\x65\x61r_buckets\x18\x17 \x01(\r\x12\x12\n\ndear_steps\x18\x18 \x01(\x04\x12\x1a\n\x12\x64\x65\x61r_overlap_ratio\x18\x19 \x01(\x01\x12\x11\n\twan_share\x18\x1a \x01(\x01\x12\x19\n\x11\x64\x65\x61r_bucket_bytes\x18\x1b \x01(\x04\x12\x18\n\x10last_round_group\x18\x1c \x03(\t\x12\x1d\n\x15param_divergence_step\x18\x1d \x01(\x04\x12$\n\x1cparam_distance_to_group_mean\x18\x1e \x01(\x01\"\xb6\x01\n\x0eStatusResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06maddrs\x18\x03 \x03(\t\x12)\n\x04runs\x18\x04 \x03(\x0b\x32\x1b.peerd.control.v1.RunStatus\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\"\"\n\x10ListPeersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"f\n\tPeerEntry\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0e\n\x06maddrs\x18\x02 \x03(\t\x12\x19\n\x11last_seen_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\"O\n\x11ListPeersResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12*\n\x05peers\x18\x02 \x03(\x0b\x32\x1b.peerd.control.v1.PeerEntry\"\xb6\x01\n\x0eJoinRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0bsecret_file\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12@\n\x08settings\x18\x04 \x03(\x0b\x32..peerd.control.v1.JoinRunRequest.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x0fJoinRunResponse\x12\x0e\n\x06joined\x18\x01 \x01(\x08\"!\n\x0fLeaveRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x12\n\x10LeaveRunResponse\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xa2\x03\n\x07\x43ontrol\x12K\n\x06Status\x12\x1f.peerd.control.v1.StatusRequest\x1a .peerd.control.v1.StatusResponse\x12T\n\tListPeers\x12\".peerd.control.v1.ListPeersRequest\x1a#.peerd.control.v1.ListPeersResponse\x12N\n\x07JoinRun\x12 .peerd.control.v1.JoinRunRequest\x1a!.peerd.control.v1.JoinRunResponse\x12Q\n\x08LeaveRun\x12!.peerd.control.v1.LeaveRunRequest\x1a\".peerd.control.v1.LeaveRunResponse\x12Q\n\x08Shutdown\x12!.peerd.control.v1.ShutdownRequest\x1a\".peerd.control.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/control.proto\x12\x10peerd.control.v1\"\x0f\n\rStatusRequest\"\xf2\x05\n\tRunStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05peers\x18\x02 \x01(\r\x12\x0f\n\x07secured\x18\x03 \x01(\x08\x12\x16\n\x0ejoined_seconds\x18\x04 \x01(\x01\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x13\n\x0btrain_state\x18\x06 \x01(\t\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x0c\n\x04loss\x18\x08 \x01(\x01\x12\x1a\n\x12samples_per_second\x18\t \x01(\x01\x12\x13\n\x0b\x65val_metric\x18\n \x01(\t\x12\x12\n\neval_score\x18\x0b \x01(\x01\x12\r\n\x05\x65rror\x18\x0c \x01(\t\x12\x12\n\nlocal_step\x18\r \x01(\x04\x12\x12\n\nlast_round\x18\x0e \x01(\x04\x12\x1a\n\x12last_round_outcome\x18\x0f \x01(\t\x12\x12\n\ngroup_size\x18\x10 \x01(\r\x12\x18\n\x10param_divergence\x18\x11 \x01(\x01\x12\x19\n\x11last_round_digest\x18\x12 \x01(\t\x12\x18\n\x10last_round_links\x18\x13 \x01(\t\x12\x13\n\x0blocal_group\x18\x14 \x01(\t\x12\x18\n\x10local_group_size\x18\x15 \x01(\r\x12\x18\n\x10local_group_rank\x18\x16 \x01(\x05\x12\x14\n\x0c\x64\x65\x61r_buckets\x18\x17 \x01(\r\x12\x12\n\ndear_steps\x18\x18 \x01(\x04\x12\x1a\n\x12\x64\x65\x61r_overlap_ratio\x18\x19 \x01(\x01\x12\x11\n\twan_share\x18\x1a \x01(\x01\x12\x19\n\x11\x64\x65\x61r_bucket_bytes\x18\x1b \x01(\x04\x12\x18\n\x10last_round_group\x18\x1c \x03(\t\x12\x1d\n\x15param_divergence_step\x18\x1d \x01(\x04\x12$\n\x1cparam_distance_to_group_mean\x18\x1e \x01(\x01\x12\x18\n\x10\x63ompute_fraction\x18\x1f \x01(\x01\x12\x1a\n\x12round_wait_seconds\x18  \x01(\x01\x12\x11\n\talgorithm\x18! \x01(\t\"\xb6\x01\n\x0eStatusResponse\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0f\n\x07peer_id\x18\x02 \x01(\t\x12\x0e\n\x06maddrs\x18\x03 \x03(\t\x12)\n\x04runs\x18\x04 \x03(\x0b\x32\x1b.peerd.control.v1.RunStatus\x12\x16\n\x0euptime_seconds\x18\x05 \x01(\x01\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0b\n\x03pid\x18\x08 \x01(\r\"\"\n\x10ListPeersRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"f\n\tPeerEntry\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0e\n\x06maddrs\x18\x02 \x03(\t\x12\x19\n\x11last_seen_seconds\x18\x03 \x01(\x01\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\"O\n\x11ListPeersResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12*\n\x05peers\x18\x02 \x03(\x0b\x32\x1b.peerd.control.v1.PeerEntry\"\xb6\x01\n\x0eJoinRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0bsecret_file\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12@\n\x08settings\x18\x04 \x03(\x0b\x32..peerd.control.v1.JoinRunRequest.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x0fJoinRunResponse\x12\x0e\n\x06joined\x18\x01 \x01(\x08\"!\n\x0fLeaveRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x12\n\x10LeaveRunResponse\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse2\xa2\x03\n\x07\x43ontrol\x12K\n\x06Status\x12\x1f.peerd.control.v1.StatusRequest\x1a .peerd.control.v1.StatusResponse\x12T\n\tListPeers\x12\".peerd.control.v1.ListPeersRequest\x1a#.peerd.control.v1.ListPeersResponse\x12N\n\x07JoinRun\x12 .peerd.control.v1.JoinRunRequest\x1a!.peerd.control.v1.JoinRunResponse\x12Q\n\x08LeaveRun\x12!.peerd.control.v1.LeaveRunRequest\x1a\".peerd.control.v1.LeaveRunResponse\x12Q\n\x08Shutdown\x12!.peerd.control.v1.ShutdownRequest\x1a\".peerd.control.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=42
   _globals['_STATUSREQUEST']._serialized_end=57
   _globals['_RUNSTATUS']._serialized_start=60
-  _globals['_RUNSTATUS']._serialized_end=741
-  _globals['_STATUSRESPONSE']._serialized_start=744
-  _globals['_STATUSRESPONSE']._serialized_end=926
-  _globals['_LISTPEERSREQUEST']._serialized_start=928
-  _globals['_LISTPEERSREQUEST']._serialized_end=962
-  _globals['_PEERENTRY']._serialized_start=964
-  _globals['_PEERENTRY']._serialized_end=1066
-  _globals['_LISTPEERSRESPONSE']._serialized_start=1068
-  _globals['_LISTPEERSRESPONSE']._serialized_end=1147
-  _globals['_JOINRUNREQUEST']._serialized_start=1150
-  _globals['_JOINRUNREQUEST']._serialized_end=1332
-  _globals['_JOINRUNREQUEST_SETTINGSENTRY']._serialized_start=1285
-  _globals['_JOINRUNREQUEST_SETTINGSENTRY']._serialized_end=1332
-  _globals['_JOINRUNRESPONSE']._serialized_start=1334
-  _globals['_JOINRUNRESPONSE']._serialized_end=1367
-  _globals['_LEAVERUNREQUEST']._serialized_start=1369
-  _globals['_LEAVERUNREQUEST']._serialized_end=1402
-  _globals['_LEAVERUNRESPONSE']._serialized_start=1404
-  _globals['_LEAVERUNRESPONSE']._serialized_end=1422
-  _globals['_SHUTDOWNREQUEST']._serialized_start=1424
-  _globals['_SHUTDOWNREQUEST']._serialized_end=1441
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=1443
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=1461
-  _globals['_CONTROL']._serialized_start=1464
-  _globals['_CONTROL']._serialized_end=1882
+  _globals['_RUNSTATUS']._serialized_end=814
+  _globals['_STATUSRESPONSE']._serialized_start=817
+  _globals['_STATUSRESPONSE']._serialized_end=999
+  _globals['_LISTPEERSREQUEST']._serialized_start=1001
+  _globals['_LISTPEERSREQUEST']._serialized_end=1035
+  _globals['_PEERENTRY']._serialized_start=1037
+  _globals['_PEERENTRY']._serialized_end=1139
+  _globals['_LISTPEERSRESPONSE']._serialized_start=1141
+  _globals['_LISTPEERSRESPONSE']._serialized_end=1220
+  _globals['_JOINRUNREQUEST']._serialized_start=1223
+  _globals['_JOINRUNREQUEST']._serialized_end=1405
+  _globals['_JOINRUNREQUEST_SETTINGSENTRY']._serialized_start=1358
+  _globals['_JOINRUNREQUEST_SETTINGSENTRY']._serialized_end=1405
+  _globals['_JOINRUNRESPONSE']._serialized_start=1407
+  _globals['_JOINRUNRESPONSE']._serialized_end=1440
+  _globals['_LEAVERUNREQUEST']._serialized_start=1442
+  _globals['_LEAVERUNREQUEST']._serialized_end=1475
+  _globals['_LEAVERUNRESPONSE']._serialized_start=1477
+  _globals['_LEAVERUNRESPONSE']._serialized_end=1495
+  _globals['_SHUTDOWNREQUEST']._serialized_start=1497
+  _globals['_SHUTDOWNREQUEST']._serialized_end=1514
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=1516
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=1534
+  _globals['_CONTROL']._serialized_start=1537
+  _globals['_CONTROL']._serialized_end=1955
 # @@protoc_insertion_point(module_scope)

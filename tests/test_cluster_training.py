@@ -42,7 +42,7 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
     450 steps, so the Adam comparison would sit on the 1-point edge (docs/algorithms.md)."""
     steps, every, batch = 500, 10, 32
     hparams = {"optimizer": "sgd", "lr": "0.05"}
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}"]
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.algorithm=state"]
     create += [arg for k, v in hparams.items() for arg in ("--set", f"{k}={v}")]
     args = ["--run", "acc", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS]
     a = spawn("acc-a", [*args, *create])
@@ -153,7 +153,7 @@ class StepWatch:
 def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secret_file):
     """A secret run, so that every engine link also opens with the secret's hello (linkauth.py)."""
     every = 10
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}"]
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.algorithm=state"]
     args = ["--run", "churn", "--run-secret-file", str(secret_file), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("churn-a", [*args, *create])
     b, c = (spawn(f"churn-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")

@@ -494,7 +494,7 @@ duration = 22
 congestion_control = "reno"
 [run]
 id = "freeze"
-settings = { "averaging.average_every" = 10 }
+settings = { "averaging.average_every" = 10, "averaging.algorithm" = "state" }
 [link]
 rate_mbit = 100
 loss_pct = 5
@@ -537,7 +537,7 @@ name = "lab-test-partition"
 duration = 26
 [run]
 id = "split"
-settings = { "averaging.average_every" = 10 }
+settings = { "averaging.average_every" = 10, "averaging.algorithm" = "state" }
 [link]
 rate_mbit = 100
 [[host]]

@@ -65,7 +65,7 @@ def wait_group(daemons, run: str, size: int, what: str, *, timeout: float = 40, 
 @pytest.mark.slow
 def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     """A secret run, so that the DeAR links open with the secret's hello too."""
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "optimizer=sgd", "--set", "lr=0.05"]
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "averaging.algorithm=state", "--set", "optimizer=sgd", "--set", "lr=0.05"]
     args = ["--run", "lg", "--run-secret-file", str(secret_file), "--local-group", "rack", "--max-steps", str(STEPS), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("lg-a", [*args, *create])
     b, c = (spawn(f"lg-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
@@ -138,7 +138,7 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lan
     hierarchy"). Once a and b train as a DeAR group, each averages one lane over the WAN for both,
     with the solo daemons, which average both lanes; the group's members stay identical and the
     run converges as a whole."""
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "averaging.lanes=2",
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "averaging.algorithm=state", "--set", "averaging.lanes=2",
               "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
     base = ["--run", "hier", "--max-steps", str(STEPS), "--min-peers", "4", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("h-a", [*base, "--local-group", "rack", *create])

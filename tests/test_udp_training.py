@@ -107,7 +107,7 @@ class Sprayer(threading.Thread):
 
 def test_a_udp_run_trains_to_one_result_through_garbage_forgeries_and_replays(spawn, secret_file):
     steps, every = 200, 10
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.transport=udp",
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.algorithm=state", "--set", "averaging.transport=udp",
               "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
     args = ["--run", "udp", "--run-secret-file", str(secret_file), "--max-steps", str(steps), "--min-peers", "3",
             "--eval-every", "1000", "--torch-threads", "1"]  # fmt: skip
@@ -170,7 +170,7 @@ add rule inet {table} input ip saddr 127.0.0.2 meta l4proto udp counter drop
     assert rule.returncode == 0, rule.stderr
     try:
         steps, every = 120, 10
-        create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.transport=udp",
+        create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.algorithm=state", "--set", "averaging.transport=udp",
                   "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
         args = ["--run", "auto", "--max-steps", str(steps), "--min-peers", "3", "--eval-every", "1000", "--torch-threads", "1"]
         a = spawn("auto-a", [*args, *create])

@@ -1,0 +1,226 @@
+"""DiLoCo's outer loop for one trainer: inner steps with the task's own optimizer, then the
+pseudo-gradient averaged in the round's group and applied by an outer Nesterov optimizer.
+
+Every member holds the *outer state*: the outer parameters θ and the outer momentum m (one flat
+float32 vector [θ; m], what checkpoints keep and late joiners download). An inner phase starts from
+parameters s and ends, after H steps (or the straggler budget), at parameters y. Its progress
+P = s − y is what the round averages, weighted by samples, after error feedback (the codec's
+quantization residual of the previous phase is added, the new one kept: `codec.with_feedback`).
+The mean P̄ is applied identically on every member of a completed round:
+
+    m ← μ·m + P̄ ;  θ ← θ − lr·(P̄ + μ·m)          (Nesterov SGD, as torch.optim.SGD(nesterov=True))
+
+Without overlap the phase waits for its round, then the inner parameters restart from θ (DiLoCo).
+With overlap (Streaming DiLoCo's overlapped communication, one outer step late) the round of phase
+k runs on the network while phase k+1 computes; at the end of phase k+1 its result is applied to θ
+and the inner parameters become θ − P_{k+1}: the shared outer parameters plus this member's own
+progress that no round has averaged yet. Compute waits only when a round takes longer than a phase.
+
+A lane that formed no group, or whose round aborted, leaves this member's own P there (the engine
+restores it): a member alone is DiLoCo with one worker. A PARTIAL round (UDP engine) gives the mean
+where its packets arrived and this member's own P elsewhere, so outer parameters may drift apart by
+lr·(P − P̄) on the lost packets; every `repair_every` outer steps, when the run uses the UDP engine
+or the grid has several groups, the round averages θ itself instead (docs/algorithms.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def outer_step(params: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.Tensor, lr: float, mu: float,
+               scratch: torch.Tensor) -> None:
+    """One Nesterov step of the outer optimizer, in place: m ← μ·m + g ; θ ← θ − lr·(g + μ·m),
+    with g the mean pseudo-gradient (torch.optim.SGD(nesterov=True, dampening=0)'s arithmetic)."""
+    momentum.mul_(mu).add_(mean_delta)
+    torch.add(mean_delta, momentum, alpha=mu, out=scratch)
+    params.sub_(scratch, alpha=lr)
+
+
+@dataclass(frozen=True, slots=True)
+class OuterSettings:
+    lr: float = 0.7
+    momentum: float = 0.9
+    codec: str = "int8"
+    overlap: bool = True
+    repair_every: int = 0  # outer steps between two averages of θ itself; 0: never
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What the end of a phase did: the round whose result was applied (None: none yet, with
+    overlap), its results, and how long compute waited for it."""
+
+    round_t: int | None
+    results: list
+    waited: float
+    repaired: bool = False  # the round averaged θ itself
+
+
+class OuterLoop:
+    """The outer state of one trainer and its rounds. `average(vector, weight, round_t, codec)` is
+    the trainer's blocking round (daemon/runs.round_bridge): it averages `vector` in place, sent in
+    `codec`'s format, and returns one RoundResult per lane; with overlap it runs on this loop's own
+    named thread, while the trainer thread computes."""
+
+    def __init__(self, params: list[torch.Tensor], settings: OuterSettings, average: Callable[..., list], name: str):
+        self.params, self.settings, self.average = params, settings, average
+        n = sum(p.numel() for p in params)
+        self.n = n
+        self.outer = torch.empty(2 * n)  # [θ; m]: served to peers, checkpointed
+        self.theta, self.momentum = self.outer[:n], self.outer[n:]
+        self.start = torch.empty(n)  # the inner parameters at the start of the phase
+        self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
+        self.payload = torch.empty(n)  # what the round averages, in place
+        self.residual = torch.zeros(n)  # error feedback: quantization error carried to the next phase
+        self.scratch = torch.empty(n)
+        self._pending: concurrent.futures.Future | None = None
+        self._pending_round: tuple[int, bool] = (0, False)  # (round_t, repair) of the pending round
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"peerd-round-{name}")
+        self.distance = float("nan")  # at the latest applied round: this member's distance to the group's mean
+        self.reset_from_params()
+
+    # -- state ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_from_params(self) -> None:
+        """θ := the model's parameters, m := 0 (a new run, or a checkpoint without outer state)."""
+        _gather(self.params, self.theta)
+        self.momentum.zero_()
+        self.start.copy_(self.theta)
+        self.residual.zero_()
+
+    @torch.no_grad()
+    def adopt(self, outer: torch.Tensor) -> None:
+        """Take [θ; m] from a checkpoint or from peers: the inner parameters restart from θ. A
+        round still in flight is waited for and dropped (its result belongs to the old state)."""
+        self.drop_pending()
+        self.outer.copy_(outer)
+        _scatter(self.theta, self.params)
+        self.start.copy_(self.theta)
+        self.residual.zero_()
+
+    def drop_pending(self) -> None:
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except Exception:  # its failure no longer matters: its result is not applied
+                logger.debug("a dropped round failed", exc_info=True)
+            self._pending = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    # -- one phase's end ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def end_phase(self, round_t: int, weight: float, repair: bool = False) -> Applied:
+        """The inner phase that ends now is averaged in round `round_t` (weight: its samples). With
+        overlap, the previous round's result is applied first (waiting for it if it is still
+        running) and this one is started in the background; without, this one runs and is applied.
+        `repair`: this round averages θ − P (float32) and adopts the mean as θ, instead of an outer
+        step on the mean P: the phase's progress is kept, the members' θ meet again."""
+        waited, applied_round, results, repaired = 0.0, None, [], False
+        if self.settings.overlap and self._pending is not None:
+            t0 = time.monotonic()
+            results = self._pending.result()
+            waited = time.monotonic() - t0
+            applied_round, repaired = self._pending_round
+            self._pending = None
+            self._apply(repaired)
+        _gather(self.params, self.scratch)  # y
+        torch.sub(self.start, self.scratch, out=self.progress)  # P = s − y
+        if repair:
+            torch.sub(self.theta, self.progress, out=self.payload)
+        else:
+            self.payload.copy_(self.progress)
+            if self.settings.codec != "fp32":  # float32 travels exactly: nothing to feed back
+                from peers.collective import codec
+
+                codec.with_feedback(self.payload, self.residual, self.settings.codec)
+        fmt = "fp32" if repair else self.settings.codec
+        if self.settings.overlap:
+            self._pending_round = (round_t, repair)
+            self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)
+            torch.sub(self.theta, self.progress, out=self.scratch)  # θ − P: own progress not yet averaged
+        else:
+            t0 = time.monotonic()
+            results = self.average(self.payload, weight, round_t, fmt)
+            waited = time.monotonic() - t0
+            applied_round, repaired = round_t, repair
+            self._apply(repair)
+            self.scratch.copy_(self.theta)
+        _scatter(self.scratch, self.params)
+        self.start.copy_(self.scratch)
+        return Applied(applied_round, results, waited, repaired)
+
+    def _apply(self, repaired: bool) -> None:
+        """The round's result is in `payload` (its mean where it applied, this member's own values
+        elsewhere): a repair adopts it as θ, a pseudo-gradient takes an outer step. Before that,
+        how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|)."""
+        if repaired:
+            self.distance = float(torch.dist(torch.sub(self.theta, self.progress, out=self.scratch), self.payload))
+            self.theta.copy_(self.payload)
+        else:
+            self.distance = float(torch.dist(self.progress, self.payload))
+            outer_step(self.theta, self.momentum, self.payload, self.settings.lr, self.settings.momentum, self.scratch)
+
+    @torch.no_grad()
+    def finish(self) -> Applied | None:
+        """Training ends: apply the round still in flight (waiting for it; its bridge bounds the
+        wait) and leave the model at θ, the parameters the run agreed on. Progress since the last
+        boundary, which no round averaged, is dropped; None when no round was pending."""
+        applied = None
+        if self._pending is not None:
+            t0 = time.monotonic()
+            results = self._pending.result()
+            applied_round, repaired = self._pending_round
+            self._pending = None
+            self._apply(repaired)
+            applied = Applied(applied_round, results, time.monotonic() - t0, repaired)
+        _scatter(self.theta, self.params)
+        self.start.copy_(self.theta)
+        return applied
+
+    @contextlib.contextmanager
+    def outer_params(self):
+        """Within the block the model holds θ (evaluation), then its inner parameters again."""
+        with torch.no_grad():
+            _gather(self.params, self.scratch)
+            _scatter(self.theta, self.params)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                _scatter(self.scratch, self.params)
+
+    def close(self) -> None:
+        """Wait for a round in flight (its bridge bounds it) and stop the round thread."""
+        self.drop_pending()
+        self._pool.shutdown(wait=True)
+
+
+def _gather(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    offset = 0
+    for t in tensors:
+        flat[offset : offset + t.numel()].copy_(t.detach().view(-1))
+        offset += t.numel()
+
+
+def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.view(-1).copy_(flat[offset : offset + t.numel()])
+            offset += t.numel()

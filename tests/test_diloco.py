@@ -1,0 +1,112 @@
+"""DiLoCo's outer loop (daemon/diloco.py): the outer step and the phase bookkeeping, as pure functions
+with exact values; the rounds are a stand-in that averages two members' payloads in process (the
+real engines are tested in test_collective.py, test_udp.py and, end to end, test_diloco_training.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import torch
+
+from daemon.diloco import OuterLoop, OuterSettings, outer_step
+
+
+def test_the_outer_step_is_nesterov_sgd_with_exact_values():
+    p, m, g = torch.tensor([1.0, 2.0]), torch.zeros(2), torch.tensor([0.5, -1.0])
+    outer_step(p, m, g, 0.7, 0.9, torch.empty(2))
+    # m = 0.9*0 + g = [0.5, -1]; p = p - 0.7*(g + 0.9*m) = [1 - 0.7*0.95, 2 + 0.7*1.9]
+    assert m.tolist() == [0.5, -1.0]
+    assert torch.allclose(p, torch.tensor([1 - 0.7 * 0.95, 2 + 0.7 * 1.9]))
+    reference = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    sgd = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(2):
+        reference.grad = g.clone()
+        sgd.step()
+    outer_step(p, m, g, 0.7, 0.9, torch.empty(2))
+    assert torch.equal(p, reference.detach())
+
+
+class Pair:
+    """Two members whose rounds meet: each round waits (bounded) for the other member's payload, then
+    both payloads are replaced by their weighted mean (the engine's COMPLETED round)."""
+
+    def __init__(self):
+        self.entries: list = []
+        self.barrier = threading.Barrier(2, action=self._mean, timeout=10)
+
+    def _mean(self):
+        total = sum(w for _, w in self.entries)
+        mean = sum(v * w for v, w in self.entries) / total
+        for v, _ in self.entries:
+            v.copy_(mean)
+        self.entries.clear()
+
+    def member(self, params: list[torch.Tensor], overlap: bool, name: str) -> OuterLoop:
+        def average(vector, weight, round_t, fmt):
+            assert fmt == "fp32"
+            self.entries.append((vector, weight))
+            self.barrier.wait()
+            return [f"round {round_t}"]
+
+        settings = OuterSettings(lr=0.5, momentum=0.0, codec="fp32", overlap=overlap)
+        return OuterLoop(params, settings, average, name)
+
+
+def together(*calls):
+    """Run the members' end_phase calls at once, as two daemons would; their results in order."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result(10) for f in [pool.submit(c) for c in calls]]
+
+
+def test_without_overlap_both_members_take_the_same_outer_step_and_restart_from_it():
+    pair = Pair()
+    pa, pb = [torch.tensor([1.0, 1.0])], [torch.tensor([1.0, 1.0])]
+    a, b = pair.member(pa, False, "a"), pair.member(pb, False, "b")
+    pa[0].sub_(torch.tensor([0.2, 0.0]))  # inner steps: a moved by P_a = [0.2, 0], b by P_b = [0, 0.4]
+    pb[0].sub_(torch.tensor([0.0, 0.4]))
+    done = together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 3.0))
+    assert [d.round_t for d in done] == [1, 1]
+    # mean P = (1*[0.2, 0] + 3*[0, 0.4]) / 4 = [0.05, 0.3]; θ = 1 - 0.5*mean = [0.975, 0.85]
+    for loop, params in ((a, pa), (b, pb)):
+        assert torch.allclose(loop.theta, torch.tensor([0.975, 0.85]))
+        assert torch.equal(params[0], loop.theta)  # the next phase starts from θ
+    assert torch.equal(a.theta, b.theta)
+    a.close()
+    b.close()
+
+
+def test_with_overlap_a_result_lands_one_phase_late_and_own_progress_is_kept_until_then():
+    pair = Pair()
+    pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
+    a, b = pair.member(pa, True, "a"), pair.member(pb, True, "b")
+    pa[0] -= 1.0
+    pb[0] -= 3.0
+    first = together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 1.0))
+    assert [d.round_t for d in first] == [None, None]  # nothing to apply yet: round 1 is in flight
+    # Until the round lands, each member trains on from θ − P: its own progress.
+    assert pa[0].item() == -1.0 and pb[0].item() == -3.0
+    pa[0] -= 1.0  # the next phase: P = 1 on both
+    pb[0] -= 1.0
+    second = together(lambda: a.end_phase(2, 1.0), lambda: b.end_phase(2, 1.0))
+    assert [d.round_t for d in second] == [1, 1]
+    # Round 1's mean P = 2, θ = 0 - 0.5*2 = -1 on both; the inner parameters are θ minus phase 2's
+    # own progress (1, not averaged yet).
+    assert a.theta.item() == b.theta.item() == -1.0
+    assert pa[0].item() == pb[0].item() == -2.0
+    a.close()
+    b.close()
+
+
+def test_a_repair_round_adopts_the_mean_of_theta_minus_progress_without_an_outer_step():
+    pair = Pair()
+    pa, pb = [torch.tensor([1.0])], [torch.tensor([3.0])]  # members whose θ drifted apart
+    a, b = pair.member(pa, False, "a"), pair.member(pb, False, "b")
+    pa[0] -= 0.5
+    together(lambda: a.end_phase(10, 1.0, repair=True), lambda: b.end_phase(10, 1.0, repair=True))
+    # A repair averages θ − P: (1 - 0.5 + 3 - 0) / 2 = 1.75, adopted as θ, momentum untouched.
+    for loop, params in ((a, pa), (b, pb)):
+        assert loop.theta.item() == 1.75 and params[0].item() == 1.75
+        assert loop.momentum.item() == 0.0
+    a.close()
+    b.close()
