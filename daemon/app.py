@@ -524,6 +524,19 @@ class Daemon:
             pid=os.getpid(),
         )
 
+    def failed_runs(self) -> dict[str, str]:
+        """The runs whose training FAILED (the task raised), with the error, by run ID."""
+        return {
+            run_id: h.trainer.error
+            for run_id, h in sorted(self.runs.items())
+            if h.trainer is not None and h.trainer.state.value == "FAILED"
+        }
+
+    def serving(self) -> bool:
+        """What the health service answers (docs/operations.md, "Health checks"): READY, and no run
+        this daemon trains has FAILED."""
+        return self.state is DaemonState.READY and not self.failed_runs()
+
     def _peer_counts(self) -> dict[str, int]:
         if self.memberships is None:
             return {}

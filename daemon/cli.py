@@ -332,10 +332,16 @@ def _cmd_stop(args) -> int:
 def _cmd_health(args) -> int:
     with _client(args) as c:
         status = c.health()
+        try:  # which runs it trains, and how: a FAILED one is why a READY daemon is NOT_SERVING
+            runs = [r for r in c.status().runs if r.task]
+        except grpc.RpcError:  # stopping: the health answer is the one that counts
+            runs = []
     if args.json:
-        _print_json({"status": status})
+        _print_json({"status": status, "runs": {r.run_id: {"train_state": r.train_state, "error": r.error} for r in runs}})
     else:
         print(status)
+        for r in runs:
+            print(f"run {r.run_id}: {r.train_state}{': ' + r.error if r.error else ''}")
     return 0 if status == "SERVING" else 1
 
 
@@ -400,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stop", parents=[parent], help="drain and stop the daemon", description="Ask the daemon to drain and exit, and wait until it has.")
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the process to exit (default 30)")
     p.set_defaults(func=_cmd_stop)
-    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING", description="Query the standard gRPC health service; exit 0 only when the daemon is READY.")
+    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING", description="Query the standard gRPC health service; exit 0 only when the daemon is READY and no run it trains has FAILED. Prints the status, then each trained run's state.")
     p.set_defaults(func=_cmd_health)
     _add_lab(sub)
     return parser
