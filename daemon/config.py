@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -155,6 +156,7 @@ class DaemonConfig:
     run_secret_file: str = ""  # secret for the runs joined at start; empty = open runs
     log_level: str = "INFO"
     drain_timeout: float = 10.0  # SIGTERM to exit: leave runs, stop servers, stop p2pd
+    progress_interval: float = 30.0  # seconds between two progress lines per training run in the log; 0 = none
     network: NetworkConfig = field(default_factory=NetworkConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
@@ -172,6 +174,8 @@ class DaemonConfig:
             raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
         self.log_level = self.log_level.upper()
         _check_positive("drain_timeout", self.drain_timeout)
+        if not 0 <= self.progress_interval < math.inf:
+            raise ConfigError(f"progress_interval: must be 0 (no progress lines) or more seconds, got {self.progress_interval}")
         socket_path = self.control_address.removeprefix("unix:")
         if socket_path != self.control_address and len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
             raise ConfigError(
@@ -216,6 +220,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
     Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
     Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
+    Option("progress_interval", "--progress-interval", "seconds between two progress lines per training run in the log (0: none)", "SECONDS"),
     Option("network.host", "--host", "libp2p listen address", "ADDR"),
     Option("network.port", "--port", "libp2p listen port (0: any free port)", "PORT"),
     Option("network.announce", "--announce", "public multiaddr to announce (repeatable)", "MADDR"),
