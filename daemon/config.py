@@ -60,10 +60,15 @@ class NetworkConfig:
         if self.reliable_links not in RELIABLE_LINK_MODES:
             raise ConfigError(f"reliable_links: {self.reliable_links!r} is not one of {', '.join(RELIABLE_LINK_MODES)}")
         _check_port("port", self.port)
-        for name in ("announce", "initial_peers"):
-            for maddr in getattr(self, name):
-                if not maddr.startswith("/"):
-                    raise ConfigError(f"{name}: {maddr!r} is not a multiaddr (e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)")
+        for maddr in self.announce:
+            _check_maddr("announce", maddr, "/ip4/203.0.113.7/tcp/31337")
+        for maddr in self.initial_peers:
+            protocols = _check_maddr("initial_peers", maddr, "/ip4/198.51.100.2/tcp/31337/p2p/Qm...")
+            if protocols[-1:] != ["p2p"]:
+                raise ConfigError(
+                    f"initial_peers: {maddr!r} does not end in /p2p/<peer ID> (e.g. /ip4/198.51.100.2/tcp/31337/p2p/Qm...; "
+                    "`peerd status` on that peer shows its addresses with its ID)"
+                )
         if not 0 <= self.udp_rate_mbit <= 1e6:
             raise ConfigError(f"udp_rate_mbit must be in 0..1000000 (Mbit/s; 0 = unpaced), got {self.udp_rate_mbit}")
         _check_positive("startup_timeout", self.startup_timeout)
@@ -373,6 +378,17 @@ def _check_control_address(address: str) -> None:
         ok = bool(host) and port.isdigit() and int(port) <= 65535
     if address and not ok:
         raise ConfigError(f"control: {address!r} is neither unix:PATH nor HOST:PORT")
+
+
+def _check_maddr(name: str, value: str, example: str) -> list[str]:
+    """The protocol names of multiaddr `value` (["ip4", "tcp", "p2p"]), or ConfigError if it does not
+    parse as p2pd and hivemind would parse it (they failed later, with their own errors)."""
+    from hivemind.utils.multiaddr import Multiaddr  # light: peers/ keeps hivemind's package imports lazy
+
+    try:
+        return [p.name for p in Multiaddr(value).protocols()]
+    except ValueError as e:  # hivemind's ParseError; the reason after the address says what is wrong
+        raise ConfigError(f"{name}: {value!r} is not a multiaddr ({str(e).rsplit(': ', 1)[-1]}; e.g. {example})") from None
 
 
 def _check_positive(name: str, value: float) -> None:
