@@ -79,7 +79,10 @@ def _check_ports_free(config) -> None:
     """ConfigError naming the port if the libp2p or metrics port cannot be listened on now: checked
     before anything starts. p2pd binds with SO_REUSEPORT, so a second daemon on a port in use would
     start and split its incoming connections with the first. (A port 0 is always free.)"""
-    ports = {"--port": (config.network.host, config.network.port), "--metrics-port": (config.metrics.host, config.metrics.port)}
+    ports = {
+        "--port": (config.network.host, config.network.port),
+        "--metrics-port": (config.metrics.host, config.metrics.port),
+    }
     for flag, (host, port) in ports.items():
         if port == 0:
             continue
@@ -359,7 +362,8 @@ def _cmd_health(args) -> int:
         except grpc.RpcError:  # stopping: the health answer is the one that counts
             runs = []
     if args.json:
-        _print_json({"status": status, "runs": {r.run_id: {"train_state": r.train_state, "error": r.error} for r in runs}})
+        by_run = {r.run_id: {"train_state": r.train_state, "error": r.error} for r in runs}
+        _print_json({"status": status, "runs": by_run})
     else:
         print(status)
         for r in runs:
@@ -428,7 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stop", parents=[parent], help="drain and stop the daemon", description="Ask the daemon to drain and exit, and wait until it has.")
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the process to exit (default 30)")
     p.set_defaults(func=_cmd_stop)
-    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING", description="Query the standard gRPC health service; exit 0 only when the daemon is READY and no run it trains has FAILED. Prints the status, then each trained run's state.")
+    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING",
+                       description="Query the standard gRPC health service; exit 0 only when the daemon is READY and "
+                       "no run it trains has FAILED. Prints the status, then each trained run's state.")
     p.set_defaults(func=_cmd_health)
     _add_lab(sub)
     return parser

@@ -66,8 +66,8 @@ class NetworkConfig:
             protocols = _check_maddr("initial_peers", maddr, "/ip4/198.51.100.2/tcp/31337/p2p/Qm...")
             if protocols[-1:] != ["p2p"]:
                 raise ConfigError(
-                    f"initial_peers: {maddr!r} does not end in /p2p/<peer ID> (e.g. /ip4/198.51.100.2/tcp/31337/p2p/Qm...; "
-                    "`peerd status` on that peer shows its addresses with its ID)"
+                    f"initial_peers: {maddr!r} does not end in /p2p/<peer ID> "
+                    "(e.g. /ip4/198.51.100.2/tcp/31337/p2p/Qm...; `peerd status` on that peer shows its full addresses)"
                 )
         if not 0 <= self.udp_rate_mbit <= 1e6:
             raise ConfigError(f"udp_rate_mbit must be in 0..1000000 (Mbit/s; 0 = unpaced), got {self.udp_rate_mbit}")
@@ -180,7 +180,7 @@ class DaemonConfig:
         self.log_level = self.log_level.upper()
         _check_positive("drain_timeout", self.drain_timeout)
         if not 0 <= self.progress_interval < math.inf:
-            raise ConfigError(f"progress_interval: must be 0 (no progress lines) or more seconds, got {self.progress_interval}")
+            raise ConfigError(f"progress_interval: must be 0 (none) or more seconds, got {self.progress_interval}")
         socket_path = self.control_address.removeprefix("unix:")
         if socket_path != self.control_address and len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
             raise ConfigError(
@@ -225,7 +225,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
     Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
     Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
-    Option("progress_interval", "--progress-interval", "seconds between two progress lines per training run in the log (0: none)", "SECONDS"),
+    Option("progress_interval", "--progress-interval", "seconds between progress lines per run (0: none)", "SECONDS"),
     Option("network.host", "--host", "libp2p listen address", "ADDR"),
     Option("network.port", "--port", "libp2p listen port (0: any free port)", "PORT"),
     Option("network.announce", "--announce", "public multiaddr to announce (repeatable)", "MADDR"),
@@ -388,7 +388,8 @@ def _check_maddr(name: str, value: str, example: str) -> list[str]:
     try:
         return [p.name for p in Multiaddr(value).protocols()]
     except ValueError as e:  # hivemind's ParseError; the reason after the address says what is wrong
-        raise ConfigError(f"{name}: {value!r} is not a multiaddr ({str(e).rsplit(': ', 1)[-1]}; e.g. {example})") from None
+        reason = str(e).rsplit(": ", 1)[-1]
+        raise ConfigError(f"{name}: {value!r} is not a multiaddr ({reason}; e.g. {example})") from None
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -137,7 +137,8 @@ class _TrainingCollector(Collector):
                 bucket_bytes.add_metric([r.run_id], r.dear_bucket_bytes)
                 if not math.isnan(r.dear_overlap_ratio):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
-        yield from (state, step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes)
+        yield state
+        yield from (step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes)
 
 
 def process_started() -> float:

@@ -58,7 +58,8 @@ def test_the_joiner_script_reads_peer0s_id_from_its_metrics(spawn):
         .replace("http://peer0:9400/metrics", peer0.metrics_url)
         .replace("exec peerd start", "echo")
     )
-    r = subprocess.run(["/bin/sh", "-ec", script, *entrypoint[3:], "--run", "demo"], capture_output=True, text=True, timeout=30)
+    argv = ["/bin/sh", "-ec", script, *entrypoint[3:], "--run", "demo"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r
     assert r.stdout.split() == ["--initial-peers", f"/dns4/peer0/tcp/31337/p2p/{peer0.peer_id}", "--run", "demo"], r
     assert peer0.stop() == 0

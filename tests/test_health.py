@@ -36,7 +36,11 @@ def test_a_failed_trainer_is_in_metrics_and_health(tmp_path):
 
         r = peerd("join", "doomed", "--task", NAME, "--control", d.control)
         assert r.returncode == 0, r
-        states = wait_for(lambda: (s := train_state(d, "doomed")).get("FAILED") == 1 and s, timeout=30, what="run doomed FAILED")
+        def failed():
+            states = train_state(d, "doomed")
+            return states.get("FAILED") == 1 and states
+
+        states = wait_for(failed, timeout=30, what="run doomed FAILED")
         assert states == {s: (1 if s == "FAILED" else 0) for s in TRAIN_STATES}
         assert train_state(d, "fine")["TRAINING"] == 1  # the other run trains on
 

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 
 def start(tmp_path, *args: str):
-    return peerd("start", "--data-dir", str(tmp_path / "d"), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args)
+    base = ["--data-dir", str(tmp_path / "d"), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
+    return peerd("start", *base, *args)  # later flags win
 
 
 def assert_refused(r, tmp_path, *words: str) -> None:
