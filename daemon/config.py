@@ -381,8 +381,8 @@ def _check_control_address(address: str) -> None:
 
 
 def _check_maddr(name: str, value: str, example: str) -> list[str]:
-    """The protocol names of multiaddr `value` (["ip4", "tcp", "p2p"]), or ConfigError if it does not
-    parse as p2pd and hivemind would parse it (they failed later, with their own errors)."""
+    """The protocol names of multiaddr `value`, e.g. ["ip4", "tcp", "p2p"]; ConfigError if it does not
+    parse. hivemind parses it the same way once p2pd starts, and failed there with errors of its own."""
     from hivemind.utils.multiaddr import Multiaddr  # light: peers/ keeps hivemind's package imports lazy
 
     try:

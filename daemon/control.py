@@ -154,7 +154,7 @@ class HealthServicer(health_async.HealthServicer):
     def __init__(self, serving: Callable[[], bool]):
         super().__init__()
         self.serving = serving
-        self.enabled = False  # set_serving(True) (READY) before serving() is asked at all
+        self.enabled = False  # the lifecycle's say (set_serving); serving() is asked only while it is True
 
     async def set_serving(self, serving: bool) -> None:
         self.enabled = serving
