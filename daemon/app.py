@@ -21,6 +21,7 @@ from daemon.control import ControlServer, UnknownRun
 from daemon.datadir import DataDir
 from daemon.lifecycle import ALLOWED, DaemonState
 from daemon.metrics import DaemonMetrics, MetricsServer
+from daemon.progress import ProgressLog
 from daemon import runs as run_setup
 from daemon.runs import RunHandle
 from peers.collective.group import MAX_GROUP
@@ -117,6 +118,7 @@ class Daemon:
         self.runs: dict[str, RunHandle] = {}
         self.metrics.set_state(self.state.value)
         self.metrics_server = MetricsServer(self.metrics, config.metrics.host, config.metrics.port)
+        self.progress = ProgressLog(lambda: self.status().runs, config.progress_interval)
         self.node: PeerNode | None = None
         self.memberships: Memberships | None = None
         self.matchmaker: Matchmaker | None = None
@@ -190,6 +192,7 @@ class Daemon:
             self._set_state(DaemonState.READY)
             await self.control.set_serving(True)
             self.data_dir.write_ready(self.ready_info())
+            self.progress.start()
         except BaseException:
             await self._teardown(grace=0)
             raise
@@ -276,6 +279,7 @@ class Daemon:
 
     async def _teardown(self, grace: float) -> None:
         """Stop whatever started, in reverse order. Safe to call more than once."""
+        await self.progress.stop()
         if self.control is not None:
             await self.control.stop(grace)
             self.control = None
@@ -530,6 +534,19 @@ class Daemon:
             metrics_url=self.metrics_server.url,
             pid=os.getpid(),
         )
+
+    def failed_runs(self) -> dict[str, str]:
+        """The runs whose training FAILED (the task raised), with the error, by run ID."""
+        return {
+            run_id: h.trainer.error
+            for run_id, h in sorted(self.runs.items())
+            if h.trainer is not None and h.trainer.state.value == "FAILED"
+        }
+
+    def serving(self) -> bool:
+        """What the health service answers (docs/operations.md, "Health checks"): READY, and no run
+        this daemon trains has FAILED."""
+        return self.state is DaemonState.READY and not self.failed_runs()
 
     def _peer_counts(self) -> dict[str, int]:
         if self.memberships is None:

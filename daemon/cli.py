@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import faulthandler
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -73,10 +75,33 @@ def _shown(default) -> str:
     return str(default) if default not in ("", []) else "none"
 
 
+def _check_ports_free(config) -> None:
+    """ConfigError naming the port if the libp2p or metrics port cannot be listened on now: checked
+    before anything starts. p2pd binds with SO_REUSEPORT, so a second daemon on a port in use would
+    start and split its incoming connections with the first. (A port 0 is always free.)"""
+    ports = {
+        "--port": (config.network.host, config.network.port),
+        "--metrics-port": (config.metrics.host, config.metrics.port),
+    }
+    for flag, (host, port) in ports.items():
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a previous run's TIME_WAIT is no clash
+            try:
+                s.bind((host, port))  # without SO_REUSEPORT: fails while any socket listens on the port
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"{flag} {port} is in use on {host} (another peerd daemon, or another program, "
+                                      f"listens on it): pick another {flag}, or 0 for any free port") from None
+                raise ConfigError(f"{flag} {port}: cannot listen on {host}: {e.strerror}") from None
+
+
 def _cmd_start(args: argparse.Namespace) -> int:
     cli = {k: v for k, v in vars(args).items() if "." in k or k in {o.path for o in OPTIONS}}
     try:
         config = load_config(cli, config_file=getattr(args, "config", None))
+        _check_ports_free(config)
     except ConfigError as e:
         return _fail(2, str(e))
     logging.basicConfig(
@@ -335,10 +360,17 @@ def _cmd_stop(args) -> int:
 def _cmd_health(args) -> int:
     with _client(args) as c:
         status = c.health()
+        try:  # which runs it trains, and how: a FAILED one is why a READY daemon is NOT_SERVING
+            runs = [r for r in c.status().runs if r.task]
+        except grpc.RpcError:  # stopping: the health answer is the one that counts
+            runs = []
     if args.json:
-        _print_json({"status": status})
+        by_run = {r.run_id: {"train_state": r.train_state, "error": r.error} for r in runs}
+        _print_json({"status": status, "runs": by_run})
     else:
         print(status)
+        for r in runs:
+            print(f"run {r.run_id}: {r.train_state}{': ' + r.error if r.error else ''}")
     return 0 if status == "SERVING" else 1
 
 
@@ -403,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stop", parents=[parent], help="drain and stop the daemon", description="Ask the daemon to drain and exit, and wait until it has.")
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the process to exit (default 30)")
     p.set_defaults(func=_cmd_stop)
-    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING", description="Query the standard gRPC health service; exit 0 only when the daemon is READY.")
+    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING",
+                       description="Query the standard gRPC health service; exit 0 only when the daemon is READY and "
+                       "no run it trains has FAILED. Prints the status, then each trained run's state.")
     p.set_defaults(func=_cmd_health)
     _add_lab(sub)
     return parser

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -59,10 +60,15 @@ class NetworkConfig:
         if self.reliable_links not in RELIABLE_LINK_MODES:
             raise ConfigError(f"reliable_links: {self.reliable_links!r} is not one of {', '.join(RELIABLE_LINK_MODES)}")
         _check_port("port", self.port)
-        for name in ("announce", "initial_peers"):
-            for maddr in getattr(self, name):
-                if not maddr.startswith("/"):
-                    raise ConfigError(f"{name}: {maddr!r} is not a multiaddr (e.g. /ip4/1.2.3.4/tcp/31337/p2p/Qm...)")
+        for maddr in self.announce:
+            _check_maddr("announce", maddr, "/ip4/203.0.113.7/tcp/31337")
+        for maddr in self.initial_peers:
+            protocols = _check_maddr("initial_peers", maddr, "/ip4/198.51.100.2/tcp/31337/p2p/Qm...")
+            if protocols[-1:] != ["p2p"]:
+                raise ConfigError(
+                    f"initial_peers: {maddr!r} does not end in /p2p/<peer ID> "
+                    "(e.g. /ip4/198.51.100.2/tcp/31337/p2p/Qm...; `peerd status` on that peer shows its full addresses)"
+                )
         if not 0 <= self.udp_rate_mbit <= 1e6:
             raise ConfigError(f"udp_rate_mbit must be in 0..1000000 (Mbit/s; 0 = unpaced), got {self.udp_rate_mbit}")
         _check_positive("startup_timeout", self.startup_timeout)
@@ -155,6 +161,7 @@ class DaemonConfig:
     run_secret_file: str = ""  # secret for the runs joined at start; empty = open runs
     log_level: str = "INFO"
     drain_timeout: float = 10.0  # SIGTERM to exit: leave runs, stop servers, stop p2pd
+    progress_interval: float = 30.0  # seconds between two progress lines per training run in the log; 0 = none
     network: NetworkConfig = field(default_factory=NetworkConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
@@ -172,6 +179,8 @@ class DaemonConfig:
             raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
         self.log_level = self.log_level.upper()
         _check_positive("drain_timeout", self.drain_timeout)
+        if not 0 <= self.progress_interval < math.inf:
+            raise ConfigError(f"progress_interval: must be 0 (none) or more seconds, got {self.progress_interval}")
         socket_path = self.control_address.removeprefix("unix:")
         if socket_path != self.control_address and len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
             raise ConfigError(
@@ -216,6 +225,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
     Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
     Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
+    Option("progress_interval", "--progress-interval", "seconds between progress lines per run (0: none)", "SECONDS"),
     Option("network.host", "--host", "libp2p listen address", "ADDR"),
     Option("network.port", "--port", "libp2p listen port (0: any free port)", "PORT"),
     Option("network.announce", "--announce", "public multiaddr to announce (repeatable)", "MADDR"),
@@ -368,6 +378,18 @@ def _check_control_address(address: str) -> None:
         ok = bool(host) and port.isdigit() and int(port) <= 65535
     if address and not ok:
         raise ConfigError(f"control: {address!r} is neither unix:PATH nor HOST:PORT")
+
+
+def _check_maddr(name: str, value: str, example: str) -> list[str]:
+    """The protocol names of multiaddr `value`, e.g. ["ip4", "tcp", "p2p"]; ConfigError if it does not
+    parse. hivemind parses it the same way once p2pd starts, and failed there with errors of its own."""
+    from hivemind.utils.multiaddr import Multiaddr  # light: peers/ keeps hivemind's package imports lazy
+
+    try:
+        return [p.name for p in Multiaddr(value).protocols()]
+    except ValueError as e:  # hivemind's ParseError; the reason after the address says what is wrong
+        reason = str(e).rsplit(": ", 1)[-1]
+        raise ConfigError(f"{name}: {value!r} is not a multiaddr ({reason}; e.g. {example})") from None
 
 
 def _check_positive(name: str, value: float) -> None:

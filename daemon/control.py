@@ -1,4 +1,5 @@
-"""The control API server: gRPC on a unix socket (or TCP), plus the standard health service.
+"""The control API server: gRPC on a unix socket (or TCP), plus the standard health service
+(SERVING while the daemon is READY and none of the runs it trains has FAILED).
 
 Protobuf stops here: handlers convert requests to plain values, call the Daemon, and convert back.
 Errors map to gRPC codes: bad input INVALID_ARGUMENT, unknown run NOT_FOUND, too large a request
@@ -8,7 +9,7 @@ RESOURCE_EXHAUSTED, not READY yet UNAVAILABLE.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import _async as health_async
@@ -148,6 +149,31 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.ShutdownResponse()
 
 
+class HealthServicer(health_async.HealthServicer):
+    """The standard health service, whose status each Check reads afresh from `serving()` (a trainer
+    fails in its own thread, and nothing else would tell the service). Watch streams see a change
+    at the next set_serving or Check."""
+
+    def __init__(self, serving: Callable[[], bool]):
+        super().__init__()
+        self.serving = serving
+        self.enabled = False  # the lifecycle's say (set_serving); serving() is asked only while it is True
+
+    async def set_serving(self, serving: bool) -> None:
+        self.enabled = serving
+        await self._publish()
+
+    async def _publish(self) -> None:
+        ok = self.enabled and self.serving()
+        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", control_pb2.DESCRIPTOR.services_by_name["Control"].full_name):
+            await self.set(service, status)  # a Watch stream writes only a changed status
+
+    async def Check(self, request, context):
+        await self._publish()
+        return await super().Check(request, context)
+
+
 class ControlServer:
     def __init__(self, daemon: "Daemon", address: str, max_request_bytes: int):
         self.address = address
@@ -155,7 +181,7 @@ class ControlServer:
             options=[("grpc.max_receive_message_length", GRPC_HARD_LIMIT), ("grpc.so_reuseport", 0)]
         )
         control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(daemon, max_request_bytes), self.server)
-        self.health = health_async.HealthServicer()
+        self.health = HealthServicer(daemon.serving)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
     async def start(self) -> int:
@@ -169,9 +195,8 @@ class ControlServer:
         return port
 
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set("", status)
-        await self.health.set(control_pb2.DESCRIPTOR.services_by_name["Control"].full_name, status)
+        """Serving or not by the lifecycle; while serving, Check also asks the daemon (Daemon.serving)."""
+        await self.health.set_serving(serving)
 
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()

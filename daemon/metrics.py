@@ -38,6 +38,9 @@ disable_created_metrics()  # the *_created series double every counter for no us
 
 REQUEST_HEAD_LIMIT = 8192  # bytes of request line + headers we read before giving up
 REQUEST_READ_TIMEOUT = 5.0  # seconds a client may take to send its request head
+# daemon.trainer.TrainState's values, named here so that metrics never import torch
+# (tests/test_health.py checks that the two agree).
+TRAIN_STATES = ("LOADING", "TRAINING", "FINISHED", "STOPPED", "FAILED")
 
 
 class _WeightedHistogram(Collector):
@@ -85,6 +88,9 @@ class _TrainingCollector(Collector):
         self.runs = runs
 
     def collect(self) -> Iterable:
+        state = GaugeMetricFamily(
+            "peerd_train_state", "1 for the run's current training state, 0 for the others.", labels=["run", "state"]
+        )
         step = GaugeMetricFamily("peerd_train_step", "Global step of the run's state this daemon holds.", labels=["run"])
         local = CounterMetricFamily("peerd_local_steps", "Optimizer steps this daemon computed in the run.", labels=["run"])
         divergence = GaugeMetricFamily(
@@ -118,6 +124,8 @@ class _TrainingCollector(Collector):
         for r in self.runs():
             if not r.task:
                 continue
+            for name in TRAIN_STATES:
+                state.add_metric([r.run_id, name], 1 if r.train_state == name else 0)
             step.add_metric([r.run_id], r.step)
             if not math.isnan(r.compute_fraction):
                 compute.add_metric([r.run_id], r.compute_fraction)
@@ -138,6 +146,7 @@ class _TrainingCollector(Collector):
                 bucket_bytes.add_metric([r.run_id], r.dear_bucket_bytes)
                 if not math.isnan(r.dear_overlap_ratio):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
+        yield state
         yield from (step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes,
                     compute, waited)
 
