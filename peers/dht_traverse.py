@@ -20,7 +20,8 @@ import asyncio
 import contextvars
 import types
 
-_created: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars.ContextVar("peerd_dht_search_tasks", default=None)
+# The tasks of the search running in this context; its workers and their requests inherit it.
+_created: contextvars.ContextVar[list[asyncio.Task] | None] = contextvars.ContextVar("dht_search_tasks", default=None)
 
 
 class _RecordingAsyncio(types.ModuleType):
