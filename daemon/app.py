@@ -17,7 +17,7 @@ from pathlib import Path
 
 from daemon import __version__
 from daemon.config import DaemonConfig
-from daemon.control import ControlServer, UnknownRun
+from daemon.control import ControlServer, TooManyRuns, UnknownRun
 from daemon.datadir import DataDir
 from daemon.lifecycle import ALLOWED, DaemonState
 from daemon.metrics import DaemonMetrics, MetricsServer
@@ -116,6 +116,7 @@ class Daemon:
             runs=lambda: self.status().runs,
         )
         self.runs: dict[str, RunHandle] = {}
+        self._run_changes = asyncio.Lock()  # one join or leave at a time: max_runs holds, no half-left run
         self.metrics.set_state(self.state.value)
         self.metrics_server = MetricsServer(self.metrics, config.metrics.host, config.metrics.port)
         self.progress = ProgressLog(lambda: self.status().runs, config.progress_interval)
@@ -322,10 +323,17 @@ class Daemon:
 
     async def join_run(self, run_id: str, secret_file: str | None, task: str = "", settings: dict[str, str] | None = None) -> bool:
         """Join a run (creating it when `task` is given and it has no manifest). Raises RunRefused,
-        InvalidSecret, or RuntimeError when not READY; a refused join changes nothing."""
+        InvalidSecret, TooManyRuns beyond max_runs, or RuntimeError when not READY; a refused join
+        changes nothing. Joining a run this daemon is in already returns False."""
         self._require_ready()
         secret = RunSecret.from_file(secret_file, run_id) if secret_file else None
-        joined = await self._join(run_id, secret, task, settings or {})
+        async with self._run_changes:
+            if run_id not in self.runs and len(self.runs) >= self.config.max_runs:
+                raise TooManyRuns(
+                    f"this daemon is in {len(self.runs)} runs, its limit (max_runs); "
+                    "leave one first, or restart the daemon with a larger --max-runs"
+                )
+            joined = await self._join(run_id, secret, task, settings or {})
         self.data_dir.write_ready(self.ready_info())
         return joined
 
@@ -456,14 +464,20 @@ class Daemon:
         if handle.trainer is not None:
             await asyncio.to_thread(handle.trainer.stop)
 
-    async def leave_run(self, run_id: str) -> None:
+    async def leave_run(self, run_id: str) -> bool:
+        """Leave a run; False if this daemon was not in it (nothing changes: leaving is idempotent).
+        Raises RuntimeError when not READY."""
         memberships = self._require_ready()
-        if run_id not in self.runs:
-            raise UnknownRun(run_id)
-        handle = self.runs.pop(run_id)
-        await self._stop_run(handle)
-        await memberships.leave(run_id)
+        async with self._run_changes:
+            handle = self.runs.pop(run_id, None)
+            if handle is None and run_id not in memberships.runs:
+                return False
+            if handle is not None:
+                await self._stop_run(handle)
+            if run_id in memberships.runs:
+                await memberships.leave(run_id)
         self.data_dir.write_ready(self.ready_info())
+        return True
 
     def _membership(self, run_id: str):
         if self.memberships is None or run_id not in self.memberships.runs:

@@ -316,8 +316,11 @@ def _cmd_join(args) -> int:
     if bad:
         return _fail(2, f"--set {bad[0]!r} is not KEY=VALUE")
     settings = dict(s.split("=", 1) for s in args.settings)
-    with _client(args) as c:
-        joined = c.join(args.run_id, secret_file, args.task, settings).joined
+    try:
+        with _client(args) as c:
+            joined = c.join(args.run_id, secret_file, args.task, settings).joined
+    except grpc.RpcError as e:
+        return _refused(e, f"cannot join {args.run_id}")
     if args.json:
         _print_json({"run_id": args.run_id, "joined": joined})
     else:
@@ -326,13 +329,28 @@ def _cmd_join(args) -> int:
 
 
 def _cmd_leave(args) -> int:
-    with _client(args) as c:
-        c.leave(args.run_id)
+    try:
+        with _client(args) as c:
+            was_in = args.run_id in {r.run_id for r in c.status().runs}
+            c.leave(args.run_id)  # leaving a run the daemon is not in succeeds and changes nothing
+    except grpc.RpcError as e:
+        return _refused(e, f"cannot leave {args.run_id}")
     if args.json:
-        _print_json({"run_id": args.run_id, "left": True})
+        _print_json({"run_id": args.run_id, "left": was_in})
     else:
-        print(f"left {args.run_id}")
+        print(f"left {args.run_id}" if was_in else f"not in {args.run_id}")
     return 0
+
+
+def _refused(e: grpc.RpcError, what: str) -> int:
+    """A join or leave the daemon refused, in its words (no gRPC code names): exit 2 when the request
+    is at fault (bad run ID or secret, a run it cannot train), 1 when the daemon cannot do it now (not
+    READY, or at its --max-runs). No answer at all is main()'s to report."""
+    code, details = e.code(), e.details() or ""
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and "not READY" not in details:
+        raise e
+    at_fault = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
+    return _fail(2 if code in at_fault else 1, f"{what}: {details}")
 
 
 def _cmd_stop(args) -> int:

@@ -22,6 +22,7 @@ MAX_PEER_TTL = MAX_RECORD_TTL / 2
 
 
 UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108, with the final NUL)
+MAX_RUNS_LIMIT = 1024  # the largest max_runs accepted: a bound, not a target (each run costs DHT traffic)
 
 
 class ConfigError(ValueError):
@@ -158,6 +159,8 @@ class TrainConfig:
 class DaemonConfig:
     data_dir: Path = field(default_factory=default_data_dir)  # identity key, control socket, ready.json, lock
     runs: list[str] = field(default_factory=list)  # runs to join at start
+    # Most runs held at once: each costs heartbeats, DHT reads and memory; a join beyond it is refused.
+    max_runs: int = 16
     run_secret_file: str = ""  # secret for the runs joined at start; empty = open runs
     log_level: str = "INFO"
     drain_timeout: float = 10.0  # SIGTERM to exit: leave runs, stop servers, stop p2pd
@@ -175,6 +178,10 @@ class DaemonConfig:
                 validate_run_id(run_id)
             except InvalidRunId as e:
                 raise ConfigError(f"run: {e}") from None
+        if not 1 <= self.max_runs <= MAX_RUNS_LIMIT:
+            raise ConfigError(f"max_runs must be in 1..{MAX_RUNS_LIMIT}, got {self.max_runs}")
+        if len(set(self.runs)) > self.max_runs:
+            raise ConfigError(f"run: {len(set(self.runs))} runs to join at start, more than max_runs ({self.max_runs})")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
         self.log_level = self.log_level.upper()
@@ -222,6 +229,7 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("data_dir", "--data-dir", "directory for the identity key, control socket, ready.json and lock", "DIR"),
     Option("runs", "--run", "join this run at start (repeatable)", "RUN_ID"),
+    Option("max_runs", "--max-runs", "most runs the daemon holds at once; a join beyond it is refused", "N"),
     Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
     Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
     Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),

@@ -2,16 +2,19 @@
 (SERVING while the daemon is READY and none of the runs it trains has FAILED).
 
 Protobuf stops here: handlers convert requests to plain values, call the Daemon, and convert back.
-Errors map to gRPC codes: bad input INVALID_ARGUMENT, unknown run NOT_FOUND, too large a request
-RESOURCE_EXHAUSTED, not READY yet UNAVAILABLE.
+Errors map to gRPC codes: bad input (a request that does not parse included) INVALID_ARGUMENT, unknown
+run NOT_FOUND, too large a request or one run too many RESOURCE_EXHAUSTED, not READY yet UNAVAILABLE.
+Messages are for people: they never name a gRPC code.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -25,22 +28,64 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GRPC_HARD_LIMIT = 1024 * 1024  # grpc refuses larger messages before any handler runs
+MALFORMED_LOG_INTERVAL = 60.0  # seconds between two log lines about requests that do not parse
 
 
 class UnknownRun(KeyError):
     pass
 
 
+class TooManyRuns(Exception):
+    """A join beyond max_runs; the message says so, in one line."""
+
+
+class Malformed:
+    """What a request that does not parse becomes: its handler answers it, where grpc would log a
+    traceback per request and answer UNKNOWN."""
+
+    __slots__ = ("message", "error")
+
+    def __init__(self, message: str, error: str):
+        self.message, self.error = message, error
+
+
+def _lenient(message_class):
+    def deserialize(data: bytes):
+        try:
+            return message_class.FromString(data)
+        except DecodeError as e:
+            return Malformed(message_class.DESCRIPTOR.name, str(e))
+
+    return deserialize
+
+
 class ControlServicer(control_pb2_grpc.ControlServicer):
     def __init__(self, daemon: "Daemon", max_request_bytes: int):
         self.daemon = daemon
         self.max_request_bytes = max_request_bytes
+        self._malformed_unlogged = 0  # refused since the last log line
+        self._malformed_logged_at = -MALFORMED_LOG_INTERVAL
 
     async def _check(self, request, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, Malformed):
+            self.daemon.reject("control_malformed")
+            self._log_malformed(request)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as a {request.message}")
         size = request.ByteSize()
         if size > self.max_request_bytes:
             self.daemon.reject("control_oversized")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request is {size} bytes; the limit is {self.max_request_bytes}")
+
+    def _log_malformed(self, request: Malformed) -> None:
+        """One line per MALFORMED_LOG_INTERVAL at most: a flood of garbage must not flood the log."""
+        self._malformed_unlogged += 1
+        now = time.monotonic()
+        if now - self._malformed_logged_at >= MALFORMED_LOG_INTERVAL:
+            logger.warning(
+                "refused %d control request(s) that do not parse (last: %s: %s)",
+                self._malformed_unlogged, request.message, request.error,
+            )
+            self._malformed_unlogged, self._malformed_logged_at = 0, now
 
     async def _run_id(self, run_id: str, context) -> str:
         try:
@@ -125,6 +170,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         except RunRefused as e:
             self.daemon.reject("control_run_refused")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except TooManyRuns as e:
+            self.daemon.reject("control_too_many_runs")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except InvalidSecret as e:
             self.daemon.reject("control_invalid_secret")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -136,9 +184,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         run_id = await self._run_id(request.run_id, context)
         try:
-            await self.daemon.leave_run(run_id)
-        except UnknownRun:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"this daemon is not in run {run_id!r}")
+            await self.daemon.leave_run(run_id)  # a run this daemon is not in is left already
         except RuntimeError as e:  # not READY
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return control_pb2.LeaveRunResponse()
@@ -180,7 +226,7 @@ class ControlServer:
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", GRPC_HARD_LIMIT), ("grpc.so_reuseport", 0)]
         )
-        control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(daemon, max_request_bytes), self.server)
+        _add_control_servicer(ControlServicer(daemon, max_request_bytes), self.server)
         self.health = HealthServicer(daemon.serving)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
 
@@ -201,3 +247,18 @@ class ControlServer:
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+def _add_control_servicer(servicer: ControlServicer, server: grpc.aio.Server) -> None:
+    """As control_pb2_grpc.add_ControlServicer_to_server, with requests parsed by _lenient."""
+    service = control_pb2.DESCRIPTOR.services_by_name["Control"]
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, m.name),
+            request_deserializer=_lenient(getattr(control_pb2, m.input_type.name)),
+            response_serializer=getattr(control_pb2, m.output_type.name).SerializeToString,
+        )
+        for m in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
