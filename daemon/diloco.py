@@ -179,19 +179,21 @@ class OuterLoop:
     @torch.no_grad()
     def finish(self) -> Applied | None:
         """Training ends: apply the round still in flight (waiting for it; its bridge bounds the
-        wait) and leave the model at θ, the parameters the run agreed on. Progress since the last
-        boundary, which no round averaged, is dropped; None when no round was pending."""
-        applied = None
-        if self._pending is not None:
-            t0 = time.monotonic()
-            results = self._pending.result()
-            applied_round, repaired = self._pending_round
-            self._pending = None
-            self._apply(repaired)
-            applied = Applied(applied_round, results, time.monotonic() - t0, repaired)
-        _scatter(self.theta, self.params)
-        self.start.copy_(self.theta)
-        return applied
+        wait). The model keeps θ plus this member's progress since the last boundary, which no
+        round averaged: nothing trained is dropped. None when no round was pending."""
+        if self._pending is None:
+            return None
+        _gather(self.params, self.scratch)
+        tail = torch.sub(self.start, self.scratch)  # progress since the last boundary
+        t0 = time.monotonic()
+        results = self._pending.result()
+        applied_round, repaired = self._pending_round
+        self._pending = None
+        self._apply(repaired)
+        torch.sub(self.theta, self.progress, out=self.scratch)  # where this phase started from, updated
+        self.scratch.sub_(tail)
+        _scatter(self.scratch, self.params)
+        return Applied(applied_round, results, time.monotonic() - t0, repaired)
 
     @contextlib.contextmanager
     def outer_params(self):

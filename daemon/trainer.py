@@ -364,8 +364,8 @@ class Trainer:
             applied = self._outer.finish()
             if applied is not None:
                 self._after_outer_round(applied)
-        if self.eval is None or self.global_step % self.eval_every:
-            self._evaluate(model)
+        if self.eval is None or self.global_step % self.eval_every:  # the model as it ends, all work in it
+            self.eval = self.task.evaluate(model, self.hparams)
         if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)
 

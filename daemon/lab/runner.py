@@ -170,6 +170,10 @@ def scrape(url: str, run_id: str) -> dict[str, float]:
                 out[f"rounds_{s.labels['outcome']}"] = s.value
             elif s.name == "peerd_param_divergence":
                 out["divergence"] = s.value
+            elif s.name == "peerd_train_compute_fraction":
+                out["compute_fraction"] = s.value
+            elif s.name == "peerd_samples_total":
+                out["samples"] = s.value
             elif s.name in ("peerd_sent_bytes_total", "peerd_received_bytes_total", "peerd_state_sync_bytes_total"):
                 key = s.name.removeprefix("peerd_").removesuffix("_total")
                 out[key] = out.get(key, 0.0) + s.value

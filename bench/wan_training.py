@@ -1,0 +1,213 @@
+"""Training over a WAN in the network lab: DiLoCo (the default) against state averaging and against
+the same hosts training alone, with the same wall-clock budget.
+
+    sudo .venv/bin/python -m bench.wan_training [--quick] [--hosts 3] [--seconds 150] [--rate 100]
+                                                [--rtt-ms 50] [--loss 1] [--every 50] [--task charlm]
+                                                [--extra udp10,throttled]
+
+Each setup is one `peerd lab` scenario (daemon/lab/runner.py: hosts in network namespaces on one
+bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered to a host dropped,
+--rtt-ms added by the userspace delay line), run for --seconds of training:
+
+  (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, overlapped rounds
+  (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
+  (c) alone     the same hosts, the same run, no rounds (average_every = 100000): the compute ceiling
+                under the same CPU sharing, since all hosts share this machine's cores
+  extras:       udp10: (a) with the UDP engine and 10 % loss; throttled: (a) with one host slowed
+                by a CPU-heavy neighbour in its namespace (the straggler budget at work)
+
+Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
+sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
+stops it; under DiLoCo the checkpoint's model is the outer parameters θ), evaluated here. Also one
+process trained on as many samples as (a)'s hosts took together (batch = hosts x batch). JSON lines;
+the last is the headline: utilization, (a)'s steps per host over (c)'s. Needs root (namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import json
+
+from bench.common import emit, progress as _progress, result
+from daemon.lab.runner import Lab
+from daemon.lab.scenario import parse
+
+BENCH = "wan_training"
+
+
+def progress(message: str) -> None:
+    _progress(BENCH, message)
+
+
+def line(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+class TrainingLab(Lab):
+    """A lab run that also evaluates each host's last checkpoint before the lab is removed."""
+
+    evaluations: dict[str, float]
+
+    def _check_checkpoints(self) -> None:
+        super()._check_checkpoints()
+        from daemon.checkpoint import CheckpointStore
+        from daemon.tasks import get_task
+
+        task = get_task(self.s.run.task)
+        hparams = task.parse_hparams({k: v for k, v in _typed(self.s.run.settings).items() if "." not in k})
+        self.evaluations = {}
+        for name in self.daemons:
+            ckpt = CheckpointStore(self._data_dir(name) / "runs" / self.s.run.id / "checkpoints").load_latest()
+            if ckpt is None:
+                continue
+            model, _ = task.build(hparams, 0)
+            model.load_state_dict(ckpt.state["model"])
+            self.evaluations[name] = task.evaluate(model, hparams).score
+
+
+def _typed(settings: dict) -> dict:
+    out = {}
+    for k, v in settings.items():
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def _burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x += 1
+
+
+def scenario(name: str, args, settings: dict, *, loss: float | None = None, throttle: str = "") -> dict:
+    hosts = [{"name": f"h{i}"} for i in range(args.hosts)]
+    data = {
+        "name": name,
+        "duration": args.seconds,
+        "congestion_control": "bbr",
+        "run": {"id": name, "task": args.task, "settings": {k: str(v) for k, v in settings.items()},
+                "checkpoint_every": 100_000, "args": ["--eval-every", "100000", "--progress-interval", "0"]},
+        "link": {"rate_mbit": args.rate, "loss_pct": args.loss if loss is None else loss, "rtt_ms": args.rtt_ms},
+        "host": hosts,
+    }
+    return data
+
+
+def run_setup(name: str, data: dict, throttle: str = "") -> dict:
+    progress(f"{name}: {data['duration']:.0f} s of training on {len(data['host'])} hosts")
+    lab = TrainingLab(parse(data, name), progress=lambda m: progress(f"  {m}"))
+    burner = None
+    if throttle:  # a CPU-heavy neighbour beside one host: it gets a smaller share of the cores
+        burner = mp.Process(target=_burn, args=(data["duration"] + 120,), daemon=True)
+        burner.start()
+        os.sched_setaffinity(burner.pid, {0})
+    try:
+        record = lab.run()
+    finally:
+        if burner is not None:
+            burner.terminate()
+    hosts = {}
+    for host in (h["name"] for h in data["host"]):
+        last = [s for s in record.samples if s.host == host]
+        if not last:
+            continue
+        s = last[-1]
+        samples = s.metrics.get("samples", 0.0)
+        hosts[host] = {
+            "steps": s.step, "local_steps": s.local_step,
+            "compute_fraction": round(s.metrics.get("compute_fraction", math.nan), 3),
+            "mb_per_1000_samples": round(s.metrics.get("sent_bytes", 0.0) / 1e6 / max(samples, 1) * 1000, 4),
+            "samples": samples, "eval": round(lab.evaluations.get(host, math.nan), 4),
+            "rounds_completed": s.metrics.get("rounds_completed", 0.0),
+        }
+    out = {"bench": BENCH, "setup": name, "hosts": hosts, "settings": data["run"]["settings"],
+            "link": data["link"], "duration": round(record.duration, 1), "exit_codes": record.exit_codes}
+    line(out)
+    return out
+
+
+def _mean(line: dict, key: str) -> float:
+    values = [h[key] for h in line["hosts"].values() if not (isinstance(h[key], float) and math.isnan(h[key]))]
+    return statistics.fmean(values) if values else math.nan
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.wan_training", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="30 s per setup, (a) and (c) only: a smoke run")
+    p.add_argument("--hosts", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=150.0)
+    p.add_argument("--rate", type=float, default=100.0, help="Mbit/s per link, both directions")
+    p.add_argument("--rtt-ms", type=float, default=50.0)
+    p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
+    p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
+    p.add_argument("--task", default="charlm")
+    p.add_argument("--extra", default="", help="comma-separated: udp10, throttled")
+    p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train one process on as many samples as (a)'s hosts together")
+    args = p.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench.wan_training needs root (network namespaces)", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.seconds, args.single = 30.0, False
+    diloco = {"averaging.algorithm": "diloco", "averaging.average_every": args.every}
+    setups = [
+        ("a_diloco", scenario("a_diloco", args, diloco)),
+        ("c_alone", scenario("c_alone", args, {"averaging.algorithm": "state", "averaging.average_every": 100_000})),
+    ]
+    if not args.quick:
+        setups.insert(1, ("b_state", scenario("b_state", args, {"averaging.algorithm": "state",
+                                                                  "averaging.average_every": 10})))
+    extras = [e for e in args.extra.split(",") if e]
+    for e in extras:
+        if e == "udp10":
+            setups.append(("a_diloco_udp10", scenario("a_diloco_udp10", args, {**diloco, "averaging.transport": "udp"},
+                                                      loss=10.0)))
+        elif e == "throttled":
+            setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))
+        else:
+            p.error(f"unknown extra {e!r}")
+    lines = {}
+    for name, data in setups:
+        lines[name] = run_setup(name, data, throttle="h0" if name.endswith("throttled") else "")
+    a, c = lines["a_diloco"], lines["c_alone"]
+    if args.single:
+        from daemon.tasks import get_task, train_single_process
+
+        task = get_task(args.task)
+        h = task.parse_hparams({})
+        steps = round(_mean(a, "local_steps"))
+        progress(f"one process: {steps} steps of {args.hosts} x {h.batch_size} samples")
+        single = train_single_process(task, h, steps=steps, batch_size=args.hosts * h.batch_size, seed=0)
+        line({"bench": BENCH, "setup": "single_process", "steps": steps, "batch": args.hosts * h.batch_size,
+              "eval": round(single.score, 4), "metric": single.metric})
+    summary = {"bench": BENCH, "setup": "summary",
+               "eval_a": round(_mean(a, "eval"), 4), "eval_c_best": min(h["eval"] for h in c["hosts"].values()),
+               "compute_fraction_a": round(_mean(a, "compute_fraction"), 3)}
+    if "b_state" in lines:
+        b = lines["b_state"]
+        summary["bytes_per_sample_b_over_a"] = round(_mean(b, "mb_per_1000_samples") / _mean(a, "mb_per_1000_samples"), 1)
+        summary["eval_b"] = round(_mean(b, "eval"), 4)
+    line(summary)
+    ours, base = _mean(a, "steps"), _mean(c, "steps")
+    emit(result(BENCH, "utilization: steps per host, diloco over alone", ours, base, "steps"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
