@@ -343,7 +343,8 @@ class Daemon:
             if task and (current is None or current.task != task):
                 raise run_setup.RunRefused(f"already in run {run_id!r}, which trains {current.task if current else 'nothing'!r}, not {task!r}")
             return False
-        resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject)
+        data_dir = self.config.data_dir
+        resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject, data_dir)
         await self.memberships.join(run_id, secret)
         self.memberships.runs[run_id].probe_address = self.prober.announced(self._advertise_host()) if self.prober else ""
         handle = RunHandle(run_id, None, None)
@@ -414,13 +415,21 @@ class Daemon:
                 on_sync=lambda result: self.metrics.observe_sync(run_id, result),
                 local_group=local_group,
                 announce=lambda: self._announce_soon(membership, loop),
+                on_rejected=self.reject,
             )
             membership.step_of = lambda: trainer.global_step
             membership.sketches_of = lambda: trainer.sketches
             self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
+            await asyncio.to_thread(trainer.load)  # status shows the restored step from its first answer
             trainer.start()
             handle.republisher = asyncio.create_task(
                 run_setup.republish(self.node, manifest, data, secret), name=f"manifest:{run_id}"
+            )
+        else:
+            logger.warning(
+                "run %s: no manifest and no --task: joined for discovery only, nothing to train "
+                "(a mistyped run ID, or a run not created yet? --task creates it)",
+                run_id,
             )
         self.runs[run_id] = handle
         return True

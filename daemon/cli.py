@@ -104,6 +104,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
         _check_ports_free(config)
     except ConfigError as e:
         return _fail(2, str(e))
+    if not config.runs and (config.train.task or config.train.hparams):  # they would go unused
+        return _fail(2, "--task and --set are for the runs joined at start: give --run RUN_ID too")
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -276,7 +278,7 @@ def _cmd_status(args) -> int:
         if not math.isnan(r.param_divergence):
             print(f"{r.run_id}: parameter divergence {r.param_divergence:.4g} (largest pair of peers at step {r.param_divergence_step})")
         if r.error:
-            print(f"{r.run_id}: training failed: {r.error}")
+            print(f"{r.run_id}: {'training failed: ' if r.train_state == 'FAILED' else ''}{r.error}")
     return 0
 
 
@@ -319,8 +321,12 @@ def _cmd_join(args) -> int:
     try:
         with _client(args) as c:
             joined = c.join(args.run_id, secret_file, args.task, settings).joined
+            run = next((r for r in c.status().runs if r.run_id == args.run_id), None)
     except grpc.RpcError as e:
         return _refused(e, f"cannot join {args.run_id}")
+    if run is not None and not run.task:
+        print(f"peerd: warning: run {args.run_id!r} has no manifest and no --task was given: joined for discovery "
+              "only, nothing to train (a mistyped run ID, or a run not created yet? --task creates it)", file=sys.stderr)
     if args.json:
         _print_json({"run_id": args.run_id, "joined": joined})
     else:

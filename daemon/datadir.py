@@ -1,12 +1,16 @@
-"""The data directory: who owns it (a lock), the identity key, and the ready file."""
+"""The data directory: who owns it (a lock), the identity key, the ready file, and the runs'
+manifests and checkpoints (runs/<run>/)."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class DataDirError(RuntimeError):
@@ -14,7 +18,8 @@ class DataDirError(RuntimeError):
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write, fsync, rename: readers see the old file or the whole new one, never a torn one."""
+    """Write, fsync, rename: readers see the old file or the whole new one, never a torn one. A
+    crash before the rename leaves the temp file, which DataDir.open() removes."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -60,6 +65,24 @@ class DataDir:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
         self.ready_path.unlink(missing_ok=True)  # left by a crashed daemon; we own the dir now
+        self.remove_temp_files()
+
+    def remove_temp_files(self) -> list[Path]:
+        """Remove the temp files of writes a crash interrupted (write_atomic's, in the data dir and
+        under runs/): nobody else writes here while we hold the lock. Returns what was removed."""
+        runs = self.path / "runs"
+        found = [*self.path.glob(".*.tmp"), *(runs.rglob(".*.tmp") if runs.is_dir() else [])]
+        removed = []
+        for path in found:
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError as e:
+                logger.warning("cannot remove %s, left by an interrupted write: %s", path, e.strerror)
+        if removed:
+            names = ", ".join(str(p.relative_to(self.path)) for p in removed)
+            logger.info("removed %d temp file(s) left by interrupted writes: %s", len(removed), names)
+        return removed
 
     def write_ready(self, info: dict[str, Any]) -> None:
         write_atomic(self.ready_path, (json.dumps(info, indent=2) + "\n").encode())

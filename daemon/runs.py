@@ -9,16 +9,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from daemon.config import TrainConfig
+from daemon.datadir import write_atomic
 from peers import manifest as manifests
 from peers.clock import now
+from peers.envelope import RecordRejected
 from peers.manifest import AveragingSettings, RunManifest
 from peers.node import PeerNode
 from peers.runs import RunSecret
@@ -196,57 +196,121 @@ def _installed(name: str) -> Task:
         raise RunRefused(str(e)) from None
 
 
+def manifest_path(data_dir: Path, run_id: str) -> Path:
+    """Where a daemon keeps the signed manifest of a run it created or joined, so that a restart
+    with no peer left to hold it in the DHT republishes the same run (same digest, same seed)."""
+    return data_dir / "runs" / run_id / "manifest"
+
+
+def _stored(path: Path, run_id: str, secret: RunSecret | None) -> tuple[RunManifest, bytes] | None:
+    """The manifest kept at `path`, or None (none kept, or unusable: one log line says why)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        logger.warning("run %s: cannot read the manifest kept in %s: %s", run_id, path, e.strerror)
+        return None
+    try:
+        return manifests.decode_manifest(data, run_id=run_id, secret=secret, subkey=None), data
+    except RecordRejected as e:  # e.g. another --run-secret-file than the run was created with
+        logger.warning("run %s: ignoring the manifest kept in %s: %s", run_id, path, e)
+        return None
+
+
+def _keep(path: Path, data: bytes) -> None:
+    try:
+        if path.is_file() and path.read_bytes() == data:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data)
+    except OSError as e:  # training can go on; only a lone restart would mint a new manifest
+        logger.warning("cannot keep the run's manifest in %s: %s", path, e.strerror)
+
+
+def _check_asked(manifest: RunManifest, task_name: str, settings: dict[str, str], where: str) -> None:
+    """Refuse (RunRefused, naming what differs) a --task or --set that disagrees with the run's
+    manifest, or a manifest whose task this daemon cannot train. `where` says where it was found."""
+    run_id = manifest.run_id
+    if task_name and task_name != manifest.task:
+        raise RunRefused(f"run {run_id!r} trains task {manifest.task!r}, not {task_name!r}{where}")
+    task = _installed(manifest.task)
+    try:
+        hparams_from_text(task, manifest.hparams)
+    except (ValueError, TypeError) as e:  # HparamsError is a ValueError
+        raise RunRefused(f"run {run_id!r} has a manifest this daemon cannot use: {e}") from None
+    if not settings:
+        return
+    hparam_text, averaging = _split_settings(settings)
+    try:
+        asked = hparams_from_text(task, hparam_text).to_dict()
+    except (ValueError, TypeError) as e:
+        raise RunRefused(str(e)) from None
+    differs = [f"{k}={manifest.hparams.get(k)}" for k in hparam_text if manifest.hparams.get(k) != str(asked[k])]
+    for key in (k.removeprefix("averaging.") for k in settings if k.startswith("averaging.")):
+        if getattr(averaging, key) != getattr(manifest.averaging, key):
+            differs.append(f"averaging.{key}={getattr(manifest.averaging, key)}")
+    if differs:
+        raise RunRefused(f"run {run_id!r} exists and its manifest sets {', '.join(differs)}{where}; drop --set")
+
+
 async def resolve(
-    node: PeerNode, run_id: str, secret: RunSecret | None, task_name: str, settings: dict[str, str], on_rejected
+    node: PeerNode,
+    run_id: str,
+    secret: RunSecret | None,
+    task_name: str,
+    settings: dict[str, str],
+    on_rejected,
+    data_dir: Path,
 ) -> tuple[RunManifest, bytes] | None:
-    """The run's manifest: the one in the DHT, or a new one if task_name is given and there is none.
-    Raises RunRefused when the run cannot be trained here as asked."""
+    """The run's manifest: the one in the DHT; else the one this daemon kept when it last created or
+    joined the run (republished); else a new one if task_name is given; else None (discovery only).
+    The manifest used is kept in the data dir (manifest_path). Raises RunRefused when the run
+    cannot be trained here as asked: another task, settings that differ from the manifest's, or
+    --set without --task for a run that has no manifest."""
+    path = manifest_path(data_dir, run_id)
     try:
         found = await manifests.fetch(node, run_id, secret, on_rejected)
     except manifests.InvalidManifests as e:
         raise RunRefused(str(e)) from None
     if found is not None:
-        manifest, data = found
-        if task_name and task_name != manifest.task:
-            raise RunRefused(f"run {run_id!r} trains task {manifest.task!r}, not {task_name!r}")
+        _check_asked(found[0], task_name, settings, "")
+        _keep(path, found[1])
+        return found
+    kept = _stored(path, run_id, secret)
+    if kept is not None:
+        manifest, data = kept
+        _check_asked(manifest, task_name, settings, f" (kept in {path}; delete it to create the run anew)")
+        logger.info("run %s: no manifest in the DHT; republishing the one kept in %s", run_id, path)
+    elif not task_name:
         if settings:
-            raise RunRefused(f"run {run_id!r} exists: its hyper-parameters are fixed by its manifest; drop --set")
-        task = _installed(manifest.task)
-        try:
-            hparams_from_text(task, manifest.hparams)
-        except (ValueError, TypeError) as e:  # HparamsError is a ValueError
-            raise RunRefused(f"run {run_id!r} has a manifest this daemon cannot use: {e}") from None
-        return manifest, data
-    if not task_name:
+            raise RunRefused(f"run {run_id!r} has no manifest: --set needs --task to create it")
         return None  # discovery only
-    task = _installed(task_name)
-    hparam_text, averaging = _split_settings(settings)
-    try:
-        hparams = hparams_from_text(task, hparam_text)
-    except (ValueError, TypeError) as e:  # HparamsError is a ValueError
-        raise RunRefused(str(e)) from None
-    manifest = RunManifest(
-        run_id=run_id,
-        task=task.name,
-        hparams={k: str(v) for k, v in hparams.to_dict().items()},  # the complete set: defaults may change
-        averaging=averaging,
-        creator=node.peer_id,
-        created_at=now(),
-    )
-    data = manifests.encode_manifest(manifest, node.identity, secret)
+    else:
+        task = _installed(task_name)
+        hparam_text, averaging = _split_settings(settings)
+        try:
+            hparams = hparams_from_text(task, hparam_text)
+        except (ValueError, TypeError) as e:  # HparamsError is a ValueError
+            raise RunRefused(str(e)) from None
+        manifest = RunManifest(
+            run_id=run_id,
+            task=task.name,
+            hparams={k: str(v) for k, v in hparams.to_dict().items()},  # the complete set: defaults may change
+            averaging=averaging,
+            creator=node.peer_id,
+            created_at=now(),
+        )
+        data = manifests.encode_manifest(manifest, node.identity, secret)
     await manifests.publish(node, manifest, data, secret, MANIFEST_TTL)
-    # Two daemons may create the run at once: everyone settles on the earliest manifest.
+    # Two daemons may create (or republish) the run at once: everyone settles on the earliest manifest.
     try:
         settled = await manifests.fetch(node, run_id, secret, on_rejected)
     except manifests.InvalidManifests:
         settled = None  # ours is valid: it was not found yet
-    return settled if settled is not None else (manifest, data)
-
-
-def manifest_digest(manifest: RunManifest) -> str:
-    """Identifies the run a checkpoint belongs to (stable across republications and restarts)."""
-    text = json.dumps(dataclasses.asdict(manifest), sort_keys=True)
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    settled = settled if settled is not None else (manifest, data)
+    _keep(path, settled[1])
+    return settled
 
 
 def make_trainer(
@@ -263,10 +327,14 @@ def make_trainer(
     on_sync=None,
     local_group=None,
     announce=None,
+    on_rejected=None,
 ) -> Trainer:
+    """The run's trainer. `on_rejected(reason)` counts the checkpoints it cannot load: `checkpoint_corrupt`
+    (does not verify), `checkpoint_foreign` (of another run, task, hyper-parameters or model)."""
     from daemon.checkpoint import CheckpointStore
     from daemon.trainer import Trainer, seed_from
 
+    count = on_rejected or (lambda reason: None)
     task = _installed(manifest.task)
     return Trainer(
         run_id=manifest.run_id,
@@ -275,8 +343,11 @@ def make_trainer(
         # Every peer starts from the same parameters; each sees its own stream of samples.
         init_seed=seed_from(manifest.run_id, manifest.creator, repr(manifest.created_at)),
         peer_seed=seed_from(manifest.run_id, node.peer_id),
-        store=CheckpointStore(data_dir / "runs" / manifest.run_id / "checkpoints"),
-        manifest_digest=manifest_digest(manifest),
+        store=CheckpointStore(
+            data_dir / "runs" / manifest.run_id / "checkpoints",
+            on_corrupt=lambda path, why: count("checkpoint_corrupt"),
+            on_foreign=lambda path, why: count("checkpoint_foreign"),
+        ),
         threads=train.threads,
         checkpoint_every=train.checkpoint_every,
         eval_every=train.eval_every,

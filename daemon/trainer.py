@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from daemon.checkpoint import CheckpointStore
+from daemon.checkpoint import CheckpointStore, identity_of
 from daemon.diloco import OuterLoop, OuterSettings
 from peers.dear.collective import CollectiveError
 from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
@@ -159,7 +159,6 @@ class Trainer:
         init_seed: int,
         peer_seed: int,
         store: CheckpointStore,
-        manifest_digest: str,
         threads: int,
         checkpoint_every: int,
         eval_every: int,
@@ -221,7 +220,10 @@ class Trainer:
         self._n_params = 0  # the first _n_params state tensors are the parameters
         self._samples_since_round = 0
         self.init_seed, self.peer_seed = init_seed, peer_seed
-        self.store, self.manifest_digest = store, manifest_digest
+        self.store = store
+        self._identity: dict = {}  # what this run's checkpoints hold (daemon/checkpoint.py), set at load
+        self._loaded: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None  # by load()
+        self._resumed_state: dict | None = None  # the checkpoint _resume loaded (DiLoCo reads its outer state)
         self.threads, self.checkpoint_every, self.eval_every, self.max_steps = threads, checkpoint_every, eval_every, max_steps
         self.state = TrainState.LOADING
         self.global_step = 0
@@ -261,36 +263,79 @@ class Trainer:
         if self._thread.is_alive():
             logger.error("run %s: trainer did not stop within %.0f s", self.run_id, timeout)
 
-    def _run(self) -> None:
+    def load(self) -> None:
+        """Build the model and load the newest checkpoint of this run's identity (_resume). Blocking:
+        the daemon runs it in a worker thread before start(), so that status and peerd_train_step
+        show the restored step from their first answer; the trainer thread loads if it was not done.
+        A failure is recorded (state FAILED, `error`), not raised."""
+        if self._loaded is not None or self.state is TrainState.FAILED:
+            return
         try:
             torch.set_num_threads(self.threads)
-            model, optimizer = self.task.build(self.hparams, self.init_seed)
-            checkpoint = self.store.load_latest()
-            if checkpoint is not None and checkpoint.state.get("manifest") == self.manifest_digest:
-                model.load_state_dict(checkpoint.state["model"])
-                optimizer.load_state_dict(checkpoint.state["optimizer"])
-                self.global_step = self.resumed_from = checkpoint.step
-                self.local_step = checkpoint.state.get("local_step", checkpoint.step)
-                self.samples = checkpoint.state.get("samples", 0)
-                logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
+            model, optimizer = self._resume()
             self._tensors, self._n_params = state_tensors(model, optimizer)
             if self.outer_settings is not None:  # rounds average the parameters' pseudo-gradient
                 self._outer = OuterLoop(self._tensors[: self._n_params], self.outer_settings, self._round_in, self.run_id)
-                if checkpoint is not None and self.global_step and "outer" in checkpoint.state:
-                    self._outer.adopt(checkpoint.state["outer"])
-                    self._outer.residual.copy_(checkpoint.state["residual"])
+                resumed = self._resumed_state
+                if resumed is not None and "outer" in resumed and resumed["outer"].numel() == 2 * self._outer.n:
+                    self._outer.adopt(resumed["outer"])
+                    self._outer.residual.copy_(resumed["residual"])
             # What a round averages (state) or what a download lands in: the state vector, or [θ; m].
             size = 2 * self._outer.n if self._outer is not None else sum(t.numel() for t in self._tensors)
             self._flat = torch.empty(size, dtype=torch.float32)
             self._sketch_plan = SketchPlan.for_run(self.run_id, sum(t.numel() for t in self._tensors[: self._n_params]))
-            self._train(model, optimizer)
+            self._loaded = (model, optimizer)
         except Exception as e:  # a task bug must not take the daemon down; it is shown in status
-            logger.exception("run %s: trainer failed", self.run_id)
-            self.error = f"{type(e).__name__}: {e}"
-            self.state = TrainState.FAILED
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        logger.exception("run %s: trainer failed", self.run_id)
+        self.error = f"{type(e).__name__}: {e}"
+        self.state = TrainState.FAILED
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # also in this thread, if another one loaded
+        self.load()
+        if self._loaded is None:
+            return
+        try:
+            self._train(*self._loaded)
+        except Exception as e:  # a task bug must not take the daemon down; it is shown in status
+            self._failed(e)
         finally:
             if self._outer is not None:
                 self._outer.close()
+
+    def _resume(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The task's model and optimizer, loaded from the newest checkpoint of this run's identity
+        (run, task, hyper-parameters, model layout; whatever manifest wrote it). Newer checkpoints
+        of another identity are left on disk and named in one log line and in status (`error`)."""
+        model, optimizer = self.task.build(self.hparams, self.init_seed)
+        hparams = {k: str(v) for k, v in self.hparams.to_dict().items()}  # as the manifest writes them
+        self._identity = identity_of(self.run_id, self.task.name, hparams, model)
+        checkpoint = self.store.load_latest(self._identity)
+        passed = list(self.store.passed_over)
+        if checkpoint is not None:
+            try:
+                model.load_state_dict(checkpoint.state["model"])
+                optimizer.load_state_dict(checkpoint.state["optimizer"])
+            except (KeyError, RuntimeError, ValueError) as e:  # a layout check passed, torch disagreed
+                passed.append((checkpoint.path, f"{type(e).__name__}: {str(e)[:200]}"))
+                checkpoint, (model, optimizer) = None, self.task.build(self.hparams, self.init_seed)
+        self._resumed_state = checkpoint.state if checkpoint is not None else None
+        if checkpoint is not None:
+            self.global_step = self.resumed_from = checkpoint.step
+            self.local_step = checkpoint.state.get("local_step", checkpoint.step)
+            self.samples = checkpoint.state.get("samples", 0)
+            old = "" if checkpoint.identity is not None else " (an older release's file: matched by model layout only)"
+            logger.info("run %s: resumed from checkpoint at step %d%s", self.run_id, self.global_step, old)
+        if passed:
+            path, why = passed[0]
+            more = f" (and {len(passed) - 1} more)" if len(passed) > 1 else ""
+            start = f"resumed from step {checkpoint.step}" if checkpoint is not None else "training from the start"
+            self.error = f"checkpoint {path.name}{more} not loaded: {why}; {start}; kept on disk"
+            logger.warning("run %s: %s", self.run_id, self.error)
+        return model, optimizer
 
     def _train(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         data = self.task.data(self.hparams, self.peer_seed)
@@ -306,7 +351,6 @@ class Trainer:
         began = phase_began = time.monotonic()
         while not self._stop.is_set():
             if self.max_steps and self.global_step >= self.max_steps:
-                self.state = TrainState.FINISHED
                 break
             step_began = time.monotonic()
             self.train_seconds = step_began - began
@@ -356,8 +400,6 @@ class Trainer:
             if self.global_step % self.checkpoint_every == 0:
                 self._flush()
                 self._checkpoint(model, optimizer)
-        if self.state is TrainState.TRAINING:
-            self.state = TrainState.STOPPED
         self._flush()
         self._leave_group("training ended", rearm=False)
         if self._outer is not None:  # the round in flight lands; the model is left at θ
@@ -368,6 +410,8 @@ class Trainer:
             self.eval = self.task.evaluate(model, self.hparams)
         if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)
+        # Last: a run resumed at max_steps is FINISHED only once its evaluation is in status too.
+        self.state = TrainState.FINISHED if self.max_steps and self.global_step >= self.max_steps else TrainState.STOPPED
 
     def _evaluate(self, model: torch.nn.Module) -> None:
         """Evaluate the run's model: under DiLoCo the outer parameters θ, which every member of a
@@ -591,10 +635,9 @@ class Trainer:
         state = {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "manifest": self.manifest_digest,
             "samples": self.samples,
             "local_step": self.local_step,
         }
         if self._outer is not None:
             state["outer"], state["residual"] = self._outer.outer, self._outer.residual
-        self.store.save(self.global_step, state)
+        self.store.save(self.global_step, state, self._identity)
