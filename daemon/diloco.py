@@ -189,10 +189,10 @@ class OuterLoop:
         results = self._pending.result()
         applied_round, repaired = self._pending_round
         self._pending = None
-        self._apply(repaired)
-        torch.sub(self.theta, self.progress, out=self.scratch)  # where this phase started from, updated
-        self.scratch.sub_(tail)
+        self._apply(repaired)  # the pending round held this member's progress up to the last boundary
+        torch.sub(self.theta, tail, out=self.scratch)
         _scatter(self.scratch, self.params)
+        self.start.copy_(self.theta)
         return Applied(applied_round, results, time.monotonic() - t0, repaired)
 
     @contextlib.contextmanager
