@@ -41,11 +41,12 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
         print(f"{d.data_dir.name}: accuracy {r.eval_score:.4f}, single process {single:.4f}, last round "
               f"{r.last_round_outcome} of {r.group_size}")
         assert r.step == steps, r
-        # Within 3 points: an in-process simulation of this loop (3 workers, H = 20, outer lr 0.7,
-        # Nesterov 0.9, overlap) scored 0.944 against 0.967 at 600 steps.
-        assert r.eval_score >= single - 0.03, (r.eval_score, single)
+        # Within 1.5 points (measured: 0.9667 on all three against 0.9676).
+        assert r.eval_score >= single - 0.015, (r.eval_score, single)
         m = scrape(d.metrics_url)
         assert m[("peerd_rounds_total", (("outcome", "completed"), ("run", "dl")))] >= steps // every // 2, m
         assert 0 < m[("peerd_train_compute_fraction", (("run", "dl"),))] <= 1
+    # The last round completed everywhere: every member ends at the same θ, hence the same score.
+    assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     for d in daemons:
         assert d.stop() == 0
