@@ -49,7 +49,7 @@ def _add_start(sub) -> None:
     p = sub.add_parser(
         "start",
         help="run a daemon in the foreground",
-        description="Run a peerd daemon in the foreground until SIGTERM/SIGINT or `peerd stop`. "
+        description="Run a peerd daemon in the foreground until SIGTERM/SIGINT/SIGHUP or `peerd stop`. "
         "Settings come from flags > PEERD_* variables > the --config TOML file > defaults; each flag's "
         "variable is named after it, e.g. --metrics-port is PEERD_METRICS_PORT.",
         argument_default=argparse.SUPPRESS,  # only what was typed goes to load_config: it applies the precedence
