@@ -103,6 +103,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
         def on_signal(name: str) -> None:
             nonlocal signals_seen
+            if signals_seen and name == "SIGHUP":  # a closing terminal can hang up twice (its shell, the kernel)
+                return
             signals_seen += 1
             if signals_seen == 1:
                 daemon.request_shutdown(name)

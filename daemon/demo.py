@@ -44,6 +44,8 @@ class _Signals:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, _frame) -> None:
+        if self.count and signum == signal.SIGHUP:  # a closing terminal can hang up twice: not a hurry
+            return
         self.count += 1
         self.first = self.first or signal.Signals(signum).name
 
