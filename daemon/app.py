@@ -266,7 +266,8 @@ class Daemon:
             async with asyncio.timeout(self.config.drain_timeout):
                 await self.control.set_serving(False)
                 await asyncio.gather(*(self._stop_run(h) for h in self.runs.values()))
-                await self.memberships.leave_all()
+                # Goodbyes go through p2pd: if a terminal's Ctrl-C or hang-up stopped it too, drop them.
+                await self.node.unless_p2pd_exits(self.memberships.leave_all())
                 await self._teardown(grace=1.0)
         except TimeoutError:
             logger.error("drain took longer than %.1f s; stopping hard", self.config.drain_timeout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import faulthandler
 import json
@@ -50,7 +51,7 @@ def _add_start(sub) -> None:
     p = sub.add_parser(
         "start",
         help="run a daemon in the foreground",
-        description="Run a peerd daemon in the foreground until SIGTERM/SIGINT or `peerd stop`. "
+        description="Run a peerd daemon in the foreground until SIGTERM/SIGINT/SIGHUP or `peerd stop`. "
         "Settings come from flags > PEERD_* variables > the --config TOML file > defaults; each flag's "
         "variable is named after it, e.g. --metrics-port is PEERD_METRICS_PORT.",
         argument_default=argparse.SUPPRESS,  # only what was typed goes to load_config: it applies the precedence
@@ -129,6 +130,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
         def on_signal(name: str) -> None:
             nonlocal signals_seen
+            if signals_seen and name == "SIGHUP":  # a closing terminal can hang up twice (its shell, the kernel)
+                return
             signals_seen += 1
             if signals_seen == 1:
                 daemon.request_shutdown(name)
@@ -137,7 +140,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
                 print("peerd: second signal, exiting without draining", file=sys.stderr, flush=True)
                 os._exit(1)
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
             loop.add_signal_handler(sig, on_signal, sig.name)
         try:
             await starting
@@ -165,7 +168,13 @@ def _cmd_start(args: argparse.Namespace) -> int:
     except Exception as e:  # p2pd and DHT bootstrap failures come as several hivemind types
         logger.debug("start failed", exc_info=True)
         return _fail(1, f"could not start: {type(e).__name__}: {e}")
-    return 0
+    # Everything has stopped and closed above. The interpreter's own teardown of torch, hivemind and
+    # gRPC costs about a second of CPU, which a Ctrl-C should not wait for.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):  # a terminal that closed (SIGHUP) takes no more output
+            stream.flush()
+    os._exit(0)
 
 
 # ---- the client subcommands ------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class LocalDaemon:
     def start(self, wait: bool = True) -> "LocalDaemon":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "ready.json").unlink(missing_ok=True)
+        self.ready = {}  # a restart's, not the last run's
         self.log_path = self.log_path or self.data_dir.parent / f"{self.data_dir.name}.log"
         cmd = [
             sys.executable, "-m", "daemon.cli", "start",
@@ -55,19 +56,26 @@ class LocalDaemon:
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
-        path = self.data_dir / "ready.json"
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise DaemonFailed(f"daemon exited with {self.proc.returncode} before ready; log:\n{self.log_tail()}")
-            try:
-                ready = json.loads(path.read_text())
-                if ready.get("pid") == self.proc.pid:
-                    self.ready = ready
-                    return ready
-            except (OSError, ValueError):
-                pass
+            if self.poll_ready():
+                return self.ready
             time.sleep(0.05)
         raise DaemonFailed(f"daemon not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    def poll_ready(self) -> bool:
+        """One look at ready.json; raises DaemonFailed if the daemon has exited."""
+        if self.ready:
+            return True
+        if self.proc.poll() is not None:
+            raise DaemonFailed(f"daemon exited with {self.proc.returncode} before ready; log:\n{self.log_tail()}")
+        try:
+            ready = json.loads((self.data_dir / "ready.json").read_text())
+        except (OSError, ValueError):
+            return False
+        if ready.get("pid") != self.proc.pid:
+            return False
+        self.ready = ready
+        return True
 
     @property
     def pid(self) -> int:
@@ -100,6 +108,10 @@ class LocalDaemon:
             self.kill_group()
             raise DaemonFailed(f"daemon did not exit {timeout:.0f} s after SIGTERM; log:\n{self.log_tail()}")
 
+    def send_signal(self, sig: signal.Signals) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
     def kill_group(self) -> None:
         """SIGKILL the daemon and everything in its session (p2pd included)."""
         if self.proc is None:
@@ -115,3 +127,24 @@ class LocalDaemon:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
+
+
+def stop_all(daemons: list[LocalDaemon], timeout: float = STOP_TIMEOUT, hurry=lambda: False) -> list[int | None]:
+    """SIGTERM every daemon at once, so that they drain in parallel, and wait for them all.
+
+    Kills the whole group (p2pd included) of those still running after `timeout`, or as soon as
+    hurry() returns true (a second Ctrl-C). Returns each exit code; None for a daemon killed here.
+    """
+    for d in daemons:
+        d.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(d.proc.poll() is None for d in daemons if d.proc) and time.monotonic() < deadline and not hurry():
+        time.sleep(0.05)
+    codes: list[int | None] = []
+    for d in daemons:
+        if d.proc is not None and d.proc.poll() is None:
+            d.kill_group()
+            codes.append(None)
+        else:
+            codes.append(d.proc.returncode if d.proc else 0)
+    return codes

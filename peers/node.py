@@ -117,10 +117,39 @@ class PeerNode:
         async with asyncio.timeout(timeout):
             return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request, response_type)
 
-    async def shutdown(self) -> None:
-        """Leave the DHT and stop p2pd (our only child process)."""
+    @property
+    def p2pd_running(self) -> bool:
+        """False once p2pd has exited (a terminal's Ctrl-C or a closed terminal signals it too)."""
+        child = self.p2p._child  # hivemind keeps no public handle on its p2pd process
+        return child is not None and child.returncode is None
+
+    async def unless_p2pd_exits(self, coro) -> bool:
+        """Run coro to its end, or cancel it as soon as p2pd exits: a request to a p2pd that is gone
+        can wait forever (p2pclient never fails the futures of a closed connection). Returns
+        whether coro ran to its end."""
+        task = asyncio.ensure_future(coro)
+        child = self.p2p._child
+        if child is None:
+            await task
+            return True
+        exited = asyncio.ensure_future(child.wait())
         try:
-            await self.dht.shutdown()
+            await asyncio.wait({task, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, exited):
+                t.cancel()
+            await asyncio.gather(task, exited, return_exceptions=True)
+        if task.cancelled():
+            logger.info("p2pd exited; not waiting for the DHT to answer")
+            return False
+        task.result()  # its exception, if any
+        return True
+
+    async def shutdown(self) -> None:
+        """Leave the DHT and stop p2pd (our only child process); without waiting on a p2pd that is gone."""
+        try:
+            if self.p2pd_running:
+                await self.unless_p2pd_exits(self.dht.shutdown())
         finally:
             await self.p2p.shutdown()
 
