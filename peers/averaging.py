@@ -187,7 +187,7 @@ class MoshpitAverager:
             namespace, key, _ = plans[lane]
             s, e = bounds[lane]
             try:
-                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, codec)
+                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, codec, plans[lane][2])
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
                 return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane,
@@ -200,15 +200,16 @@ class MoshpitAverager:
 
     async def _round(
         self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int, restore: bool,
-        codec: str = "fp32",
+        codec: str = "fp32", mates: Sequence[str] = (),
     ) -> RoundResult:  # fmt: skip
-        """One lane's round under group key `key`: listen, matchmaking, all-reduce of `vector` (a slice)."""
+        """One lane's round under group key `key`: listen, matchmaking (directly with `mates`, the group
+        the view gives, peers/matchmaking.py), all-reduce of `vector` (a slice)."""
         transport, address = await self._listen(key)
         buffers: InboxBuffers | None = None
         try:
             port = split_address(address)[1]
             me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
-            matched = await self.matchmaker.form_group(namespace, self.secret, round_t, key, me)
+            matched = await self.matchmaker.form_group(namespace, self.secret, round_t, key, me, mates)
             if matched.group is None:
                 return RoundResult(round_t, 1, None, f"no group: {matched.reason}", lane=lane)
             g = matched.group

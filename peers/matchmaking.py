@@ -6,6 +6,10 @@ Protocol of one round t (every wait bounded; settings in MatchmakingSettings):
    join window and the joins (`MatchmakingSettings.entry_ttl` plus one DHT request timeout).
 2. `join_window` seconds after its store, each peer reads the key. The leader is the smallest
    peer ID among the valid entries (the reader's own entry always counts).
+   Direct path (form_group's `mates`, the group that the membership view gives): no window. The
+   view's leader waits for its mates' joins (at most join_window) and decides as soon as all are in;
+   each follower sends its join at once (a join that arrives before the leader's own form_group
+   waits for it, bounded). Whoever does not complete it falls back to the read at join_window.
 3. Followers send JoinGroupRequest to the leader and wait up to `join_timeout` for the answer.
    The leader accepts joins until `assemble_slack` seconds after its own read (or until every
    peer its read showed has joined, whichever is first), then decides with
@@ -48,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 JOIN_HANDLER = "peerd.matchmaking.JoinGroup"
 ENTRY_FORMAT_VERSION = 1
+MAX_EARLY_JOINS = 64  # joins that may wait at once for this daemon's session of their round to start
+EARLY_JOIN_POLL = 0.02  # seconds between two looks for that session
 MAX_ADDR_CHARS = 256
 
 __all__ = ["Entry", "Group", "Matched", "Member", "Matchmaker", "MatchmakingSettings", "decide_group"]
@@ -182,6 +188,7 @@ class Matchmaker:
     def __init__(self, node: PeerNode, settings: MatchmakingSettings, events: PeerEvents | None = None):
         self.node, self.settings, self.events = node, settings, events or node.events
         self._sessions: dict[tuple[str, int], _Session] = {}
+        self._early_joins = 0  # joins waiting for their session to start (_session_of)
 
     async def start(self) -> None:
         await self.node.add_handler(JOIN_HANDLER, self._on_join, pb.JoinGroupRequest)
@@ -199,16 +206,30 @@ class Matchmaker:
         return envelope
 
     async def form_group(
-        self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member
+        self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member,
+        mates: Iterable[str] = (),
     ) -> Matched:
-        """Form the group of (key, round_t); see the module docstring for the protocol and timeouts."""
+        """Form the group of (key, round_t); see the module docstring for the protocol and timeouts.
+        `mates`: the peers this daemon's membership view puts in the group. When given, the group
+        forms directly: the view's leader (the smallest ID) decides as soon as every mate joined it,
+        and followers join it at once, so a round whose mates all agree waits for no window. A view
+        that disagrees falls back to the DHT read at the end of the join window."""
         sk = (key, round_t)
         if sk in self._sessions:
             raise RuntimeError(f"already forming the group {key} of round {round_t}")
         session = self._sessions[sk] = _Session(Entry(me, key, round_t, now()), namespace, secret)
+        mates = frozenset(mates) - {me.peer_id}
+        started = asyncio.get_running_loop().time()
         try:
             envelope = await self.publish(namespace, secret, round_t, key, me)
-            await asyncio.sleep(self.settings.join_window)
+            if mates:
+                direct = await self._direct(session, mates, envelope, namespace, round_t, key)
+                if direct is not None:
+                    return direct
+            elapsed = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(max(0.0, self.settings.join_window - elapsed))
+            if session.decision.done():  # led directly and decided: the fallback cannot lead again
+                return Matched(None, "the view's group did not assemble")
             seen = await self._read(namespace, secret, round_t, key)
             leader = min([me.peer_id, *seen])
             if leader == me.peer_id:
@@ -222,6 +243,24 @@ class Matchmaker:
                 session.decision.set_result(None)
             # Joins that arrive a little late get an honest LATE, not an "unknown group" refusal.
             asyncio.get_running_loop().call_later(self.settings.join_timeout, self._forget, sk, session)
+
+    async def _direct(
+        self, session: _Session, mates: frozenset[str], envelope: bytes, namespace: str, round_t: int, key: str
+    ) -> Matched | None:
+        """The view's fast path: the group, or None to fall back to the DHT read."""
+        me = session.entry.member.peer_id
+        leader = min(mates | {me})
+        if leader == me:
+            session.expected = mates
+            session.check_assembled()
+            try:
+                async with asyncio.timeout(self.settings.join_window):
+                    await session.assembled.wait()
+            except TimeoutError:
+                return None  # some mates did not come: read the key, as without a view
+            return await self._lead(session, namespace, round_t, key)
+        matched = await self._follow(leader, envelope, namespace, round_t, key)
+        return matched if matched.group is not None else None
 
     async def _read(self, namespace: str, secret: RunSecret | None, round_t: int, key: str) -> list[str]:
         """Peer IDs of the valid entries under the key; invalid ones are counted and dropped."""
@@ -273,7 +312,7 @@ class Matchmaker:
 
     async def _on_join(self, request: pb.JoinGroupRequest, context: P2PContext) -> pb.JoinGroupResponse:
         sk = (request.group_key, request.round)
-        session = self._sessions.get(sk)
+        session = await self._session_of(sk)
         if session is None:
             self.events.rejected("join_unknown_group")
             return pb.JoinGroupResponse(status=pb.JOIN_STATUS_REFUSED)
@@ -308,6 +347,23 @@ class Matchmaker:
             return pb.JoinGroupResponse(status=pb.JOIN_STATUS_GROUP_FULL)
         wire = [pb.GroupMember(peer_id=m.peer_id, engine_addr=m.engine_addr, weight=m.weight) for m in members]
         return pb.JoinGroupResponse(status=pb.JOIN_STATUS_ACCEPTED, members=wire)
+
+    async def _session_of(self, sk: tuple[str, int]) -> _Session | None:
+        """The session a join is for. A follower on the direct path may call before this daemon
+        starts its own form_group of that round: such a join waits for it, polling, at most
+        join_window, and at most MAX_EARLY_JOINS at once (more are refused at once)."""
+        session = self._sessions.get(sk)
+        if session is not None or self._early_joins >= MAX_EARLY_JOINS:
+            return session
+        self._early_joins += 1
+        try:
+            for _ in range(max(1, math.ceil(self.settings.join_window / EARLY_JOIN_POLL))):
+                await asyncio.sleep(EARLY_JOIN_POLL)
+                if (session := self._sessions.get(sk)) is not None:
+                    return session
+            return None
+        finally:
+            self._early_joins -= 1
 
     @property
     def _max_age(self) -> float:

@@ -194,7 +194,7 @@ def test_a_lane_whose_round_fails_is_a_result_not_an_error_and_the_other_lanes_g
     from peers.matchmaking import Matched  # noqa: PLC0415
 
     class Matchmaker:
-        async def form_group(self, namespace, secret, round_t, key, me):
+        async def form_group(self, namespace, secret, round_t, key, me, mates=()):
             if namespace.endswith("/lane0"):
                 raise RuntimeError("matchmaking broke")
             return Matched(None, "alone: nobody joined")

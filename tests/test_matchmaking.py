@@ -178,3 +178,44 @@ def test_a_forged_join_is_refused_and_counted(tmp_path):
         assert Counter(rejected) == {"record_forged": 1, "join_unknown_group": 1}
 
     asyncio.run(scenario())
+
+
+def test_mates_from_the_view_form_the_group_directly_without_the_join_window(tmp_path):
+    """With the view's mates, nobody waits for the window: the group forms in a few round trips, far
+    inside a 10 s window (without mates this very call sleeps the window first)."""
+
+    async def scenario():
+        rejected: list[str] = []
+        async with started(3, tmp_path, rejected) as mms:
+            for m in mms:
+                m.settings = MatchmakingSettings(join_window=10.0, assemble_slack=0.5, join_timeout=11.0)
+            ids = [m.node.peer_id for m in mms]
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            calls = (m.form_group("mm", None, ROUND, KEY, me(m, i), mates=ids) for i, m in enumerate(mms))
+            results = await asyncio.gather(*calls)
+            took = loop.time() - t0
+            assert_one_group(results, mms, KEY)
+            assert took < 5.0, took
+        assert rejected == []
+
+    asyncio.run(scenario())
+
+
+def test_a_view_that_disagrees_falls_back_to_the_dht_read(tmp_path):
+    """One peer's view lacks the leader: it joins the wrong leader, which refuses it, then reads the
+    key at the end of the window and joins the real group; everyone ends in one group."""
+
+    async def scenario():
+        async with started(3, tmp_path, []) as mms:
+            ids = sorted(m.node.peer_id for m in mms)
+            leader = ids[0]
+            views = {m.node.peer_id: [p for p in ids if p != leader] if m.node.peer_id == ids[2] else ids for m in mms}
+            calls = (m.form_group("mm", None, ROUND, KEY, me(m, i), mates=views[m.node.peer_id])
+                     for i, m in enumerate(mms))
+            results = await asyncio.gather(*calls)
+            groups = [r.group for r in results]
+            # The two that agree form directly; the third is refused by its view's leader and falls back.
+            assert sum(g is not None and len(g.members) >= 2 for g in groups) >= 2, [r.reason for r in results]
+
+    asyncio.run(scenario())
