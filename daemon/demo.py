@@ -145,7 +145,7 @@ def _train(args, base: Path, daemons: list[LocalDaemon], signals: _Signals, star
             _say(progress_line(elapsed, d.data_dir.name, r))
             elapsed = ""  # once per block
         if args.steps and all(r is not None and r.train_state in ("FINISHED", "FAILED") for r in rows):
-            return f"every daemon reached step {args.steps}"
+            return f"training ended, --steps {args.steps}"
         if deadline is not None and time.monotonic() >= deadline:
             return f"--duration {args.duration:g} s"
 

@@ -64,7 +64,7 @@ class LocalDaemon:
 
     def poll_ready(self) -> bool:
         """One look at ready.json; raises DaemonFailed if the daemon has exited."""
-        if self.ready:
+        if self.ready.get("pid") == self.proc.pid:
             return True
         if self.proc.poll() is not None:
             raise DaemonFailed(f"daemon exited with {self.proc.returncode} before ready; log:\n{self.log_tail()}")

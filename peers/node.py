@@ -117,18 +117,12 @@ class PeerNode:
         async with asyncio.timeout(timeout):
             return await self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request, response_type)
 
-    @property
-    def p2pd_running(self) -> bool:
-        """False once p2pd has exited (a terminal's Ctrl-C or a closed terminal signals it too)."""
-        child = self.p2p._child  # hivemind keeps no public handle on its p2pd process
-        return child is not None and child.returncode is None
-
     async def unless_p2pd_exits(self, coro) -> bool:
-        """Run coro to its end, or cancel it as soon as p2pd exits: a request to a p2pd that is gone
-        can wait forever (p2pclient never fails the futures of a closed connection). Returns
-        whether coro ran to its end."""
+        """Run coro to its end, or cancel it as soon as p2pd exits (a terminal's Ctrl-C or hang-up
+        signals p2pd too): a request to a p2pd that is gone can wait forever, as p2pclient never
+        fails the futures of a closed connection. Returns whether coro ran to its end."""
         task = asyncio.ensure_future(coro)
-        child = self.p2p._child
+        child = self.p2p._child  # hivemind keeps no public handle on its p2pd process
         if child is None:
             await task
             return True
@@ -140,16 +134,15 @@ class PeerNode:
                 t.cancel()
             await asyncio.gather(task, exited, return_exceptions=True)
         if task.cancelled():
-            logger.info("p2pd exited; not waiting for the DHT to answer")
+            logger.info("p2pd exited; not waiting for it to answer")
             return False
         task.result()  # its exception, if any
         return True
 
     async def shutdown(self) -> None:
-        """Leave the DHT and stop p2pd (our only child process); without waiting on a p2pd that is gone."""
+        """Leave the DHT and stop p2pd (our only child process), without waiting on a p2pd that is gone."""
         try:
-            if self.p2pd_running:
-                await self.unless_p2pd_exits(self.dht.shutdown())
+            await self.unless_p2pd_exits(self.dht.shutdown())
         finally:
             await self.p2p.shutdown()
 
