@@ -177,3 +177,14 @@ def test_error_feedback_does_not_carry_a_nan_into_later_steps():
     with_feedback(x, r, "int8")
     assert np.isnan(x[3]) and np.all(r[:B] == 0)  # its block is refused by the round; no residual kept
     assert np.all(np.abs(x[B:] - 1.001) < 1e-6) and np.all(np.abs(r[B:]) < 1e-6)  # the other block as usual
+
+
+def mean_bound(xs, fmt: str) -> np.ndarray:
+    """Per element, how far an engine's result may be from the float32 weighted mean of xs (docs/
+    algorithms.md): int8, 1.01 A / 127 with A the largest magnitude any member holds in the block
+    (half a quantum from the contributions, half from encoding the result); fp16, 2^-10 of the
+    largest magnitude any member holds there (plus float16's subnormal step)."""
+    a = np.max([np.abs(np.asarray(x, np.float32)) for x in xs], axis=0)
+    if fmt == "int8":
+        return block_scales(a) * 1.01 * 2 + 1e-30
+    return a * 2.0**-10 * 1.01 + 2.0**-24

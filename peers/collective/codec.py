@@ -6,12 +6,12 @@
     with_feedback(x, residual, Format.INT8)       # the trainer, before a round: see below
 
 Formats (`AllReduceSettings.payload`, one per run; wire.DType names them in every header):
-
-| format | wire.DType | bytes per value | what is sent |
-|---|---|---|---|
-| `fp32` | FLOAT32 | 4 | the values, as today |
-| `fp16` | FLOAT16 | 2 | IEEE half, round to nearest; a finite value beyond ±65504 is clamped to ±65504 (the error feedback carries the rest); NaN and ±Inf stay what they are, and the owner leaves them out as for fp32 (`contribution_nonfinite`) |
-| `int8` | INT8_BLOCK | 1 + 4/B | blocks of B = wire.INT8_BLOCK (64) values: a float32 scale s = max\\|x\\| / 127, then q = round(x / s) as int8; a value decodes to q * s |
+* `fp32` (FLOAT32, 4 bytes per value): the values, as today.
+* `fp16` (FLOAT16, 2 bytes): IEEE half, round to nearest. A finite value beyond ±65504 is clamped
+  to ±65504 (error feedback carries the rest); NaN and ±Inf stay what they are, and the owner
+  leaves them out as it does for fp32 (`contribution_nonfinite`).
+* `int8` (INT8_BLOCK, 1 + 4/B bytes): blocks of B = wire.INT8_BLOCK (64) values, each a float32
+  scale s = max|x| / 127 then q = round(x / s) (ties to even) as int8; a value decodes to q * s.
 
 Blocks sit at absolute positions of the vector an engine averages (block k = elements [kB, (k+1)B),
 the last block may be shorter), and the engines cut shards, chunks and packets on block bounds
@@ -141,8 +141,8 @@ class Codec:
                 np.copyto(x, np.clip(x, -FP16_MAX, FP16_MAX).astype(np.float16), where=ok)
         elif self.format is Format.INT8:
             full = len(x) // INT8_BLOCK * INT8_BLOCK
-            for part, good in ((x[:full].reshape(-1, INT8_BLOCK), ok[:full].reshape(-1, INT8_BLOCK)),
-                               (x[full:].reshape(1, -1), ok[full:].reshape(1, -1))):  # fmt: skip
+            whole = (x[:full].reshape(-1, INT8_BLOCK), ok[:full].reshape(-1, INT8_BLOCK))
+            for part, good in (whole, (x[full:].reshape(1, -1), ok[full:].reshape(1, -1))):
                 if part.size:
                     scales, q = _quantize(part, self._rows(part.shape))
                     usable = scales == scales  # not NaN

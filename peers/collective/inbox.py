@@ -16,8 +16,9 @@ every round):
   staging buffer per member, where a payload lands and is checked before it is decoded into
   `inbox[k]` or `x` (a payload that fails is refused: `codec_bad_size`, `codec_bad_scale`).
 
-Shards travel in chunks on a fixed grid (`AllReduceSettings.chunk_elements`; shards start on the
-codec's block bounds), in order on each connection; a chunk off the grid or out of order ends the connection ("wire_bad_offset").
+Shards (starting on the codec's block bounds) travel in chunks on a fixed grid
+(`AllReduceSettings.chunk_elements`), in order on each connection; a chunk off the grid or out of
+order ends the connection ("wire_bad_offset").
 
 Rounds: messages of the round in progress are accepted while its phase still wants them; messages
 of the next round (number + 1) that arrive early are buffered deterministically: verdicts always,

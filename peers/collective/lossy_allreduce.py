@@ -28,7 +28,8 @@ A round, on each member (timeouts from AllReduceSettings, measured from the call
      tensor is restored, as in the reliable engine.
 With a compressed payload (`AllReduceSettings.payload`, codec.py) packets hold whole int8 blocks
 (or float16 values) in the bytes of a float32 packet; owners decode into float32, and adopt the
-encoding of their result, as in the reliable engine. A round lasts at most gather_timeout + drain_timeout. Losses are counted (`PeerEvents.packets_lost`,
+encoding of their result, as in the reliable engine.
+A round lasts at most gather_timeout + drain_timeout. Losses are counted (`PeerEvents.packets_lost`,
 `shard_coverage`, `packet_rejected`), never retransmitted.
 """
 

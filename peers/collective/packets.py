@@ -188,6 +188,8 @@ class LossyInbox(Inbox):
         me, k = self.group.me, h.sender
         if h.shard != me:
             return self._drop("wire_bad_shard")
+        if h.dtype is not self.codec.dtype:
+            return self._drop("wire_bad_dtype")  # not the run's payload format
         where = self.grid.locate(me, h.offset, h.count)
         if where is None:
             return self._drop("wire_bad_offset")
@@ -196,8 +198,6 @@ class LossyInbox(Inbox):
             return self._drop("wire_duplicate")
         if st.weights.get(k, h.weight) != h.weight:
             return self._drop("wire_bad_weight")  # one weight per sender and round
-        if h.dtype is not self.codec.dtype:
-            return self._drop("wire_bad_dtype")
         if st is self.current and (self.phase is not Phase.CONTRIBUTE or c < st.reduced):
             return self._drop("contribution_late")  # its owner reduced that chunk without it
         if st is self.next and self.phase is Phase.CONTRIBUTE:
@@ -213,6 +213,8 @@ class LossyInbox(Inbox):
             return self._drop("wire_bad_weight")
         if not h.mask or h.mask >> self.group.size:
             return self._drop("wire_bad_mask")
+        if h.dtype is not self.codec.dtype:
+            return self._drop("wire_bad_dtype")
         where = self.grid.locate(j, h.offset, h.count)
         if where is None:
             return self._drop("wire_bad_offset")
@@ -223,8 +225,6 @@ class LossyInbox(Inbox):
             return self._drop("wire_duplicate")
         if self.phase is Phase.DECIDE:
             return self._drop("result_late")  # this member stopped gathering
-        if h.dtype is not self.codec.dtype:
-            return self._drop("wire_bad_dtype")
         self.back_up(st, j, c)
         self._pending = (st, c, p)
         start = self.bounds[j][0] + h.offset
