@@ -15,11 +15,13 @@ import json
 import os
 import queue
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 import uvloop
@@ -35,9 +37,10 @@ from peers.collective import (
 )
 from peers.collective.decision import Decision, Verdict, decide
 from peers.collective.inbox import BufferPool
-from peers.collective.wire import HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
+from peers.collective.wire import HEADER, HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
 from peers.events import PeerEvents
 from tests.helpers import ROOT
+from tests.test_codec import mean_bound
 
 FAST = AllReduceSettings(
     connect_timeout=0.5, contribute_timeout=0.5, gather_timeout=1.0, verdict_timeout=0.5, drain_timeout=0.3
@@ -647,3 +650,82 @@ def test_a_member_killed_or_frozen_mid_round_leaves_survivors_in_agreement(sig):
     finally:
         for m in members:
             m.kill()
+
+
+# ---- compressed payloads (codec.py) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload, ratio", [("fp16", 0.5), ("int8", 0.2656)])
+def test_compressed_payloads_give_the_mean_within_the_bound_in_identical_bytes_for_fewer_bytes(payload, ratio):
+    """Four members, the same inputs through fp32 and through the compressed payload: every member
+    holds the same bytes (one digest), within the documented bound of the float32 mean, and sends
+    about `ratio` of fp32's bytes (int8: 1 + 4/64 bytes per value)."""
+    n, numel = 4, 50_001
+    xs = [torch.randn(numel) * (1 + 10 * (i == 2)) for i in range(n)]
+    ws = [1.0, 2.0, 3.0, 4.0]
+    expect = weighted_mean(xs, ws).numpy()
+
+    async def one(fmt: str):
+        settings = dataclasses.replace(FAST, chunk_elements=8192, payload=fmt)
+        engines, transports = await start_group(n, numel, settings=settings)
+        held = [x.clone() for x in xs]
+        outcomes = await asyncio.gather(*(e.all_reduce(x, w, 1) for e, x, w in zip(engines, held, ws)))
+        await stop_group(engines, transports)
+        assert [o.status for o in outcomes] == [Status.COMPLETED] * n, [o.reason for o in outcomes]
+        assert len({o.digest for o in outcomes}) == 1 and outcomes[0].digest
+        assert all(torch.equal(held[0], x) for x in held)  # the owners adopted what they sent
+        return held[0].numpy(), sum(o.bytes_sent for o in outcomes)
+
+    async def main():
+        exact, fp32_bytes = await one("fp32")
+        got, sent = await one(payload)
+        assert np.all(np.abs(got - expect) <= mean_bound(xs, payload))
+        assert not np.array_equal(got, exact)
+        assert abs(sent / fp32_bytes - ratio) < 0.01, sent / fp32_bytes
+
+    uvloop.run(main())
+
+
+def test_garbage_in_compressed_chunks_is_refused_and_counted():
+    """After an int8 round, forged chunks of the next round from a raw socket: a NaN or negative
+    scale (codec_bad_scale), float32 where the run sends int8 (wire_bad_dtype), a length that is not
+    the encoding of the count (wire_bad_size). Each is counted; nothing of them is kept."""
+    n, numel, chunk = 3, 999, 256  # shard 0: 6 blocks of 64, chunks of 256 and 128
+
+    async def main():
+        rec = Rejections()
+        settings = dataclasses.replace(FAST, chunk_elements=chunk, payload="int8")
+        engines, transports = await start_group(n, numel, events=rec.events, settings=settings)
+        xs = [torch.randn(numel) for _ in range(n)]
+        outcomes = await asyncio.gather(*(e.all_reduce(x, 1.0, 1) for e, x in zip(engines, xs)))
+        assert [o.status for o in outcomes] == [Status.COMPLETED] * n and not rec.counts
+        assert engines[0].inbox.bounds[0] == (0, 384)
+
+        def chunk_bytes(count: int, scale: float) -> bytes:
+            blocks = [struct.pack("<f", scale) + bytes(range(min(64, count - a))) for a in range(0, count, 64)]
+            return b"".join(blocks)
+
+        base = dict(
+            kind=Kind.CONTRIBUTION, run_tag=run_tag(RUN), round=2, sender=1, shard=0, weight=1.0, dtype=DType.INT8_BLOCK
+        )
+        nan_scale = Header(**base, count=256).pack() + chunk_bytes(256, float("nan"))
+        negative = Header(**base, offset=256, count=128).pack() + chunk_bytes(128, -1.0)
+        as_fp32 = Header(**{**base, "dtype": DType.FLOAT32}, count=256).pack() + bytes(1024)
+        h = Header(**base, count=256)
+        short = HEADER.pack(b"PDCL", 1, h.kind, h.dtype, 0, h.run_tag, 2, 1, 0, 0, 256 + 3 * 4, 256, 0, 1.0, 0)
+        host, port = transports[0].address.rsplit(":", 1)
+        writers = []
+        for message in (nan_scale, negative, as_fp32, short):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(message)
+            writers.append(writer)
+            await writer.drain()
+            await rec.wait_for(lambda c: sum(c.values()) >= len(writers))
+        assert rec.counts == {"codec_bad_scale": 2, "wire_bad_dtype": 1, "wire_bad_size": 1}
+        st = engines[0].inbox.next
+        assert st.contrib_have[1] == 0 and st.contrib_gone[1] == 0b11  # both chunks refused, neither kept
+        for w in writers:
+            w.close()
+        await stop_group(engines, transports)
+
+    uvloop.run(main())

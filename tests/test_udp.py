@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 import random
 import shutil
 import socket
+import struct
 import subprocess
 import time
 
@@ -26,8 +28,9 @@ import uvloop
 from peers.collective import AllReduceSettings, Group, LossyAllReduce, Status, UdpTransport
 from peers.collective.datagram import HEADER, DatagramCodec, DatagramError
 from peers.collective.lossy import simulate_round
-from peers.collective.wire import Header, Kind, run_tag
+from peers.collective.wire import DType, Header, Kind, run_tag
 from peers.events import PeerEvents
+from tests.test_codec import mean_bound
 
 RUN, SECRET, SESSION = "udp-test", b"engine key for the udp tests 32b", "group-key/round-7"
 SETTINGS = AllReduceSettings(connect_timeout=1.0, contribute_timeout=3.0, gather_timeout=6.0, drain_timeout=1.0)
@@ -553,5 +556,100 @@ def test_a_member_whose_udp_path_fails_gets_its_data_over_the_reliable_link_and_
         outcomes, xs, expect, paths, addresses, dropped, counts = await run(per_link=False)
         assert dropped > 0 and outcomes[blocked].status is not Status.COMPLETED
         assert not np.allclose(xs[blocked].numpy(), expect, rtol=1e-5, atol=1e-6)
+
+    uvloop.run(main())
+
+
+# ---- compressed payloads (codec.py) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload, ratio", [("fp16", 0.5), ("int8", 0.266)])
+def test_compressed_payloads_over_udp_give_the_mean_within_the_bound_in_identical_bytes(payload, ratio):
+    """Four members over real UDP, the same inputs through fp32 and through the compressed payload:
+    COMPLETED with one digest, identical bytes, within the documented bound of the float32 mean,
+    about `ratio` of fp32's bytes; a datagram holds whole int8 blocks (1,280 values in 1,444 bytes)."""
+    n, numel = 4, 50_001
+    xs = [torch.randn(numel) * (1 + 10 * (i == 1)) for i in range(n)]
+    ws = [1.0, 2.0, 3.0, 4.0]
+    expect = sum(w * x.numpy() for w, x in zip(ws, xs)) / sum(ws)
+
+    async def one(fmt: str):
+        counts = Counts()
+        settings = dataclasses.replace(SETTINGS, chunk_elements=8192, payload=fmt)
+        engines, transports, _ = await start_group(n, numel, settings=settings, events=counts.events)
+        held = [x.clone() for x in xs]
+        outcomes = await asyncio.gather(*(e.all_reduce(x, w, 1) for e, x, w in zip(engines, held, ws)))
+        stride = engines[0].inbox.grid.stride
+        await stop_group(engines, transports)
+        assert [o.status for o in outcomes] == [Status.COMPLETED] * n, [o.reason for o in outcomes]
+        assert len({o.digest for o in outcomes}) == 1 and outcomes[0].digest
+        assert all(torch.equal(held[0], x) for x in held) and not counts.rejected and counts.lost == 0
+        return held[0].numpy(), sum(t.bytes_sent for t in transports), stride
+
+    async def main():
+        _, fp32_bytes, fp32_stride = await one("fp32")
+        got, sent, stride = await one(payload)
+        assert (fp32_stride, stride) == (347, 1280 if payload == "int8" else 694)
+        assert np.all(np.abs(got - expect) <= mean_bound(xs, payload))
+        assert abs(sent / fp32_bytes - ratio) < 0.01, sent / fp32_bytes
+
+    uvloop.run(main())
+
+
+def test_garbage_in_compressed_datagrams_is_refused_counted_and_the_round_is_exact():
+    """Before an int8 round, an insider (it holds the keys) sends owner 0 datagrams of that round: a
+    NaN, an Inf and a huge scale (codec_bad_scale), float32 values (wire_bad_dtype), a count off the
+    grid (wire_bad_offset), an unknown payload code (dgram_bad_dtype), a size that is not the
+    encoding of the count (dgram_bad_size). Each is counted; none counts as arrived, so the real
+    packets are taken and every member completes with the same bytes as without the garbage."""
+    n, numel = 3, 3000
+
+    async def main():
+        counts = Counts()
+        waiter = Waiter(counts)
+        settings = dataclasses.replace(SETTINGS, payload="int8")
+        engines, transports, addresses = await start_group(n, numel, settings=settings, events=counts.events)
+        insider = DatagramCodec(SECRET, SESSION)
+        base = dict(
+            kind=Kind.CONTRIBUTION, run_tag=run_tag(RUN), round=1, sender=1, shard=0, weight=1.0, dtype=DType.INT8_BLOCK
+        )
+        length = engines[0].inbox.bounds[0][1]  # shard 0: one packet of 16 blocks
+        assert length == 1024 and engines[0].inbox.grid.stride == 1280
+
+        def blocks(count: int, scale: float) -> bytes:
+            return b"".join(struct.pack("<f", scale) + bytes(min(64, count - a)) for a in range(0, count, 64))
+
+        def sealed(payload: bytes, count: int, code: int | None = None, **fields) -> bytes:
+            buf = memoryview(bytearray(8192))
+            size = insider.seal_into(buf, 0, Header(**{**base, **fields}), 0, memoryview(payload), count)
+            raw = bytearray(buf[:size])
+            if code is not None:  # re-sealed so that only the field differs
+                struct.pack_into("<H", raw, 26, code)
+                raw[-16:] = insider._key(1).encrypt(bytes(raw[56:68]), b"", bytes(raw[:-16]))
+            return bytes(raw)
+
+        spray = [
+            (sealed(blocks(length, float("nan")), length), "codec_bad_scale"),
+            (sealed(blocks(length, float("inf")), length), "codec_bad_scale"),
+            (sealed(blocks(length, 1e35), length), "codec_bad_scale"),
+            (sealed(bytes(4 * 300), 300, dtype=DType.FLOAT32), "wire_bad_dtype"),
+            (sealed(blocks(128, 1.0), 128), "wire_bad_offset"),
+            (sealed(blocks(length, 1.0), length, code=9), "dgram_bad_dtype"),
+            (sealed(blocks(length, 1.0) + b"\0", length), "dgram_bad_size"),
+        ]
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        host, port = addresses[0].rsplit(":", 1)
+        for data, _ in spray:
+            sock.sendto(data, (host, int(port)))
+        expected = collections.Counter(reason for _, reason in spray)
+        await waiter.wait_for(lambda c: c == expected)
+        sock.close()
+
+        xs = [torch.randn(numel) for _ in range(n)]
+        outcomes = await asyncio.gather(*(e.all_reduce(x, 1.0, 1) for e, x in zip(engines, xs)))
+        assert [o.status for o in outcomes] == [Status.COMPLETED] * n, [o.reason for o in outcomes]
+        assert len({o.digest for o in outcomes}) == 1 and all(o.coverage == (1.0,) * n for o in outcomes)
+        assert all(torch.equal(xs[0], x) for x in xs) and counts.rejected == expected
+        await stop_group(engines, transports)
 
     uvloop.run(main())

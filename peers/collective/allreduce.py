@@ -54,6 +54,7 @@ from collections.abc import Sequence
 
 import torch
 
+from peers.collective.codec import Format
 from peers.collective.decision import Decision, Verdict, decide, result_digest
 from peers.collective.group import AllReduceSettings, Group
 from peers.collective.inbox import Inbox, InboxBuffers
@@ -77,10 +78,11 @@ class GroupAllReduce:
         self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None, buffers: InboxBuffers | None = None,
     ):  # fmt: skip
-        if numel < group.size:
-            raise ValueError(f"cannot shard {numel} elements among {group.size} members")
-        self.group, self.transport, self.numel = group, transport, numel
         self.settings = settings or AllReduceSettings()
+        block = Format(self.settings.payload).alignment
+        if -(-numel // block) < group.size:
+            raise ValueError(f"cannot shard {numel} elements ({self.settings.payload}) among {group.size} members")
+        self.group, self.transport, self.numel = group, transport, numel
         self.events = events or PeerEvents()
         self.inbox = self._make_inbox(buffers)
         self.links: dict[int, Link | None] = {k: None for k in range(group.size) if k != group.me}
@@ -118,7 +120,7 @@ class GroupAllReduce:
     def _make_inbox(self, buffers: InboxBuffers | None) -> Inbox:
         """The sink, and `self.reducer` for this member's shard (loss-tolerant rounds use others);
         `buffers` (see inbox.BufferPool) or fresh ones."""
-        inbox = Inbox(self.group, self.numel, self.settings.chunk_elements, self.events, buffers)
+        inbox = Inbox(self.group, self.numel, self.settings.chunk_elements, self.events, buffers, self.settings.payload)
         self.reducer = ShardReducer(inbox, self.group.me, self.events)
         inbox.fold = self.reducer.fold
         return inbox
@@ -134,12 +136,11 @@ class GroupAllReduce:
     async def _run(self, st: RoundState, x: torch.Tensor, weight: float, t0: float) -> tuple[Decision, str, bytes]:
         s, me, inbox = self.settings, self.group.me, self.inbox
         await self._connect(st)
-        xb = self.inbox.x_bytes
         for j, link in self._live_links():
             base = inbox.bounds[j][0]
             for start, end in inbox.chunks[j][st.result_next[j] :]:  # owner j already reduced the others
                 h = self._header(Kind.CONTRIBUTION, st, shard=j, offset=start - base, count=end - start, weight=weight)
-                st.bytes_sent += link.send(h, xb[start * 4 : end * 4])
+                st.bytes_sent += link.send(h, inbox.payload(start, end))
 
         deadline, mine = t0 + s.contribute_timeout, inbox.nchunks[me]
         while st.reduced < mine and await self.inbox.until(lambda: inbox.ready(st, st.reduced), deadline):
@@ -182,7 +183,7 @@ class GroupAllReduce:
             Kind.RESULT, st, shard=me, offset=start - self.inbox.bounds[me][0], count=end - start,
             weight=st.result_weight[me][c], mask=st.result_mask[me][c],
         )  # fmt: skip
-        payload = self.inbox.x_bytes[start * 4 : end * 4]
+        payload = self.inbox.wire_view(start, end) if self.inbox.coded else self.inbox.x_bytes[start * 4 : end * 4]
         for _, link in self._live_links():
             st.bytes_sent += link.send(h, payload)
 
@@ -192,7 +193,7 @@ class GroupAllReduce:
         self, kind: Kind, st: RoundState, *, shard: int, offset: int, count: int, weight: float, mask: int = 0
     ) -> Header:
         return Header(kind=kind, run_tag=self.group.tag, round=st.number, sender=self.group.me, shard=shard,
-                      offset=offset, count=count, weight=weight, mask=mask)  # fmt: skip
+                      count=count, dtype=self.inbox.codec.dtype, offset=offset, weight=weight, mask=mask)
 
     def _live_links(self) -> list[tuple[int, Link]]:
         return [(k, link) for k, link in self.links.items() if link is not None and not link.closed]

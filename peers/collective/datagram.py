@@ -1,4 +1,4 @@
-"""One UDP datagram of the collective engine: a header, float32 payload and an authentication tag.
+"""One UDP datagram of the collective engine: a header, a payload of values and an authentication tag.
 
 Layout (little-endian; `OVERHEAD` = 84 bytes around the payload):
 
@@ -11,14 +11,16 @@ Layout (little-endian; `OVERHEAD` = 84 bytes around the payload):
 |      8 |    8 | run_tag  | 8s   | blake2b-64 of the run ID, as on the reliable wire               |
 |     16 |    8 | round    | Q    | round number; also selects the key the tag is checked with       |
 |     24 |    2 | shard    | H    | shard the payload belongs to                                     |
-|     26 |    2 | code     | H    | DONE: the Kind of the phase it ends; otherwise 0                 |
-|     28 |    4 | count    | I    | float32 elements in the payload (DONE: 0)                        |
+|     26 |    2 | code     | H    | DONE: the Kind of the phase it ends; data: the payload's format: |
+|        |      |          |      | 0 = float32, else its wire.DType (FLOAT16, INT8_BLOCK)           |
+|     28 |    4 | count    | I    | values in the payload (DONE: 0)                                  |
 |     32 |    8 | offset   | Q    | element offset of the payload in its shard; DONE: packets sent   |
 |     40 |    8 | weight   | d    | CONTRIBUTION: sender's weight; RESULT: total weight in the packet |
 |     48 |    8 | mask     | Q    | RESULT: members whose contribution is in this packet             |
 |     56 |   12 | nonce    | 12s  | random 8 bytes per sending transport + a 4-byte counter          |
-|     68 | 4·n  | payload  |      | n = count float32 values                                         |
-| 68+4n |   16 | tag      | 16s  | AES-256-GCM tag over bytes [0, 68+4n) as associated data (GMAC)  |
+|     68 |    m | payload  |      | count values: m = wire.payload_size(format, count) bytes (4·count |
+|        |      |          |      | for float32; int8 blocks are whole, codec.py)                    |
+|   68+m |   16 | tag      | 16s  | AES-256-GCM tag over bytes [0, 68+m) as associated data (GMAC)   |
 
 The tag. Each round has its own key: `round_key = HMAC-SHA256(base, len(session) || session ||
 round)` with `base = HMAC-SHA256("peerd udp v1", secret)`. `secret` is the run secret's engine key
@@ -43,7 +45,7 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from peers.collective.wire import DType, Header, Kind
+from peers.collective.wire import DType, Header, Kind, payload_size
 
 MAGIC = b"PDUG"
 DGRAM_VERSION = 1
@@ -56,6 +58,7 @@ MIN_DATAGRAM = OVERHEAD + 4  # room for one value
 KEY_CACHE = 4  # round keys kept: the round in progress, the next, and a little slack
 _KINDS = {k.value: k for k in (Kind.CONTRIBUTION, Kind.RESULT, Kind.DONE)}
 _PHASES = (Kind.CONTRIBUTION.value, Kind.RESULT.value)
+_FORMATS = {0: DType.FLOAT32, DType.FLOAT16.value: DType.FLOAT16, DType.INT8_BLOCK.value: DType.INT8_BLOCK}
 
 
 class DatagramError(ValueError):
@@ -91,13 +94,17 @@ class DatagramCodec:
             self._salt, self._counter = os.urandom(8), 1
         return self._salt + self._counter.to_bytes(4, "little")
 
-    def seal_into(self, buf: memoryview, pos: int, h: Header, offset: int, payload: memoryview) -> int:
-        """Write the datagram for h's values `payload` (at element `offset` of its shard) into buf[pos:];
-        returns its length. buf must have room for OVERHEAD + len(payload) bytes."""
-        count = len(payload) // 4
+    def seal_into(
+        self, buf: memoryview, pos: int, h: Header, offset: int, payload: memoryview, count: int | None = None
+    ) -> int:
+        """Write the datagram for `count` values (default: float32 ones, len(payload) // 4) in h's
+        format, `payload`, at element `offset` of its shard, into buf[pos:]; returns its length. buf
+        must have room for OVERHEAD + len(payload) bytes."""
+        count = len(payload) // 4 if count is None else count
+        code = h.code if h.kind is Kind.DONE or h.dtype is DType.FLOAT32 else int(h.dtype)
         end = pos + HEADER_SIZE + len(payload)
         HEADER.pack_into(
-            buf, pos, MAGIC, DGRAM_VERSION, h.kind, h.sender, h.run_tag, h.round, h.shard, h.code, count, offset,
+            buf, pos, MAGIC, DGRAM_VERSION, h.kind, h.sender, h.run_tag, h.round, h.shard, code, count, offset,
             h.weight, h.mask, self._nonce(),
         )  # fmt: skip
         buf[pos + HEADER_SIZE : end] = payload
@@ -114,12 +121,17 @@ class DatagramCodec:
             raise DatagramError("dgram_bad_magic")
         if version != DGRAM_VERSION:
             raise DatagramError("dgram_bad_version")
-        if kind not in _KINDS or (code not in _PHASES or count if kind == Kind.DONE else code):
+        if kind not in _KINDS or (kind == Kind.DONE and (code not in _PHASES or count)):
             raise DatagramError("dgram_bad_kind")
-        if OVERHEAD + 4 * count != len(data):
+        dtype = DType.FLOAT32 if kind == Kind.DONE else _FORMATS.get(code)
+        if dtype is None:
+            raise DatagramError("dgram_bad_dtype")
+        if OVERHEAD + payload_size(dtype, count) != len(data):
             raise DatagramError("dgram_bad_size" if len(data) <= MAX_DATAGRAM else "dgram_oversized")
         try:
             self._key(rnd).decrypt(nonce, data[-TAG_SIZE:], data[:-TAG_SIZE])
         except InvalidTag:
             raise DatagramError("dgram_bad_tag") from None
-        return Header(_KINDS[kind], tag, rnd, sender, shard, count, DType.FLOAT32, 0, code, offset, weight, mask)
+        if kind != Kind.DONE:
+            code = 0
+        return Header(_KINDS[kind], tag, rnd, sender, shard, count, dtype, 0, code, offset, weight, mask)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from peers.collective.wire import run_tag
+from peers.collective.wire import INT8_BLOCK, run_tag
 
+PAYLOADS = ("fp32", "fp16", "int8")  # codec.Format's values
 MAX_GROUP = 64  # RESULT headers carry contributors as a 64-bit mask; Moshpit groups are far smaller
 
 
@@ -43,12 +44,13 @@ def chunk_bounds(start: int, end: int, chunk: int) -> tuple[tuple[int, int], ...
     return tuple((a, min(a + chunk, end)) for a in range(start, end, chunk)) or ((start, end),)
 
 
-def shard_bounds(numel: int, parts: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous [start, end) slices, sizes differing by at most one (the first numel % parts are longer)."""
-    base, extra = divmod(numel, parts)
+def shard_bounds(numel: int, parts: int, align: int = 1) -> tuple[tuple[int, int], ...]:
+    """Contiguous [start, end) slices of whole blocks of `align` elements (the last block of the
+    vector may be shorter), block counts differing by at most one (the first ones are longer)."""
+    base, extra = divmod(-(-numel // align), parts)
     bounds, start = [], 0
     for i in range(parts):
-        end = start + base + (i < extra)
+        end = min(numel, start + (base + (i < extra)) * align)
         bounds.append((start, end))
         start = end
     return tuple(bounds)
@@ -72,6 +74,9 @@ class AllReduceSettings:
     #                                   reduces and forwards chunk c as soon as every sender's chunk c
     #                                   is in, so the all-gather overlaps the reduce-scatter. Part of the
     #                                   wire contract: every member of a group must use the same value.
+    payload: str = "fp32"  # how values travel (codec.py): "fp32" (exact), "fp16" (IEEE half) or "int8"
+    #                        (8-bit values with a float32 scale per block of 64; chunk_elements must then
+    #                        be a multiple of 64). Part of the wire contract, like chunk_elements.
 
     def __post_init__(self):
         for name in ("connect_timeout", "contribute_timeout", "gather_timeout", "verdict_timeout", "drain_timeout"):
@@ -80,6 +85,10 @@ class AllReduceSettings:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
         if self.chunk_elements < 1:
             raise ValueError("chunk_elements must be at least 1")
+        if self.payload not in PAYLOADS:
+            raise ValueError(f"payload must be one of {', '.join(PAYLOADS)}, not {self.payload!r}")
+        if self.payload == "int8" and self.chunk_elements % INT8_BLOCK:
+            raise ValueError(f"with int8 payloads chunk_elements must be a multiple of {INT8_BLOCK}")
         if self.connect_timeout > self.contribute_timeout:
             raise ValueError("connect_timeout must not exceed contribute_timeout: links open before owners reduce")
         if self.contribute_timeout >= self.gather_timeout:

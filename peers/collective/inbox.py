@@ -10,10 +10,15 @@ every round):
   this member's own shard (its own contribution, read again while reducing): the caller holds the
   tensor's old value elsewhere and puts it back itself, which saves copying the other
   (size - 1) / size of the tensor every round;
-* `inbox[k]`: member k's contribution to this member's shard.
+* `inbox[k]`: member k's contribution to this member's shard;
+* with a compressed payload (`AllReduceSettings.payload`, codec.py): `wire`, the encoded vector
+  (contributions and this member's results are encoded there once and sent from there), and one
+  staging buffer per member, where a payload lands and is checked before it is decoded into
+  `inbox[k]` or `x` (a payload that fails is refused: `codec_bad_size`, `codec_bad_scale`).
 
-Shards travel in chunks on a fixed grid (`AllReduceSettings.chunk_elements`), in order on each
-connection; a chunk off the grid or out of order ends the connection ("wire_bad_offset").
+Shards (starting on the codec's block bounds) travel in chunks on a fixed grid
+(`AllReduceSettings.chunk_elements`), in order on each connection; a chunk off the grid or out of
+order ends the connection ("wire_bad_offset").
 
 Rounds: messages of the round in progress are accepted while its phase still wants them; messages
 of the next round (number + 1) that arrive early are buffered deterministically: verdicts always,
@@ -29,16 +34,17 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from peers.collective.codec import Codec, Format
 from peers.collective.decision import Verdict, sum64
 from peers.collective.group import Group, chunk_bounds, shard_bounds
 from peers.collective.rounds import Phase, RoundState, bits
 from peers.collective.transport import Action, Inbound
-from peers.collective.wire import DIGEST_SIZE, HEADER_SIZE, AbortCode, DType, Header, Kind
+from peers.collective.wire import DIGEST_SIZE, HEADER_SIZE, INT8_BLOCK, AbortCode, DType, Header, Kind, WireError
 from peers.events import PeerEvents
 
 
@@ -51,21 +57,34 @@ class InboxBuffers:
     """What an Inbox receives into, for any member of a group of `size` over `numel` elements in
     chunks of `chunk`: the backup, one contribution buffer per other member (as long as the longest
     shard; a member uses the front of each), and the scratch chunk of `_unpark`. Nothing carries
-    over from one round to the next: every round writes a region before it reads it."""
+    over from one round to the next: every round writes a region before it reads it. Shards may be
+    cut on int8 blocks or not: the parts fit either. A compressed payload's buffers (`coded`) are
+    made on first use and kept with the rest."""
 
     key: tuple[int, int, int]  # (numel, size, chunk)
     backup: torch.Tensor
     parts: tuple[torch.Tensor, ...]
     swap: np.ndarray
+    coded: dict[Format, tuple[np.ndarray, tuple[np.ndarray, ...]]] = field(default_factory=dict)
 
     @classmethod
     def new(cls, numel: int, size: int, chunk: int) -> "InboxBuffers":
-        longest = max(e - s for s, e in shard_bounds(numel, size))
+        longest = max(e - s for align in (1, INT8_BLOCK) for s, e in shard_bounds(numel, size, align))
         return cls(
             key=(numel, size, chunk), backup=torch.zeros(numel, dtype=torch.float32),
             parts=tuple(torch.zeros(longest, dtype=torch.float32) for _ in range(size - 1)),
             swap=np.zeros(min(chunk, longest), dtype=np.float32),
         )  # fmt: skip
+
+    def wire(self, codec: Codec) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """(the encoded vector, one staging buffer per other member, each for a chunk) in codec's format."""
+        if codec.format not in self.coded:
+            numel, size, chunk = self.key
+            staging = codec.size(min(chunk, len(self.parts[0]) if self.parts else chunk))
+            self.coded[codec.format] = (
+                np.zeros(codec.size(numel), np.uint8), tuple(np.zeros(staging, np.uint8) for _ in self.parts)
+            )
+        return self.coded[codec.format]
 
 
 class BufferPool:
@@ -94,9 +113,19 @@ class BufferPool:
 class Inbox:
     """The transport's sink for one group. Runs on the event loop; the round waits on it with `until`."""
 
-    def __init__(self, group: Group, numel: int, chunk: int, events: PeerEvents, buffers: InboxBuffers | None = None):
+    def __init__(
+        self,
+        group: Group,
+        numel: int,
+        chunk: int,
+        events: PeerEvents,
+        buffers: InboxBuffers | None = None,
+        payload: Format | str = Format.FP32,
+    ):
         self.group, self.numel, self.chunk, self.events = group, numel, chunk, events
-        self.bounds = shard_bounds(numel, group.size)
+        self.codec = Codec(payload)
+        self.coded = self.codec.format is not Format.FP32  # payloads are staged, checked and decoded
+        self.bounds = shard_bounds(numel, group.size, self.codec.block)
         self.chunks = tuple(chunk_bounds(s, e, chunk) for s, e in self.bounds)  # absolute [start, end)
         self.nchunks = tuple(len(c) for c in self.chunks)
         start, end = self.bounds[group.me]
@@ -113,6 +142,9 @@ class Inbox:
         self.x_bytes: memoryview | None = None  # x's bytes, while a round runs
         self._inbox_bytes = {k: as_bytes(t) for k, t in self.inbox.items()}
         self._verdict_bytes = {k: memoryview(bytearray(DIGEST_SIZE)) for k in self.inbox}
+        if self.coded:
+            self.wire, staging = self.buffers.wire(self.codec)
+            self._staging = {k: memoryview(b) for k, b in zip(others, staging)}
         self.phase = Phase.IDLE
         self.round = 0  # the round in progress, or the last one run
         self.current: RoundState | None = None
@@ -145,6 +177,33 @@ class Inbox:
             if which(number):
                 link.discard_payload()
                 del self._filling[link]
+
+    def encode(self, start: int, end: int) -> memoryview:
+        """Encode x[start:end] (on block bounds) into its place in `wire`; returns those bytes."""
+        return self.codec.encode(self.x[start:end], self.wire[self.codec.size(start) :])
+
+    def wire_view(self, start: int, end: int) -> memoryview:
+        """The bytes of `wire` that encode elements [start, end)."""
+        return memoryview(self.wire[self.codec.size(start) : self.codec.size(end)])
+
+    def payload(self, start: int, end: int) -> memoryview:
+        """What goes on the wire for x[start:end]: x's own bytes, or their encoding in `wire`."""
+        return self.encode(start, end) if self.coded else self.x_bytes[start * 4 : end * 4]
+
+    def _destination(self, k: int, h: Header, values: memoryview) -> memoryview:
+        """Where member k's payload lands: straight in `values` (float32), or staged to be decoded."""
+        return self._staging[k][: h.length] if self.coded else values
+
+    def _decoded(self, k: int, h: Header, out: np.ndarray, rejected: Callable[[str], None]) -> bool:
+        """Decode member k's staged payload into out; False (counted by `rejected`) if it fails the codec's checks."""
+        if not self.coded:
+            return True
+        try:
+            self.codec.decode(self._staging[k][: h.length], out)
+        except WireError as e:
+            rejected(e.reason)
+            return False
+        return True
 
     async def until(self, done: Callable[[], bool], deadline: float) -> bool:
         """Wait until done() holds or the loop clock reaches deadline; returns done().
@@ -254,6 +313,12 @@ class Inbox:
             if st is self.current and (self.phase is not Phase.CONTRIBUTE or c < st.reduced):
                 self.events.rejected("contribution_late")  # its owner reduced that chunk without it
                 return
+            start, end = self.chunks[self.group.me][c]
+            base = self.bounds[self.group.me][0]
+            if not self._decoded(k, h, self.inbox_np[k][start - base : end - base], self.events.rejected):
+                st.contrib_gone[k] |= 1 << c
+                self._changed()
+                return
             st.contrib_have[k] |= 1 << c
             st.weights[k] = h.weight
             if st is self.current and self.fold is not None:
@@ -264,6 +329,11 @@ class Inbox:
                 return
             start, end = self.chunks[k][c]
             parked = st.parked[k] >> c & 1
+            if not self._decoded(k, h, (self.backup_np if parked else self.x)[start:end], self.events.rejected):
+                st.result_gone[k] |= 1 << c
+                st.parked[k] &= ~(1 << c)
+                self._changed()
+                return
             st.result_have[k] |= 1 << c
             st.result_mask[k][c], st.result_weight[k][c] = h.mask, h.weight
             st.result_sum[k][c] = sum64((self.backup_np if parked else self.x)[start:end])  # just received: in cache
@@ -303,7 +373,7 @@ class Inbox:
             return self._refuse("contribution_late" if late else "wire_early", Action.SKIP)
         base = self.bounds[me][0]
         start, end = self.chunks[me][c]
-        return self._inbox_bytes[k][(start - base) * 4 : (end - base) * 4]
+        return self._destination(k, h, self._inbox_bytes[k][(start - base) * 4 : (end - base) * 4])
 
     def _admit_result(self, st: RoundState, h: Header) -> memoryview | Action:
         j = h.sender
@@ -326,13 +396,13 @@ class Inbox:
         start, end = self.chunks[j][c]
         if st is self.next:
             st.parked[j] |= 1 << c
-            return self._backup_bytes[start * 4 : end * 4]
+            return self._destination(j, h, self._backup_bytes[start * 4 : end * 4])
         self.back_up(st, j, c)
-        return self.x_bytes[start * 4 : end * 4]
+        return self._destination(j, h, self.x_bytes[start * 4 : end * 4])
 
     def _off_grid(self, shard: int, c: int, h: Header) -> str | None:
         """Why chunk c of shard cannot be what h announces, or None if it can."""
-        if h.dtype is not DType.FLOAT32:
+        if h.dtype is not self.codec.dtype:
             return "wire_bad_dtype"
         if c >= self.nchunks[shard]:
             return "wire_duplicate"  # more chunks than the shard has: a replay

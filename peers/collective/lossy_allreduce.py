@@ -26,6 +26,9 @@ A round, on each member (timeouts from AllReduceSettings, measured from the call
      together (docs/loss-tolerance.md bounds the drift). The digest is empty: nothing is claimed.
    * ABORTED: nothing arrived from any other member (unreachable, or every datagram lost); the
      tensor is restored, as in the reliable engine.
+With a compressed payload (`AllReduceSettings.payload`, codec.py) packets hold whole int8 blocks
+(or float16 values) in the bytes of a float32 packet; owners decode into float32, and adopt the
+encoding of their result, as in the reliable engine.
 A round lasts at most gather_timeout + drain_timeout. Losses are counted (`PeerEvents.packets_lost`,
 `shard_coverage`, `packet_rejected`), never retransmitted.
 """
@@ -42,11 +45,14 @@ from peers.collective.allreduce import GroupAllReduce
 from peers.collective.decision import Decision, sum64
 from peers.collective.group import AllReduceSettings, Group
 from peers.collective.inbox import InboxBuffers, as_bytes
-from peers.collective.lossy import keep_missing, masked_mean
+from peers.collective.codec import Format
+from peers.collective.lossy import keep_missing, masked_mean, packets_finite
+from peers.collective.reduction import all_finite
 from peers.collective.outcome import Outcome, Status
 from peers.collective.packets import LossyInbox, PacketRound
 from peers.collective.rounds import Phase
 from peers.collective.transport import Transport
+from peers.collective.udpsend import packet_stride
 from peers.collective.wire import DIGEST_SIZE, DType, Header, Kind
 from peers.events import PeerEvents
 
@@ -60,25 +66,29 @@ class LossyAllReduce(GroupAllReduce):
         events: PeerEvents | None = None, packet_elements: int | None = None, buffers: InboxBuffers | None = None,
     ):  # fmt: skip
         self.packet_elements = packet_elements or transport.packet_elements
+        payload = (settings or AllReduceSettings()).payload
+        self.stride = packet_stride(self.packet_elements, Format(payload).dtype)  # the packet grid's
+        if self.stride < 1:
+            raise ValueError(f"datagrams of {self.packet_elements * 4} payload bytes hold no {payload} block")
         super().__init__(group, transport, numel, settings=settings, events=events, buffers=buffers)
 
     def _make_inbox(self, buffers: InboxBuffers | None) -> LossyInbox:
-        inbox = LossyInbox(self.group, self.numel, self.settings.chunk_elements, self.packet_elements, self.events,
-                           buffers)  # fmt: skip
+        s = self.settings
+        inbox = LossyInbox(self.group, self.numel, s.chunk_elements, self.stride, self.events, buffers, s.payload)
         self.reducer = PacketReducer(inbox, self.group.me, self.events)
         return inbox
 
     async def _run(self, st: PacketRound, x: torch.Tensor, weight: float, t0: float) -> tuple[Decision, str, bytes]:
         s, me, inbox, grid = self.settings, self.group.me, self.inbox, self.inbox.grid
         await self._connect(st)
-        xb, live = as_bytes(x), self._live_links()
+        live = self._live_links()
         for c in range(max(inbox.nchunks)):
             for j, link in live:
                 if c < inbox.nchunks[j]:
                     start, end = inbox.chunks[j][c]
                     h = self._header(Kind.CONTRIBUTION, st, shard=j, offset=start - inbox.bounds[j][0],
                                      count=end - start, weight=weight)  # fmt: skip
-                    st.bytes_sent += link.send(h, xb[start * 4 : end * 4])
+                    st.bytes_sent += link.send(h, inbox.payload(start, end))
         for j, link in live:
             st.bytes_sent += link.send(self._done(st, Kind.CONTRIBUTION, j, grid.packets(j)))
 
@@ -117,7 +127,10 @@ class LossyAllReduce(GroupAllReduce):
             offset, count = int(starts[first]), int(starts[last] + counts[last] - starts[first])
             h = self._header(Kind.RESULT, st, shard=me, offset=offset, count=count, weight=float(total[a]),
                              mask=int(mask[a]))  # fmt: skip
-            payload = xb[(base + offset) * 4 : (base + offset + count) * 4]
+            if self.inbox.coded:
+                payload = self.inbox.wire_view(base + offset, base + offset + count)
+            else:
+                payload = xb[(base + offset) * 4 : (base + offset + count) * 4]
             for _, link in live:
                 st.bytes_sent += link.send(h, payload)
 
@@ -198,6 +211,10 @@ class PacketReducer:
         mask, total, refused = masked_mean(out, parts, grid.stride, self.scratch)
         for _ in range(refused):
             self.events.packet_rejected("contribution_nonfinite")
+        if inbox.coded:  # encoded once for the all-gather; this owner holds what members receive
+            inbox.codec.decode(inbox.encode(start, end), out, check=False)
+            if not all_finite(out):  # blocks that could not be encoded (beyond codec.MAX_SCALE): not sent
+                mask[~packets_finite(out, grid.stride)] = 0
         usable = mask != 0
         if not usable.all():
             keep_missing(out, own, ~usable, grid.stride)

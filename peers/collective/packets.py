@@ -8,7 +8,9 @@ the reliable Inbox's (inbox.py); what differs:
   chunk c is complete, a later chunk of k's arrived (k sends in order), k said DONE, or k is gone;
   a member settles owner j's shard once it is complete, j said DONE, or j is gone. DONE comes as
   datagrams and over the reliable transport (udp.py); the first copy counts, the others change nothing;
-* RESULT packets land straight in x, where a missing one leaves this member's own value;
+* RESULT packets land straight in x, where a missing one leaves this member's own value (with a
+  compressed payload, a packet is staged and decoded there; one that fails the codec's checks is
+  refused, `codec_bad_scale` or `codec_bad_size`, and counts as lost);
 * early datagrams (of round + 1): contributions are buffered when the inbox buffers are free
   (between rounds, or once this member's shard is reduced), results are refused ("wire_early"):
   parking them the way the reliable inbox does buys nothing when a member may miss packets anyway.
@@ -75,9 +77,16 @@ class LossyInbox(Inbox):
     """The transport's sink for one group in loss-tolerant mode (see the module docstring)."""
 
     def __init__(
-        self, group: Group, numel: int, chunk: int, stride: int, events: PeerEvents, buffers: InboxBuffers | None = None
+        self,
+        group: Group,
+        numel: int,
+        chunk: int,
+        stride: int,
+        events: PeerEvents,
+        buffers: InboxBuffers | None = None,
+        payload: str = "fp32",
     ):
-        super().__init__(group, numel, chunk, events, buffers)
+        super().__init__(group, numel, chunk, events, buffers, payload)
         self.grid = PacketGrid(self.bounds, chunk, stride)
         self.others = [k for k in range(group.size) if k != group.me]
         first = self.grid.first[group.me]
@@ -151,6 +160,14 @@ class LossyInbox(Inbox):
             return
         (st, c, p), self._pending = self._pending, None
         k, changed = h.sender, False
+        rejected = self.events.packet_rejected if getattr(link, "datagram", False) else self.events.rejected
+        if h.kind is Kind.CONTRIBUTION:
+            if not self._decoded(k, h, self.inbox_np[k][h.offset : h.offset + h.count], rejected):
+                return
+        else:
+            start = self.bounds[k][0] + h.offset
+            if not self._decoded(k, h, self.x[start : start + h.count], rejected):
+                return
         if h.kind is Kind.CONTRIBUTION:
             st.have[k][p] = True
             st.got[k][c] += 1
@@ -171,6 +188,8 @@ class LossyInbox(Inbox):
         me, k = self.group.me, h.sender
         if h.shard != me:
             return self._drop("wire_bad_shard")
+        if h.dtype is not self.codec.dtype:
+            return self._drop("wire_bad_dtype")  # not the run's payload format
         where = self.grid.locate(me, h.offset, h.count)
         if where is None:
             return self._drop("wire_bad_offset")
@@ -184,7 +203,7 @@ class LossyInbox(Inbox):
         if st is self.next and self.phase is Phase.CONTRIBUTE:
             return self._drop("wire_early")  # its buffer serves the round in progress
         self._pending = (st, c, p)
-        return self._inbox_bytes[k][h.offset * 4 : (h.offset + h.count) * 4]
+        return self._destination(k, h, self._inbox_bytes[k][h.offset * 4 : (h.offset + h.count) * 4])
 
     def _admit_result(self, st: PacketRound, h: Header) -> memoryview | Action:
         j = h.sender
@@ -194,6 +213,8 @@ class LossyInbox(Inbox):
             return self._drop("wire_bad_weight")
         if not h.mask or h.mask >> self.group.size:
             return self._drop("wire_bad_mask")
+        if h.dtype is not self.codec.dtype:
+            return self._drop("wire_bad_dtype")
         where = self.grid.locate(j, h.offset, h.count)
         if where is None:
             return self._drop("wire_bad_offset")
@@ -207,7 +228,7 @@ class LossyInbox(Inbox):
         self.back_up(st, j, c)
         self._pending = (st, c, p)
         start = self.bounds[j][0] + h.offset
-        return self.x_bytes[start * 4 : (start + h.count) * 4]
+        return self._destination(j, h, self.x_bytes[start * 4 : (start + h.count) * 4])
 
     def _drop(self, reason: str) -> Action:
         self.events.packet_rejected(reason)

@@ -11,6 +11,12 @@ is every part checked on its own: those with NaN or Inf are refused ("contributi
 left out of that chunk only, and the chunk is summed again from the parts, which are all still in
 their buffers.
 
+With a compressed payload (codec.py) contributions are decoded into their buffers as they arrive
+(inbox.py) and folded as above; the finished chunk is encoded once, into the inbox's `wire`, and
+this owner adopts the decoded values, so that it holds the very bytes every member receives (and
+the digest agrees). A chunk whose mean cannot be encoded (beyond codec.MAX_SCALE) is gone, as one
+with no usable contribution is.
+
 The arithmetic runs on one thread, on purpose: torch would spread each chunk over its intra-op
 threads, and with several processes (or a trainer) on few cores those threads spin and multiply the
 CPU a round costs (5x in bench.engine_allreduce with torch's default thread count). Most of it is
@@ -30,6 +36,7 @@ import torch
 from peers.collective.decision import sum64
 from peers.collective.inbox import Inbox
 from peers.collective.rounds import RoundState, bits
+from peers.collective.wire import WireError
 from peers.events import PeerEvents
 
 TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs smaller element-wise ops on one thread
@@ -79,12 +86,26 @@ class ShardReducer:
         if not (st.acc_weight[c] > 0 and all_finite(out)):
             self._recompute(st, c, out)
         mask, total = st.acc_mask[c], st.acc_weight[c]
+        if mask and total > 0 and not self._adopt(c, out):
+            mask = st.acc_mask[c] = 0
         if not mask or not total > 0:
             st.result_gone[self.me] |= 1 << c
             return False
         st.result_have[self.me] |= 1 << c
         st.result_mask[self.me][c], st.result_weight[self.me][c] = mask, total
         st.result_sum[self.me][c] = sum64(out)
+        return True
+
+    def _adopt(self, c: int, out: np.ndarray) -> bool:
+        """Encode chunk c for the all-gather and replace it by its decoded values; False if it cannot be."""
+        inbox = self.inbox
+        if not inbox.coded:
+            return True
+        start, end = inbox.chunks[self.me][c]
+        try:
+            inbox.codec.decode(inbox.encode(start, end), out)
+        except WireError:
+            return False
         return True
 
     def _recompute(self, st: RoundState, c: int, out: np.ndarray) -> None:

@@ -16,6 +16,11 @@ loopback and veth a GSO batch travels as one packet, so netem or nftables drops 
 loss becomes bursts of up to 64 datagrams. `drop(address, header)` is the seam through which tests
 and benchmarks lose datagrams by rule; a datagram it drops stands for one lost on the path and
 counts as sent.
+
+Compressed payloads (codec.py): a message's header says its format; it is cut into datagrams of
+as many values as fit in the bytes of `packet_elements` float32 ones (`packet_stride`: whole int8
+blocks of 64), so that a lost datagram spoils only its own blocks. GSO applies to float32 messages
+only (the socket's segment size is the float32 datagram's).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Callable
 
 from peers.collective.datagram import MAX_DATAGRAM, OVERHEAD, DatagramCodec
 from peers.collective.transport import Link, WrappedLink
-from peers.collective.wire import HEADER_SIZE, Header, Kind
+from peers.collective.wire import HEADER_SIZE, DType, Header, Kind, payload_fit, payload_size
 from peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
@@ -38,6 +43,12 @@ YIELD_BYTES = 256 << 10  # unpaced, the sender yields to the loop after this man
 WRITABLE_TIMEOUT = 1.0  # seconds a full send buffer may take to drain before a batch is given up
 GSO_SEGMENTS = 64  # UDP_MAX_SEGMENTS of older kernels
 DATA_KINDS = (Kind.CONTRIBUTION, Kind.RESULT)
+
+
+def packet_stride(packet_elements: int, dtype: DType) -> int:
+    """Values per datagram of a message in `dtype` (the packet grid's stride), when a float32
+    datagram holds `packet_elements`: as many as fit in the same bytes, whole int8 blocks."""
+    return packet_elements if dtype is DType.FLOAT32 else payload_fit(dtype, 4 * packet_elements)
 
 
 class PacedSender:
@@ -58,9 +69,9 @@ class PacedSender:
         self._tokens, self._stamp = 0.0, 0.0
         self._buf = memoryview(bytearray(MAX_DATAGRAM + 1))
 
-    def datagrams(self, count: int) -> int:
-        """Datagrams a message of `count` elements travels in."""
-        return max(1, -(-count // self.packet_elements))
+    def datagrams(self, count: int, dtype: DType = DType.FLOAT32) -> int:
+        """Datagrams a message of `count` elements in `dtype` travels in."""
+        return max(1, -(-count // packet_stride(self.packet_elements, dtype)))
 
     def enqueue(self, link: DatagramLink, header: Header, payload: memoryview | None) -> None:
         if not link.queue:
@@ -113,7 +124,8 @@ class PacedSender:
     def _batch(self, link: DatagramLink, h: Header, payload: memoryview) -> tuple[int, list[tuple[int, int]]]:
         """Seal the next datagrams of the link's head message into the send buffer: (bytes,
         [(start, size)]), as many as one UDP_SEGMENT send takes (sent one by one without GSO)."""
-        stride, buf = self.packet_elements, self._buf
+        stride, buf, dtype = packet_stride(self.packet_elements, h.dtype), self._buf, h.dtype
+        full = OVERHEAD + payload_size(dtype, stride)  # a message's datagrams but its last
         limit = min(GSO_SEGMENTS * self.full_size, MAX_DATAGRAM)
         pos, segments = 0, []
         while link.done_elements < h.count and pos + self.full_size <= limit:
@@ -122,10 +134,14 @@ class PacedSender:
             link.done_elements = e1
             if self.drop is not None and self._dropped(link, h._replace(offset=h.offset + e0, count=e1 - e0)):
                 continue
-            size = self.codec.seal_into(buf, pos, h, h.offset + e0, payload[e0 * 4 : e1 * 4])
+            if dtype is DType.FLOAT32:
+                size = self.codec.seal_into(buf, pos, h, h.offset + e0, payload[e0 * 4 : e1 * 4])
+            else:
+                piece = payload[payload_size(dtype, e0) : payload_size(dtype, e1)]
+                size = self.codec.seal_into(buf, pos, h, h.offset + e0, piece, e1 - e0)
             segments.append((pos, size))
             pos += size
-            if size < self.full_size:
+            if size < full:
                 break  # a short datagram can only be the last segment of a GSO send
         return pos, segments
 
@@ -206,7 +222,7 @@ class DatagramLink(Link):
         if header.kind in DATA_KINDS:
             if header.length > len(payload or b"") or not header.count:
                 raise ValueError("a datagram message needs a payload of header.count elements")
-            size = self.sender.datagrams(header.count) * OVERHEAD + header.length
+            size = self.sender.datagrams(header.count, header.dtype) * OVERHEAD + header.length
         else:
             size = HEADER_SIZE + header.length + (DONE_COPIES * OVERHEAD if header.kind is Kind.DONE else 0)
         self.sender.enqueue(self, header, payload)
@@ -264,8 +280,10 @@ class StreamPacketLink(WrappedLink):
             return self.inner.send(header, payload)
         if header.length > len(payload or b"") or not header.count:
             raise ValueError("a data message needs a payload of header.count elements")
-        size, stride = 0, self.packet_elements
+        size, dtype = 0, header.dtype
+        stride = packet_stride(self.packet_elements, dtype)
         for e0 in range(0, header.count, stride):
             e1 = min(e0 + stride, header.count)
-            size += self.inner.send(header._replace(offset=header.offset + e0, count=e1 - e0), payload[e0 * 4 : e1 * 4])
+            piece = payload[payload_size(dtype, e0) : payload_size(dtype, e1)]
+            size += self.inner.send(header._replace(offset=header.offset + e0, count=e1 - e0), piece)
         return size

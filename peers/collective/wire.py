@@ -14,13 +14,17 @@ Layout (little-endian, 72 bytes, struct format `HEADER_FORMAT`):
 |     24 |    2 | sender   | H    | sender's index in the group                                      |
 |     26 |    2 | shard    | H    | shard the payload belongs to (its owner's index)                 |
 |     28 |    4 | code     | I    | VERDICT: AbortCode when flags = 0; DONE: the Kind it ends        |
-|     32 |    8 | length   | Q    | payload bytes that follow the header (= count * dtype size)      |
+|     32 |    8 | length   | Q    | payload bytes that follow the header (`payload_size(dtype, count)`) |
 |     40 |    8 | count    | Q    | payload elements                                                 |
 |     48 |    8 | offset   | Q    | element offset of the payload in its shard; DONE: packets sent   |
 |     56 |    8 | weight   | d    | CONTRIBUTION: the sender's weight; RESULT: total weight included |
 |     64 |    8 | mask     | Q    | RESULT: bit i set = member i's contribution is included          |
 
-`decode` checks only what needs no context (magic, version, kind, dtype, length = count * size);
+Payload formats (DType): FLOAT32 (count * 4 bytes), FLOAT16 (count * 2), INT8_BLOCK (the vector in
+blocks of `INT8_BLOCK` values at absolute positions, each a float32 scale then one int8 per value:
+4 * ceil(count / INT8_BLOCK) + count bytes; codec.py), BYTES (verdicts).
+
+`decode` checks only what needs no context (magic, version, kind, dtype, length = payload_size);
 whether a header fits the group and the round is decided by `peers.collective.admission`.
 """
 
@@ -50,9 +54,27 @@ class Kind(enum.IntEnum):
 class DType(enum.IntEnum):
     BYTES = 0  # opaque bytes (VERDICT payloads)
     FLOAT32 = 1  # IEEE 754 binary32, little-endian
+    FLOAT16 = 2  # IEEE 754 binary16, little-endian (codec.py)
+    INT8_BLOCK = 3  # blocks of INT8_BLOCK values: a float32 scale, then int8 values (codec.py)
 
 
-DTYPE_SIZE = {DType.BYTES: 1, DType.FLOAT32: 4}
+INT8_BLOCK = 64  # values per int8 block: shard, chunk and packet bounds are multiples of it (codec.py)
+DTYPE_SIZE = {DType.BYTES: 1, DType.FLOAT32: 4, DType.FLOAT16: 2}  # bytes per element, INT8_BLOCK aside
+
+
+def payload_size(dtype: DType, count: int) -> int:
+    """Bytes of a payload of `count` elements; an INT8_BLOCK payload starts on a block boundary."""
+    if dtype is DType.INT8_BLOCK:
+        return count + 4 * -(-count // INT8_BLOCK)
+    return count * DTYPE_SIZE[dtype]
+
+
+def payload_fit(dtype: DType, nbytes: int) -> int:
+    """The most elements, whole INT8_BLOCK blocks for that format, whose payload fits in nbytes."""
+    if dtype is DType.INT8_BLOCK:
+        return nbytes // (INT8_BLOCK + 4) * INT8_BLOCK
+    return nbytes // DTYPE_SIZE[dtype]
+
 _KINDS = {k.value: k for k in Kind}
 _DTYPES = {d.value: d for d in DType}
 
@@ -93,7 +115,7 @@ class Header(NamedTuple):  # a tuple: built for every message, so it must be che
 
     @property
     def length(self) -> int:
-        return self.count * DTYPE_SIZE[self.dtype]
+        return payload_size(self.dtype, self.count)
 
     def pack(self) -> bytes:
         return HEADER.pack(
@@ -117,6 +139,6 @@ def decode(data: bytes | bytearray | memoryview) -> Header:
         raise WireError("wire_bad_kind", str(kind))
     if dtype not in _DTYPES:
         raise WireError("wire_bad_dtype", str(dtype))
-    if length > MAX_PAYLOAD or length != count * DTYPE_SIZE[_DTYPES[dtype]]:
+    if length > MAX_PAYLOAD or length != payload_size(_DTYPES[dtype], count):
         raise WireError("wire_bad_size", f"length {length}, count {count}")
     return Header(_KINDS[kind], tag, rnd, sender, shard, count, _DTYPES[dtype], flags, code, offset, weight, mask)

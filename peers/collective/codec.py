@@ -1,0 +1,257 @@
+"""The engines' payload codec: float32 vectors as float32, float16 or 8-bit blocks, and error feedback.
+
+    codec = Codec(Format.INT8)
+    wire = codec.encode(values, out)              # -> memoryview of codec.size(len(values)) bytes of out
+    codec.decode(wire, into)                      # checks, then writes float32 values into `into`
+    with_feedback(x, residual, Format.INT8)       # the trainer, before a round: see below
+
+Formats (`AllReduceSettings.payload`, one per run; wire.DType names them in every header):
+* `fp32` (FLOAT32, 4 bytes per value): the values, as today.
+* `fp16` (FLOAT16, 2 bytes): IEEE half, round to nearest. A finite value beyond ±65504 is clamped
+  to ±65504 (error feedback carries the rest); NaN and ±Inf stay what they are, and the owner
+  leaves them out as it does for fp32 (`contribution_nonfinite`).
+* `int8` (INT8_BLOCK, 1 + 4/B bytes): blocks of B = wire.INT8_BLOCK (64) values, each a float32
+  scale s = max|x| / 127 then q = round(x / s) (ties to even) as int8; a value decodes to q * s.
+
+Blocks sit at absolute positions of the vector an engine averages (block k = elements [kB, (k+1)B),
+the last block may be shorter), and the engines cut shards, chunks and packets on block bounds
+(`alignment`): a lost datagram spoils only its own blocks, and encoding a vector that is already a
+decoded one gives back the same bytes (the scale is max|q s| / 127 again, exactly: checked over
+every float32 mantissa), so the engine's encoding of a vector prepared by `with_feedback` loses
+nothing more. The error of a value is at most s / 2 of its block.
+
+Odd blocks. A block whose largest magnitude is below 127 * 2^-126 (float32's smallest normal, so
+that scales stay normal numbers) is sent as zeros with scale 0. A block holding NaN or Inf, or whose
+scale would exceed `MAX_SCALE`, cannot be encoded: it is sent with a NaN scale and zero values, and
+its receiver refuses the message it is in (`codec_bad_scale`): the sender's chunk (reliable engine)
+or packet (UDP engine) is left out, as a NaN in a float32 contribution is (`contribution_nonfinite`);
+its other chunks or packets, and the other members', are not touched.
+
+Checks on decode (`WireError`, counted by the engines as rejections): a payload whose size is not
+`size(count)` (`codec_bad_size`), a scale that is NaN, Inf, negative or above `MAX_SCALE`
+(`codec_bad_scale`). An int8 value of -128 (never written) decodes to -128 s.
+
+Arithmetic is numpy's, on one thread (reduction.py says why); `Codec` keeps one float32 scratch
+buffer, grown to the largest message it saw, so a round allocates nothing once warm.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from peers.collective.wire import INT8_BLOCK, DType, WireError, payload_fit, payload_size
+
+MAX_SCALE = 2.0**100  # the largest int8 scale accepted: values up to 127 * 2^100 (1.6e32) encode
+FP16_MAX = 65504.0  # float16's largest finite value
+_TINY = 127 * float(np.finfo(np.float32).tiny)  # blocks below this magnitude are sent as zeros
+
+
+class Format(enum.Enum):
+    """How a round's values travel: the manifest's and AllReduceSettings' `payload` setting."""
+
+    FP32 = "fp32"  # 4 bytes per value, exact
+    FP16 = "fp16"  # 2 bytes per value: IEEE half
+    INT8 = "int8"  # 1 + 4/64 bytes per value: 8-bit values with a float32 scale per block of 64
+
+    @property
+    def dtype(self) -> DType:
+        return _DTYPE[self]
+
+    @property
+    def alignment(self) -> int:
+        """Elements per block: every shard, chunk and packet starts on a multiple of it."""
+        return INT8_BLOCK if self is Format.INT8 else 1
+
+
+_DTYPE = {Format.FP32: DType.FLOAT32, Format.FP16: DType.FLOAT16, Format.INT8: DType.INT8_BLOCK}
+
+
+class Codec:
+    """Encodes and decodes float32 values in one format. Not thread-safe (one scratch buffer)."""
+
+    def __init__(self, fmt: Format | str = Format.FP32):
+        self.format = Format(fmt)
+        self.dtype, self.block = self.format.dtype, self.format.alignment
+        self._scratch = np.empty(0, np.float32)
+
+    def size(self, count: int) -> int:
+        """Bytes of `count` values starting on a block boundary."""
+        return payload_size(self.dtype, count)
+
+    def fit(self, nbytes: int) -> int:
+        """The most values, a whole number of blocks, whose encoding fits in `nbytes` (0 if none)."""
+        return payload_fit(self.dtype, nbytes)
+
+    def encode(self, values: np.ndarray, out: np.ndarray | memoryview) -> memoryview:
+        """Write `values` (float32, starting on a block boundary) into the front of `out` (bytes);
+        returns the bytes written, a view of `out`. Never fails: see the module docstring for odd values."""
+        n = len(values)
+        buf = _u8(out)[: self.size(n)]
+        if self.format is Format.FP32:
+            buf.view(np.float32)[:] = values
+        elif self.format is Format.FP16:
+            half = buf.view(np.float16)
+            with np.errstate(over="ignore"):
+                np.copyto(half, values, casting="same_kind")
+            if not _finite(half):  # rare: clamp what overflowed; NaN and Inf stay
+                wide = np.isinf(half) & np.isfinite(values)
+                half[wide] = np.copysign(FP16_MAX, values[wide])
+        else:
+            full = n // INT8_BLOCK * INT8_BLOCK
+            if full:
+                self._encode_blocks(values[:full], buf[: self.size(full)])
+            if full < n:
+                self._encode_blocks(values[full:], buf[self.size(full) :])
+        return memoryview(buf)
+
+    def decode(self, data: np.ndarray | memoryview | bytes, out: np.ndarray, check: bool = True) -> None:
+        """Check `data` as the encoding of len(out) values, then write them into `out` (float32).
+        Raises WireError (`codec_bad_size`, `codec_bad_scale`) before writing anything. check=False
+        is for bytes this process just encoded: a block that could not be encoded then decodes to NaN."""
+        buf = self._check(data, len(out)) if check else _u8(data)
+        if self.format is Format.INT8:
+            for scales, q, dest in self._blocks(buf, out):
+                np.multiply(q, scales[:, None], out=dest)
+        else:
+            out[:] = buf.view(np.float32 if self.format is Format.FP32 else np.float16)
+
+    def decode_add(self, data: np.ndarray | memoryview | bytes, acc: np.ndarray, weight: float) -> None:
+        """acc += weight * decode(data), checked as `decode` does; acc is float32 and is the only
+        full-size array written (the scratch holds one block row at a time for int8)."""
+        buf = self._check(data, len(acc))
+        w = np.float32(weight)
+        if self.format is Format.INT8:
+            for scales, q, dest in self._blocks(buf, acc):
+                tmp = self._rows(q.shape)
+                np.multiply(q, (scales * w)[:, None], out=tmp)
+                dest += tmp
+        else:
+            tmp = self._rows((len(acc),))
+            np.multiply(buf.view(np.float32 if self.format is Format.FP32 else np.float16), w, out=tmp)
+            acc += tmp
+
+    def roundtrip(self, x: np.ndarray) -> np.ndarray:
+        """Per element: whether it is encodable; x is replaced in place by decode(encode(x)) where it is
+        (elsewhere left as it is). What a receiver gets, without the bytes."""
+        ok = np.isfinite(x)
+        if self.format is Format.FP16:
+            with np.errstate(over="ignore"):
+                np.copyto(x, np.clip(x, -FP16_MAX, FP16_MAX).astype(np.float16), where=ok)
+        elif self.format is Format.INT8:
+            full = len(x) // INT8_BLOCK * INT8_BLOCK
+            whole = (x[:full].reshape(-1, INT8_BLOCK), ok[:full].reshape(-1, INT8_BLOCK))
+            for part, good in (whole, (x[full:].reshape(1, -1), ok[full:].reshape(1, -1))):
+                if part.size:
+                    scales, q = _quantize(part, self._rows(part.shape))
+                    usable = scales == scales  # not NaN
+                    good &= usable[:, None]
+                    np.multiply(q, scales[:, None], out=q)
+                    np.copyto(part, q, where=good)
+        return ok
+
+    # ---- int8 blocks ---------------------------------------------------------------------------
+
+    def _encode_blocks(self, values: np.ndarray, buf: np.ndarray) -> None:
+        """values: whole blocks, or one short last block; buf: their encoding."""
+        rows = -(-len(values) // INT8_BLOCK)
+        width = len(values) // rows
+        grid = buf.reshape(rows, width + 4)
+        scales, q = _quantize(values.reshape(rows, width), self._rows((rows, width)))
+        grid[:, :4].view(np.float32)[:, 0] = scales
+        np.copyto(grid[:, 4:].view(np.int8), q, casting="unsafe")
+
+    def _blocks(self, buf: np.ndarray, out: np.ndarray):
+        """(scales, int8 values, destination) for the whole blocks of buf, then its short last one."""
+        n = len(out)
+        full = n // INT8_BLOCK * INT8_BLOCK
+        split = self.size(full)
+        for data, dest in ((buf[:split], out[:full]), (buf[split:], out[full:])):
+            if len(dest):
+                rows = -(-len(dest) // INT8_BLOCK)
+                grid = data.reshape(rows, -1)
+                yield grid[:, :4].view(np.float32)[:, 0], grid[:, 4:].view(np.int8), dest.reshape(rows, -1)
+
+    def _check(self, data, count: int) -> np.ndarray:
+        buf = _u8(data)
+        if len(buf) != self.size(count):
+            raise WireError("codec_bad_size", f"{len(buf)} bytes for {count} values as {self.format.value}")
+        if self.format is Format.INT8:
+            for scales, _, _ in self._blocks(buf, _Length(count)):
+                low, high = scales.min(), scales.max()  # NaN propagates through both
+                if not (low >= 0 and high <= MAX_SCALE):
+                    raise WireError("codec_bad_scale", f"scales from {low} to {high}")
+        return buf
+
+    def _rows(self, shape: tuple[int, ...]) -> np.ndarray:
+        n = int(np.prod(shape))
+        if len(self._scratch) < n:
+            self._scratch = np.empty(n, np.float32)
+        return self._scratch[:n].reshape(shape)
+
+
+def _quantize(blocks: np.ndarray, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `blocks`: its scale (NaN where the row cannot be encoded) and round(x / scale) in
+    `scratch` (float32, whole numbers in [-127, 127])."""
+    np.abs(blocks, out=scratch)
+    with np.errstate(invalid="ignore", over="ignore"):
+        amax = scratch.max(axis=1)
+        scales = amax / np.float32(127)
+        bad = ~(scales <= MAX_SCALE)  # NaN, Inf, too large
+        tiny = amax < _TINY
+        scales[tiny] = 0
+        divisor = np.where(bad | tiny, np.float32(np.inf), scales)  # those rows quantize to zeros
+        np.divide(blocks, divisor[:, None], out=scratch)
+    if bad.any():
+        scratch[bad] = 0
+        scales[bad] = np.nan
+    np.rint(scratch, out=scratch)
+    return scales, scratch
+
+
+def with_feedback(x: np.ndarray, residual: np.ndarray, fmt: Format | str, codec: Codec | None = None) -> None:
+    """Error feedback, in place: x becomes what the codec delivers for x + residual, and residual
+    becomes (x + residual) - delivered, so what one step loses is sent with the next.
+
+    Run it on the vector an engine averages (int8 blocks sit at its absolute positions) just before
+    the round: the engine's own encoding of x then loses nothing more. Elements that cannot be
+    encoded (NaN, Inf, a block beyond MAX_SCALE) keep x + residual, which the round refuses, and
+    their residual restarts at zero, so one bad step does not poison the later ones. fp32: x +=
+    residual, residual = 0. Both are float32 arrays of one length."""
+    if x.dtype != np.float32 or residual.dtype != np.float32 or x.shape != residual.shape:
+        raise ValueError("x and residual must be float32 arrays of one shape")
+    x += residual
+    codec = codec or Codec(fmt)
+    if codec.format is Format.FP32:
+        residual.fill(0)
+        return
+    np.copyto(residual, x)
+    ok = codec.roundtrip(x)
+    residual -= x
+    residual[~ok] = 0
+
+
+class _Length:
+    """Stands for an output array of n elements where only the block layout is wanted."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, s: slice) -> "_Length":
+        return _Length(len(range(*s.indices(self.n))))
+
+    def reshape(self, *_shape) -> None:
+        return None
+
+
+def _u8(data) -> np.ndarray:
+    a = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    return a if a.dtype == np.uint8 else a.view(np.uint8)
+
+
+def _finite(a: np.ndarray) -> bool:
+    return bool(a.size == 0 or (np.isfinite(a.max()) and np.isfinite(a.min())))
