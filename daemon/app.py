@@ -377,11 +377,11 @@ class Daemon:
                 lanes=manifest.averaging.lanes,
             )
 
-            async def run_round(vector, weight, round_t, lanes, restore, codec):
+            async def run_round(vector, weight, round_t, lanes, restore, payload):
                 live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers()}
                 # The trainer thread waits for this round: its delegation cannot change meanwhile.
                 return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore,
-                                              codec)
+                                              payload)
 
             loop = asyncio.get_running_loop()
             average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)

@@ -34,6 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
+from peers.collective import codec
+from peers.dear.hierarchy import lane_bounds
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,7 +54,8 @@ def outer_step(params: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.T
 class OuterSettings:
     lr: float = 0.7
     momentum: float = 0.9
-    codec: str = "int8"
+    payload: str = "int8"  # how pseudo-gradients travel (peers/collective/codec.py)
+    lanes: int = 1  # the run's lanes: error feedback is exact per lane, the vector each round averages
     overlap: bool = True
     repair_every: int = 0  # outer steps between two averages of θ itself; 0: never
 
@@ -68,9 +72,9 @@ class Applied:
 
 
 class OuterLoop:
-    """The outer state of one trainer and its rounds. `average(vector, weight, round_t, codec)` is
+    """The outer state of one trainer and its rounds. `average(vector, weight, round_t, payload)` is
     the trainer's blocking round (daemon/runs.round_bridge): it averages `vector` in place, sent in
-    `codec`'s format, and returns one RoundResult per lane; with overlap it runs on this loop's own
+    `payload`'s format, and returns one RoundResult per lane; with overlap it runs on this loop's own
     named thread, while the trainer thread computes."""
 
     def __init__(self, params: list[torch.Tensor], settings: OuterSettings, average: Callable[..., list], name: str):
@@ -145,11 +149,10 @@ class OuterLoop:
             torch.sub(self.theta, self.progress, out=self.payload)
         else:
             self.payload.copy_(self.progress)
-            if self.settings.codec != "fp32":  # float32 travels exactly: nothing to feed back
-                from peers.collective import codec
-
-                codec.with_feedback(self.payload, self.residual, self.settings.codec)
-        fmt = "fp32" if repair else self.settings.codec
+            if self.settings.payload != "fp32":  # float32 travels exactly: nothing to feed back
+                for a, b in lane_bounds(self.n, self.settings.lanes):  # blocks start at each lane's start
+                    codec.with_feedback(self.payload[a:b].numpy(), self.residual[a:b].numpy(), self.settings.payload)
+        fmt = "fp32" if repair else self.settings.payload
         if self.settings.overlap:
             self._pending_round = (round_t, repair)
             self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)

@@ -76,16 +76,16 @@ class RunHandle:
 
 
 def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, timeout: float):
-    """A blocking `average(vector, weight, round_t, lanes, restore, codec) -> [RoundResult]` for the
+    """A blocking `average(vector, weight, round_t, lanes, restore, payload) -> [RoundResult]` for the
     trainer: runs `run_round` (one round per lane; `lanes` None: every lane; the vector travels in
-    `codec`'s format, peers/collective/codec.py) on the event loop and
+    `payload`'s format, peers/collective/codec.py) on the event loop and
     waits at most `timeout` (the run's round_timeout). Rounds that time out or are cancelled
     (leave, drain) are cancelled on the loop and leave the vector as it was if `restore`, else
     partly written (MoshpitAverager.average)."""
     from peers.averaging import RoundResult
 
-    def average(vector, weight: float, round_t: int, lanes=None, restore: bool = True, codec: str = "fp32") -> list[RoundResult]:
-        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore, codec), loop)
+    def average(vector, weight: float, round_t: int, lanes=None, restore: bool = True, payload: str = "fp32") -> list[RoundResult]:
+        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore, payload), loop)
         handle.round_future = future
         try:
             return future.result(timeout)
@@ -378,8 +378,8 @@ def outer_settings(a: AveragingSettings):
 
     if a.algorithm != "diloco":
         return None
-    return OuterSettings(lr=a.outer_lr, momentum=a.outer_momentum, codec=a.codec, overlap=a.overlap,
-                         repair_every=a.repair_every)
+    return OuterSettings(lr=a.outer_lr, momentum=a.outer_momentum, payload=a.payload, overlap=a.overlap,
+                         repair_every=a.repair_every, lanes=a.lanes)
 
 
 async def republish(node: PeerNode, manifest: RunManifest, data: bytes, secret: RunSecret | None) -> None:

@@ -629,7 +629,7 @@ class Trainer:
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         """DiLoCo's rounds: every lane, the engine's backup kept (a lane without a result keeps this
         member's own values, which the outer step then applies)."""
-        return self.average(vector, weight, round_t, None, restore=True, codec=fmt)
+        return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
 
     def _checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         state = {

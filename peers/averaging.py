@@ -151,14 +151,14 @@ class MoshpitAverager:
 
     async def average(
         self, vector: torch.Tensor, weight: float, round_t: int, live_peers: Mapping[str, tuple[int, str]],
-        lanes: Sequence[int] | None = None, group: str = "", restore: bool = True, codec: str = "fp32",
+        lanes: Sequence[int] | None = None, group: str = "", restore: bool = True, payload: str = "fp32",
     ) -> list[RoundResult]:  # fmt: skip
         """Average `lanes` of `vector` (flat float32, in place; every lane of the run when None) with
         this round's groups, one round per lane. `live_peers`: peer ID -> (the lanes it delegated as
         a bit mask, its DeAR group's ID), as announced; `group`: this daemon's DeAR group ID ("" when
         none). Returns one RoundResult per lane, in lane order. restore=False: a lane whose round
         did not complete may hold part of a result (GroupAllReduce.all_reduce); the caller puts
-        back the lanes that did not apply a result. `codec`: how the vector travels (fp32, fp16 or
+        back the lanes that did not apply a result. `payload`: how the vector travels (fp32, fp16 or
         int8 blocks, peers/collective/codec.py); owners reduce in float32 either way."""
         mine = sorted(range(self.lanes) if lanes is None else set(lanes))
         bounds = lane_bounds(vector.numel(), self.lanes)
@@ -187,7 +187,7 @@ class MoshpitAverager:
             namespace, key, _ = plans[lane]
             s, e = bounds[lane]
             try:
-                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, codec, plans[lane][2])
+                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, payload, plans[lane][2])
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
                 return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane,
@@ -200,7 +200,7 @@ class MoshpitAverager:
 
     async def _round(
         self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int, restore: bool,
-        codec: str = "fp32", mates: Sequence[str] = (),
+        payload: str = "fp32", mates: Sequence[str] = (),
     ) -> RoundResult:  # fmt: skip
         """One lane's round under group key `key`: listen, matchmaking (directly with `mates`, the group
         the view gives, peers/matchmaking.py), all-reduce of `vector` (a slice)."""
@@ -219,7 +219,7 @@ class MoshpitAverager:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
             engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
             buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
-            settings = self.settings if codec == "fp32" else dataclasses.replace(self.settings, codec=codec)
+            settings = self.settings if payload == "fp32" else dataclasses.replace(self.settings, payload=payload)
             engine = engine_type(group, transport, vector.numel(), settings=settings, events=self.events,
                                  buffers=buffers)  # fmt: skip
             try:

@@ -45,9 +45,10 @@ class AveragingSettings:
     algorithm: str = "diloco"
     outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7)
     outer_momentum: float = 0.9  # its Nesterov momentum (DiLoCo's 0.9)
-    # How a pseudo-gradient travels: "int8" (8-bit values with a float32 scale per block), "fp16"
-    # or "fp32"; with error feedback, so quantization loses nothing over time (peers/collective/codec.py).
-    codec: str = "fp32"  # int8 once the codec lands
+    # How a pseudo-gradient travels: "int8" (8-bit values with a float32 scale per block of 64),
+    # "fp16" or "fp32"; with error feedback, so quantization loses nothing over time
+    # (peers/collective/codec.py). The engines' AllReduceSettings.payload.
+    payload: str = "int8"
     # Apply a round's result one outer step late, so that it runs on the network while the next inner
     # steps compute (Streaming DiLoCo); False: compute waits for every round.
     overlap: bool = True
@@ -63,8 +64,8 @@ class AveragingSettings:
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "state"):
             raise ValueError(f"algorithm must be diloco or state, got {self.algorithm!r}")
-        if self.codec not in ("int8", "fp16", "fp32"):
-            raise ValueError(f"codec must be int8, fp16 or fp32, got {self.codec!r}")
+        if self.payload not in ("int8", "fp16", "fp32"):
+            raise ValueError(f"payload must be int8, fp16 or fp32, got {self.payload!r}")
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -123,7 +124,7 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
         averaging=records_pb2.AveragingSettings(
             average_every=a.average_every, max_group_size=a.max_group_size, round_timeout=a.round_timeout,
             transport=a.transport, datagram_bytes=a.datagram_bytes, lanes=a.lanes, algorithm=a.algorithm,
-            outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, codec=a.codec, overlap=a.overlap,
+            outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, payload=a.payload, overlap=a.overlap,
             inner_budget=a.inner_budget, repair_every=a.repair_every,
         ),
         creator=manifest.creator,
@@ -166,7 +167,7 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
 
 def _diloco_fields(a: records_pb2.AveragingSettings) -> dict:
     return dict(
-        algorithm="diloco", outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, codec=a.codec,
+        algorithm="diloco", outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, payload=a.payload,
         overlap=a.overlap, inner_budget=a.inner_budget, repair_every=a.repair_every,
     )
 

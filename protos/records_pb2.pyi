@@ -121,7 +121,7 @@ class Envelope(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., kind: _Optional[_Union[RecordKind, str]] = ...) -> None: ...
 
 class AveragingSettings(_message.Message):
-    __slots__ = ("average_every", "max_group_size", "round_timeout", "transport", "datagram_bytes", "lanes", "algorithm", "outer_lr", "outer_momentum", "codec", "overlap", "inner_budget", "repair_every")
+    __slots__ = ("average_every", "max_group_size", "round_timeout", "transport", "datagram_bytes", "lanes", "algorithm", "outer_lr", "outer_momentum", "payload", "overlap", "inner_budget", "repair_every")
     AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
@@ -131,7 +131,7 @@ class AveragingSettings(_message.Message):
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     OUTER_LR_FIELD_NUMBER: _ClassVar[int]
     OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
-    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     INNER_BUDGET_FIELD_NUMBER: _ClassVar[int]
     REPAIR_EVERY_FIELD_NUMBER: _ClassVar[int]
@@ -144,11 +144,11 @@ class AveragingSettings(_message.Message):
     algorithm: str
     outer_lr: float
     outer_momentum: float
-    codec: str
+    payload: str
     overlap: bool
     inner_budget: float
     repair_every: int
-    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., transport: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ..., algorithm: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., codec: _Optional[str] = ..., overlap: _Optional[bool] = ..., inner_budget: _Optional[float] = ..., repair_every: _Optional[int] = ...) -> None: ...
+    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., transport: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ..., algorithm: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., inner_budget: _Optional[float] = ..., repair_every: _Optional[int] = ...) -> None: ...
 
 class RunManifest(_message.Message):
     __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at")

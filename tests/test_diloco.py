@@ -49,7 +49,7 @@ class Pair:
             self.barrier.wait()
             return [f"round {round_t}"]
 
-        settings = OuterSettings(lr=0.5, momentum=0.0, codec="fp32", overlap=overlap)
+        settings = OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=overlap)
         return OuterLoop(params, settings, average, name)
 
 
