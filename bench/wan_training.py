@@ -13,8 +13,8 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
   (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
   (c) alone     the same hosts, the same run, no rounds (average_every = 100000): the compute ceiling
                 under the same CPU sharing, since all hosts share this machine's cores
-  extras:       udp10: (a) with the UDP engine and 10 % loss; throttled: (a) with one host slowed
-                by a CPU-heavy neighbour in its namespace (the straggler budget at work)
+  extras:       udp10: (a) with the UDP engine and 10 % loss; throttled: (a) with host h0 on a core
+                it shares with two busy loops, the others on the other core (the straggler budget)
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
 sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def _burn(seconds: float) -> None:
         x += 1
 
 
-def scenario(name: str, args, settings: dict, *, loss: float | None = None, throttle: str = "") -> dict:
+def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> dict:
     hosts = [{"name": f"h{i}"} for i in range(args.hosts)]
     data = {
         "name": name,
@@ -108,19 +109,59 @@ def scenario(name: str, args, settings: dict, *, loss: float | None = None, thro
     return data
 
 
+def _tasks(pid: int) -> list[int]:
+    """Every thread of the process and of its descendants (the daemon, its p2pd)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+        except FileNotFoundError:
+            continue
+        out += tids
+        for t in tids:
+            try:
+                todo += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split()]
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def _throttle(lab: "TrainingLab", slow: str, stop: threading.Event) -> None:
+    """Host `slow` shares CPU 0 with two busy-looping neighbours, the others get CPU 1: the slow host
+    computes at about 2/3 of their speed. Re-applied every second (threads come and go)."""
+    burners = [mp.Process(target=_burn, args=(3600,), daemon=True) for _ in range(2)]
+    for b in burners:
+        b.start()
+        os.sched_setaffinity(b.pid, {0})
+    try:
+        while not stop.wait(1.0):
+            for name, d in list(lab.daemons.items()):
+                if d.proc is None:
+                    continue
+                for tid in _tasks(d.proc.pid):
+                    try:
+                        os.sched_setaffinity(tid, {0} if name == slow else {1})
+                    except OSError:
+                        pass
+    finally:
+        for b in burners:
+            b.terminate()
+
+
 def run_setup(name: str, data: dict, throttle: str = "") -> dict:
     progress(f"{name}: {data['duration']:.0f} s of training on {len(data['host'])} hosts")
     lab = TrainingLab(parse(data, name), progress=lambda m: progress(f"  {m}"))
-    burner = None
-    if throttle:  # a CPU-heavy neighbour beside one host: it gets a smaller share of the cores
-        burner = mp.Process(target=_burn, args=(data["duration"] + 120,), daemon=True)
-        burner.start()
-        os.sched_setaffinity(burner.pid, {0})
+    stop, pinning = threading.Event(), None
+    if throttle:
+        pinning = threading.Thread(target=_throttle, args=(lab, throttle, stop), name="throttle", daemon=True)
+        pinning.start()
     try:
         record = lab.run()
     finally:
-        if burner is not None:
-            burner.terminate()
+        stop.set()
+        if pinning is not None:
+            pinning.join(10)
     hosts = {}
     for host in (h["name"] for h in data["host"]):
         last = [s for s in record.samples if s.host == host]

@@ -79,7 +79,7 @@ class RunSummary:
     dear_overlap_ratio: float = math.nan  # communication hidden behind compute (docs/dear.md)
     wan_share: float = 1.0  # the fraction of the state vector this daemon averages over the WAN
     compute_fraction: float = math.nan  # compute time over wall time since training began
-    round_wait_seconds: float = 0.0  # time compute waited for averaging rounds
+    train_wait_seconds: float = 0.0  # time compute waited for averaging rounds
     algorithm: str = ""  # what rounds average: diloco or state ("" when not training)
 
 
@@ -544,7 +544,7 @@ class Daemon:
                     dear_overlap_ratio=tr.dear_overlap_ratio if tr else math.nan,
                     wan_share=tr.wan_share if tr else 1.0,
                     compute_fraction=tr.compute_fraction if tr else math.nan,
-                    round_wait_seconds=tr.round_wait_seconds if tr else 0.0,
+                    train_wait_seconds=tr.train_wait_seconds if tr else 0.0,
                     algorithm=handle.manifest.averaging.algorithm if handle and handle.manifest else "",
                 )
             )

@@ -240,7 +240,7 @@ def _cmd_status(args) -> int:
                         "wan_share": r.wan_share,
                         "algorithm": r.algorithm,
                         "compute_fraction": None if math.isnan(r.compute_fraction) else r.compute_fraction,
-                        "round_wait_seconds": r.round_wait_seconds,
+                        "train_wait_seconds": r.train_wait_seconds,
                     }
                     for r in s.runs
                 ],

@@ -134,7 +134,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     dear_overlap_ratio=r.dear_overlap_ratio,
                     wan_share=r.wan_share,
                     compute_fraction=r.compute_fraction,
-                    round_wait_seconds=r.round_wait_seconds,
+                    train_wait_seconds=r.train_wait_seconds,
                     algorithm=r.algorithm,
                 )
                 for r in s.runs

@@ -119,7 +119,7 @@ class _TrainingCollector(Collector):
             "peerd_train_compute_fraction", "Forward, backward and optimizer time over wall time since training began.", labels=["run"]
         )
         waited = CounterMetricFamily(
-            "peerd_round_wait_seconds", "Seconds compute waited for averaging rounds in the run.", labels=["run"]
+            "peerd_train_wait_seconds", "Seconds the trainer waited for averaging rounds in the run.", labels=["run"]
         )
         for r in self.runs():
             if not r.task:
@@ -129,7 +129,7 @@ class _TrainingCollector(Collector):
             step.add_metric([r.run_id], r.step)
             if not math.isnan(r.compute_fraction):
                 compute.add_metric([r.run_id], r.compute_fraction)
-            waited.add_metric([r.run_id], r.round_wait_seconds)
+            waited.add_metric([r.run_id], r.train_wait_seconds)
             local.add_metric([r.run_id], r.local_step)
             if not math.isnan(r.param_divergence):
                 divergence.add_metric([r.run_id], r.param_divergence)

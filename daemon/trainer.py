@@ -186,7 +186,7 @@ class Trainer:
         self._budget_checked, self._others_done = 0.0, math.nan
         self.compute_seconds = 0.0  # forward, backward and optimizer time since training began
         self.train_seconds = 0.0  # wall time since training began (TRAINING state)
-        self.round_wait_seconds = 0.0  # time compute waited for averaging rounds
+        self.train_wait_seconds = 0.0  # time compute waited for averaging rounds
         self.local_group = local_group
         self._dear: DeAR | None = None  # active while this daemon trains in a DeAR group
         self.dear_steps = 0  # steps taken under DeAR, over every group this trainer was in
@@ -382,6 +382,8 @@ class Trainer:
             if elapsed >= 2.0:
                 self.samples_per_second = window_samples / elapsed
                 window_start, window_samples = time.monotonic(), 0
+            elif not self.samples_per_second and elapsed >= 0.25:  # a first figure before the first window ends
+                self.samples_per_second = window_samples / elapsed
             if self._outer is not None and self.average is not None:
                 if self._phase_over(phase_began):
                     self._flush()
@@ -610,7 +612,7 @@ class Trainer:
     def _after_outer_round(self, applied) -> None:
         """Status, metrics and the snapshot peers download, once a round's result was applied."""
         outer = self._outer
-        self.round_wait_seconds += applied.waited
+        self.train_wait_seconds += applied.waited
         if applied.round_t is None:  # overlap: the first round is still on the network
             return
         results, previous = applied.results, self.last_round

@@ -73,3 +73,19 @@ def test_engine_benchmarks_quick_print_json_lines_with_the_headline_last(argv, h
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert records and all(REQUIRED <= r.keys() for r in records), records
     assert records[-1]["bench"] == argv[0].split(".")[1] and records[-1]["metric"] == headline, records[-1]
+
+
+def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
+    """bench.wan_training needs root and minutes; here only its scenarios are checked, as the lab
+    would check them before building anything (daemon/lab/scenario.py)."""
+    import argparse
+
+    from bench.wan_training import scenario
+    from daemon.lab.scenario import parse
+
+    args = argparse.Namespace(hosts=3, seconds=120.0, rate=100.0, rtt_ms=50.0, loss=1.0, task="charlm")
+    for name, settings in (("a", {"averaging.algorithm": "diloco", "averaging.average_every": 50}),
+                           ("b", {"averaging.algorithm": "state", "averaging.average_every": 10})):
+        s = parse(scenario(name, args, settings), name)
+        assert len(s.hosts) == 3 and s.run.task == "charlm" and s.duration == 120.0
+        assert s.run.settings["averaging.algorithm"] == settings["averaging.algorithm"]

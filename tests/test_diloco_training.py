@@ -4,6 +4,8 @@ one process trained on the same samples; a late joiner downloads the outer state
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from daemon.client import ControlClient
@@ -49,4 +51,48 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
     # The last round completed everywhere: every member ends at the same θ, hence the same score.
     assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     for d in daemons:
+        assert d.stop() == 0
+
+
+def test_diloco_trains_on_through_a_kill_and_a_late_joiner_realigns_by_the_repair_round(spawn):
+    """A peer killed while an overlapped round is in flight: the others train on. A late joiner
+    downloads the outer state [θ; m] and catches up; it missed the update in flight when it
+    downloaded, and the next repair round (averaging.repair_every=2 here) makes every live θ the
+    same again: the sketches of θ then agree exactly (divergence 0). No global step goes backwards."""
+    from tests.test_cluster_training import StepWatch
+
+    every = 20
+    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.repair_every=2",
+              "--set", "optimizer=sgd", "--set", "lr=0.05"]
+    args = ["--run", "dk", "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    a = spawn("dk-a", [*args, *create])
+    b, c = (spawn(f"dk-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
+    b.wait_ready()
+    c.wait_ready()
+    watch = StepWatch([a, b, c], "dk")
+    try:
+        wait_for(lambda: status(a, "dk").last_round_outcome == "completed", timeout=90, what="a first round")
+        c.proc.send_signal(signal.SIGKILL)
+        c.proc.wait(10)
+        killed_at = status(a, "dk").step
+        wait_for(lambda: status(a, "dk").step >= killed_at + 5 * every, timeout=90, what="a trains on after the kill")
+
+        late = spawn("dk-late", [*args, "--min-peers", "1", "--initial-peers", a.maddrs[0]])
+        watch.add(late)
+        wait_for(lambda: status(late, "dk").step >= status(a, "dk").step - 2 * every, timeout=90,
+                 what="the late joiner catches up")
+        assert status(late, "dk").local_step < status(late, "dk").step  # it downloaded the outer state
+        m = scrape(late.metrics_url)
+        assert m.get(("peerd_state_syncs_total", (("result", "ok"), ("run", "dk"))), 0) >= 1, late.log_tail(40)
+        joined_at = status(a, "dk").step
+
+        def aligned():
+            rs = [status(d, "dk") for d in (a, b, late)]
+            return all(r.param_divergence_step > joined_at and r.param_divergence == 0.0 for r in rs) and rs
+
+        wait_for(aligned, timeout=120, interval=0.2, what="every live θ the same again after a repair round")
+        assert not watch.regressions, watch.regressions
+    finally:
+        watch.stop()
+    for d in (a, b, late):
         assert d.stop() == 0
