@@ -24,9 +24,8 @@ def status(d, run: str):
 
 
 def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn):
-    steps, every, batch = 600, 20, 32
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "optimizer=sgd",
-              "--set", "lr=0.05"]
+    steps, every, batch = 600, 50, 32  # the default H
+    create = ["--task", "digits-mlp", "--set", "optimizer=sgd", "--set", "lr=0.05"]
     args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("dl-a", [*args, *create])
     others = [spawn(f"dl-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]
@@ -43,8 +42,9 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
         print(f"{d.data_dir.name}: accuracy {r.eval_score:.4f}, single process {single:.4f}, last round "
               f"{r.last_round_outcome} of {r.group_size}")
         assert r.step == steps, r
-        # Within 1.5 points (measured: 0.9667 on all three against 0.9676).
-        assert r.eval_score >= single - 0.015, (r.eval_score, single)
+        # Within 3 % of one process (the bound). Measured at H = 50: 0.9639 and 0.9750 against
+        # 0.9676 (one test image is 0.28 points); at H = 20, 0.9389-0.9667.
+        assert r.eval_score >= 0.97 * single, (r.eval_score, single)
         m = scrape(d.metrics_url)
         assert m[("peerd_rounds_total", (("outcome", "completed"), ("run", "dl")))] >= steps // every // 2, m
         assert 0 < m[("peerd_train_compute_fraction", (("run", "dl"),))] <= 1
