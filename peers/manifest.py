@@ -59,7 +59,7 @@ class AveragingSettings:
     # With the UDP engine or several Moshpit groups, members' outer parameters can drift apart (a
     # result packet lost, different groups): every `repair_every` outer steps the round averages the
     # outer parameters themselves in float32 instead of a pseudo-gradient. 0: never.
-    repair_every: int = 10
+    repair_every: int = 25
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "state"):
