@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from daemon.flat import from_flat, to_flat
 from peers.collective import codec
 from peers.dear.hierarchy import lane_bounds
 
@@ -99,7 +100,7 @@ class OuterLoop:
     @torch.no_grad()
     def reset_from_params(self) -> None:
         """θ := the model's parameters, m := 0 (a new run, or a checkpoint without outer state)."""
-        _gather(self.params, self.theta)
+        to_flat(self.params, self.theta)
         self.momentum.zero_()
         self.start.copy_(self.theta)
         self.residual.zero_()
@@ -110,7 +111,7 @@ class OuterLoop:
         round still in flight is waited for and dropped (its result belongs to the old state)."""
         self.drop_pending()
         self.outer.copy_(outer)
-        _scatter(self.theta, self.params)
+        from_flat(self.theta, self.params)
         self.start.copy_(self.theta)
         self.residual.zero_()
 
@@ -143,7 +144,7 @@ class OuterLoop:
             applied_round, repaired = self._pending_round
             self._pending = None
             self._apply(repaired)
-        _gather(self.params, self.scratch)  # y
+        to_flat(self.params, self.scratch)  # y
         torch.sub(self.start, self.scratch, out=self.progress)  # P = s − y
         if repair:
             torch.sub(self.theta, self.progress, out=self.payload)
@@ -164,7 +165,7 @@ class OuterLoop:
             applied_round, repaired = round_t, repair
             self._apply(repair)
             self.scratch.copy_(self.theta)
-        _scatter(self.scratch, self.params)
+        from_flat(self.scratch, self.params)
         self.start.copy_(self.scratch)
         return Applied(applied_round, results, waited, repaired)
 
@@ -186,7 +187,7 @@ class OuterLoop:
         round averaged: nothing trained is dropped. None when no round was pending."""
         if self._pending is None:
             return None
-        _gather(self.params, self.scratch)
+        to_flat(self.params, self.scratch)
         tail = torch.sub(self.start, self.scratch)  # progress since the last boundary
         t0 = time.monotonic()
         results = self._pending.result()
@@ -194,7 +195,7 @@ class OuterLoop:
         self._pending = None
         self._apply(repaired)  # the pending round held this member's progress up to the last boundary
         torch.sub(self.theta, tail, out=self.scratch)
-        _scatter(self.scratch, self.params)
+        from_flat(self.scratch, self.params)
         self.start.copy_(self.theta)
         return Applied(applied_round, results, time.monotonic() - t0, repaired)
 
@@ -202,30 +203,15 @@ class OuterLoop:
     def outer_params(self):
         """Within the block the model holds θ (evaluation), then its inner parameters again."""
         with torch.no_grad():
-            _gather(self.params, self.scratch)
-            _scatter(self.theta, self.params)
+            to_flat(self.params, self.scratch)
+            from_flat(self.theta, self.params)
         try:
             yield
         finally:
             with torch.no_grad():
-                _scatter(self.scratch, self.params)
+                from_flat(self.scratch, self.params)
 
     def close(self) -> None:
         """Wait for a round in flight (its bridge bounds it) and stop the round thread."""
         self.drop_pending()
         self._pool.shutdown(wait=True)
-
-
-def _gather(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
-    offset = 0
-    for t in tensors:
-        flat[offset : offset + t.numel()].copy_(t.detach().view(-1))
-        offset += t.numel()
-
-
-def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.view(-1).copy_(flat[offset : offset + t.numel()])
-            offset += t.numel()

@@ -32,6 +32,7 @@ import torch
 
 from daemon.checkpoint import CheckpointStore, identity_of
 from daemon.diloco import OuterLoop, OuterSettings
+from daemon.flat import from_flat, to_flat
 from peers.dear.collective import CollectiveError
 from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
@@ -95,16 +96,6 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> t
     return params + extra, len(params)
 
 
-def gather(tensors: list[torch.Tensor], flat: torch.Tensor, start: int = 0, end: int | None = None) -> None:
-    """Copy the tensors into flat, or only into flat[start:end]."""
-    end, offset = flat.numel() if end is None else end, 0
-    for t in tensors:
-        a, b = max(start, offset), min(end, offset + t.numel())
-        if a < b:
-            flat[a:b].copy_(t.detach().view(-1)[a - offset : b - offset])
-        offset += t.numel()
-
-
 def lanes_to_put_back(results: list, lanes: int) -> list[int]:
     """The lanes a round run with restore=False may have left partly written: those whose result
     ran the engine without applying its outcome, was interrupted, or is missing (an interrupted
@@ -114,14 +105,6 @@ def lanes_to_put_back(results: list, lanes: int) -> list[int]:
         lane for lane in range(lanes)
         if (r := by_lane.get(lane)) is None or (not r.applied and (r.outcome is not None or r.interrupted))
     ]  # fmt: skip
-
-
-def scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            t.view(-1).copy_(flat[offset : offset + t.numel()])
-            offset += t.numel()
 
 
 @torch.no_grad()
@@ -493,7 +476,7 @@ class Trainer:
                     self._outer.adopt(self._flat)
                     self.snapshot = Snapshot(result.step, self._outer.outer.clone())
                 else:
-                    scatter(self._flat, self._tensors)
+                    from_flat(self._flat, self._tensors)
                     self.snapshot = Snapshot(result.step, self._flat.clone())
                 self.global_step = self.synced_from = result.step
                 self._samples_since_round = 0
@@ -513,7 +496,7 @@ class Trainer:
         lane); in a DeAR group, the group's hierarchical round (peers/dear/hierarchy.py): this
         daemon averages its own lanes for the whole group, between a reduce-scatter and an
         all-gather within it. Then form a DeAR group where the rounds allow it."""
-        gather(self._tensors, self._flat)
+        to_flat(self._tensors, self._flat)
         # Before the round, when peers have drifted furthest and all stand at this same step.
         sketch = self._sketch_plan.take(self._flat[: self._sketch_plan.size].numpy(), self.global_step)
         self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
@@ -533,7 +516,7 @@ class Trainer:
             results = self.average(self._flat, weight, round_t, None, restore=False)
             bounds = lane_bounds(self._flat.numel(), self.lanes)
             for lane in lanes_to_put_back(results, self.lanes):
-                gather(self._tensors, self._flat, *bounds[lane])
+                to_flat(self._tensors, self._flat, *bounds[lane])
         applied = gathered or any(getattr(r, "applied", False) for r in results)
         previous = self.last_round
         # Status shows the round of this daemon's first lane (or that its group averaged them all).
@@ -550,7 +533,7 @@ class Trainer:
             # Before the result replaces them: how far this member's parameters were from the mean.
             if applied:
                 self.param_distance_to_group_mean = distance(self._flat, self._tensors[: self._n_params])
-            scatter(self._flat, self._tensors)
+            from_flat(self._flat, self._tensors)
         if applied:
             self._samples_since_round = 0  # otherwise they count toward the next round's weight
         # What peers download: the group's mean after a completed round (the same bytes on every

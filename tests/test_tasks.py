@@ -252,19 +252,19 @@ def test_entry_point_registered_twice_is_refused(monkeypatch):
 
 def test_the_trainer_gathers_all_of_the_state_vector_or_one_slice():
     """The trainer's rounds run without the engine's backup (restore=False) and copy back from the
-    model any lane that applied no result: gather(start, end) must write that slice and nothing else."""
-    from daemon.trainer import gather, scatter
+    model any lane that applied no result: to_flat(start, end) must write that slice and nothing else."""
+    from daemon.flat import from_flat, to_flat
 
     tensors = [torch.arange(5.0).view(5, 1), torch.arange(10.0, 17.0), torch.tensor(99.0)]
     flat = torch.empty(13)
-    gather(tensors, flat)
+    to_flat(tensors, flat)
     assert flat.tolist() == [0, 1, 2, 3, 4, 10, 11, 12, 13, 14, 15, 16, 99]
     for start, end in [(0, 13), (3, 7), (5, 12), (12, 13), (4, 5), (6, 6)]:
         part = torch.full((13,), -1.0)
-        gather(tensors, part, start, end)
+        to_flat(tensors, part, start, end)
         assert torch.equal(part[start:end], flat[start:end]), (start, end)
         assert (part[:start] == -1).all() and (part[end:] == -1).all(), (start, end)
-    scatter(flat * 2, tensors)
+    from_flat(flat * 2, tensors)
     assert tensors[1].tolist() == [20, 22, 24, 26, 28, 30, 32] and float(tensors[2]) == 198
 
 
