@@ -13,7 +13,7 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
   (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
   (c) alone     the same hosts, the same run, no rounds (average_every = 100000): the compute ceiling
                 under the same CPU sharing, since all hosts share this machine's cores
-  extras:       udp10: (a) with the UDP engine and 10 % loss; throttled: (a) with host h0 on a core
+  extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) without overlap; throttled: (a) with host h0 on a core
                 it shares with two busy loops, the others on the other core (the straggler budget)
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
@@ -197,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
-    p.add_argument("--extra", default="", help="comma-separated: udp10, throttled")
+    p.add_argument("--extra", default="", help="comma-separated: udp10, sync (no overlap), throttled")
+    p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
     p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
                    help="also train one process on as many samples as (a)'s hosts together")
     args = p.parse_args(argv)
@@ -219,12 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         if e == "udp10":
             setups.append(("a_diloco_udp10", scenario("a_diloco_udp10", args, {**diloco, "averaging.transport": "udp"},
                                                       loss=10.0)))
+        elif e == "sync":
+            setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
         elif e == "throttled":
             setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))
         else:
             p.error(f"unknown extra {e!r}")
+    skip = {x for x in args.skip.split(",") if x}
     lines = {}
-    for name, data in setups:
+    for name, data in [(n, d) for n, d in setups if n not in skip]:
         lines[name] = run_setup(name, data, throttle="h0" if name.endswith("throttled") else "")
     a, c = lines["a_diloco"], lines["c_alone"]
     if args.single:

@@ -54,7 +54,7 @@ def outer_step(params: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.T
 @dataclass(frozen=True, slots=True)
 class OuterSettings:
     lr: float = 0.7
-    momentum: float = 0.9
+    momentum: float = 0.5
     payload: str = "int8"  # how pseudo-gradients travel (peers/collective/codec.py)
     lanes: int = 1  # the run's lanes: error feedback is exact per lane, the vector each round averages
     overlap: bool = True
@@ -182,22 +182,21 @@ class OuterLoop:
 
     @torch.no_grad()
     def finish(self) -> Applied | None:
-        """Training ends: apply the round still in flight (waiting for it; its bridge bounds the
-        wait). The model keeps θ plus this member's progress since the last boundary, which no
-        round averaged: nothing trained is dropped. None when no round was pending."""
-        if self._pending is None:
-            return None
-        to_flat(self.params, self.scratch)
-        tail = torch.sub(self.start, self.scratch)  # progress since the last boundary
-        t0 = time.monotonic()
-        results = self._pending.result()
-        applied_round, repaired = self._pending_round
-        self._pending = None
-        self._apply(repaired)  # the pending round held this member's progress up to the last boundary
-        torch.sub(self.theta, tail, out=self.scratch)
-        from_flat(self.scratch, self.params)
+        """Training ends: apply the round still in flight (waiting for it; its bridge bounds it) and
+        leave the model at θ, the run's model. This peer's progress since the last boundary, which
+        no round averaged, is not part of it (at most H steps of one peer's local progress; with
+        AdamW it made the model worse: docs/benchmarks.md). None when no round was pending."""
+        applied = None
+        if self._pending is not None:
+            t0 = time.monotonic()
+            results = self._pending.result()
+            applied_round, repaired = self._pending_round
+            self._pending = None
+            self._apply(repaired)
+            applied = Applied(applied_round, results, time.monotonic() - t0, repaired)
+        from_flat(self.theta, self.params)
         self.start.copy_(self.theta)
-        return Applied(applied_round, results, time.monotonic() - t0, repaired)
+        return applied
 
     @contextlib.contextmanager
     def outer_params(self):

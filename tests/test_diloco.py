@@ -112,19 +112,19 @@ def test_a_repair_round_adopts_the_mean_of_theta_minus_progress_without_an_outer
     b.close()
 
 
-def test_finish_applies_the_round_in_flight_and_keeps_only_the_unaveraged_tail():
+def test_finish_applies_the_round_in_flight_and_leaves_the_model_at_theta():
     pair = Pair()
     pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
     a, b = pair.member(pa, True, "a"), pair.member(pb, True, "b")
     pa[0] -= 1.0
     pb[0] -= 3.0
     together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 1.0))
-    pa[0] -= 0.25  # a trains on past the boundary: a tail no round averaged
+    pa[0] -= 0.25  # a trains on past the boundary: a tail no round averaged, not part of the model
     done = together(a.finish, b.finish)
     assert [d.round_t for d in done] == [1, 1]
-    # Round 1's mean P = 2: θ = 0 - 0.5*2 = -1 on both; a keeps its tail.
+    # Round 1's mean P = 2: θ = 0 - 0.5*2 = -1 on both, and both models hold it.
     assert a.theta.item() == b.theta.item() == -1.0
-    assert pa[0].item() == -1.25 and pb[0].item() == -1.0
+    assert pa[0].item() == pb[0].item() == -1.0
     assert a.finish() is None  # nothing in flight any more
     a.close()
     b.close()
