@@ -54,10 +54,10 @@ def outer_step(params: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.T
 @dataclass(frozen=True, slots=True)
 class OuterSettings:
     lr: float = 0.7
-    momentum: float = 0.5
+    momentum: float = 0.9
     payload: str = "int8"  # how pseudo-gradients travel (peers/collective/codec.py)
     lanes: int = 1  # the run's lanes: error feedback is exact per lane, the vector each round averages
-    overlap: bool = True
+    overlap: bool = False
     repair_every: int = 0  # outer steps between two averages of θ itself; 0: never
 
 

@@ -44,16 +44,18 @@ class AveragingSettings:
     # diloco existed decode as "state").
     algorithm: str = "diloco"
     outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7)
-    # Its Nesterov momentum. DiLoCo's 0.9 suits rounds without overlap; with a result applied one
-    # outer step late it diverged on charlm (3.61 bits/char against 2.22 at 0.5; docs/benchmarks.md).
-    outer_momentum: float = 0.5
+    # Its Nesterov momentum (DiLoCo's 0.9). With overlap's result applied one outer step late, 0.9
+    # diverged on charlm in simulation (3.61 bits/char against 2.22 at 0.5): lower it with overlap.
+    outer_momentum: float = 0.9
     # How a pseudo-gradient travels: "int8" (8-bit values with a float32 scale per block of 64),
     # "fp16" or "fp32"; with error feedback, so quantization loses nothing over time
     # (peers/collective/codec.py). The engines' AllReduceSettings.payload.
     payload: str = "int8"
     # Apply a round's result one outer step late, so that it runs on the network while the next inner
-    # steps compute (Streaming DiLoCo); False: compute waits for every round.
-    overlap: bool = True
+    # steps compute (Streaming DiLoCo). Off by default: on charlm in the lab the overlapped run's
+    # model was worse than a host alone (2.72-2.82 against 2.17-2.24 bits/char; without overlap 2.10,
+    # docs/benchmarks.md). False: compute waits for each round, which costs its fixed cost per phase.
+    overlap: bool = False
     # An inner phase ends after `average_every` steps or, when half of the other live peers have
     # reached the round boundary, after `inner_budget` times the time they took, whichever comes
     # first: a slow peer contributes fewer samples instead of stalling its group (DropCompute). 0: off.
