@@ -123,10 +123,6 @@ class OuterLoop:
                 logger.debug("a dropped round failed", exc_info=True)
             self._pending = None
 
-    @property
-    def pending(self) -> bool:
-        return self._pending is not None
-
     # -- one phase's end ----------------------------------------------------------------------
 
     @torch.no_grad()

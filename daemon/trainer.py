@@ -523,12 +523,7 @@ class Trainer:
         self.last_round = results[0] if results else RoundResult(round_t, lg.size if lg else 1, None,
                                                                   "every lane averaged by the local group's other members",
                                                                   delegated=True)  # fmt: skip
-        if not all(getattr(r, "completed", False) for r in results):
-            # A peer alone runs a round every few milliseconds: log a reason when it changes, not every time.
-            reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
-            same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason
-            (logger.debug if same else logger.info)(
-                "run %s: round %d at step %d not completed: %s", self.run_id, round_t, self.global_step, reason)  # fmt: skip
+        self._log_incomplete(results, previous, round_t)
         if applied or broke:  # a broken hierarchical round may still have changed this member's lanes
             # Before the result replaces them: how far this member's parameters were from the mean.
             if applied:
@@ -602,14 +597,20 @@ class Trainer:
         self.last_round = results[0]
         if any(getattr(r, "applied", False) for r in results):
             self.param_distance_to_group_mean = outer.distance
-        if not all(getattr(r, "completed", False) for r in results):
-            reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
-            same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason
-            (logger.debug if same else logger.info)(
-                "run %s: round %d not completed: %s", self.run_id, applied.round_t, reason)
+        self._log_incomplete(results, previous, applied.round_t)
         self.snapshot = Snapshot(self.global_step, outer.outer.clone())
         for result in results:
             self.on_round(result)
+
+    def _log_incomplete(self, results: list, previous, round_t: int) -> None:
+        """Say why a round did not complete. A peer alone runs a round every few milliseconds: the
+        reason is logged when it changes, not every time."""
+        if all(getattr(r, "completed", False) for r in results):
+            return
+        reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
+        same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason
+        (logger.debug if same else logger.info)(
+            "run %s: round %d at step %d not completed: %s", self.run_id, round_t, self.global_step, reason)
 
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         """DiLoCo's rounds: every lane, the engine's backup kept (a lane without a result keeps this
