@@ -28,7 +28,7 @@ from peers.collective.group import MAX_GROUP
 from peers.dear.member import AUTO, GroupPeer, LocalGroupMember
 from peers.linkprobe import LinkProber
 from peers.matchmaking import Matchmaker, MatchmakingSettings
-from peers.membership import DiscoverySettings, Memberships
+from peers.membership import IDLE, TRAINER, DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
 from peers.clock import now as dht_now
 from peers.runs import RunSecret, validate_run_id
@@ -81,6 +81,8 @@ class RunSummary:
     compute_fraction: float = math.nan  # compute time over wall time since training began
     train_wait_seconds: float = 0.0  # time compute waited for averaging rounds
     algorithm: str = ""  # what rounds average: diloco or state ("" when not training)
+    attached_pid: int = 0  # the process attached to the run (peerd.torch.Optimizer); 0: none
+    attached_device: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,92 +350,176 @@ class Daemon:
         resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject, data_dir)
         await self.memberships.join(run_id, secret)
         self.memberships.runs[run_id].probe_address = self.prober.announced(self._advertise_host()) if self.prober else ""
-        handle = RunHandle(run_id, None, None)
+        handle = RunHandle(run_id, None, None, secret=secret)
         if resolved is not None:
-            # Imported here, as the trainer is (daemon/runs.py): the averager imports torch, which a
-            # daemon whose runs are discovery only never loads.
-            from peers.averaging import MoshpitAverager
-
-            manifest, data = resolved
-            handle.manifest = manifest
-            membership = self.memberships.runs[run_id]
-            averager = MoshpitAverager(
-                run_id=run_id,
-                secret=secret,
-                peer_id=self.node.peer_id,
-                matchmaker=self.matchmaker,
-                bind_host=self.config.network.host,
-                advertise_host=self._advertise_host(),
-                max_group_size=manifest.averaging.max_group_size,
-                p2p=self.node.p2p,
-                transport_mode={"auto": "reliable"}.get(self.config.network.reliable_links, self.config.network.reliable_links),
-                loss_tolerant=manifest.averaging.transport == "udp",
-                data_path=self.config.network.transport,
-                udp_path_ok=lambda peer_id: self.prober is not None and self.prober.passes(peer_id),
-                datagram_bytes=manifest.averaging.datagram_bytes,
-                udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
-                events=self.metrics.peer_events(),
-                rendezvous=run_setup.rendezvous_for(membership, manifest.averaging.average_every, manifest.averaging.round_timeout),
-                lanes=manifest.averaging.lanes,
-            )
-
-            async def run_round(vector, weight, round_t, lanes, restore, payload):
-                live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers()}
-                # The trainer thread waits for this round: its delegation cannot change meanwhile.
-                return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore,
-                                              payload)
-
-            loop = asyncio.get_running_loop()
-            average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
-            sync = run_setup.sync_bridge(handle, loop, self.node, run_id, secret, membership, self.metrics.peer_events())
-            local_group = None
-            if self.config.train.local_group:
-                membership.local_group = self.config.train.local_group
-                local_group = LocalGroupMember(
-                    run_id=run_id,
-                    peer_id=self.node.peer_id,
-                    label=self.config.train.local_group,
-                    host=self._advertise_host(),
-                    peers=lambda: [GroupPeer(e.peer_id, e.local_group, e.dear_address, e.links, e.timestamp) for e in membership.peers()],
-                    own_links=lambda: membership.published_links,
-                    events=self.metrics.peer_events(),
-                    engine_key=secret.engine_key if secret is not None else None,
-                )
-                membership.dear_address_of = lambda: local_group.address
-                membership.delegation_of = lambda: trainer.delegation
-                if self.config.train.local_group == AUTO and self.prober is not None:
-                    membership.links_of = self.prober.reports  # peers decide the group from these
-            handle.trainer = trainer = run_setup.make_trainer(
-                manifest,
-                self.node,
-                self.config.data_dir,
-                self.config.train,
-                average=average,
-                on_round=lambda result: self.metrics.observe_round(run_id, result),
-                peers=lambda: len(membership.table),  # an int read from the trainer thread
-                peer_steps=lambda: [e.step for e in membership.peers()],
-                sync=sync,
-                on_sync=lambda result: self.metrics.observe_sync(run_id, result),
-                local_group=local_group,
-                announce=lambda: self._announce_soon(membership, loop),
-                on_rejected=self.reject,
-            )
-            membership.step_of = lambda: trainer.global_step
-            membership.sketches_of = lambda: trainer.sketches
-            self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
-            await asyncio.to_thread(trainer.load)  # status shows the restored step from its first answer
-            trainer.start()
-            handle.republisher = asyncio.create_task(
-                run_setup.republish(self.node, manifest, data, secret), name=f"manifest:{run_id}"
-            )
+            await self._train(handle, *resolved)
         else:
             logger.warning(
                 "run %s: no manifest and no --task: joined for discovery only, nothing to train "
-                "(a mistyped run ID, or a run not created yet? --task creates it)",
+                "(a mistyped run ID, or a run not created yet? --task creates it; a script's "
+                "peerd.torch.Optimizer attaching creates it too)",
                 run_id,
             )
         self.runs[run_id] = handle
         return True
+
+    async def _train(self, handle: RunHandle, manifest, data: bytes) -> None:
+        """Set up the run's rounds, state serving and trainer: the task's (daemon/trainer.py), or for a
+        run trained by scripts, the attached half (daemon/attached.py) that waits for a process."""
+        # Imported here, as the trainer is (daemon/runs.py): the averager imports torch, which a
+        # daemon whose runs are discovery only never loads.
+        from peers.averaging import MoshpitAverager
+
+        run_id, secret = handle.run_id, handle.secret
+        handle.manifest = manifest
+        membership = self.memberships.runs[run_id]
+        averager = MoshpitAverager(
+            run_id=run_id,
+            secret=secret,
+            peer_id=self.node.peer_id,
+            matchmaker=self.matchmaker,
+            bind_host=self.config.network.host,
+            advertise_host=self._advertise_host(),
+            max_group_size=manifest.averaging.max_group_size,
+            p2p=self.node.p2p,
+            transport_mode={"auto": "reliable"}.get(self.config.network.reliable_links, self.config.network.reliable_links),
+            loss_tolerant=manifest.averaging.transport == "udp",
+            data_path=self.config.network.transport,
+            udp_path_ok=lambda peer_id: self.prober is not None and self.prober.passes(peer_id),
+            datagram_bytes=manifest.averaging.datagram_bytes,
+            udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
+            events=self.metrics.peer_events(),
+            rendezvous=run_setup.rendezvous_for(membership, manifest.averaging.average_every, manifest.averaging.round_timeout),
+            lanes=manifest.averaging.lanes,
+        )
+
+        async def run_round(vector, weight, round_t, lanes, restore, payload):
+            # Peers with nothing training (role idle: no process attached) are nobody's mates.
+            live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers() if e.role != IDLE}
+            # The trainer thread waits for this round: its delegation cannot change meanwhile.
+            return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore,
+                                          payload)
+
+        loop = asyncio.get_running_loop()
+        average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
+        sync = run_setup.sync_bridge(handle, loop, self.node, run_id, secret, membership, self.metrics.peer_events())
+        if not manifest.task:
+            handle.trainer = trainer = self._attached_trainer(manifest, membership, average, sync, loop)
+        else:
+            handle.trainer = trainer = self._task_trainer(manifest, membership, average, sync, loop, secret)
+        membership.step_of = lambda: trainer.global_step
+        membership.sketches_of = lambda: trainer.sketches
+        self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
+        await asyncio.to_thread(trainer.load)  # status shows the restored step from its first answer
+        trainer.start()
+        handle.republisher = asyncio.create_task(
+            run_setup.republish(self.node, manifest, data, secret), name=f"manifest:{run_id}"
+        )
+
+    def _task_trainer(self, manifest, membership, average, sync, loop, secret):
+        run_id = manifest.run_id
+        local_group = None
+        if self.config.train.local_group:
+            membership.local_group = self.config.train.local_group
+            local_group = LocalGroupMember(
+                run_id=run_id,
+                peer_id=self.node.peer_id,
+                label=self.config.train.local_group,
+                host=self._advertise_host(),
+                peers=lambda: [GroupPeer(e.peer_id, e.local_group, e.dear_address, e.links, e.timestamp) for e in membership.peers()],
+                own_links=lambda: membership.published_links,
+                events=self.metrics.peer_events(),
+                engine_key=secret.engine_key if secret is not None else None,
+            )
+            membership.dear_address_of = lambda: local_group.address
+            membership.delegation_of = lambda: trainer.delegation
+            if self.config.train.local_group == AUTO and self.prober is not None:
+                membership.links_of = self.prober.reports  # peers decide the group from these
+        trainer = run_setup.make_trainer(
+            manifest,
+            self.node,
+            self.config.data_dir,
+            self.config.train,
+            average=average,
+            on_round=lambda result: self.metrics.observe_round(run_id, result),
+            peers=lambda: len(membership.table),  # an int read from the trainer thread
+            peer_steps=lambda: [e.step for e in membership.peers()],
+            sync=sync,
+            on_sync=lambda result: self.metrics.observe_sync(run_id, result),
+            local_group=local_group,
+            announce=lambda: self._announce_soon(membership, loop),
+            on_rejected=self.reject,
+        )
+        return trainer
+
+    def _attached_trainer(self, manifest, membership, average, sync, loop):
+        """The daemon's half of a run trained by an attached process (docs/your-loop.md)."""
+        from daemon.attached import AttachedTrainer, remove_stale, shared_directory
+        from daemon.checkpoint import CheckpointStore
+
+        run_id, train = manifest.run_id, self.config.train
+        run_dir = self.config.data_dir / "runs" / run_id
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shared = shared_directory(run_dir)
+        if removed := remove_stale(shared):
+            logger.info("removed %d shared-memory file(s) of daemons that are gone from %s", removed, shared)
+        if train.local_group:
+            logger.warning("run %s: --local-group does not apply to a run trained by scripts; its rounds run alone", run_id)
+        membership.role = IDLE  # until a process attaches
+
+        def on_role(active: bool) -> None:
+            membership.role = TRAINER if active else IDLE
+            self._announce_soon(membership, loop)
+
+        return AttachedTrainer(
+            run_id=run_id,
+            layout=manifest.model,
+            creator=manifest.creator == self.node.peer_id,
+            store=CheckpointStore(
+                run_dir / "checkpoints",
+                on_corrupt=lambda path, why: self.reject("checkpoint_corrupt"),
+                on_foreign=lambda path, why: self.reject("checkpoint_foreign"),
+            ),
+            outer=run_setup.outer_settings(manifest.averaging),
+            average_every=manifest.averaging.average_every,
+            round_timeout=manifest.averaging.round_timeout,
+            checkpoint_every=train.checkpoint_every,
+            shared_dir=shared,
+            average=average,
+            on_round=lambda result: self.metrics.observe_round(run_id, result),
+            peer_steps=lambda: [e.step for e in membership.peers() if e.role != IDLE],
+            sync=sync,
+            on_sync=lambda result: self.metrics.observe_sync(run_id, result),
+            on_role=on_role,
+        )
+
+    async def attach(self, run_id: str, pid: int, device: str, layout: tuple, settings: dict[str, str], step: int):
+        """A training process attaches to a run this daemon is in (docs/your-loop.md). The first
+        attach to a run with no manifest creates it with the process's model. Raises UnknownRun,
+        RunRefused (another model, a task's run, other settings), AttachRefused (one process per
+        run per daemon, or no state to start from), RuntimeError when not READY."""
+        from daemon.attached import AttachedTrainer, AttachRefused
+
+        self._require_ready()
+        async with self._run_changes:
+            handle = self.runs.get(run_id)
+            if handle is None:
+                raise UnknownRun(f"this daemon is not in run {run_id!r}: start it with --run {run_id} (or `peerd join {run_id}`)")
+            if handle.manifest is None:
+                resolved = await run_setup.resolve(self.node, run_id, handle.secret, "", settings, self.reject,
+                                                   self.config.data_dir, model=layout)
+                await self._train(handle, *resolved)
+                self.data_dir.write_ready(self.ready_info())
+            else:
+                run_setup.check_attach(handle.manifest, layout, settings)
+        trainer = handle.trainer
+        if not isinstance(trainer, AttachedTrainer):
+            raise AttachRefused(f"run {run_id!r} is not trained by scripts on this daemon")
+        return await asyncio.to_thread(trainer.attach, pid, device, step)
+
+    def attached_trainers(self) -> list:
+        """The AttachedTrainers of this daemon's runs (daemon/attached.py)."""
+        return [h.trainer for h in self.runs.values() if h.trainer is not None and h.manifest and not h.manifest.task]
 
     @staticmethod
     def _announce_soon(membership, loop: asyncio.AbstractEventLoop) -> None:
@@ -546,6 +632,8 @@ class Daemon:
                     compute_fraction=tr.compute_fraction if tr else math.nan,
                     train_wait_seconds=tr.train_wait_seconds if tr else 0.0,
                     algorithm=handle.manifest.averaging.algorithm if handle and handle.manifest else "",
+                    attached_pid=tr.session.pid if tr and tr.session else 0,
+                    attached_device=tr.session.device if tr and tr.session else "",
                 )
             )
         return StatusSnapshot(

@@ -9,6 +9,8 @@ Messages are for people: they never name a gRPC code.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import time
 from typing import TYPE_CHECKING, Callable
@@ -136,6 +138,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     compute_fraction=r.compute_fraction,
                     train_wait_seconds=r.train_wait_seconds,
                     algorithm=r.algorithm,
+                    attached_pid=r.attached_pid,
+                    attached_device=r.attached_device,
                 )
                 for r in s.runs
             ],
@@ -193,6 +197,68 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         self.daemon.request_shutdown("Shutdown RPC")
         return control_pb2.ShutdownResponse()
+
+
+    async def Attach(self, request, context):
+        from daemon.attached import AttachRefused
+        from peers.manifest import TensorSpec
+
+        await self._check(request, context)
+        run_id = await self._run_id(request.run_id, context)
+        layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in request.layout)
+        try:
+            info = await self.daemon.attach(run_id, request.pid, request.device[:64], layout, dict(request.settings), request.step)
+        except UnknownRun as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
+        except (RunRefused, ValueError) as e:  # ValueError: a layout no run can hold (peers/manifest.py)
+            self.daemon.reject("control_run_refused")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except AttachRefused as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except RuntimeError as e:  # not READY
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return control_pb2.AttachResponse(
+            session=info.session, shared_path=info.shared_path, numel=info.numel, step=info.step,
+            average_every=info.average_every, lease_seconds=info.lease_seconds, phase_timeout=info.phase_timeout,
+            upload=info.upload,
+        )
+
+    async def EndPhase(self, request, context):
+        from daemon.attached import SessionLost
+
+        await self._check(request, context)
+        trainer = await self._session_trainer(request.session, context)
+        try:
+            end = await asyncio.to_thread(trainer.end_phase, request.session, request.steps, max(request.samples, 0.0),
+                                          request.loss, max(request.compute_seconds, 0.0))
+        except SessionLost as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return control_pb2.EndPhaseResponse(step=end.step, round=end.round_t, outcome=end.outcome,
+                                            waited_seconds=end.waited, downloaded=end.downloaded)
+
+    async def Renew(self, request, context):
+        from daemon.attached import SessionLost
+
+        await self._check(request, context)
+        trainer = await self._session_trainer(request.session, context)
+        try:
+            trainer.renew(request.session)
+        except SessionLost as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return control_pb2.RenewResponse()
+
+    async def Detach(self, request, context):
+        await self._check(request, context)
+        for trainer in self.daemon.attached_trainers():
+            await asyncio.to_thread(trainer.detach, request.session)
+        return control_pb2.DetachResponse()
+
+    async def _session_trainer(self, session: str, context):
+        for trainer in self.daemon.attached_trainers():
+            s = trainer.session
+            if s is not None and s.token == session:
+                return trainer
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such attachment: its lease lapsed or the daemon restarted; attach again")
 
 
 class HealthServicer(health_async.HealthServicer):

@@ -19,7 +19,7 @@ from daemon.datadir import write_atomic
 from peers import manifest as manifests
 from peers.clock import now
 from peers.envelope import RecordRejected
-from peers.manifest import AveragingSettings, RunManifest
+from peers.manifest import AveragingSettings, RunManifest, TensorSpec, layout_mismatch
 from peers.node import PeerNode
 from peers.runs import RunSecret
 from peers.statesync import FetchResult, fetch_state
@@ -70,7 +70,8 @@ class RunRefused(ValueError):
 class RunHandle:
     run_id: str
     manifest: RunManifest | None
-    trainer: Trainer | None
+    trainer: Trainer | None  # or an AttachedTrainer, for a run trained by scripts (daemon/attached.py)
+    secret: RunSecret | None = None
     republisher: asyncio.Task | None = None
     round_future: concurrent.futures.Future | None = None  # the averaging round the trainer waits for
 
@@ -228,10 +229,25 @@ def _keep(path: Path, data: bytes) -> None:
         logger.warning("cannot keep the run's manifest in %s: %s", path, e.strerror)
 
 
-def _check_asked(manifest: RunManifest, task_name: str, settings: dict[str, str], where: str) -> None:
-    """Refuse (RunRefused, naming what differs) a --task or --set that disagrees with the run's
-    manifest, or a manifest whose task this daemon cannot train. `where` says where it was found."""
+def _check_asked(manifest: RunManifest, task_name: str, settings: dict[str, str], where: str,
+                 model: tuple[TensorSpec, ...] = ()) -> None:
+    """Refuse (RunRefused, naming what differs) a --task, --set or script model that disagrees with
+    the run's manifest, or a manifest whose task this daemon cannot train. `where` says where it
+    was found."""
     run_id = manifest.run_id
+    if not manifest.task:  # trained by scripts (peerd.torch.Optimizer)
+        if task_name:
+            raise RunRefused(f"run {run_id!r} trains a model of users' scripts (peerd.torch), not task {task_name!r}{where}")
+        if model and (why := layout_mismatch(manifest.model, model)):
+            raise RunRefused(f"this model does not match run {run_id!r}'s: {why}{where}")
+        hparam_text, averaging = _split_settings(settings)
+        if hparam_text:
+            raise RunRefused(f"run {run_id!r} trains a script's model: only averaging.* settings apply, not {', '.join(sorted(hparam_text))}")
+        _differs(manifest, [], averaging, settings, where)
+        return
+    if model:
+        raise RunRefused(f"run {run_id!r} trains task {manifest.task!r} inside its daemons; a script attaches to a run "
+                         f"created by a script (another run ID){where}")
     if task_name and task_name != manifest.task:
         raise RunRefused(f"run {run_id!r} trains task {manifest.task!r}, not {task_name!r}{where}")
     task = _installed(manifest.task)
@@ -247,11 +263,20 @@ def _check_asked(manifest: RunManifest, task_name: str, settings: dict[str, str]
     except (ValueError, TypeError) as e:
         raise RunRefused(str(e)) from None
     differs = [f"{k}={manifest.hparams.get(k)}" for k in hparam_text if manifest.hparams.get(k) != str(asked[k])]
+    _differs(manifest, differs, averaging, settings, where)
+
+
+def check_attach(manifest: RunManifest, model: tuple[TensorSpec, ...], settings: dict[str, str]) -> None:
+    """Refuse (RunRefused) a script whose model or averaging settings differ from the run's."""
+    _check_asked(manifest, "", settings, "", model)
+
+
+def _differs(manifest: RunManifest, differs: list[str], averaging: AveragingSettings, settings: dict[str, str], where: str) -> None:
     for key in (k.removeprefix("averaging.") for k in settings if k.startswith("averaging.")):
         if getattr(averaging, key) != getattr(manifest.averaging, key):
             differs.append(f"averaging.{key}={getattr(manifest.averaging, key)}")
     if differs:
-        raise RunRefused(f"run {run_id!r} exists and its manifest sets {', '.join(differs)}{where}; drop --set")
+        raise RunRefused(f"run {manifest.run_id!r} exists and its manifest sets {', '.join(differs)}{where}; drop --set")
 
 
 async def resolve(
@@ -262,9 +287,11 @@ async def resolve(
     settings: dict[str, str],
     on_rejected,
     data_dir: Path,
+    model: tuple[TensorSpec, ...] = (),
 ) -> tuple[RunManifest, bytes] | None:
     """The run's manifest: the one in the DHT; else the one this daemon kept when it last created or
-    joined the run (republished); else a new one if task_name is given; else None (discovery only).
+    joined the run (republished); else a new one if task_name (or, for a script attaching, its
+    `model`) is given; else None (discovery only).
     The manifest used is kept in the data dir (manifest_path). Raises RunRefused when the run
     cannot be trained here as asked: another task, settings that differ from the manifest's, or
     --set without --task for a run that has no manifest."""
@@ -274,14 +301,20 @@ async def resolve(
     except manifests.InvalidManifests as e:
         raise RunRefused(str(e)) from None
     if found is not None:
-        _check_asked(found[0], task_name, settings, "")
+        _check_asked(found[0], task_name, settings, "", model)
         _keep(path, found[1])
         return found
     kept = _stored(path, run_id, secret)
     if kept is not None:
         manifest, data = kept
-        _check_asked(manifest, task_name, settings, f" (kept in {path}; delete it to create the run anew)")
+        _check_asked(manifest, task_name, settings, f" (kept in {path}; delete it to create the run anew)", model)
         logger.info("run %s: no manifest in the DHT; republishing the one kept in %s", run_id, path)
+    elif model:
+        hparam_text, averaging = _split_settings(settings)
+        if hparam_text:
+            raise RunRefused(f"a script's run takes only averaging.* settings, not {', '.join(sorted(hparam_text))}")
+        manifest = RunManifest(run_id=run_id, task="", averaging=averaging, creator=node.peer_id, created_at=now(), model=model)
+        data = manifests.encode_manifest(manifest, node.identity, secret)
     elif not task_name:
         if settings:
             raise RunRefused(f"run {run_id!r} has no manifest: --set needs --task to create it")

@@ -133,6 +133,8 @@ class Trainer:
     as one peer, each member its own lanes (peers/dear/hierarchy.py).
     """
 
+    session = None  # no process attaches: the task trains in this daemon (daemon/attached.py does)
+
     def __init__(
         self,
         *,

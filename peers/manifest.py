@@ -8,6 +8,7 @@ same one: the earliest (created_at, creator).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -22,6 +23,10 @@ TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_HPARAMS = 64
 MAX_HPARAM_CHARS = 256
 MAX_LANES = 64  # lanes are announced as a 64-bit mask (PeerRecord.delegated_lanes)
+MAX_MODEL_TENSORS = 1024  # parameters of a script's model: the layout rides in the manifest record
+MAX_TENSOR_NAME = 128  # (and in a control request, at most --max-request-bytes: 64 KiB by default)
+MAX_MODEL_NUMEL = 1 << 34  # float32 values: 64 GiB
+FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float64")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,17 +97,63 @@ class AveragingSettings:
             raise ValueError(f"round_timeout must be in 0.1..3600 s, got {self.round_timeout}")
 
 
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One parameter of a script-trained run's model: name, shape, dtype ("torch.float32")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.name} {list(self.shape)} {self.dtype}"
+
+
+def check_layout(layout: tuple[TensorSpec, ...]) -> None:
+    """Raises ValueError unless `layout` is a model a run can hold (bounded, floating point)."""
+    if not 0 < len(layout) <= MAX_MODEL_TENSORS:
+        raise ValueError(f"a model has 1..{MAX_MODEL_TENSORS} parameters, got {len(layout)}")
+    total = 0
+    for spec in layout:
+        if not 0 < len(spec.name) <= MAX_TENSOR_NAME or len(spec.shape) > 8 or any(d < 0 for d in spec.shape):
+            raise ValueError(f"parameter {spec.name[:64]!r}: a name of 1..{MAX_TENSOR_NAME} characters and at most 8 dimensions")
+        if spec.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"parameter {spec.name[:64]!r} is {spec.dtype}; a run trains {', '.join(FLOAT_DTYPES)}")
+        total += spec.numel
+    if total > MAX_MODEL_NUMEL:
+        raise ValueError(f"{total} parameters; at most {MAX_MODEL_NUMEL}")
+
+
+def layout_mismatch(run: tuple[TensorSpec, ...], given: tuple[TensorSpec, ...]) -> str:
+    """The first difference between a run's model and another, in words; "" when they match."""
+    for i, (a, b) in enumerate(zip(run, given)):
+        if a != b:
+            return f"parameter {i}: the run has {a}, this model has {b}"
+    if len(run) != len(given):
+        return f"the run's model has {len(run)} parameters, this one {len(given)}"
+    return ""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunManifest:
     run_id: str
-    task: str
+    task: str  # an installed task's name; "" for a run trained by users' scripts (`model` set)
     hparams: dict[str, str] = field(default_factory=dict)
     averaging: AveragingSettings = field(default_factory=AveragingSettings)
     creator: str
     created_at: float
+    model: tuple[TensorSpec, ...] = ()  # a script-trained run's parameters, in order
 
     def __post_init__(self) -> None:
-        if not TASK_NAME.fullmatch(self.task):
+        if self.model:
+            check_layout(self.model)
+            if self.task:
+                raise ValueError("a run trains either a task or a script's model, not both")
+        elif not TASK_NAME.fullmatch(self.task):
             raise ValueError(f"task name {self.task[:64]!r} is not a valid name")
         if len(self.hparams) > MAX_HPARAMS:
             raise ValueError(f"{len(self.hparams)} hyper-parameters; at most {MAX_HPARAMS}")
@@ -133,6 +184,7 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
         ),
         creator=manifest.creator,
         created_at=manifest.created_at,
+        model=[records_pb2.ModelTensor(name=t.name, shape=t.shape, dtype=t.dtype) for t in manifest.model],
     ).SerializeToString()
     return seal(RecordKind.MANIFEST, body, identity, secret, manifest.run_id)
 
@@ -164,6 +216,7 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
             ),
             creator=body.creator,
             created_at=body.created_at,
+            model=tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in body.model),
         )
     except ValueError as e:
         raise RecordRejected("manifest_invalid", str(e)) from None

@@ -34,6 +34,12 @@ from protos import records_pb2
 
 logger = logging.getLogger(__name__)
 
+# A member's role in its heartbeat (ListPeers shows it): "trainer" while something trains the run on
+# it (a task, or an attached process), "idle" while it only takes part in discovery; idle members are
+# nobody's group mates.
+TRAINER = "trainer"
+IDLE = "idle"
+
 GOODBYE_HANDLER = "peerd.membership.Goodbye"
 LOST_MEMORY = 600.0  # seconds a timed-out peer is still re-dialed: partitions that heal within this re-merge
 REJOIN_INTERVAL = 5.0  # seconds between two rounds of re-dialing timed-out peers
@@ -60,7 +66,7 @@ class RunMembership:
         settings: DiscoverySettings,
         *,
         version: str,
-        role: str = "trainer",
+        role: str = TRAINER,
         events: PeerEvents | None = None,
     ):
         self.node, self.run_id, self.secret, self.settings = node, run_id, secret, settings

@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,8 @@ class RunStatus(_message.Message):
     COMPUTE_FRACTION_FIELD_NUMBER: _ClassVar[int]
     TRAIN_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_PID_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_DEVICE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: int
     secured: bool
@@ -78,7 +80,9 @@ class RunStatus(_message.Message):
     compute_fraction: float
     train_wait_seconds: float
     algorithm: str
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ...) -> None: ...
+    attached_pid: int
+    attached_device: str
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")
@@ -168,5 +172,106 @@ class ShutdownRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("run_id", "pid", "device", "layout", "settings", "step")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    pid: int
+    device: str
+    layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    settings: _containers.ScalarMap[str, str]
+    step: int
+    def __init__(self, run_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., settings: _Optional[_Mapping[str, str]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PATH_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PHASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    shared_path: str
+    numel: int
+    step: int
+    average_every: int
+    lease_seconds: float
+    phase_timeout: float
+    upload: bool
+    def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ...) -> None: ...
+
+class EndPhaseRequest(_message.Message):
+    __slots__ = ("session", "steps", "samples", "loss", "compute_seconds")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    steps: int
+    samples: float
+    loss: float
+    compute_seconds: float
+    def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+
+class EndPhaseResponse(_message.Message):
+    __slots__ = ("step", "round", "outcome", "waited_seconds", "downloaded")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOADED_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    round: int
+    outcome: str
+    waited_seconds: float
+    downloaded: bool
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., outcome: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., downloaded: _Optional[bool] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    def __init__(self, session: _Optional[str] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,6 +59,26 @@ class ControlStub:
                 request_serializer=protos_dot_control__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=protos_dot_control__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/peerd.control.v1.Control/Attach',
+                request_serializer=protos_dot_control__pb2.AttachRequest.SerializeToString,
+                response_deserializer=protos_dot_control__pb2.AttachResponse.FromString,
+                _registered_method=True)
+        self.EndPhase = channel.unary_unary(
+                '/peerd.control.v1.Control/EndPhase',
+                request_serializer=protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
+                response_deserializer=protos_dot_control__pb2.EndPhaseResponse.FromString,
+                _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/peerd.control.v1.Control/Renew',
+                request_serializer=protos_dot_control__pb2.RenewRequest.SerializeToString,
+                response_deserializer=protos_dot_control__pb2.RenewResponse.FromString,
+                _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/peerd.control.v1.Control/Detach',
+                request_serializer=protos_dot_control__pb2.DetachRequest.SerializeToString,
+                response_deserializer=protos_dot_control__pb2.DetachResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -99,6 +119,37 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """A training process on this machine (peerd.torch.Optimizer) attaches to a run this daemon is in
+        (docs/your-loop.md). The run's model state lies in a shared-memory file named in the response;
+        tensors never travel in these messages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndPhase(self, request, context):
+        """The attached process ended an inner phase: its parameters are in the shared file. Returns once
+        the run's new parameters are there (after the round; with overlap, after the previous one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Keeps the attachment's lease; NOT_FOUND once it has lapsed (attach again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """The process leaves the run; the daemon checkpoints. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +177,26 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=protos_dot_control__pb2.ShutdownRequest.FromString,
                     response_serializer=protos_dot_control__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=protos_dot_control__pb2.AttachRequest.FromString,
+                    response_serializer=protos_dot_control__pb2.AttachResponse.SerializeToString,
+            ),
+            'EndPhase': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndPhase,
+                    request_deserializer=protos_dot_control__pb2.EndPhaseRequest.FromString,
+                    response_serializer=protos_dot_control__pb2.EndPhaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=protos_dot_control__pb2.RenewRequest.FromString,
+                    response_serializer=protos_dot_control__pb2.RenewResponse.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=protos_dot_control__pb2.DetachRequest.FromString,
+                    response_serializer=protos_dot_control__pb2.DetachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +334,114 @@ class Control:
             '/peerd.control.v1.Control/Shutdown',
             protos_dot_control__pb2.ShutdownRequest.SerializeToString,
             protos_dot_control__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.control.v1.Control/Attach',
+            protos_dot_control__pb2.AttachRequest.SerializeToString,
+            protos_dot_control__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndPhase(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.control.v1.Control/EndPhase',
+            protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
+            protos_dot_control__pb2.EndPhaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.control.v1.Control/Renew',
+            protos_dot_control__pb2.RenewRequest.SerializeToString,
+            protos_dot_control__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.control.v1.Control/Detach',
+            protos_dot_control__pb2.DetachRequest.SerializeToString,
+            protos_dot_control__pb2.DetachResponse.FromString,
             options,
             channel_credentials,
             insecure,

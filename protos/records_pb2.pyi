@@ -151,7 +151,7 @@ class AveragingSettings(_message.Message):
     def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., transport: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ..., algorithm: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., inner_budget: _Optional[float] = ..., repair_every: _Optional[int] = ...) -> None: ...
 
 class RunManifest(_message.Message):
-    __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at")
+    __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at", "model")
     class HparamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class RunManifest(_message.Message):
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     CREATOR_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     run_id: str
     task: str
@@ -173,7 +174,18 @@ class RunManifest(_message.Message):
     averaging: AveragingSettings
     creator: str
     created_at: float
-    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., task: _Optional[str] = ..., hparams: _Optional[_Mapping[str, str]] = ..., averaging: _Optional[_Union[AveragingSettings, _Mapping]] = ..., creator: _Optional[str] = ..., created_at: _Optional[float] = ...) -> None: ...
+    model: _containers.RepeatedCompositeFieldContainer[ModelTensor]
+    def __init__(self, format_version: _Optional[int] = ..., run_id: _Optional[str] = ..., task: _Optional[str] = ..., hparams: _Optional[_Mapping[str, str]] = ..., averaging: _Optional[_Union[AveragingSettings, _Mapping]] = ..., creator: _Optional[str] = ..., created_at: _Optional[float] = ..., model: _Optional[_Iterable[_Union[ModelTensor, _Mapping]]] = ...) -> None: ...
+
+class ModelTensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class GoodbyeRequest(_message.Message):
     __slots__ = ("run_key", "envelope")

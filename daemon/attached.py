@@ -1,0 +1,440 @@
+"""A run trained by a process attached to this daemon (peerd.torch.Optimizer; docs/your-loop.md).
+
+The process keeps its loop, model, device and inner optimizer. This daemon keeps what DiLoCo's
+outer loop holds and the network: the outer state [θ; m], error feedback, the rounds, checkpoints,
+and the state peers download. The two share one file in shared memory: a HEADER, then the model's
+parameters as one float32 vector in layout order (the *inner vector*; tensors never travel in
+control messages).
+
+    attach     The daemon puts the run's parameters in the vector: its checkpoint's, or the peers'
+               when the run is ahead of it. For a run with no state anywhere yet, the response asks
+               the process to `upload`: it writes its own parameters and calls EndPhase with 0
+               steps, and they become θ (only the run's creator does; other daemons wait for its
+               state and download it, so every peer starts from the same parameters).
+    end phase  The process writes its parameters and calls EndPhase. The daemon runs the outer step
+               (daemon/diloco.py OuterLoop.end_phase, on the vector in place: without overlap the
+               vector holds θ afterwards, with overlap θ minus this phase's own progress) and
+               answers; the process copies the vector into its model.
+    lease      The process renews every lease/3 s. A lease that lapses, or a pid that exits, ends
+               the attachment within LEASE_CHECK s: the daemon checkpoints, announces the role
+               "idle" and takes no part in the run's rounds until a process attaches again.
+
+One process per run per daemon: a second attach is refused while the first lives (a second process
+on one machine starts a daemon of its own, with its own --data-dir).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from daemon.checkpoint import CheckpointStore
+from daemon.diloco import OuterLoop, OuterSettings
+from daemon.trainer import CATCH_UP_PATIENCE, TrainState
+from peers.averaging import RoundResult
+from peers.manifest import TensorSpec
+from peers.sketch import HISTORY, SketchPlan
+from peers.statesync import Snapshot
+
+logger = logging.getLogger(__name__)
+
+LEASE_SECONDS = 6.0  # an attachment ends this long after its last Renew (the process renews every 2 s)
+LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pid
+ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
+HEADER = struct.Struct("<8sIQ")  # magic, format version, numel; padded to HEADER_BYTES
+HEADER_BYTES = 64
+MAGIC = b"PEERDSHM"
+SHARED_PREFIX = "peerd-"
+
+
+class AttachRefused(Exception):
+    """The attach cannot be taken as asked (another process is attached, no state to start from)."""
+
+
+class SessionLost(Exception):
+    """The session is not (or no longer) this run's attachment: its lease lapsed or the daemon restarted."""
+
+
+@dataclass(slots=True)
+class Session:
+    token: str
+    pid: int  # 0: not visible from this daemon (another pid namespace): the lease alone watches it
+    device: str
+    renewed: float  # time.monotonic() of the last Renew or EndPhase
+
+
+@dataclass(frozen=True, slots=True)
+class AttachInfo:
+    session: str
+    shared_path: str
+    numel: int
+    step: int
+    average_every: int
+    lease_seconds: float
+    phase_timeout: float
+    upload: bool  # the process writes its parameters and calls EndPhase with 0 steps: they become θ
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseEnd:
+    step: int
+    round_t: int  # the round whose result the vector holds; -1: none (overlap's first, or an upload)
+    outcome: str
+    waited: float
+    downloaded: bool
+
+
+class SharedVector:
+    """A float32 vector in a file under `directory` (tmpfs: /dev/shm), mapped by the daemon and the
+    process. The file is named after the daemon's pid, so that a start removes what a killed
+    daemon left (remove_stale)."""
+
+    def __init__(self, directory: Path, numel: int):
+        self.path = directory / f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        size = HEADER_BYTES + 4 * numel
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._map[: HEADER.size] = HEADER.pack(MAGIC, 1, numel)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.float32, offset=HEADER_BYTES, count=numel)
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self._map.close()
+        except BufferError:  # a tensor view is still alive somewhere; the unlink frees it with the process
+            pass
+        self.path.unlink(missing_ok=True)
+
+
+def shared_directory(fallback: Path) -> Path:
+    """/dev/shm where it is a writable directory (memory, never written back to a disk), else `fallback`."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else fallback
+
+
+def remove_stale(directory: Path) -> int:
+    """Remove the shared files of daemons that are gone; returns how many."""
+    removed = 0
+    for path in directory.glob(f"{SHARED_PREFIX}*-*"):
+        pid = path.name.removeprefix(SHARED_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def layout_identity(run_id: str, layout: tuple[TensorSpec, ...]) -> dict:
+    """The identity of this run's checkpoints (daemon/checkpoint.py): task "" and the model's layout."""
+    import hashlib
+    import json
+
+    text = json.dumps([(t.name, list(t.shape), t.dtype) for t in layout])
+    return {"run_id": run_id, "task": "", "hparams": {}, "layout": hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}
+
+
+class AttachedTrainer:
+    """The daemon's half of a script-trained run: the same status surface as daemon/trainer.Trainer
+    (status, metrics and the membership read these attributes), with the steps taken elsewhere.
+
+    Callbacks as the Trainer's: `average` (the blocking round bridge, daemon/runs.round_bridge),
+    `on_round`, `peer_steps`, `sync` (download [θ; m] from peers), `on_sync`; `on_role(active)`
+    announces whether a process trains here. attach/end_phase/renew/detach block (a round, a
+    download, a checkpoint): the control server calls them in worker threads; one lock orders them."""
+
+    # Local groups (DeAR) do not apply to script-trained runs; the status reads these.
+    local_group = None
+    delegation = (0, "")
+    wan_share = 1.0
+    dear_steps = dear_buckets = dear_bucket_bytes = 0
+    dear_overlap_ratio = math.nan
+    eval = None
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        layout: tuple[TensorSpec, ...],
+        creator: bool,
+        store: CheckpointStore,
+        outer: OuterSettings,
+        average_every: int,
+        round_timeout: float,
+        checkpoint_every: int,
+        shared_dir: Path,
+        average: Callable[..., list],
+        on_round: Callable[[object], None] = lambda result: None,
+        peer_steps: Callable[[], list[int]] = list,
+        sync: Callable[[int, torch.Tensor], object] | None = None,
+        on_sync: Callable[[object], None] = lambda result: None,
+        on_role: Callable[[bool], None] = lambda active: None,
+        lease_seconds: float = LEASE_SECONDS,
+    ):
+        self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
+        self.average_every, self.round_timeout, self.checkpoint_every = average_every, round_timeout, checkpoint_every
+        self.average, self.on_round, self.peer_steps, self.sync, self.on_sync = average, on_round, peer_steps, sync, on_sync
+        self.on_role, self.lease_seconds = on_role, lease_seconds
+        self.numel = sum(t.numel for t in layout)
+        self._identity = layout_identity(run_id, layout)
+        self._shared = SharedVector(shared_dir, self.numel)
+        self._outer = OuterLoop([self._shared.tensor], outer, self._round_in, run_id)
+        self._flat = torch.empty(2 * self.numel)  # where downloads land
+        self._sketch_plan = SketchPlan.for_run(run_id, self.numel)
+        self._lock = threading.Lock()
+        self._has_state = False  # θ is the run's: from a checkpoint, from peers, or uploaded
+        self.session: Session | None = None
+        self._watcher: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.state = TrainState.LOADING
+        self.global_step = self.local_step = self.resumed_from = 0
+        self.samples = 0
+        self._samples_since_round = 0.0
+        self.loss = math.nan
+        self.samples_per_second = 0.0
+        self.compute_seconds = self.train_wait_seconds = 0.0
+        self.error = ""
+        self.last_round: RoundResult | None = None
+        self.param_distance_to_group_mean = math.nan
+        self.sketches: tuple = ()
+        self.snapshot: Snapshot | None = None
+        self._checkpointed = 0
+
+    # -- the surface the daemon uses ----------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return self.global_step
+
+    @property
+    def compute_fraction(self) -> float:
+        total = self.compute_seconds + self.train_wait_seconds
+        return self.compute_seconds / total if total > 0 else math.nan
+
+    @property
+    def attached(self) -> Session | None:
+        return self.session
+
+    def load(self) -> None:
+        """Restore the outer state from the newest checkpoint of this run's model (blocking)."""
+        checkpoint = self.store.load_latest(self._identity)
+        if checkpoint is not None:
+            state = checkpoint.state
+            self._outer.adopt(state["outer"])
+            self._outer.residual.copy_(state["residual"])
+            self.global_step = self.resumed_from = self._checkpointed = checkpoint.step
+            self.local_step, self.samples = int(state.get("local_step", 0)), int(state.get("samples", 0))
+            self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
+            self._has_state = True
+            logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
+        self.state = TrainState.STOPPED  # until a process attaches
+
+    def start(self) -> None:
+        """Watch the lease (on the daemon's loop: call from it)."""
+        self._loop = asyncio.get_running_loop()
+        self._watcher = self._loop.create_task(self._watch(), name=f"lease:{self.run_id}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Leave or drain: end the attachment (the process sees NOT_FOUND and re-attaches to the
+        daemon that comes next), checkpoint, remove the shared file. Blocking."""
+        if self._watcher is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._watcher.cancel)
+        if not self._lock.acquire(timeout=timeout):
+            logger.error("run %s: a phase still runs after %.0f s; stopping without a checkpoint", self.run_id, timeout)
+            return
+        try:
+            self._end_session("the daemon stops")
+            self._outer.close()
+            self._shared.close()
+        finally:
+            self._lock.release()
+
+    # -- the attached process -----------------------------------------------------------------
+
+    def attach(self, pid: int, device: str, step: int) -> AttachInfo:
+        """A process attaches (blocking: may download the run's state from peers first)."""
+        with self._lock:
+            s = self.session
+            if s is not None and (not s.pid or pid_alive(s.pid)) and time.monotonic() - s.renewed < self.lease_seconds:
+                raise AttachRefused(
+                    f"run {self.run_id!r} already has a training process attached to this daemon (pid {s.pid}); "
+                    "one per run per daemon: start another daemon with its own --data-dir for a second process")
+            if s is not None:
+                self._end_session("another process attaches")
+            upload = False
+            if not self._has_state:
+                if not self._download(0, ATTACH_PATIENCE if not self.creator else 0.0):
+                    if not self.creator:
+                        raise AttachRefused(
+                            f"no peer served run {self.run_id!r}'s state within {ATTACH_PATIENCE:.0f} s, and this daemon did "
+                            "not create the run: the process must start from the run's parameters; try again")
+                    upload = True
+            else:
+                self._catch_up()
+            if step > self.global_step:  # a restart from an older checkpoint: the run's step goes on
+                self.global_step = step
+            self.session = Session(secrets.token_hex(16), pid if pid and pid_alive(pid) else 0, device, time.monotonic())
+            self.state = TrainState.TRAINING
+            self.error = ""
+        self.on_role(True)
+        logger.info("run %s: process %d attached (%s) at step %d%s", self.run_id, pid, device, self.global_step,
+                    "; it uploads the run's first parameters" if upload else "")
+        return AttachInfo(self.session.token, str(self._shared.path), self.numel, self.global_step, self.average_every,
+                          self.lease_seconds, self.phase_timeout, upload)
+
+    @property
+    def phase_timeout(self) -> float:
+        """What one EndPhase may take: a round (or the previous one, with overlap) and a download."""
+        return 2 * self.round_timeout + CATCH_UP_PATIENCE + 30.0
+
+    def renew(self, token: str) -> None:
+        s = self.session
+        if s is None or s.token != token:
+            raise SessionLost(f"no attachment {token[:8]}… to run {self.run_id!r}: its lease lapsed or the daemon restarted")
+        s.renewed = time.monotonic()
+
+    def detach(self, token: str) -> None:
+        with self._lock:
+            if self.session is not None and self.session.token == token:
+                self._end_session("the process detached")
+
+    def end_phase(self, token: str, steps: int, samples: float, loss: float, compute_seconds: float) -> PhaseEnd:
+        """The process ended an inner phase of `steps` steps; its parameters are in the vector."""
+        began = time.monotonic()
+        with self._lock:
+            self.renew(token)
+            if not self._has_state:  # the upload asked at attach: the process's parameters become θ
+                self._outer.reset_from_params()
+                self._has_state = True
+                self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
+                return PhaseEnd(self.global_step, -1, "", 0.0, False)
+            self.local_step += steps
+            self.samples += int(samples)
+            self._samples_since_round += samples
+            if not math.isnan(loss):
+                self.loss = loss
+            every = self.average_every
+            self.global_step = (self.global_step // every + 1) * every
+            if self._catch_up():
+                end = PhaseEnd(self.global_step, -1, "state downloaded from peers", 0.0, True)
+            else:
+                end = self._outer_round()
+            if self.global_step - self._checkpointed >= self.checkpoint_every:
+                self._checkpoint()
+        wall = time.monotonic() - began
+        self.compute_seconds += compute_seconds
+        self.train_wait_seconds += wall
+        self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
+        return end
+
+    # -- rounds, downloads, checkpoints (under the lock) --------------------------------------
+
+    def _outer_round(self) -> PhaseEnd:
+        outer, every = self._outer, self.average_every
+        round_t = self.global_step // every
+        sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
+        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
+        repair = bool(outer.settings.repair_every and round_t % outer.settings.repair_every == 0)
+        applied = outer.end_phase(round_t, self._samples_since_round, repair)
+        self._samples_since_round = 0.0
+        if applied.round_t is None:  # overlap: the first round is still on the network
+            return PhaseEnd(self.global_step, -1, "", applied.waited, False)
+        results = applied.results
+        self.last_round = results[0]
+        if any(getattr(r, "applied", False) for r in results):
+            self.param_distance_to_group_mean = outer.distance
+        self.snapshot = Snapshot(self.global_step, outer.outer.clone())
+        for result in results:
+            self.on_round(result)
+        return PhaseEnd(self.global_step, applied.round_t, results[0].outcome_name, applied.waited, False)
+
+    def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+        return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
+
+    def _catch_up(self) -> bool:
+        """Download the run's state when live peers are two rounds ahead or more (as the Trainer)."""
+        if max(self.peer_steps(), default=0) < self.global_step + 2 * self.average_every:
+            return False
+        return self._download(self.global_step + 1, CATCH_UP_PATIENCE)
+
+    def _download(self, min_step: int, patience: float) -> bool:
+        """Take [θ; m] from peers (retried once a second for `patience` s while peers are live)."""
+        if self.sync is None:
+            return False
+        deadline = time.monotonic() + patience
+        while True:
+            if self.peer_steps():
+                result = self.sync(min_step, self._flat)
+                if getattr(result, "ok", False) and result.step >= min_step:
+                    self._outer.adopt(self._flat)
+                    self.snapshot = Snapshot(result.step, self._outer.outer.clone())
+                    self.global_step = max(self.global_step, result.step)
+                    self._samples_since_round, self._has_state = 0.0, True
+                    logger.info("run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step)
+                    self.on_sync(result)
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1.0)
+
+    def _checkpoint(self) -> None:
+        state = {
+            "outer": self._outer.outer,
+            "residual": self._outer.residual,
+            "model_layout": [[t.name, list(t.shape), t.dtype] for t in self.layout],
+            "samples": self.samples,
+            "local_step": self.local_step,
+        }
+        self.store.save(self.global_step, state, self._identity)
+        self._checkpointed = self.global_step
+
+    def _end_session(self, why: str) -> None:
+        s, self.session = self.session, None
+        if s is None:
+            return
+        if self._has_state and self.global_step > self._checkpointed:
+            self._checkpoint()
+        self.state = TrainState.STOPPED
+        logger.info("run %s: process %d detached (%s) at step %d", self.run_id, s.pid, why, self.global_step)
+        self.on_role(False)
+
+    async def _watch(self) -> None:
+        """End the attachment whose lease lapsed or whose process exited."""
+        while True:
+            await asyncio.sleep(LEASE_CHECK)
+            s = self.session
+            if s is None:
+                continue
+            lapsed = time.monotonic() - s.renewed > self.lease_seconds
+            if lapsed or (s.pid and not pid_alive(s.pid)):
+                why = "its lease lapsed" if lapsed else f"process {s.pid} exited"
+                await asyncio.to_thread(self._expire, s.token, why)
+
+    def _expire(self, token: str, why: str) -> None:
+        with self._lock:
+            if self.session is not None and self.session.token == token:
+                self._end_session(why)

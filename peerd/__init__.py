@@ -1,0 +1,23 @@
+"""peerd's public Python API: keep your own training loop, let the local daemon be the network.
+
+    import peerd.torch
+    opt = peerd.torch.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                run="my-run", daemon="/var/lib/peerd")   # the daemon's --data-dir
+    for batch in loader:
+        loss = model(batch)
+        loss.backward()
+        opt.step()          # an inner step; every average_every steps, the run's outer step
+        opt.zero_grad()
+
+docs/your-loop.md says what happens at attach, at an outer step and on failures. `peerd.torch`
+imports torch; this module does not.
+"""
+
+from daemon import __version__
+
+
+class PeerdError(RuntimeError):
+    """The daemon refused or could not be reached within the bound; the message says what to do."""
+
+
+__all__ = ["PeerdError", "__version__"]

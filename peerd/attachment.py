@@ -1,0 +1,188 @@
+"""One training process's attachment to its local daemon: the control calls, the shared vector, the
+lease. Framework-free below the torch tensor over the shared file (peerd/torch.py builds on it).
+
+The daemon's half is daemon/attached.py; the protocol is in protos/control.proto (Attach, EndPhase,
+Renew, Detach). Every call is bounded: Attach by `attach_timeout` (it may download the run's state
+from peers), EndPhase by the daemon's `phase_timeout` (a round, or a download, plus slack), Renew by
+RENEW_TIMEOUT. A daemon that goes away (restart, crash) is waited for, re-reading its control
+address from its data dir, for at most `reconnect_timeout` seconds; then PeerdError says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from peerd import PeerdError
+from protos import control_pb2, control_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+HEADER = struct.Struct("<8sIQ")  # as daemon/attached.py writes it
+HEADER_BYTES = 64
+MAGIC = b"PEERDSHM"
+RENEW_TIMEOUT = 5.0  # seconds for one Renew
+RETRY_EVERY = 1.0  # seconds between two tries to reach a daemon that is away
+# Codes that mean "this attachment is gone, attach again": the daemon restarted or is restarting,
+# or the lease lapsed. Anything else is the daemon's answer to what was asked, and is raised.
+AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
+
+
+class Lost(Exception):
+    """The attachment ended (daemon restarted, lease lapsed): attach again."""
+
+
+def control_address(daemon: str | os.PathLike | None, control: str | None) -> str:
+    """`control` as given, else the address in the data dir's ready.json, else its unix socket."""
+    if control:
+        return control
+    from daemon.client import control_address as from_data_dir
+
+    if daemon is None:
+        raise PeerdError("say which daemon: daemon=its --data-dir, or control=its control address")
+    return from_data_dir(Path(daemon))
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    session: str
+    vector: torch.Tensor  # float32, numel values in layout order, over the shared file
+    step: int
+    average_every: int
+    lease_seconds: float
+    phase_timeout: float
+    upload: bool
+
+
+class Attachment:
+    """Attach, end phases, renew the lease from a named background thread, detach."""
+
+    def __init__(self, *, run: str, daemon, control: str | None, layout: list[control_pb2.TensorSpec],
+                 settings: dict[str, str], device: str, attach_timeout: float, reconnect_timeout: float):
+        self.run, self.daemon, self.control = run, daemon, control
+        self.layout, self.settings, self.device = layout, settings, device
+        self.attach_timeout, self.reconnect_timeout = attach_timeout, reconnect_timeout
+        self.current: Attached | None = None
+        self.lost = threading.Event()  # set by the lease thread: attach again before the next hand-off
+        self._channel: grpc.Channel | None = None
+        self._stub = None
+        self._map: mmap.mmap | None = None
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    # -- attach --------------------------------------------------------------------------------
+
+    def attach(self, step: int) -> Attached:
+        """Attach, waiting for a daemon that is away for at most reconnect_timeout seconds."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        while True:
+            try:
+                return self._attach_once(step)
+            except grpc.RpcError as e:
+                if e.code() not in AWAY or time.monotonic() >= deadline:
+                    raise self._error(e) from None
+                logger.info("peerd: daemon not reachable (%s); retrying for %.0f s more", e.code().name,
+                            deadline - time.monotonic())
+            time.sleep(RETRY_EVERY)
+
+    def _attach_once(self, step: int) -> Attached:
+        self._connect()
+        request = control_pb2.AttachRequest(run_id=self.run, pid=os.getpid(), device=self.device, layout=self.layout,
+                                            settings=self.settings, step=step)
+        response = self._stub.Attach(request, timeout=self.attach_timeout)
+        vector = self._map_vector(response.shared_path, response.numel)
+        self.current = Attached(response.session, vector, response.step, response.average_every,
+                                response.lease_seconds, response.phase_timeout, response.upload)
+        self.lost.clear()
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew_loop, name=f"peerd-lease:{self.run}", daemon=True)
+            self._renewer.start()
+        return self.current
+
+    def _connect(self) -> None:
+        address = control_address(self.daemon, self.control)  # re-read: a restarted daemon has a new port
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel(address)
+        self._stub = control_pb2_grpc.ControlStub(self._channel)
+
+    def _map_vector(self, path: str, numel: int) -> torch.Tensor:
+        with open(path, "r+b") as f:
+            mapped = mmap.mmap(f.fileno(), HEADER_BYTES + 4 * numel)
+        magic, version, n = HEADER.unpack_from(mapped)
+        if magic != MAGIC or version != 1 or n != numel:
+            mapped.close()
+            raise PeerdError(f"{path} is not a peerd shared vector of {numel} values (a daemon of another release?)")
+        self._unmap()
+        self._map = mapped
+        return torch.frombuffer(mapped, dtype=torch.float32, offset=HEADER_BYTES, count=numel)
+
+    def _unmap(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a tensor over it is still referenced; it goes with the process
+                pass
+            self._map = None
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def end_phase(self, steps: int, samples: float, loss: float, compute_seconds: float) -> control_pb2.EndPhaseResponse:
+        """The parameters are in the vector: the run's outer step. Raises Lost when the attachment
+        ended (attach again), PeerdError for anything else."""
+        a = self.current
+        request = control_pb2.EndPhaseRequest(session=a.session, steps=steps, samples=samples, loss=loss,
+                                              compute_seconds=compute_seconds)
+        try:
+            return self._stub.EndPhase(request, timeout=a.phase_timeout)
+        except grpc.RpcError as e:
+            if e.code() in AWAY:
+                self.lost.set()
+                raise Lost(e.details()) from None
+            raise self._error(e) from None
+
+    def _renew_loop(self) -> None:
+        while not self._stop.is_set():
+            a = self.current
+            if self._stop.wait(a.lease_seconds / 3 if a else 1.0):
+                return
+            if a is None or self.lost.is_set():
+                continue
+            try:
+                self._stub.Renew(control_pb2.RenewRequest(session=a.session), timeout=RENEW_TIMEOUT)
+            except grpc.RpcError as e:
+                if e.code() in AWAY and self.current is a:
+                    logger.info("peerd: attachment to run %s lost (%s); attaching again at the next step", self.run,
+                                e.code().name)
+                    self.lost.set()
+            except ValueError:  # the channel was closed by a reconnect meanwhile
+                pass
+
+    def close(self) -> None:
+        """Detach (the daemon checkpoints) and stop the lease thread. Idempotent; never raises."""
+        self._stop.set()
+        a, self.current = self.current, None
+        if a is not None and self._stub is not None and not self.lost.is_set():
+            try:
+                self._stub.Detach(control_pb2.DetachRequest(session=a.session), timeout=RENEW_TIMEOUT)
+            except grpc.RpcError as e:
+                logger.info("peerd: detach from run %s: %s", self.run, e.code().name)
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(RENEW_TIMEOUT)
+        if self._channel is not None:
+            self._channel.close()
+
+    def _error(self, e: grpc.RpcError) -> PeerdError:
+        where = f"daemon at {self.control or self.daemon}"
+        if e.code() is grpc.StatusCode.UNAVAILABLE:
+            return PeerdError(f"{where} did not answer within {self.reconnect_timeout:.0f} s: is `peerd start --run {self.run}` running?")
+        return PeerdError(f"{where}: {e.details()}")

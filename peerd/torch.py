@@ -1,0 +1,229 @@
+"""`peerd.torch.Optimizer`: wrap your optimizer, keep your loop (docs/your-loop.md).
+
+Every `opt.step()` is an inner step of your own optimizer, on your model, on its device. Every
+`average_every` steps (the run's H) the phase ends: the parameters are copied to the daemon's
+shared vector (one host copy; pinned in place where CUDA is present), the daemon averages the
+phase's pseudo-gradient with its peers and takes the outer step (DiLoCo), and the run's parameters
+are copied back into the model. Nothing else crosses: the inner optimizer's state stays here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from peerd import PeerdError
+from peerd.attachment import Attachment, Lost
+from protos import control_pb2
+
+logger = logging.getLogger(__name__)
+
+ATTACH_TIMEOUT = 180.0  # seconds one Attach may take: it may download the run's state from peers
+RECONNECT_TIMEOUT = 120.0  # seconds a daemon that went away (restart) is waited for
+
+
+class Optimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (the inner one: AdamW, ...) for run `run` of the daemon whose data dir is
+    `daemon` (or whose control address is `control`).
+
+    Construction attaches (blocking): the model's parameters become the run's (from the daemon's
+    checkpoint or the peers'), or, for a run this attach creates, become the run's first ones.
+    `model`, when given, names the parameters in the run's layout (else "group.index"); `settings`
+    are averaging settings of a new run ({"average_every": "100"}: "averaging." may be left out).
+
+    `step(closure=None, samples=None, loss=None)`: `samples` in the step (the phase's weight in the
+    round; 1 per step when not given), `loss` its training loss (a tensor is fine: it is read once
+    per phase, never synchronizing the device per step). `param_groups`, `state` and `zero_grad`
+    are the inner optimizer's: LR schedulers, gradient clipping and GradScaler work as without peerd.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, run: str, daemon=None, control: str | None = None,
+                 model: torch.nn.Module | None = None, settings: dict[str, Any] | None = None,
+                 attach_timeout: float = ATTACH_TIMEOUT, reconnect_timeout: float = RECONNECT_TIMEOUT):
+        # torch.optim.Optimizer.__init__ is not called: the inner optimizer holds the groups and state.
+        self.inner = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self.params:
+            raise ValueError("the optimizer has no parameters")
+        self.layout = _layout(optimizer, model)
+        self.device = str(self.params[0].device)
+        settings = {(k if k.startswith("averaging.") else f"averaging.{k}"): str(v) for k, v in (settings or {}).items()}
+        self._attachment = Attachment(run=run, daemon=daemon, control=control, layout=self.layout, settings=settings,
+                                      device=self.device, attach_timeout=attach_timeout,
+                                      reconnect_timeout=reconnect_timeout)
+        self.run = run
+        self.run_step = 0  # the run's step as the daemon last answered (DiLoCo: counts inner steps)
+        self.local_step = 0  # steps this process took
+        self.last_outcome = ""  # the latest round's outcome, as the daemon answered
+        self._phase_steps, self._phase_samples = 0, 0.0
+        self._loss_sum: torch.Tensor | float = 0.0
+        self._loss_count = 0
+        self._phase_began = time.monotonic()
+        self._vector: torch.Tensor | None = None
+        self._pinned = False
+        self._attach()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- torch.optim.Optimizer's surface, forwarded ------------------------------------------
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @property
+    def defaults(self):
+        return self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise PeerdError("a run's model is fixed when it is created: parameters cannot be added")
+
+    def __repr__(self) -> str:
+        return f"peerd.torch.Optimizer(run={self.run!r}, step={self.run_step}, inner={self.inner!r})"
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def step(self, closure: Callable | None = None, samples: float | None = None, loss=None):
+        """One inner step; at the phase's end, the run's outer step (blocks for the round unless the
+        run overlaps them). Returns what the inner optimizer's step returns."""
+        if self._attachment.lost.is_set():
+            self._reattach()
+        result = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.local_step += 1
+        self._phase_steps += 1
+        self._phase_samples += 1.0 if samples is None else float(samples)
+        if loss is not None:
+            self._loss_sum = self._loss_sum + (loss.detach() if torch.is_tensor(loss) else float(loss))
+            self._loss_count += 1
+        if self._phase_steps >= self._attached.average_every:
+            self._end_phase()
+        return result
+
+    def _end_phase(self) -> None:
+        compute = time.monotonic() - self._phase_began
+        loss = float(self._loss_sum) / self._loss_count if self._loss_count else math.nan
+        self._write()
+        try:
+            end = self._attachment.end_phase(self._phase_steps, self._phase_samples, loss, compute)
+        except Lost:
+            logger.warning("peerd: run %s: the daemon went away at a phase's end; attaching again "
+                           "(this phase's %d steps of progress are dropped, the step count goes on)",
+                           self.run, self._phase_steps)
+            self._reattach()
+            return
+        self.run_step, self.last_outcome = end.step, end.outcome
+        self._read()
+        self._new_phase()
+
+    def _new_phase(self) -> None:
+        self._phase_steps, self._phase_samples, self._loss_sum, self._loss_count = 0, 0.0, 0.0, 0
+        self._phase_began = time.monotonic()
+
+    # -- attach, and the copies -----------------------------------------------------------------
+
+    def _attach(self) -> None:
+        self._attached = a = self._attachment.attach(max(self.run_step, 0))
+        self._vector, self.run_step = a.vector, a.step
+        self._pin()
+        if a.upload:  # this run's first parameters are this model's
+            self._write()
+            try:
+                self._attachment.end_phase(0, 0.0, math.nan, 0.0)
+            except Lost:
+                raise PeerdError(f"run {self.run}: the daemon went away while taking the run's first parameters") from None
+        else:
+            self._read()
+        self._new_phase()
+        logger.info("peerd: attached to run %s at step %d (%s)", self.run, self.run_step,
+                    "this model starts the run" if a.upload else "the model holds the run's parameters")
+
+    def _reattach(self) -> None:
+        self._attach()
+
+    @torch.no_grad()
+    def _write(self) -> None:
+        """Parameters -> the shared vector (float32, layout order)."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self._vector[offset : offset + n].view_as(p).copy_(p.detach(), non_blocking=self._pinned)
+            offset += n
+        if self._pinned:
+            torch.cuda.synchronize(self.params[0].device)
+
+    @torch.no_grad()
+    def _read(self) -> None:
+        """The shared vector -> parameters (cast to each parameter's dtype, on its device)."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.copy_(self._vector[offset : offset + n].view_as(p), non_blocking=self._pinned)
+            offset += n
+        if self._pinned:
+            torch.cuda.synchronize(self.params[0].device)
+
+    def _pin(self) -> None:
+        """Page-lock the shared vector in place when the model is on a GPU: the copies then run at
+        the bus's speed without a staging buffer. Pageable (slower) where that fails."""
+        self._pinned = False
+        if self.params[0].device.type != "cuda":
+            return
+        v = self._vector
+        code = torch.cuda.cudart().cudaHostRegister(v.data_ptr(), v.numel() * v.element_size(), 0)
+        self._pinned = int(code) == 0
+        if not self._pinned:
+            logger.warning("peerd: could not pin the shared vector (cudaHostRegister: %s); copies are pageable", code)
+
+    # -- checkpoints of the user's own --------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state and this process's counters (the run's parameters and outer
+        state are the daemon's: its checkpoints and the peers hold them)."""
+        return {"inner": self.inner.state_dict(),
+                "peerd": {"run": self.run, "run_step": self.run_step, "local_step": self.local_step}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict["inner"])
+        counters = state_dict.get("peerd", {})
+        self.local_step = int(counters.get("local_step", self.local_step))
+        self.run_step = max(self.run_step, int(counters.get("run_step", 0)))
+
+    def close(self) -> None:
+        """Detach: the daemon checkpoints and stops taking part in rounds for this process. The
+        steps of an unfinished phase are not averaged. Idempotent."""
+        self._attachment.close()
+
+    def __enter__(self) -> "Optimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> list[control_pb2.TensorSpec]:
+    names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+    specs = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {names.get(id(p), f'{g}.{i}')} is {p.dtype}: a run trains floating point")
+            specs.append(control_pb2.TensorSpec(name=names.get(id(p), f"{g}.{i}"), shape=list(p.shape), dtype=str(p.dtype)))
+    return specs
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    opt = ref()
+    if opt is not None:
+        opt.close()
