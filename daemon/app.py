@@ -499,8 +499,10 @@ class Daemon:
         RunRefused (another model, a task's run, other settings), AttachRefused (one process per
         run per daemon, or no state to start from), RuntimeError when not READY."""
         from daemon.attached import AttachedTrainer, AttachRefused
+        from peers.manifest import check_layout
 
         self._require_ready()
+        check_layout(layout)  # ValueError: nothing changes
         async with self._run_changes:
             handle = self.runs.get(run_id)
             if handle is None:

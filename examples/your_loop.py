@@ -25,6 +25,7 @@ p.add_argument("--steps", type=int, default=600)
 p.add_argument("--every", type=int, default=50, help="inner steps per outer step (for a run this creates)")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--seed", type=int, default=0, help="data order; the run's parameters come from the run")
+p.add_argument("--save", help="write the model's state_dict here at the end")
 args = p.parse_args()
 torch.manual_seed(args.seed)
 torch.set_num_threads(1)
@@ -84,4 +85,6 @@ for step in range(args.steps):
 
 print(f"done: run step {opt.run_step}; eval {evaluate(model):.3f} bits/char", flush=True)
 opt.close()
+if args.save:
+    torch.save(model.state_dict(), args.save)
 sys.exit(0)

@@ -87,8 +87,8 @@ class Attachment:
         while True:
             try:
                 return self._attach_once(step)
-            except grpc.RpcError as e:
-                if e.code() not in AWAY or time.monotonic() >= deadline:
+            except grpc.RpcError as e:  # NOT_FOUND here is "not in that run": an answer, not an absence
+                if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
                     raise self._error(e) from None
                 logger.info("peerd: daemon not reachable (%s); retrying for %.0f s more", e.code().name,
                             deadline - time.monotonic())

@@ -48,6 +48,7 @@ import torch
 from hivemind.p2p import P2P
 
 from peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, Outcome, UdpTransport
+from peers.collective.codec import Format
 from peers.collective.fallback import FallbackTransport, member_address
 from peers.collective.inbox import BufferPool, InboxBuffers
 from peers.collective.linkauth import LinkAuth
@@ -218,6 +219,13 @@ class MoshpitAverager:
             if self.loss_tolerant:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
             engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
+            if -(-vector.numel() // Format(payload).alignment) < group.size:
+                # Fewer blocks than members (a tiny model): every member owns a shard only in float32,
+                # which all members decide alike from the same size and group.
+                payload = "fp32"
+                if vector.numel() < group.size:
+                    return RoundResult(round_t, group.size, None,
+                                       f"{vector.numel()} values cannot be shared among {group.size} members", lane=lane)
             buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
             settings = self.settings if payload == "fp32" else dataclasses.replace(self.settings, payload=payload)
             engine = engine_type(group, transport, vector.numel(), settings=settings, events=self.events,

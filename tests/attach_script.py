@@ -1,0 +1,40 @@
+"""A training script for tests: a linear model trained through peerd.torch.Optimizer, printing one
+JSON line when it attaches, one at each phase's end and one when done."""
+
+import argparse
+import json
+import time
+
+import torch
+
+import peerd.torch
+
+p = argparse.ArgumentParser()
+p.add_argument("--run", required=True)
+p.add_argument("--daemon", required=True)
+p.add_argument("--steps", type=int, default=200)
+p.add_argument("--every", type=int, default=10)
+p.add_argument("--sleep", type=float, default=0.0, help="seconds per step: a slow loop that spans an event")
+p.add_argument("--dim", type=int, default=8)
+p.add_argument("--reconnect-timeout", type=float, default=60.0)
+args = p.parse_args()
+
+torch.manual_seed(0)
+model = torch.nn.Linear(args.dim, 1)
+opt = peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), run=args.run, daemon=args.daemon,
+                            model=model, settings={"average_every": args.every},
+                            reconnect_timeout=args.reconnect_timeout)
+print(json.dumps({"attached": opt.run_step}), flush=True)
+target = torch.arange(args.dim, dtype=torch.float32) / args.dim
+for i in range(args.steps):
+    x = torch.randn(16, args.dim)
+    loss = ((model(x).squeeze(-1) - x @ target) ** 2).mean()
+    loss.backward()
+    opt.step(samples=16, loss=loss)
+    opt.zero_grad()
+    if (i + 1) % args.every == 0:
+        print(json.dumps({"step": i + 1, "run_step": opt.run_step, "outcome": opt.last_outcome, "loss": loss.item()}),
+              flush=True)
+    time.sleep(args.sleep)
+opt.close()
+print(json.dumps({"done": opt.run_step, "local_step": opt.local_step}), flush=True)

@@ -1,0 +1,159 @@
+"""Users' own training loops (peerd.torch.Optimizer) attached to real daemons on loopback."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+import peerd
+import peerd.torch
+from daemon.client import ControlClient
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "attach_script.py"
+EXAMPLE = ROOT / "examples" / "your_loop.py"
+
+
+def script(*args, path=SCRIPT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(path), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def run_status(daemon, run: str):
+    with ControlClient(daemon.control) as c:
+        return next(r for r in c.status().runs if r.run_id == run)
+
+
+def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls(spawn, tmp_path):
+    a = spawn("loop-a", ["--run", "loop"])
+    b = spawn("loop-b", ["--run", "loop", "--initial-peers", a.maddrs[0]])
+    common = ["--run", "loop", "--steps", 120, "--every", 20]
+    pa = script(*common, "--daemon", a.data_dir, "--seed", 1, "--save", tmp_path / "a.pt", path=EXAMPLE)
+    pb = script(*common, "--daemon", b.data_dir, "--seed", 2, "--save", tmp_path / "b.pt", path=EXAMPLE)
+    outs = [finish(pa, 240), finish(pb, 240)]
+    for out in outs:
+        first = float(re.search(r"attached at run step \d+; eval ([\d.]+)", out).group(1))
+        last = float(re.search(r"done: run step 120; eval ([\d.]+)", out).group(1))
+        assert last < first - 1.0, out  # bits per character
+        assert "round completed" in out, out
+    # After a completed round every member holds the same θ (the same mean applied to the same
+    # outer state; docs/your-loop.md): the two copies are equal, not only close.
+    ma, mb = torch.load(tmp_path / "a.pt", weights_only=True), torch.load(tmp_path / "b.pt", weights_only=True)
+    assert ma.keys() == mb.keys()
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    status = run_status(a, "loop")
+    assert status.step == 120 and status.attached_pid == 0 and status.task == ""
+
+
+def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_on(spawn):
+    a = spawn("kill-a", ["--run", "kill"])
+    b = spawn("kill-b", ["--run", "kill", "--initial-peers", a.maddrs[0]])
+    common = ["--run", "kill", "--every", 5, "--sleep", 0.02]
+    pa = script(*common, "--daemon", a.data_dir, "--steps", 100_000)
+    assert json.loads(pa.stdout.readline()) == {"attached": 0}
+    pb = script(*common, "--daemon", b.data_dir, "--steps", 1000)
+    wait_for(lambda: run_status(b, "kill").last_round_outcome == "completed", timeout=60, what="a completed round")
+    assert run_status(a, "kill").attached_pid == pa.pid
+    pa.send_signal(signal.SIGKILL)
+    pa.wait()
+    killed = time.monotonic()
+    wait_for(lambda: run_status(a, "kill").attached_pid == 0, timeout=10, what="daemon a notices the script is gone")
+    assert time.monotonic() - killed < 6.0  # the lease (LEASE_SECONDS); the pid check is faster still
+    with ControlClient(b.control) as c:
+        wait_for(lambda: [p.role for p in c.list_peers("kill").peers] == ["idle"], timeout=15, what="b sees a idle")
+    after = run_status(b, "kill").step
+    wait_for(lambda: run_status(b, "kill").step > after + 20, timeout=30, what="b trains on alone")
+    out = lines(finish(pb, 120))
+    steps = [x["run_step"] for x in out if "run_step" in x]
+    assert steps == sorted(steps) and out[-1]["local_step"] == 1000
+
+
+def test_a_daemon_restarted_under_a_script_is_reattached_and_the_step_goes_on(spawn):
+    a = spawn("restart-a", ["--run", "again"])
+    p = script("--run", "again", "--daemon", a.data_dir, "--steps", 400, "--every", 10, "--sleep", 0.02,
+               "--reconnect-timeout", 90)
+    assert json.loads(p.stdout.readline()) == {"attached": 0}
+    wait_for(lambda: run_status(a, "again").step >= 50, timeout=60, what="a few phases")
+    before = run_status(a, "again").step
+    assert a.stop() == 0
+    a.start()
+    out = lines(finish(p, 180))
+    steps = [x["run_step"] for x in out if "run_step" in x]
+    assert steps == sorted(steps), steps  # the run's step never goes backwards for the script
+    assert out[-1]["local_step"] == 400 and out[-1]["done"] >= before
+    status = run_status(a, "again")
+    assert status.step == out[-1]["done"] and status.attached_pid == 0
+
+
+def test_a_model_that_does_not_match_the_run_is_refused_naming_the_first_mismatch(spawn):
+    a = spawn("layout", ["--run", "shape"])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    with peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir,
+                               model=model) as opt:
+        # The wrapper is a torch optimizer to LR schedulers, clipping and GradScaler.
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt, samples=2)
+        scaler.update()
+        schedule.step()
+        assert opt.local_step == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
+        assert run_status(a, "shape").attached_pid > 0
+        other = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 1))
+        with pytest.raises(peerd.PeerdError, match=r"parameter 0: the run has 0.weight \[3, 4\].*this model has 0.weight \[2, 4\]"):
+            peerd.torch.Optimizer(torch.optim.SGD(other.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=other)
+        # A second process (here: a second attach) on the same daemon and run is refused while one lives.
+        with pytest.raises(peerd.PeerdError, match="already has a training process attached"):
+            peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=model)
+    wait_for(lambda: run_status(a, "shape").attached_pid == 0, timeout=10, what="detached")
+    with pytest.raises(peerd.PeerdError, match="not in run 'elsewhere'"):
+        peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), run="elsewhere", daemon=a.data_dir)
+
+
+def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
+    from protos import control_pb2, control_pb2_grpc
+
+    a = spawn("garbage", ["--run", "junk"])
+    with grpc.insecure_channel(a.control) as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        bad = [
+            control_pb2.AttachRequest(run_id="junk"),  # no layout
+            control_pb2.AttachRequest(run_id="junk", layout=[control_pb2.TensorSpec(name="w", shape=[2], dtype="torch.int64")]),
+            control_pb2.AttachRequest(run_id="junk", layout=[control_pb2.TensorSpec(name="", shape=[2], dtype="torch.float32")]),
+        ]
+        for request in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Attach(request, timeout=10)
+            assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        for call, request in [(stub.EndPhase, control_pb2.EndPhaseRequest(session="nope", steps=1)),
+                              (stub.Renew, control_pb2.RenewRequest(session="nope"))]:
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, timeout=10)
+            assert e.value.code() is grpc.StatusCode.NOT_FOUND
+        stub.Detach(control_pb2.DetachRequest(session="nope"), timeout=10)  # idempotent
+    status = run_status(a, "junk")
+    assert status.task == "" and status.train_state == ""  # still discovery only: no run was created
