@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from daemon.checkpoint import CheckpointStore
+from daemon.cli import main
 from daemon.export import ExportError, Kind, export
 from daemon.runs import outer_settings
 from daemon.tasks import Batch, EvalResult, Hparams, Task, generator, get_task, seeded
@@ -248,6 +249,26 @@ def test_what_cannot_be_exported_is_named(runs, tmp_path):
     CheckpointStore(tmp_path / "runs" / "other" / "checkpoints").save(3, {"model": {}, "outer": torch.zeros(4)}, identity)
     with pytest.raises(ExportError, match="of task 'not-installed', which cannot be built here: no task named"):
         export(tmp_path, "other", out)
+
+
+def test_the_cli_writes_the_weights_or_exits_2_with_one_line(runs, tmp_path, capsys):
+    out = tmp_path / "model.pt"
+    assert main(["export", "dl", "--out", str(out), "--data-dir", str(runs)]) == 0
+    stdout = capsys.readouterr().out
+    assert stdout == f"wrote {out}: run dl at step 7, 9,610 parameters (θ, DiLoCo's outer parameters)\n"
+    load_strict("digits-mlp", out)
+
+    assert main(["export", "st", "--out", str(out), "--data-dir", str(runs), "--step", "4", "--json"]) == 0
+    assert '"kind": "state"' in capsys.readouterr().out
+
+    assert main(["export", "dl", "--out", str(out), "--data-dir", str(runs), "--step", "3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "peerd: error: run 'dl' has no checkpoint of step 3 (steps kept: 6, 7)\n"
+
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    assert "θ" in capsys.readouterr().out
 
 
 def test_export_while_the_trainer_writes_checkpoints(tmp_path):
