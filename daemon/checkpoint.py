@@ -48,6 +48,11 @@ MAX_IDENTITY_BYTES = 64 * 1024
 NAME = re.compile(r"ckpt-(\d{12})(?:-[0-9a-f]{16})?\.peerd")
 
 
+def step_of(path: Path) -> int:
+    """The step in a checkpoint file's name (one of CheckpointStore.paths())."""
+    return int(NAME.fullmatch(path.name).group(1))
+
+
 class CorruptCheckpoint(ValueError):
     pass
 
@@ -125,7 +130,7 @@ class CheckpointStore:
         if path.exists() and path not in self._adopted and self._identity_or_none(path) != identity:
             path = path.with_name(f"ckpt-{step:012d}-{hashlib.blake2b(ident, digest_size=8).hexdigest()}.peerd")
         write_atomic(path, header + ident + payload)
-        ours = [p for p in self._paths() if p in self._adopted or self._identity_or_none(p) == identity]
+        ours = [p for p in self.paths() if p in self._adopted or self._identity_or_none(p) == identity]
         for old in ours[self.keep :]:
             old.unlink(missing_ok=True)
             self._adopted.discard(old)
@@ -136,7 +141,7 @@ class CheckpointStore:
         first-format file: whose model layout matches), or None. Corrupt files and checkpoints of
         another identity are reported (the latter also in `passed_over`), skipped, and left on disk."""
         self.passed_over = []
-        for path in self._paths():
+        for path in self.paths():
             try:
                 theirs = self.read_identity(path)
                 why = mismatch(identity, theirs) if identity is not None and theirs is not None else ""
@@ -208,9 +213,9 @@ class CheckpointStore:
         except (OSError, CorruptCheckpoint):
             return None
 
-    def _paths(self) -> list[Path]:
-        """Checkpoint files, newest step first."""
+    def paths(self) -> list[Path]:
+        """Checkpoint files, newest step first (temp files of writes in progress are not listed)."""
         if not self.directory.is_dir():
             return []
         found = [p for p in self.directory.iterdir() if NAME.fullmatch(p.name)]
-        return sorted(found, key=lambda p: int(NAME.fullmatch(p.name).group(1)), reverse=True)
+        return sorted(found, key=step_of, reverse=True)

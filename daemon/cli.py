@@ -1,4 +1,4 @@
-"""`peerd`: start a daemon, or talk to a running one over its control API.
+"""`peerd`: start a daemon, talk to a running one over its control API, or export a run's weights.
 
 Exit codes: 0 success; 1 the daemon or the request failed; 2 bad usage or configuration
 (one line on stderr, no traceback).
@@ -407,6 +407,48 @@ def _cmd_health(args) -> int:
     return 0 if status == "SERVING" else 1
 
 
+# ---- peerd export (issue 16; reads the data dir's files, talks to no daemon) ---------------------------
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a run's trained weights to a file torch.load(weights_only=True) reads",
+        description="Write the weights of RUN_ID, from its newest checkpoint in the data dir (or --step's), to "
+        "OUT as a plain state_dict (a dict of tensor name to tensor, torch.save): torch.load(OUT, "
+        "weights_only=True) reads it and, for a task's run, the task's model.load_state_dict(..., strict=True) "
+        "loads it. Under DiLoCo (the default algorithm) the weights are the outer parameters θ, the model "
+        "every member of a completed round shares, with the model's buffers; under averaging.algorithm=state, "
+        "the model as the trainer held it; for a run trained by your own script, θ by your model's parameter "
+        "names (no buffers). Reads files only: the daemon may be running or stopped. A checkpoint that does "
+        "not verify is skipped for the next newest, with a warning.",
+    )
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--out", required=True, type=Path, metavar="OUT", help="file to write, e.g. model.pt (replaced atomically)")
+    p.add_argument("--data-dir", type=Path, default=client_defaults()[0], help="data dir of the daemon that trained the run [PEERD_DATA_DIR]")
+    p.add_argument("--step", type=int, metavar="N", help="the checkpoint of this global step (default: the newest)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args) -> int:
+    from daemon.export import ExportError, export  # imports torch: only for this command
+
+    try:
+        r = export(args.data_dir, args.run_id, args.out, args.step)
+    except ExportError as e:
+        return _fail(2, str(e))
+    for warning in r.warnings:
+        print(f"peerd: warning: {warning}", file=sys.stderr)
+    if args.json:
+        _print_json({"path": str(r.path), "run_id": args.run_id, "step": r.step, "parameters": r.parameters,
+                     "kind": r.kind.value, "checkpoint": str(r.checkpoint), "warnings": list(r.warnings)})  # fmt: skip
+        return 0
+    what = {"diloco": "θ, DiLoCo's outer parameters", "state": "the model", "script": "θ, by the script's layout"}
+    print(f"wrote {r.path}: run {args.run_id} at step {r.step}, {r.parameters:,} parameters ({what[r.kind.value]})")
+    return 0
+
+
 # ---- peerd lab (issue 4; daemon/lab/, imported only when used) ----------------------------------------
 
 
@@ -445,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="peerd",
         description="peerd: a fault-tolerant, decentralized training daemon. "
-        "`peerd start` runs a daemon; the other commands talk to a running one.",
+        "`peerd start` runs a daemon; `peerd export` writes a run's weights from its checkpoints; the other "
+        "commands talk to a running daemon.",
     )
     parser.add_argument("--version", action="version", version=f"peerd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
@@ -472,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Query the standard gRPC health service; exit 0 only when the daemon is READY and "
                        "no run it trains has FAILED. Prints the status, then each trained run's state.")
     p.set_defaults(func=_cmd_health)
+    _add_export(sub)
     _add_lab(sub)
     return parser
 
