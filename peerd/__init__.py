@@ -20,4 +20,15 @@ class PeerdError(RuntimeError):
     """The daemon refused or could not be reached within the bound; the message says what to do."""
 
 
-__all__ = ["PeerdError", "__version__"]
+def export(run: str, *, daemon, out, step: int | None = None):
+    """Write run `run`'s weights, from the newest checkpoint in the daemon's data dir `daemon`, to
+    `out` as a plain state_dict (`torch.load(out, weights_only=True)` reads it); as `peerd export`.
+    Returns daemon.export.ExportResult; raises daemon.export.ExportError (a ValueError)."""
+    from pathlib import Path
+
+    from daemon.export import export as export_run
+
+    return export_run(Path(daemon), run, Path(out), step)
+
+
+__all__ = ["PeerdError", "__version__", "export"]

@@ -65,6 +65,11 @@ def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
     status = run_status(a, "loop")
     assert status.step == 120 and status.attached_pid == 0 and status.task == ""
+    # The weights out: the daemon's checkpoint at detach holds θ, which is the scripts' model.
+    exported = peerd.export("loop", daemon=a.data_dir, out=tmp_path / "export.pt")
+    assert exported.step == 120
+    weights = torch.load(tmp_path / "export.pt", weights_only=True)
+    assert weights.keys() == ma.keys() and all(torch.equal(weights[k], ma[k]) for k in ma)
 
 
 def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_on(spawn):
