@@ -241,6 +241,8 @@ def _cmd_status(args) -> int:
                         "algorithm": r.algorithm,
                         "compute_fraction": None if math.isnan(r.compute_fraction) else r.compute_fraction,
                         "train_wait_seconds": r.train_wait_seconds,
+                        "attached_pid": r.attached_pid,
+                        "attached_device": r.attached_device,
                     }
                     for r in s.runs
                 ],
@@ -256,25 +258,28 @@ def _cmd_status(args) -> int:
     for m in s.maddrs:
         print(f"address   {m}")
     print()
-    rows = [
-        (
+    rows = []
+    for r in s.runs:
+        trains = bool(r.train_state)  # a task, or a script's model: status has training figures
+        rows.append((
             r.run_id,
             str(r.peers),
             "yes" if r.secured else "no",
-            r.task or "-",
+            r.task or ("script" if trains else "-"),
             r.train_state or "-",
-            str(r.step) if r.task else "-",
-            str(r.local_step) if r.task else "-",
-            f"{r.loss:.4f}" if r.task else "-",
-            f"{r.samples_per_second:.0f}" if r.task else "-",
+            str(r.step) if trains else "-",
+            str(r.local_step) if trains else "-",
+            f"{r.loss:.4f}" if trains else "-",
+            f"{r.samples_per_second:.0f}" if trains else "-",
             f"{r.last_round} {r.last_round_outcome} ({r.group_size}{', ' + r.last_round_links if r.last_round_links else ''})"
             if r.last_round_outcome else "-",
             f"{r.eval_metric} {r.eval_score:.4f}" if r.eval_metric else "-",
-        )
-        for r in s.runs
-    ]
+        ))
     _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOCAL", "LOSS", "SAMPLES/S", "LAST ROUND (GROUP, LINKS)", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
     for r in s.runs:
+        if r.train_state and not r.task:
+            who = f"pid {r.attached_pid} ({r.attached_device})" if r.attached_pid else "none (peerd.torch.Optimizer attaches one)"
+            print(f"{r.run_id}: attached process: {who}")
         if r.local_group:
             rank = str(r.local_group_rank) if r.local_group_rank >= 0 else "-"
             overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"

@@ -121,9 +121,15 @@ class _TrainingCollector(Collector):
         waited = CounterMetricFamily(
             "peerd_train_wait_seconds", "Seconds the trainer waited for averaging rounds in the run.", labels=["run"]
         )
+        attached = GaugeMetricFamily(
+            "peerd_train_attached", "1 while a training process is attached to the run (peerd.torch), else 0; "
+            "only for runs trained by scripts.", labels=["run"]
+        )
         for r in self.runs():
-            if not r.task:
+            if not r.train_state:  # discovery only: nothing trains
                 continue
+            if not r.task:
+                attached.add_metric([r.run_id], 1 if r.attached_pid else 0)
             for name in TRAIN_STATES:
                 state.add_metric([r.run_id, name], 1 if r.train_state == name else 0)
             step.add_metric([r.run_id], r.step)
@@ -148,7 +154,7 @@ class _TrainingCollector(Collector):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
         yield state
         yield from (step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes,
-                    compute, waited)
+                    compute, waited, attached)
 
 
 def process_started() -> float:
