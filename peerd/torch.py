@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import mmap
 import time
 import weakref
 from typing import Any, Callable
@@ -66,7 +67,7 @@ class Optimizer(torch.optim.Optimizer):
         self._loss_count = 0
         self._phase_began = time.monotonic()
         self._vector: torch.Tensor | None = None
-        self._pinned = False
+        self._pinned = 0  # the page-locked address of the shared vector (CUDA models); 0: pageable
         self._attach()
         atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -152,39 +153,15 @@ class Optimizer(torch.optim.Optimizer):
     def _reattach(self) -> None:
         self._attach()
 
-    @torch.no_grad()
     def _write(self) -> None:
-        """Parameters -> the shared vector (float32, layout order)."""
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            self._vector[offset : offset + n].view_as(p).copy_(p.detach(), non_blocking=self._pinned)
-            offset += n
-        if self._pinned:
-            torch.cuda.synchronize(self.params[0].device)
+        to_vector(self.params, self._vector, bool(self._pinned))
 
-    @torch.no_grad()
     def _read(self) -> None:
-        """The shared vector -> parameters (cast to each parameter's dtype, on its device)."""
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.copy_(self._vector[offset : offset + n].view_as(p), non_blocking=self._pinned)
-            offset += n
-        if self._pinned:
-            torch.cuda.synchronize(self.params[0].device)
+        from_vector(self._vector, self.params, bool(self._pinned))
 
     def _pin(self) -> None:
-        """Page-lock the shared vector in place when the model is on a GPU: the copies then run at
-        the bus's speed without a staging buffer. Pageable (slower) where that fails."""
-        self._pinned = False
-        if self.params[0].device.type != "cuda":
-            return
-        v = self._vector
-        code = torch.cuda.cudart().cudaHostRegister(v.data_ptr(), v.numel() * v.element_size(), 0)
-        self._pinned = int(code) == 0
-        if not self._pinned:
-            logger.warning("peerd: could not pin the shared vector (cudaHostRegister: %s); copies are pageable", code)
+        unpin(self._pinned)  # the previous attachment's mapping
+        self._pinned = pin(self._vector) if self.params[0].device.type == "cuda" else 0
 
     # -- checkpoints of the user's own --------------------------------------------------------
 
@@ -204,12 +181,57 @@ class Optimizer(torch.optim.Optimizer):
         """Detach: the daemon checkpoints and stops taking part in rounds for this process. The
         steps of an unfinished phase are not averaged. Idempotent."""
         self._attachment.close()
+        unpin(self._pinned)
+        self._pinned = 0
 
     def __enter__(self) -> "Optimizer":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@torch.no_grad()
+def to_vector(params: list[torch.Tensor], vector: torch.Tensor, pinned: bool) -> None:
+    """Parameters (any device, any float dtype) -> the float32 vector, in order."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        vector[offset : offset + n].view_as(p).copy_(p.detach(), non_blocking=pinned)
+        offset += n
+    if pinned:  # the daemon reads the vector next: the device-to-host copies must be done
+        torch.cuda.synchronize(params[0].device)
+
+
+@torch.no_grad()
+def from_vector(vector: torch.Tensor, params: list[torch.Tensor], pinned: bool) -> None:
+    """The float32 vector -> parameters, cast to each one's dtype, on its device."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(vector[offset : offset + n].view_as(p), non_blocking=pinned)
+        offset += n
+    if pinned:  # the vector may change under the next hand-off: the host-to-device copies must be done
+        torch.cuda.synchronize(params[0].device)
+
+
+def pin(vector: torch.Tensor) -> int:
+    """Page-lock a host tensor in place (the shared mapping: no staging copy) so that copies to and
+    from a GPU run at the bus's speed and may be asynchronous. Returns the registered address (the
+    tensor's first page) for unpin; 0 where CUDA refuses (pageable, slower: a warning says so)."""
+    page = mmap.PAGESIZE
+    start = vector.data_ptr() & ~(page - 1)  # whole pages: the mapping's own (its start is page-aligned)
+    size = -(-(vector.data_ptr() + vector.numel() * vector.element_size() - start) // page) * page
+    code = torch.cuda.cudart().cudaHostRegister(start, size, 0)
+    if int(code) != 0:
+        logger.warning("peerd: could not pin the shared vector (cudaHostRegister: %s); copies are pageable", code)
+        return 0
+    return start
+
+
+def unpin(address: int) -> None:
+    if address:
+        torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> list[control_pb2.TensorSpec]:
