@@ -163,7 +163,7 @@ class Daemon:
                     nat_port_map=cfg.network.nat_port_map,
                     auto_nat=cfg.network.auto_nat,
                     startup_timeout=cfg.network.startup_timeout,
-                    request_timeout=cfg.network.request_timeout,
+                    request_timeout=cfg.network.dht_timeout,
                 ),
                 events,
             )

@@ -49,7 +49,7 @@ class NetworkConfig:
     nat_port_map: bool = False  # UPnP/NAT-PMP port mapping: multicasts on the LAN, so opt-in
     auto_nat: bool = False  # libp2p AutoNAT: asks peers to dial back, so opt-in
     startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
-    request_timeout: float = 4.0  # one DHT get or store, all hops included
+    dht_timeout: float = 4.0  # one DHT get or store, all hops included
     transport: str = "auto"  # loss-tolerant runs' data per link: auto (UDP where the probe passes), reliable, udp
     reliable_links: str = "auto"  # reliable links: auto (direct TCP, else libp2p streams), tcp, libp2p
     udp_rate_mbit: float = 0.0  # pace the UDP engine's sends to this rate (Mbit/s); 0 = unpaced
@@ -73,7 +73,7 @@ class NetworkConfig:
         if not 0 <= self.udp_rate_mbit <= 1e6:
             raise ConfigError(f"udp_rate_mbit must be in 0..1000000 (Mbit/s; 0 = unpaced), got {self.udp_rate_mbit}")
         _check_positive("startup_timeout", self.startup_timeout)
-        _check_positive("request_timeout", self.request_timeout)
+        _check_positive("dht_timeout", self.dht_timeout)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,11 +194,11 @@ class DaemonConfig:
                 f"control: the socket path {socket_path!r} is longer than the {UNIX_PATH_MAX} bytes a "
                 "unix socket allows; pass a shorter --control unix:PATH (or a shorter --data-dir)"
             )
-        if self.network.request_timeout > self.discovery.peer_ttl / 2:
+        if self.network.dht_timeout > self.discovery.peer_ttl / 2:
             # Seen in the lab: one frozen DHT node held every refresh past the TTL, and live peers
             # dropped each other, not only the frozen one (docs/lab.md).
             raise ConfigError(
-                f"dht_timeout ({self.network.request_timeout} s) must be at most half of peer_ttl "
+                f"dht_timeout ({self.network.dht_timeout} s) must be at most half of peer_ttl "
                 f"({self.discovery.peer_ttl} s), or one unresponsive DHT node makes live peers drop each other"
             )
 
@@ -207,7 +207,7 @@ class DaemonConfig:
         """Seconds within which a peer that stops heartbeating (killed, frozen) leaves this daemon's
         tables: its last record ages out after peer_ttl, the next refresh starts within
         refresh_interval and its DHT read ends within one request timeout. 15 s by default."""
-        return self.discovery.peer_ttl + self.discovery.refresh_interval + self.network.request_timeout
+        return self.discovery.peer_ttl + self.discovery.refresh_interval + self.network.dht_timeout
 
     @property
     def control_address(self) -> str:
@@ -241,7 +241,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("network.nat_port_map", "--nat-port-map", "UPnP/NAT-PMP port mapping (multicasts on the LAN, so opt-in)"),
     Option("network.auto_nat", "--auto-nat", "libp2p AutoNAT (asks peers to dial back, so opt-in)"),
     Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
-    Option("network.request_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
+    Option("network.dht_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
     Option("network.transport", "--transport", "data of loss-tolerant runs (averaging.transport=udp), per link: auto (UDP where the link probe passes, else the reliable link), reliable, or udp", "MODE"),
     Option("network.reliable_links", "--reliable-links", "reliable averaging links: auto (direct TCP, else libp2p streams), tcp or libp2p", "MODE"),
     Option("network.udp_rate_mbit", "--udp-rate", "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)", "MBIT"),

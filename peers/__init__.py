@@ -1,4 +1,4 @@
-"""What peers do with each other: discovery, membership, (later) links, matchmaking and collectives.
+"""What peers do with each other: discovery, membership, link probes, matchmaking, collectives, state sync.
 
 Nothing here imports daemon/: the daemon hands plain values and callbacks in (see events.py).
 """

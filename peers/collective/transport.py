@@ -5,8 +5,9 @@ engine never touches sockets: it sends through `Link`s it asked for by address, 
 being the transport's `Sink`. For each incoming header the sink says where its payload goes: a
 writable buffer of exactly `header.length` bytes (so a transport can receive straight into the
 tensor it belongs to), SKIP (read and discard it) or DROP (close that connection). A stream
-transport (tcp.py, later libp2p streams) delivers whole messages in order per connection; a datagram
-transport would deliver packets, with `header.offset` saying where each one goes.
+transport (tcp.py direct TCP, p2p.py libp2p streams, fallback.py one of the two per link) delivers whole
+messages in order per connection; a datagram transport (udp.py) delivers packets, with
+`header.offset` saying where each one goes.
 
 `FilteredTransport` is the seam through which tests and emulations lose messages by rule.
 """

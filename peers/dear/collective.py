@@ -4,8 +4,7 @@
     ag = collective.all_gather(rs)         # returns at once; runs after rs
     collective.wait(ag)                    # flat now holds the mean over ranks, on every rank
 
-The contract every backend keeps (gloo.py over torch.distributed; fake.py in-process for tests; a
-backend over peerd's own engine later):
+The contract every backend keeps (the backends are listed in peers/dear/__init__.py):
 
 * **Buffers.** `flat` is a contiguous 1-D float32 tensor whose length is a multiple of `world`;
   shard r is `flat[r*s:(r+1)*s]` with s = len / world, and rank r owns shard r. The caller passes the
