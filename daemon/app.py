@@ -33,6 +33,7 @@ from peers.node import NodeSettings, PeerNode
 from peers.clock import now as dht_now
 from peers.runs import RunSecret, validate_run_id
 from peers.statesync import StateServer
+from protos import control_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -43,58 +44,6 @@ PROBE_BATCH = 8  # links measured at once
 # a report stays fresh for LocalGroupRules.max_age (60 s), so a live link's is never near that.
 BANDWIDTH_INTERVAL = 30.0
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
-
-
-@dataclass(frozen=True, slots=True)
-class RunSummary:
-    run_id: str
-    peers: int
-    secured: bool
-    joined_seconds: float
-    task: str = ""
-    train_state: str = ""
-    step: int = 0
-    loss: float = 0.0
-    samples: int = 0
-    samples_per_second: float = 0.0
-    eval_metric: str = ""
-    eval_score: float = 0.0
-    error: str = ""
-    local_step: int = 0
-    last_round: int = 0
-    last_round_outcome: str = ""
-    group_size: int = 0
-    param_divergence: float = math.nan  # largest estimated pairwise distance (peers/sketch.py)
-    param_divergence_step: int = 0  # the step of the sketches it compares; 0 while it is NaN
-    param_distance_to_group_mean: float = math.nan
-    last_round_digest: str = ""
-    last_round_links: str = ""
-    last_round_group: tuple[str, ...] = ()  # this daemon, then the members the last round reached
-    local_group: str = ""  # --local-group; "" when unset
-    local_group_size: int = 0  # members of the active DeAR group (this daemon included); 0 when none
-    local_group_rank: int = -1  # this daemon's rank in it; -1 when none
-    dear_buckets: int = 0  # fused buckets of the active DeAR group's plan
-    dear_bucket_bytes: int = 0  # the fusion target that plan was cut for (the tuner's choice)
-    dear_steps: int = 0  # steps this daemon took under DeAR in the run
-    dear_overlap_ratio: float = math.nan  # communication hidden behind compute (docs/dear.md)
-    wan_share: float = 1.0  # the fraction of the state vector this daemon averages over the WAN
-    compute_fraction: float = math.nan  # compute time over wall time since training began
-    train_wait_seconds: float = 0.0  # time compute waited for averaging rounds
-    algorithm: str = ""  # what rounds average: diloco or state ("" when not training)
-    attached_pid: int = 0  # the process attached to the run (peerd.torch.Optimizer); 0: none
-    attached_device: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class StatusSnapshot:
-    state: str
-    peer_id: str
-    maddrs: list[str]
-    runs: list[RunSummary]
-    uptime_seconds: float
-    version: str
-    metrics_url: str
-    pid: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -590,55 +539,44 @@ class Daemon:
             for e in membership.peers()
         ]
 
-    def status(self) -> StatusSnapshot:
+    def status(self) -> control_pb2.StatusResponse:
+        """What `peerd status`, the Status RPC, the metrics and the progress log show. The schema is
+        protos/control.proto's RunStatus, documented there; this fills it from the trainers."""
         t = dht_now()
         runs = []
         for m in self.memberships.runs.values() if self.memberships else []:
             handle = self.runs.get(m.run_id)
             tr = handle.trainer if handle else None
-            lr = tr.last_round if tr else None
-            div = m.divergence() if tr else None
-            runs.append(
-                RunSummary(
-                    m.run_id,
-                    len(m.table),
-                    m.secured,
-                    t - m.joined_at,
-                    task=handle.manifest.task if handle and handle.manifest else "",
-                    train_state=tr.state.value if tr else "",
-                    step=tr.step if tr else 0,
-                    loss=tr.loss if tr else 0.0,
-                    samples=tr.samples if tr else 0,
-                    samples_per_second=tr.samples_per_second if tr else 0.0,
-                    eval_metric=tr.eval.metric if tr and tr.eval else "",
-                    eval_score=tr.eval.score if tr and tr.eval else 0.0,
-                    error=tr.error if tr else "",
-                    local_step=tr.local_step if tr else 0,
-                    last_round=lr.round_t if lr else 0,
-                    last_round_outcome=lr.outcome_name if lr else "",
-                    group_size=lr.group_size if lr else 0,
-                    param_divergence=div.value if div else math.nan,
-                    param_divergence_step=div.step if div else 0,
-                    param_distance_to_group_mean=tr.param_distance_to_group_mean if tr else math.nan,
-                    last_round_digest=lr.outcome.digest.hex() if lr and lr.completed else "",
-                    last_round_links=lr.links_summary if lr else "",
-                    last_round_group=(self.node.peer_id, *sorted(lr.links)) if lr else (),
-                    local_group=tr.local_group.label if tr and tr.local_group else "",
-                    local_group_size=tr.local_group.size if tr and tr.local_group else 0,
-                    local_group_rank=tr.local_group.rank if tr and tr.local_group else -1,
-                    dear_buckets=tr.dear_buckets if tr else 0,
-                    dear_bucket_bytes=tr.dear_bucket_bytes if tr else 0,
-                    dear_steps=tr.dear_steps if tr else 0,
-                    dear_overlap_ratio=tr.dear_overlap_ratio if tr else math.nan,
-                    wan_share=tr.wan_share if tr else 1.0,
-                    compute_fraction=tr.compute_fraction if tr else math.nan,
-                    train_wait_seconds=tr.train_wait_seconds if tr else 0.0,
-                    algorithm=handle.manifest.averaging.algorithm if handle and handle.manifest else "",
-                    attached_pid=tr.session.pid if tr and tr.session else 0,
-                    attached_device=tr.session.device if tr and tr.session else "",
-                )
-            )
-        return StatusSnapshot(
+            manifest = handle.manifest if handle else None
+            r = control_pb2.RunStatus(run_id=m.run_id, peers=len(m.table), secured=m.secured,
+                                      joined_seconds=t - m.joined_at, task=manifest.task if manifest else "",
+                                      algorithm=manifest.averaging.algorithm if manifest else "",
+                                      param_divergence=math.nan, param_distance_to_group_mean=math.nan,
+                                      dear_overlap_ratio=math.nan, compute_fraction=math.nan, wan_share=1.0,
+                                      local_group_rank=-1)  # fmt: skip
+            if tr is not None:
+                lr, div, lg, session = tr.last_round, m.divergence(), tr.local_group, tr.session
+                r.train_state, r.step, r.loss, r.samples = tr.state.value, tr.step, tr.loss, tr.samples
+                r.samples_per_second, r.error, r.local_step = tr.samples_per_second, tr.error, tr.local_step
+                if tr.eval is not None:
+                    r.eval_metric, r.eval_score = tr.eval.metric, tr.eval.score
+                if lr is not None:
+                    r.last_round, r.last_round_outcome, r.group_size = lr.round_t, lr.outcome_name, lr.group_size
+                    r.last_round_digest = lr.outcome.digest.hex() if lr.completed else ""
+                    r.last_round_links = lr.links_summary
+                    r.last_round_group.extend((self.node.peer_id, *sorted(lr.links)))
+                if div is not None:
+                    r.param_divergence, r.param_divergence_step = div.value, div.step
+                r.param_distance_to_group_mean = tr.param_distance_to_group_mean
+                if lg is not None:
+                    r.local_group, r.local_group_size, r.local_group_rank = lg.label, lg.size, lg.rank
+                r.dear_buckets, r.dear_bucket_bytes, r.dear_steps = tr.dear_buckets, tr.dear_bucket_bytes, tr.dear_steps
+                r.dear_overlap_ratio, r.wan_share = tr.dear_overlap_ratio, tr.wan_share
+                r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
+                if session is not None:
+                    r.attached_pid, r.attached_device = session.pid, session.device
+            runs.append(r)
+        return control_pb2.StatusResponse(
             state=self.state.value,
             peer_id=self.node.peer_id if self.node else "",
             maddrs=self.maddrs,

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from daemon import __version__
-from daemon.client import ControlClient, control_address
+from daemon.client import ControlClient, as_dict, control_address
 from daemon.config import OPTIONS, ConfigError, client_defaults, default_of, load_config
 
 logger = logging.getLogger("peerd")
@@ -201,57 +201,7 @@ def _cmd_status(args) -> int:
     with _client(args) as c:
         s = c.status()
     if args.json:
-        _print_json(
-            {
-                "state": s.state,
-                "peer_id": s.peer_id,
-                "maddrs": list(s.maddrs),
-                "runs": [
-                    {
-                        "run_id": r.run_id,
-                        "peers": r.peers,
-                        "secured": r.secured,
-                        "joined_seconds": round(r.joined_seconds, 1),
-                        "task": r.task,
-                        "train_state": r.train_state,
-                        "step": r.step,
-                        "loss": r.loss,
-                        "samples_per_second": round(r.samples_per_second, 1),
-                        "eval_metric": r.eval_metric,
-                        "eval_score": r.eval_score,
-                        "error": r.error,
-                        "local_step": r.local_step,
-                        "last_round": r.last_round,
-                        "last_round_outcome": r.last_round_outcome,
-                        "group_size": r.group_size,
-                        "last_round_digest": r.last_round_digest,
-                        "last_round_links": r.last_round_links,
-                        "last_round_group": list(r.last_round_group),
-                        "param_divergence": None if math.isnan(r.param_divergence) else r.param_divergence,
-                        "param_divergence_step": r.param_divergence_step,
-                        "param_distance_to_group_mean": None if math.isnan(r.param_distance_to_group_mean) else r.param_distance_to_group_mean,
-                        "local_group": r.local_group,
-                        "local_group_size": r.local_group_size,
-                        "local_group_rank": r.local_group_rank,
-                        "dear_buckets": r.dear_buckets,
-                        "dear_bucket_bytes": r.dear_bucket_bytes,
-                        "dear_steps": r.dear_steps,
-                        "dear_overlap_ratio": None if math.isnan(r.dear_overlap_ratio) else r.dear_overlap_ratio,
-                        "wan_share": r.wan_share,
-                        "algorithm": r.algorithm,
-                        "compute_fraction": None if math.isnan(r.compute_fraction) else r.compute_fraction,
-                        "train_wait_seconds": r.train_wait_seconds,
-                        "attached_pid": r.attached_pid,
-                        "attached_device": r.attached_device,
-                    }
-                    for r in s.runs
-                ],
-                "uptime_seconds": round(s.uptime_seconds, 1),
-                "version": s.version,
-                "metrics_url": s.metrics_url,
-                "pid": s.pid,
-            }
-        )
+        _print_json(as_dict(s))
         return 0
     print(f"state     {s.state}\npeer ID   {s.peer_id}\nversion   {s.version}\nuptime    {s.uptime_seconds:.0f} s")
     print(f"pid       {s.pid}\nmetrics   {s.metrics_url}")

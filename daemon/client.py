@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,22 @@ def control_address(data_dir: Path, explicit: str | None = None) -> str:
     if ready and isinstance(ready.get("control"), str):
         return ready["control"]
     return f"unix:{data_dir / 'control.sock'}"
+
+
+def as_dict(message) -> dict:
+    """A control message as plain JSON-ready values, field by field from its schema: ints stay
+    ints (protobuf's JSON mapping writes 64-bit ones as strings), NaN becomes None."""
+
+    def plain(value):
+        if hasattr(value, "DESCRIPTOR"):
+            return {f.name: plain(getattr(value, f.name)) for f in value.DESCRIPTOR.fields}
+        if isinstance(value, float) and math.isnan(value):
+            return None
+        if isinstance(value, (str, bytes, int, float, bool)):
+            return value
+        return [plain(v) for v in value]  # a repeated field
+
+    return plain(message)
 
 
 class ControlClient:

@@ -98,56 +98,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def Status(self, request, context):
         await self._check(request, context)
-        s = self.daemon.status()
-        return control_pb2.StatusResponse(
-            state=s.state,
-            peer_id=s.peer_id,
-            maddrs=s.maddrs,
-            runs=[
-                control_pb2.RunStatus(
-                    run_id=r.run_id,
-                    peers=r.peers,
-                    secured=r.secured,
-                    joined_seconds=r.joined_seconds,
-                    task=r.task,
-                    train_state=r.train_state,
-                    step=r.step,
-                    loss=r.loss,
-                    samples_per_second=r.samples_per_second,
-                    eval_metric=r.eval_metric,
-                    eval_score=r.eval_score,
-                    error=r.error,
-                    local_step=r.local_step,
-                    last_round=r.last_round,
-                    last_round_outcome=r.last_round_outcome,
-                    group_size=r.group_size,
-                    param_divergence=r.param_divergence,
-                    param_divergence_step=r.param_divergence_step,
-                    param_distance_to_group_mean=r.param_distance_to_group_mean,
-                    last_round_digest=r.last_round_digest,
-                    last_round_links=r.last_round_links,
-                    last_round_group=list(r.last_round_group),
-                    local_group=r.local_group,
-                    local_group_size=r.local_group_size,
-                    local_group_rank=r.local_group_rank,
-                    dear_buckets=r.dear_buckets,
-                    dear_bucket_bytes=r.dear_bucket_bytes,
-                    dear_steps=r.dear_steps,
-                    dear_overlap_ratio=r.dear_overlap_ratio,
-                    wan_share=r.wan_share,
-                    compute_fraction=r.compute_fraction,
-                    train_wait_seconds=r.train_wait_seconds,
-                    algorithm=r.algorithm,
-                    attached_pid=r.attached_pid,
-                    attached_device=r.attached_device,
-                )
-                for r in s.runs
-            ],
-            uptime_seconds=s.uptime_seconds,
-            version=s.version,
-            metrics_url=s.metrics_url,
-            pid=s.pid,
-        )
+        return self.daemon.status()
 
     async def ListPeers(self, request, context):
         await self._check(request, context)

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 
 def progress_line(run) -> str:
-    """One run's line, from its RunSummary (daemon/app.py), e.g.
+    """One run's line, from its RunStatus (protos/control.proto), e.g.
     `run demo: TRAINING step 120 (local 120), loss 0.3412, 512 samples/s, last round 12 completed (group 3)`."""
     loss = "-" if math.isnan(run.loss) else f"{run.loss:.4f}"
     line = (
