@@ -75,3 +75,22 @@ def test_choose_the_earliest(ids):
     late = RunManifest(run_id="r", task="y", creator=a.peer_id, created_at=2.0)
     assert choose([late, early]) == early
     assert choose([]) is None
+
+
+def test_a_script_run_carries_its_model_and_names_the_first_mismatch(ids):
+    from peers.manifest import TensorSpec, layout_mismatch
+
+    a, _ = ids
+    model = (TensorSpec("w", (3, 4), "torch.float32"), TensorSpec("b", (3,), "torch.bfloat16"))
+    m = RunManifest(run_id="r", task="", creator=a.peer_id, created_at=1.0, model=model)
+    assert decode_manifest(encode_manifest(m, a, None), run_id="r", secret=None, subkey=a.peer_id) == m
+    assert layout_mismatch(model, model) == ""
+    assert layout_mismatch(model, (model[0], TensorSpec("b", (4,), "torch.bfloat16"))) == (
+        "parameter 1: the run has b [3] torch.bfloat16, this model has b [4] torch.bfloat16")
+    assert layout_mismatch(model, model[:1]) == "the run's model has 2 parameters, this one 1"
+    for bad in [dict(task="", model=()), dict(task="digits-mlp", model=model),
+                dict(task="", model=(TensorSpec("i", (2,), "torch.int64"),)),
+                dict(task="", model=(TensorSpec("", (2,), "torch.float32"),)),
+                dict(task="", model=tuple(TensorSpec(f"p{i}", (1,), "torch.float32") for i in range(1025)))]:
+        with pytest.raises(ValueError):
+            RunManifest(run_id="r", creator=a.peer_id, created_at=1.0, **bad)
