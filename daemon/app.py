@@ -43,6 +43,7 @@ PROBE_BATCH = 8  # links measured at once
 # Seconds between two bandwidth measurements of one link (--local-group auto only, one link at a time):
 # a report stays fresh for LocalGroupRules.max_age (60 s), so a live link's is never near that.
 BANDWIDTH_INTERVAL = 30.0
+MANIFEST_POLL = 5.0  # seconds between two looks for the manifest of a run joined without one
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -304,13 +305,36 @@ class Daemon:
             await self._train(handle, *resolved)
         else:
             logger.warning(
-                "run %s: no manifest and no --task: joined for discovery only, nothing to train "
-                "(a mistyped run ID, or a run not created yet? --task creates it; a script's "
-                "peerd.torch.Optimizer attaching creates it too)",
+                "run %s: no manifest and no --task: joined for discovery only, nothing to train until a "
+                "manifest appears (a mistyped run ID, or a run not created yet? --task creates it; a "
+                "script's peerd.torch.Optimizer attaching creates it too)",
                 run_id,
             )
+            handle.republisher = asyncio.create_task(self._await_manifest(handle), name=f"manifest-watch:{run_id}")
         self.runs[run_id] = handle
         return True
+
+    async def _await_manifest(self, handle: RunHandle) -> None:
+        """A run joined with no manifest: look for one every MANIFEST_POLL s (a DHT read that timed
+        out at the join, or a creator that starts later) and train it once it appears."""
+        while True:
+            await asyncio.sleep(MANIFEST_POLL)
+            try:
+                resolved = await run_setup.resolve(self.node, handle.run_id, handle.secret, "", {}, self.reject,
+                                                   self.config.data_dir)
+            except run_setup.RunRefused as e:
+                logger.warning("run %s: its manifest appeared, and this daemon cannot train it: %s", handle.run_id, e)
+                return
+            if resolved is None:
+                continue
+            async with self._run_changes:
+                if self.runs.get(handle.run_id) is not handle or handle.manifest is not None:
+                    return  # left, or an attach set it up meanwhile
+                logger.info("run %s: its manifest appeared; training it", handle.run_id)
+                handle.republisher = None  # this task ends here; _train starts the republisher
+                await self._train(handle, *resolved)
+            self.data_dir.write_ready(self.ready_info())
+            return
 
     async def _train(self, handle: RunHandle, manifest, data: bytes) -> None:
         """Set up the run's rounds, state serving and trainer: the task's (daemon/trainer.py), or for a
