@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 1M-value vector, 3 phases: a smoke run")
     parser.add_argument("--params", type=int, default=25_000_000,
-                        help="the model's size in float32 values (default 25M: about 2 GB of peak memory in all; "
-                             "100M needs about 7 GB)")
+                        help="the model's size in float32 values (default 25M: about 2 GiB of memory at the peak; "
+                             "100M: about 6.3 GiB)")
     parser.add_argument("--repeats", type=int, default=10, help="phases timed (after one warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads of the script's side (0: torch's default)")
     args = parser.parse_args(argv)
