@@ -293,7 +293,7 @@ def measure(args, base: Path) -> list[dict]:
         for t in attached.opt.timings.values():
             t.clear()
         params = list(attached.model.parameters())
-        for i in range(args.repeats):
+        for _ in range(args.repeats):
             plain_copies(a, b, plain)
             with timing(private["write"]):
                 to_flat(params, a)
