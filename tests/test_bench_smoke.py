@@ -1,5 +1,5 @@
-"""Smoke tests of benchmarks (bench.daemon_costs, bench.dear, bench.engine_allreduce,
-bench.engine_costs): each runs to the end and prints the promised JSON lines, the last one its
+"""Smoke tests of benchmarks (bench.attach_handoff, bench.daemon_costs, bench.dear,
+bench.engine_allreduce, bench.engine_costs): each runs to the end and prints the promised JSON lines, the last one its
 headline.
 
 No figure is asserted: timings on a shared CI machine say nothing, and docs/benchmarks.md holds the
@@ -73,6 +73,26 @@ def test_engine_benchmarks_quick_print_json_lines_with_the_headline_last(argv, h
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert records and all(REQUIRED <= r.keys() for r in records), records
     assert records[-1]["bench"] == argv[0].split(".")[1] and records[-1]["metric"] == headline, records[-1]
+
+
+@pytest.mark.slow
+def test_attach_handoff_quick_prints_json_lines_with_the_headline_last():
+    """bench.attach_handoff --quick: one real daemon, an attached peerd.torch.Optimizer and a second
+    process over a 1M-value vector, 3 phases (about 25 s on a loaded 2-core machine); it leaves no
+    shared file behind and appends nothing to bench/results."""
+    shared = set(Path("/dev/shm").glob("peerd-*"))
+    results = ROOT / "bench" / "results" / "attach_handoff.jsonl"
+    size = results.stat().st_size if results.exists() else None
+    proc = subprocess.run([sys.executable, "-m", "bench.attach_handoff", "--quick"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT)
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert records and all(REQUIRED <= r.keys() for r in records), records
+    assert [r["metric"] for r in records[:4]] == ["script_write_s", "daemon_read_s", "daemon_write_s", "script_read_s"]
+    assert records[-1]["bench"] == "attach_handoff" and records[-1]["metric"] == "outer_step_handoff_s", records[-1]
+    assert records[-1]["params"] == 1_000_000 and records[-1]["ratio"] > 0
+    assert set(Path("/dev/shm").glob("peerd-*")) <= shared
+    assert (results.stat().st_size if results.exists() else None) == size
 
 
 def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
