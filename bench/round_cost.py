@@ -9,7 +9,9 @@ delay line (daemon/lab/delayline.py) holds what every host sends for rtt/2, so t
 two hosts is the setting (measured in every cell).
 
 One process per host, inside its namespace (the harness of bench.lab_baselines), runs both systems
-in turn, the first of the pair alternating, after one unmeasured warm-up round of each:
+in turn, the first of the pair alternating; the first round of each is reported apart (*_first_round_s:
+ours may have to open libp2p connections between hosts that only know each other through the DHT,
+gloo's init opened all of its own), then --rounds measured rounds:
 (1) ours: a daemon's round, built from the daemon's own parts with their default settings: a
     PeerNode (p2pd + DHT) bound to the host's address, the run's membership (heartbeats, refreshes,
     the table), the Matchmaker, and MoshpitAverager.average called through daemon/runs.round_bridge
@@ -53,14 +55,14 @@ SETUP_TIMEOUT = 60.0  # seconds for a host's PeerNode to start, and for every ho
 STOP_TIMEOUT = 10.0  # seconds for a host's PeerNode to shut down at the end
 RUN = "round-cost"
 PARTS = ("rendezvous", "matchmaking", "engine", "other")  # the parts of ours, in the order they run
-KEYS = ("ours", "gloo", *PARTS)
+KEYS = ("ours", "gloo", *PARTS, "ours_first", "gloo_first")
 
 
 # ---- one process per host, inside its namespace (bench.lab_baselines._worker calls this) ----------
 
 
 def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
-    """Start a daemon's parts on this host, then one warm-up and `rounds` measured rounds of ours
+    """Start a daemon's parts on this host, then a first round and `rounds` measured rounds of ours
     and of gloo in turn; every time goes to the parent as soon as it is measured."""
     import torch.distributed as dist
     import uvloop
@@ -147,21 +149,18 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         r = average(x, float(rank + 1), round_t)[0]
         total = time.perf_counter() - t0
         ok = r.completed and r.group_size == n
-        conn.send(("put", "outcomes", r.outcome_name if r.group_size == n else f"group of {r.group_size}: {r.reason}"))
+        outcome = r.outcome_name if r.group_size == n else f"group of {r.group_size}: {r.reason}"
+        conn.send(("put", "outcomes", outcome if round_t > 1 else f"first round: {outcome}"))
         parts.clear()
         if ok and matchmaker.last is not None:
             parts.update(rendezvous=r.waited, matchmaking=matchmaker.last, engine=r.outcome.duration)
             parts["other"] = total - sum(parts.values())
         return ok
 
-    for r in range(rounds + 1):  # round 0: warm-up, not reported
+    for r in range(rounds + 1):  # the first round is reported apart: it may open libp2p connections
         pair = (("ours", ours), ("gloo", gloo)) if r % 2 else (("gloo", gloo), ("ours", ours))
         for name, system in pair:
-            if r:
-                _timed(conn, name, barrier, timeout, lambda: system(r + 1))
-            else:
-                barrier.wait(timeout + 60)
-                system(r + 1)
+            _timed(conn, name if r else f"{name}_first", barrier, timeout, lambda: system(r + 1))
         if r:
             for part in PARTS:
                 conn.send(("put", part, parts.get(part)))
@@ -223,6 +222,8 @@ def measure(args, net, hosts, rtt: float) -> dict:
         added_rtt_ms=rtt, measured_rtt_ms=measured, measured_rtt_pairs={f"{a}->{b}": m for (a, b), m in rtts.items()},
         hosts=len(hosts), numel=args.numel, bytes=args.numel * 4, rate_mbit=args.rate, rounds=args.rounds,
         ours_parts_s=parts, ours_rounds_s=ours_rounds, gloo_rounds_s=gloo_rounds,
+        ours_first_round_s=round_time(reports, "ours_first", digits=4)[1][0],
+        gloo_first_round_s=round_time(reports, "gloo_first", digits=4)[1][0],
         ours_outcomes=sorted({o for r in reports for o in r["outcomes"]}),
         cell_s=round(time.monotonic() - t_cell, 1), cores=os.cpu_count(),
         load_1min_at_start=round(load, 2), load_1min_at_end=round(os.getloadavg()[0], 2),
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="RTT 0 and 50 ms, 3 rounds: a smoke run (about a minute)")
     parser.add_argument("--hosts", type=int, default=3)
     parser.add_argument("--rtt-ms", default="0,50,200", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)")
-    parser.add_argument("--rounds", type=int, default=15, help="measured rounds per system and RTT (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=15, help="measured rounds per system and RTT (after the first round, reported apart)")
     parser.add_argument("--numel", type=int, default=256, help="float32 values in the averaged vector")
     parser.add_argument("--rate", type=float, default=100.0, help="link rate in Mbit/s, both directions")
     parser.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round may take before it counts as failed")
