@@ -314,7 +314,7 @@ class Matchmaker:
         except TimeoutError:
             return Matched(None, f"leader {leader} did not answer within {timeout} s")
         except Exception as e:  # p2pd raises several types when the leader is gone
-            return Matched(None, f"leader {leader} unreachable: {type(e).__name__} {e}")
+            return Matched(None, f"leader {leader} unreachable: {type(e).__name__}: {' '.join(str(e).split())}")
         if response.status != pb.JOIN_STATUS_ACCEPTED:
             return Matched(None, f"leader {leader} answered {pb.JoinStatus.Name(response.status)}")
         members = tuple(Member(m.peer_id, m.engine_addr, m.weight) for m in response.members)
