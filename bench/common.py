@@ -8,6 +8,7 @@ prints is its headline.
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 from typing import Any
@@ -32,3 +33,17 @@ def emit(record: dict) -> None:
 
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+def interrupt_on_signals() -> None:
+    """Make SIGINT and SIGTERM raise KeyboardInterrupt once, so that a benchmark's finally blocks
+    kill what it started and remove its lab; a second signal is ignored, so as not to cut that short."""
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    # SIGINT too: a shell without job control starts background jobs with SIGINT ignored.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)

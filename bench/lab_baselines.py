@@ -39,7 +39,7 @@ import tempfile
 import time
 from datetime import timedelta
 
-from bench.common import emit, progress, result
+from bench.common import emit, interrupt_on_signals, progress, result
 from bench.engine_allreduce import PR_SET_PDEATHSIG, Cluster, _data
 
 BENCH = "lab_baselines"
@@ -236,11 +236,12 @@ def run_system(system: str, keys: tuple[str, ...], hosts: list, numel: int, roun
     return reports
 
 
-def round_time(reports: list[dict], key: str) -> tuple[float | None, list]:
-    """A round's time is its slowest process's (None if any failed); the median over rounds that all completed."""
+def round_time(reports: list[dict], key: str, digits: int = 3) -> tuple[float | None, list]:
+    """A round's time is its slowest process's (None if any failed); the median over rounds that all
+    completed, and each round's, rounded to `digits` decimals."""
     rounds = [None if any(r[key][i] is None for r in reports) else max(r[key][i] for r in reports) for i in range(len(reports[0][key]))]
     done = [t for t in rounds if t is not None]
-    return (round(statistics.median(done), 3) if done else None), [None if t is None else round(t, 3) for t in rounds]
+    return (round(statistics.median(done), digits) if done else None), [None if t is None else round(t, digits) for t in rounds]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,13 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{BENCH}: {problem}", file=sys.stderr)
         return 2
 
-    def interrupt(signum, frame):  # so that the finally blocks kill every process and remove the lab,
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # uninterrupted by a second Ctrl-C
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    interrupt_on_signals()
     numel = int(args.mib * (1 << 20)) // 4
     net = Network()
     progress(BENCH, f"{args.hosts} hosts at {args.rate:g} Mbit/s, {numel * 4 / (1 << 20):.0f} MiB float32, added RTT {rtts} ms, loss {losses} %, TCP {ccs}, lab {net.name}")

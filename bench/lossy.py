@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import sys
 import time
 from datetime import timedelta
 
-from bench.common import emit, progress, result
+from bench.common import emit, interrupt_on_signals, progress, result
 from bench.engine_allreduce import _data
 from bench.lab_baselines import GlooStep, _timed, measured_rtt, round_time, rtt_settings, run_system
 
@@ -203,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{BENCH}: {problem}", file=sys.stderr)
         return 2
 
-    def interrupt(signum, frame):  # so that the finally blocks kill every process and remove the lab
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    interrupt_on_signals()
     numel = int(args.mib * (1 << 20)) // 4
     started = time.monotonic()
     try:

@@ -6,10 +6,11 @@ Protocol of one round t (every wait bounded; settings in MatchmakingSettings):
    join window and the joins (`MatchmakingSettings.entry_ttl` plus one DHT request timeout).
 2. `join_window` seconds after its store, each peer reads the key. The leader is the smallest
    peer ID among the valid entries (the reader's own entry always counts).
-   Direct path (form_group's `mates`, the group that the membership view gives): no window. The
-   view's leader waits for its mates' joins (at most join_window) and decides as soon as all are in;
-   each follower sends its join at once (a join that arrives before the leader's own form_group
-   waits for it, bounded). Whoever does not complete it falls back to the read at join_window.
+   Direct path (form_group's `mates`, the group that the membership view gives): no window, and no
+   wait for the DHT (the store of step 1 goes on beside it). The view's leader waits for its mates'
+   joins (at most join_window) and decides as soon as all are in; each follower sends its join at
+   once (a join that arrives before the leader's own form_group waits for it, bounded). Whoever
+   does not complete it falls back to the read at join_window, once its own store is done.
 3. Followers send JoinGroupRequest to the leader and wait up to `join_timeout` for the answer.
    The leader accepts joins until `assemble_slack` seconds after its own read (or until every
    peer its read showed has joined, whichever is first), then decides with
@@ -189,21 +190,28 @@ class Matchmaker:
         self.node, self.settings, self.events = node, settings, events or node.events
         self._sessions: dict[tuple[str, int], _Session] = {}
         self._early_joins = 0  # joins waiting for their session to start (_session_of)
+        self._stores: set[asyncio.Task] = set()  # entries still being stored after their form_group returned
 
     async def start(self) -> None:
         await self.node.add_handler(JOIN_HANDLER, self._on_join, pb.JoinGroupRequest)
 
     async def publish(self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member) -> bytes:
         """Step 1 alone (also a seam for tests): store my signed entry; returns its envelope."""
+        envelope = self._entry_envelope(namespace, secret, round_t, key, me)
+        await self._store(key, me, envelope)
+        return envelope
+
+    def _entry_envelope(self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member) -> bytes:
         if me.peer_id != self.node.peer_id:
             raise ValueError("a daemon only publishes entries about itself")
         body = pb.GroupEntry(format_version=ENTRY_FORMAT_VERSION, group_key=key, round=round_t,
                              engine_addr=me.engine_addr, weight=me.weight, timestamp=now()).SerializeToString()
-        envelope = seal(RecordKind.GROUP_ENTRY, body, self.node.identity, secret, namespace)
+        return seal(RecordKind.GROUP_ENTRY, body, self.node.identity, secret, namespace)
+
+    async def _store(self, key: str, me: Member, envelope: bytes) -> None:
         expiration = now() + self.node.settings.request_timeout + self.settings.entry_ttl
         if not await self.node.store(key, me.peer_id, envelope, expiration):
             logger.info("group %s: my entry was not stored; only peers that see it can join me", key)
-        return envelope
 
     async def form_group(
         self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member,
@@ -221,11 +229,17 @@ class Matchmaker:
         mates = frozenset(mates) - {me.peer_id}
         started = asyncio.get_running_loop().time()
         try:
-            envelope = await self.publish(namespace, secret, round_t, key, me)
+            envelope = self._entry_envelope(namespace, secret, round_t, key, me)
+            # The direct path needs no DHT: the store (a lookup and a store, about 2 RTTs) runs beside
+            # it, for the peers whose view falls back to the read, and outlives a direct success.
+            store = asyncio.ensure_future(self._store(key, me, envelope))
+            self._stores.add(store)
+            store.add_done_callback(self._stores.discard)
             if mates:
                 direct = await self._direct(session, mates, envelope, namespace, round_t, key)
                 if direct is not None:
                     return direct
+            await store  # bounded by the DHT's request_timeout; my own read must find my entry
             elapsed = asyncio.get_running_loop().time() - started
             await asyncio.sleep(max(0.0, self.settings.join_window - elapsed))
             if session.decision.done():  # led directly and decided: the fallback cannot lead again
@@ -300,7 +314,7 @@ class Matchmaker:
         except TimeoutError:
             return Matched(None, f"leader {leader} did not answer within {timeout} s")
         except Exception as e:  # p2pd raises several types when the leader is gone
-            return Matched(None, f"leader {leader} unreachable: {type(e).__name__}")
+            return Matched(None, f"leader {leader} unreachable: {type(e).__name__}: {' '.join(str(e).split())}")
         if response.status != pb.JOIN_STATUS_ACCEPTED:
             return Matched(None, f"leader {leader} answered {pb.JoinStatus.Name(response.status)}")
         members = tuple(Member(m.peer_id, m.engine_addr, m.weight) for m in response.members)

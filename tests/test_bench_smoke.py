@@ -1,6 +1,7 @@
 """Smoke tests of benchmarks (bench.attach_handoff, bench.daemon_costs, bench.dear,
-bench.engine_allreduce, bench.engine_costs): each runs to the end and prints the promised JSON lines, the last one its
-headline.
+bench.engine_allreduce, bench.engine_costs, bench.round_cost): each runs to the end and prints the
+promised JSON lines, the last one its headline. bench.round_cost needs the network lab (root,
+namespaces) and skips without.
 
 No figure is asserted: timings on a shared CI machine say nothing, and docs/benchmarks.md holds the
 measured ones.
@@ -109,3 +110,23 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
         s = parse(scenario(name, args, settings), name)
         assert len(s.hosts) == 3 and s.run.task == "charlm" and s.duration == 120.0
         assert s.run.settings["averaging.algorithm"] == settings["averaging.algorithm"]
+
+
+@pytest.mark.slow
+def test_round_cost_quick_prints_a_line_per_rtt_and_the_headline_last():
+    """bench.round_cost --quick: 3 lab hosts, each a PeerNode, membership and averager, at 0 and 50 ms
+    RTT, 3 rounds of each system (about a minute); some round of ours completed in each cell (exit 1 otherwise)."""
+    from daemon.lab.netns import environment_problem
+
+    problem = environment_problem() if sys.platform == "linux" else "not Linux"
+    if problem:
+        pytest.skip(f"network lab unavailable: {problem}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.round_cost", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )  # fmt: skip
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert records and all(REQUIRED <= r.keys() for r in records), records
+    assert [r["added_rtt_ms"] for r in records] == [0, 50, 50]
+    assert records[-1]["bench"] == "round_cost" and records[-1]["metric"] == "round fixed cost at 50 ms RTT"
+    assert records[-1]["ours_rtts"] is not None and records[-1]["gloo_rtts"] is not None

@@ -202,6 +202,35 @@ def test_mates_from_the_view_form_the_group_directly_without_the_join_window(tmp
     asyncio.run(scenario())
 
 
+def test_the_direct_path_does_not_wait_for_the_entrys_dht_store(tmp_path):
+    """Stores held back until the groups formed: the view's group needs no DHT (a store is about 2
+    RTTs of every round), and the held entries still land afterwards, for views that fall back."""
+
+    async def scenario():
+        async with started(3, tmp_path, []) as mms:
+            release, held = asyncio.Event(), []
+            for m in mms:
+
+                async def store(key, subkey, value, expiration, real=m.node.store):
+                    held.append(subkey)
+                    await release.wait()
+                    return await real(key, subkey, value, expiration)
+
+                m.node.store = store
+            ids = [m.node.peer_id for m in mms]
+            async with asyncio.timeout(10):  # awaiting the held stores would never end
+                results = await asyncio.gather(
+                    *(m.form_group("mm", None, ROUND, KEY, me(m, i), mates=ids) for i, m in enumerate(mms))
+                )
+            assert_one_group(results, mms, KEY)
+            assert sorted(held) == sorted(ids)  # every store started, none finished
+            release.set()
+            await asyncio.gather(*(t for m in mms for t in list(m._stores)))
+            assert sorted(await mms[0].node.get(KEY)) == sorted(ids)
+
+    asyncio.run(scenario())
+
+
 def test_a_view_that_disagrees_falls_back_to_the_dht_read(tmp_path):
     """One peer's view lacks the leader: it joins the wrong leader, which refuses it, then reads the
     key at the end of the window and joins the real group; everyone ends in one group."""
