@@ -180,15 +180,15 @@ def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
         ]
         for request in bad:
             with pytest.raises(grpc.RpcError) as e:
-                stub.Attach(request, timeout=10)
+                stub.Attach(request, timeout=30)
             assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         for call, request in [
             (stub.EndPhase, control_pb2.EndPhaseRequest(session="nope", steps=1)),
             (stub.Renew, control_pb2.RenewRequest(session="nope")),
         ]:
             with pytest.raises(grpc.RpcError) as e:
-                call(request, timeout=10)
+                call(request, timeout=30)
             assert e.value.code() is grpc.StatusCode.NOT_FOUND
-        stub.Detach(control_pb2.DetachRequest(session="nope"), timeout=10)  # idempotent
+        stub.Detach(control_pb2.DetachRequest(session="nope"), timeout=30)  # idempotent
     status = run_status(a, "junk")
     assert status.task == "" and status.train_state == ""  # still discovery only: no run was created
