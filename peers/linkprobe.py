@@ -275,7 +275,7 @@ class LinkProber:
         received: dict[int, int] = {}
         self._pending[nonce] = (addr[:2], TRAIN_ECHO, expected, received)
         packets = [FORMAT.pack(MAGIC, VERSION, TRAIN, nonce, seq, 0.0).ljust(TRAIN_SIZE, b"\0") for seq in range(count)]
-        sent = [0] * count  # time.monotonic_ns() when each datagram left (0: it never did)
+        sent = [0] * count  # time.monotonic_ns() when each datagram left (0: the train stopped before it)
         pauses: list[int] = []  # datagrams sent after a pause (PAUSE)
         now, pause = time.monotonic_ns, PAUSE * 1e9
         try:
