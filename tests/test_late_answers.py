@@ -44,4 +44,3 @@ def test_a_late_answer_to_a_cancelled_call_leaves_the_reader_reading():
         assert client._pending_calls[next_call].result() == b"ok"
 
     asyncio.run(scenario())
-

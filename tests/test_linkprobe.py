@@ -12,7 +12,18 @@ import pytest
 
 from peers.events import PeerEvents
 from peers.linkprobe import (
-    ECHO, FORMAT, MAGIC, PAUSE, PROBE_COUNT, SIZE, TRAIN_COUNT, TRAIN_SIZE, VERSION, LinkProber, TrainRate, median_rate,
+    ECHO,
+    FORMAT,
+    MAGIC,
+    PAUSE,
+    PROBE_COUNT,
+    SIZE,
+    TRAIN_COUNT,
+    TRAIN_SIZE,
+    VERSION,
+    LinkProber,
+    TrainRate,
+    median_rate,
     train_rate,
 )
 
@@ -20,8 +31,10 @@ from peers.linkprobe import (
 def _counting():
     rejected: collections.Counter[str] = collections.Counter()
     probes = collections.Counter()
-    events = PeerEvents(packet_rejected=lambda r: rejected.update([r]),
-                        link_probes=lambda a, l: probes.update(answered=a, lost=l))  # fmt: skip
+    events = PeerEvents(
+        packet_rejected=lambda r: rejected.update([r]),
+        link_probes=lambda answered, lost: probes.update(answered=answered, lost=lost),
+    )
     return events, rejected, probes
 
 
@@ -123,7 +136,9 @@ GAP = 5_000  # ns between two datagrams of a sender that is not descheduled: 240
 
 def send_times(pause_before: int | None = None, pause: int = 8_000_000) -> list[int]:
     """A train sent back to back from t = 0, descheduled for `pause` ns before datagram `pause_before`."""
-    return [seq * GAP + (pause if pause_before is not None and seq >= pause_before else 0) for seq in range(TRAIN_COUNT)]
+    return [
+        seq * GAP + (pause if pause_before is not None and seq >= pause_before else 0) for seq in range(TRAIN_COUNT)
+    ]
 
 
 def shaped(sent: list[int], rate: float = RATE, bucket: int = BUCKET) -> dict[int, int]:
