@@ -285,6 +285,12 @@ class DaemonMetrics:
             buckets=(0, 1.25e6, 1.25e7, 2.5e7, 5e7, 1.25e8, 2.5e8, 1.25e9),
             registry=r,
         )
+        self.link_trains = Counter(
+            "peerd_link_trains",
+            "Packet trains of bandwidth measurements, by result: counted, paused, unanswered (peers/linkprobe.py).",
+            ["result"],
+            registry=r,
+        )
         self.state_syncs = Counter(
             "peerd_state_syncs",
             "Downloads of the run's state from peers, by result: ok, failed.",
@@ -383,6 +389,7 @@ class DaemonMetrics:
             link_probes=self._link_probes,
             link_rtt=self.link_rtt.observe,
             link_bandwidth=self.link_bandwidth.observe,
+            link_train=lambda result: self.link_trains.labels(result).inc(),
         )
 
     def _link_probes(self, answered: int, lost: int) -> None:

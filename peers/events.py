@@ -36,3 +36,6 @@ class PeerEvents:
     link_rtt: Callable[[float], None] = field(default=_ignore)
     # The bandwidth of one link measurement (packet trains), in bytes per second; 0 when unmeasurable.
     link_bandwidth: Callable[[float], None] = field(default=_ignore)
+    # One packet train of a bandwidth measurement ended: "counted", "paused" (the sender was
+    # descheduled where it spoils the train) or "unanswered" (too few echoes).
+    link_train: Callable[[str], None] = field(default=_ignore)

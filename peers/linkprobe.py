@@ -3,7 +3,7 @@
     prober = LinkProber("0.0.0.0", 0, events=events)
     address = await prober.start()                 # "host:port"; announced in the member record
     stats = await prober.measure(peer_id, address) # PROBE_COUNT probes, answered or lost
-    await prober.measure_bandwidth(peer_id, address)   # TRAINS packet trains (below)
+    await prober.measure_bandwidth(peer_id, address)   # the median of TRAINS packet trains (below)
     prober.passes(peer_id)                         # the latest measurement passed (see below)
     prober.reports()                               # fresh measurements, for the member record
 
@@ -29,18 +29,34 @@ drops (nothing returns) fails, a lossy path (even 20 % each way, 64 % back) pass
 loss-tolerant engine is made for it. `LinkStats` keeps the latest measurement and a running loss
 (an exponential average over measurements) for status and for the local-group rule.
 
-**Bandwidth** (`measure_bandwidth`, only for `--local-group auto`): a packet train of TRAIN_COUNT
+**Bandwidth** (`measure_bandwidth`, only for `--local-group auto`): packet trains of TRAIN_COUNT
 datagrams of TRAIN_SIZE bytes sent back to back; the answering side echoes each with a 40-byte
 TRAIN_ECHO carrying the kernel's receive time of the train packet on *its* clock (so the
 dispersion is measured on one clock, and no state is kept there), under the same ECHO_RATE bucket.
-The figure is the UDP payload bytes of the train's last quarter over their receive spread (a
-shaper's burst lets the first packets through at line rate, see below); a measurement sends TRAINS
-trains one after the other and keeps the highest figure (a host busy while sending or receiving
-spreads a train and only lowers it). When the sender's own queue is full (its link is the slow one)
-it waits for room, so its qdisc paces the train as the link does. Bounded: TRAINS * TRAIN_COUNT
-datagrams (921 KB) and at most TRAINS * 2 * TRAIN_WAIT seconds. Limits:
-* The figure is at most what one Python thread sends back to back (about 2 Gb/s here): a lower
-  bound on a faster path, enough to tell it from the 1 Gb/s threshold (peers/dear/localgroup.py).
+A train's figure (`train_rate`, pure) is the UDP payload bytes of a window of it over their
+receive spread: its last quarter (a shaper's burst lets the first packets through at line rate,
+see below), unless the sender was *descheduled* on the way. The sender notes when each datagram
+left; more than PAUSE between two (not spent waiting for room in its own queue) is a pause of the
+CPU, not of the link: a shaper's bucket refills meanwhile and lets what follows through at line
+rate (the train reads high: issue 17), an unshaped link idles (it reads low). So the window starts
+three quarters of a train after the last pause before it (`train_window`) and ends at the first
+pause inside it; a train whose window keeps fewer than a sixteenth of the train answered does
+not count, and its sender stops it at the pause. A measurement sends trains until TRAINS count or
+MAX_TRAINS were sent and reports the *median* of those that count (of an even number the lower
+middle one; 0 when none counts): a train spoiled in a way no rule sees (a shaper's late timer, a
+busy receiver) does not decide. Whether the link or this host set the pace shows in the window:
+a link that limits the rate spreads the datagrams apart (receive spread > LINK_SPREAD x send
+spread: `LinkStats.bandwidth_link_bound`); one that does not passes them as they were sent, and
+the figure is what this host sent, a lower bound. Trains by outcome: `PeerEvents.link_train`.
+Cost per peer and measurement: TRAINS trains (921 KB, answered by 768 echoes of 40 bytes), up to
+MAX_TRAINS (1.8 MB) on a busy sender; at most MAX_TRAINS * 2 * TRAIN_WAIT seconds (3 s), a few
+ms a train on a fast link. When the sender's own queue is full (its link is the slow one) it waits
+for room, so its qdisc paces the train as the link does (that wait is no pause; one that outlasts
+the queue's drain goes unseen). Limits:
+* The figure is at most what one Python thread sends back to back (about 2 Gb/s on loopback here,
+  1.1-1.3 Gb/s on the lab's veths, 0.7 when other work slows the CPU itself): a lower bound on a
+  faster path, enough to tell it from the 1 Gb/s threshold (peers/dear/localgroup.py) while the
+  sender keeps up.
 * A token-bucket shaper lets its burst through at line rate. The train (307 KB) is sized against
   the lab's tbf (burst max(4 ms of traffic, 16 KiB), daemon/lab/netns.py): its last quarter is all
   shaped while the burst holds at most three quarters of it, i.e. up to about 460 Mbit/s; it reads
@@ -49,9 +65,9 @@ datagrams (921 KB) and at most TRAINS * 2 * TRAIN_WAIT seconds. Limits:
   as the sender's line rate. Only a sustained transfer would see through a large burst.
 * The sockets ask for buffers of 1 MiB (the kernel caps them at net.core.rmem_max / wmem_max,
   often 208 KB): a receiver busy for longer than its buffer holds loses the train's tail, and a
-  train with fewer than a quarter of its last quarter answered reads as unmeasured (0), never
-  high. So do trains from several peers that exhaust the ECHO_RATE bucket together; trains
-  arriving at once share the receiver's downlink and read low.
+  window with fewer than a sixteenth of the train answered does not count, never reads high. So do
+  trains from several peers that exhaust the ECHO_RATE bucket together; trains arriving at once
+  share the receiver's downlink and read low.
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ import statistics
 import struct
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from peers.events import PeerEvents
@@ -81,8 +98,12 @@ LOSS_SMOOTHING = 0.3  # weight of the newest measurement in LinkStats.loss
 ECHO_RATE = 2000.0  # echoes per second this daemon sends at most (and a burst of as many)
 TRAIN_SIZE = 1200  # bytes of one train datagram: below every usual path MTU, no fragments
 TRAIN_COUNT = 256  # datagrams per train: 307 KB, twice the lab's tbf burst at 300 Mbit/s (module docstring)
-TRAINS = 3  # trains per bandwidth measurement; the highest figure counts
+TRAINS = 3  # trains that count per bandwidth measurement; the figure is their median
+MAX_TRAINS = 6  # trains sent at most per bandwidth measurement, when pauses spoil some
 TRAIN_WAIT = 0.25  # seconds after a train's last datagram before its missing echoes count as lost
+PAUSE = 0.0005  # seconds between two datagrams of a train (not waiting for room): the sender was descheduled
+ROOM_WAIT = 0.0005  # seconds between two tries to send a train datagram while the socket's buffer is full
+LINK_SPREAD = 1.2  # receive spread / send spread of a window above which the link set its pace
 SOCKET_BUFFER = 1 << 20  # bytes of receive and send buffer asked for: a whole train while a loop is busy
 READ_BATCH = 512  # datagrams read per wake-up at most, so one flood cannot starve the loop
 MAX_REPORTS = 64  # link reports in one member record (peers/records.py MAX_LINKS)
@@ -105,6 +126,15 @@ class LinkStats:
     measurements: int = 1
     bandwidth: float = 0.0  # bytes per second, the latest train measurement (0: none, or unmeasurable)
     bandwidth_at: float = float("-inf")  # time.monotonic() of that measurement
+    bandwidth_link_bound: bool = False  # the link spread that measurement's median train (else this host set its pace)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainRate:
+    """What one packet train measured (`train_rate`)."""
+
+    rate: float  # bytes per second: UDP payload over the receive spread of the train's window
+    link_bound: bool  # the link spread the window (LINK_SPREAD); else it passed it at the sender's pace
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,45 +248,76 @@ class LinkProber:
         )
         if old is not None and old.address == address:
             stats.bandwidth, stats.bandwidth_at = old.bandwidth, old.bandwidth_at
+            stats.bandwidth_link_bound = old.bandwidth_link_bound
         self.stats[peer_id] = stats
         return stats
 
     async def measure_bandwidth(
-        self, peer_id: str, address: str, *, trains: int = TRAINS, count: int = TRAIN_COUNT, wait: float = TRAIN_WAIT
+        self,
+        peer_id: str,
+        address: str,
+        *,
+        trains: int = TRAINS,
+        most: int = MAX_TRAINS,
+        count: int = TRAIN_COUNT,
+        wait: float = TRAIN_WAIT,
     ) -> float:
-        """Send `trains` packet trains of `count` datagrams to `address` (module docstring); returns
-        the highest figure in bytes per second (0.0: no train was measurable) and records it in the
-        peer's LinkStats (which `measure` must have created). Bounded: trains * count datagrams, and
-        trains * wait seconds plus the time the datagrams take to send."""
+        """Send packet trains of `count` datagrams to `address` until `trains` of them count or `most`
+        were sent (module docstring); returns the median of those that count in bytes per second
+        (0.0: none did) and records it in the peer's LinkStats (which `measure` must have created).
+        Bounded: most * count datagrams and most * 2 * wait seconds."""
         stats = self.stats.get(peer_id)
         if stats is None or stats.address != address:
             raise ValueError(f"measure the link to {peer_id} at {address} before its bandwidth")
         addr = await self._resolve(address)
+        counted: list[TrainRate] = []
+        for _ in range(most):
+            rate = await self._train(addr, count, wait)
+            if rate is not None:
+                counted.append(rate)
+                if len(counted) == trains:
+                    break
+        median = median_rate(counted)
+        figure = median.rate if median else 0.0
+        stats.bandwidth, stats.bandwidth_at = figure, time.monotonic()
+        stats.bandwidth_link_bound = median is not None and median.link_bound
+        self.events.link_bandwidth(figure)
+        return figure
+
+    async def _train(self, addr, count: int, wait: float) -> TrainRate | None:
+        """Send one train to `addr`, wait for its echoes and return its figure (train_rate)."""
         loop = asyncio.get_running_loop()
-        best = 0.0
-        for _ in range(trains):
-            nonce = os.urandom(8)
-            sent: dict[int, int] = {}
-            received: dict[int, float] = {}
-            self._pending[nonce] = (addr[:2], TRAIN_ECHO, sent, received)
-            packets = [
-                FORMAT.pack(MAGIC, VERSION, TRAIN, nonce, seq, 0.0).ljust(TRAIN_SIZE, b"\0") for seq in range(count)
-            ]
-            try:
-                deadline = loop.time() + wait
-                for seq, packet in enumerate(packets):  # back to back, without yielding: the train is the measurement
-                    sent[seq] = 0
-                    while not self._send(packet, addr, full=False) and loop.time() < deadline:
-                        await asyncio.sleep(0.0005)  # this host's own queue is full: its link paces the train
-                deadline = loop.time() + wait
-                while len(received) < len(sent) and loop.time() < deadline:
-                    await asyncio.sleep(min(0.005, max(deadline - loop.time(), 0.0)))
-            finally:
-                del self._pending[nonce]
-            best = max(best, train_bandwidth(received, count))
-        stats.bandwidth, stats.bandwidth_at = best, time.monotonic()
-        self.events.link_bandwidth(best)
-        return best
+        nonce = os.urandom(8)
+        expected: dict[int, int] = {}
+        received: dict[int, int] = {}
+        self._pending[nonce] = (addr[:2], TRAIN_ECHO, expected, received)
+        packets = [FORMAT.pack(MAGIC, VERSION, TRAIN, nonce, seq, 0.0).ljust(TRAIN_SIZE, b"\0") for seq in range(count)]
+        sent = [0] * count  # time.monotonic_ns() when each datagram left (0: the train stopped before it)
+        pauses: list[int] = []  # datagrams sent after a pause (PAUSE)
+        now, pause = time.monotonic_ns, PAUSE * 1e9
+        try:
+            deadline = loop.time() + wait
+            for seq, packet in enumerate(packets):  # back to back, without yielding: the train is the measurement
+                expected[seq] = 0
+                waited = False
+                while not self._send(packet, addr, full=False) and loop.time() < deadline:
+                    waited = True  # this host's own queue is full: its link paces the train
+                    await asyncio.sleep(ROOM_WAIT)
+                sent[seq] = now()
+                if seq and not waited and sent[seq] - sent[seq - 1] > pause:  # descheduled, in sendto or between
+                    pauses.append(seq)
+                    window = train_window(count, pauses)
+                    if window.stop <= seq or len(window) < _least(count):
+                        break  # the window is over, or can no longer count: the rest would be sent for nothing
+            deadline = loop.time() + wait
+            while len(received) < len(expected) and loop.time() < deadline:
+                await asyncio.sleep(min(0.005, max(deadline - loop.time(), 0.0)))
+        finally:
+            del self._pending[nonce]
+        rate = train_rate(sent, received, pauses)
+        spoiled = len(train_window(count, pauses)) < _least(count)
+        self.events.link_train("counted" if rate is not None else "paused" if spoiled else "unanswered")
+        return rate
 
     def reports(self, now: float | None = None, limit: int = MAX_REPORTS) -> tuple[LinkReport, ...]:
         """The fresh measurements (RTT answered, bandwidth measured, neither older than
@@ -363,11 +424,47 @@ class LinkProber:
         return True
 
 
-def train_bandwidth(received: dict[int, int], count: int) -> float:
-    """Bytes per second from one train's receive times (seq -> ns on the answering side's clock):
-    the payload of its last quarter over their spread; 0.0 when fewer than a quarter of that quarter
-    arrived or the spread is zero (pure; module docstring)."""
-    tail = sorted(t for seq, t in received.items() if seq >= count - count // 4)
-    if len(tail) < max(2, count // 16) or tail[-1] <= tail[0]:
-        return 0.0
-    return (len(tail) - 1) * TRAIN_SIZE / ((tail[-1] - tail[0]) / 1e9)
+def train_window(count: int, pauses: Sequence[int]) -> range:
+    """The datagrams of a train of `count` whose receive spread makes its figure, given the datagrams
+    sent after a pause (module docstring): from the last quarter, or three quarters of a train after
+    a pause before that (the most a shaper's refilled bucket lets through at line rate, as the train
+    is sized), up to the first pause after its start. Pure."""
+    reach = count - count // 4
+    start, end = reach, count
+    for p in sorted(pauses):
+        if p <= start:
+            start = p + reach
+        else:
+            end = p
+            break
+    return range(start, max(start, end))
+
+
+def _least(count: int) -> int:
+    """Answered datagrams a train's window needs to count: a sixteenth of the train, and two."""
+    return max(2, count // 16)
+
+
+def train_rate(sent: Sequence[int], received: Mapping[int, int], pauses: Sequence[int] = ()) -> TrainRate | None:
+    """One train's figure (pure; module docstring) from when each datagram left (`sent`, ns on the
+    sender's clock, by seq), when the answering side got it (`received`, seq -> ns on its clock) and
+    the datagrams sent after a pause: the payload of its window (train_window) over their receive
+    spread. None when too few of the window were answered (_least) or their spread is zero."""
+    window = train_window(len(sent), pauses)
+    answered = [seq for seq in received if seq in window]
+    if len(answered) < _least(len(sent)):
+        return None
+    arrivals = sorted(received[seq] for seq in answered)
+    spread = arrivals[-1] - arrivals[0]
+    if spread <= 0:
+        return None
+    paced = sent[max(answered)] - sent[min(answered)]
+    return TrainRate((len(answered) - 1) * TRAIN_SIZE / (spread / 1e9), spread > LINK_SPREAD * paced)
+
+
+def median_rate(counted: Sequence[TrainRate]) -> TrainRate | None:
+    """A bandwidth measurement from the trains that counted (pure): the median train by rate, the
+    lower middle one of an even number (of two, one spoiled high, the other); None when none counted."""
+    if not counted:
+        return None
+    return sorted(counted, key=lambda r: r.rate)[(len(counted) - 1) // 2]

@@ -16,7 +16,7 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID
 
-from peers import dht_traverse
+from peers import dht_traverse, late_answers
 from peers.events import PeerEvents
 from peers.identity import Identity
 from peers.validator import PeerdRecordValidator
@@ -48,6 +48,7 @@ class PeerNode:
         """Start p2pd and join the DHT; raises on failure, leaving no child process behind."""
         identity = Identity.load_or_create(settings.identity_path)
         dht_traverse.install()  # a store cut off by request_timeout ends every task of its search
+        late_answers.install()  # a call cut off by its timeout leaves the other calls answered
         async with asyncio.timeout(settings.startup_timeout):
             p2p = await P2P.create(
                 initial_peers=settings.initial_peers or None,

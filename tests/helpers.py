@@ -80,8 +80,13 @@ async def peer_nodes(n: int, tmp_path, events=None):
     from peers.node import NodeSettings, PeerNode
 
     def settings(i: int, initial: list[str]) -> NodeSettings:
+        # Each start spawns p2pd twice (hivemind first checks that the identity is free): 15 s, the
+        # default, ran out while other tests loaded both cores.
         return NodeSettings(
-            host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / f"n{i}.key", initial_peers=initial
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            identity_path=tmp_path / f"n{i}.key",
+            initial_peers=initial,
+            startup_timeout=60,
         )
 
     events = events or PeerEvents()
