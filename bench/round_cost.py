@@ -110,7 +110,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         host_maddrs=[f"/ip4/{ip}/tcp/0"],
         identity_path=Path(scratch) / f"h{rank}.key",
         initial_peers=initial,
-        request_timeout=network.request_timeout,
+        request_timeout=network.dht_timeout,
     )
     node = on_loop(PeerNode.start(settings, events), SETUP_TIMEOUT)
     if not rank:
