@@ -17,7 +17,10 @@ and the inner parameters become θ − P_{k+1}: the shared outer parameters plus
 progress that no round has averaged yet. Compute waits only when a round takes longer than a phase.
 
 A lane that formed no group, or whose round aborted, leaves this member's own P there (the engine
-restores it): a member alone is DiLoCo with one worker. A PARTIAL round (UDP engine) gives the mean
+restores it): a member alone is DiLoCo with one worker. A round the run's stop cancelled (a result
+with `cancelled`, daemon/runs.round_bridge) is not applied: θ and m stay the last shared outer
+state. Applied, a member's own P made the final charlm model 0.4-0.6 bits/char worse, and
+different on every host (docs/benchmarks.md, "Training over a WAN"). A PARTIAL round (UDP engine) gives the mean
 where its packets arrived and this member's own P elsewhere, so outer parameters may drift apart by
 lr·(P − P̄) on the lost packets; every `repair_every` outer steps, when the run uses the UDP engine
 or the grid has several groups, the round averages θ itself instead (docs/algorithms.md).
@@ -70,6 +73,11 @@ class Applied:
     results: list
     waited: float
     repaired: bool = False  # the round averaged θ itself
+
+
+def cancelled(results: list) -> bool:
+    """Whether the run's stop cancelled the round (daemon/runs.round_bridge): its result is not applied."""
+    return any(getattr(r, "cancelled", False) for r in results)
 
 
 class OuterLoop:
@@ -139,7 +147,8 @@ class OuterLoop:
             waited = time.monotonic() - t0
             applied_round, repaired = self._pending_round
             self._pending = None
-            self._apply(repaired)
+            if not cancelled(results):
+                self._apply(repaired)
         to_flat(self.params, self.scratch)  # y
         torch.sub(self.start, self.scratch, out=self.progress)  # P = s − y
         if repair:
@@ -159,7 +168,8 @@ class OuterLoop:
             results = self.average(self.payload, weight, round_t, fmt)
             waited = time.monotonic() - t0
             applied_round, repaired = round_t, repair
-            self._apply(repair)
+            if not cancelled(results):
+                self._apply(repair)
             self.scratch.copy_(self.theta)
         from_flat(self.scratch, self.params)
         self.start.copy_(self.scratch)
@@ -188,7 +198,8 @@ class OuterLoop:
             results = self._pending.result()
             applied_round, repaired = self._pending_round
             self._pending = None
-            self._apply(repaired)
+            if not cancelled(results):  # the stop cut it short: the model is the last shared θ
+                self._apply(repaired)
             applied = Applied(applied_round, results, time.monotonic() - t0, repaired)
         from_flat(self.theta, self.params)
         self.start.copy_(self.theta)

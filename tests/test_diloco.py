@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from types import SimpleNamespace
 
 import torch
 
@@ -128,3 +129,26 @@ def test_finish_applies_the_round_in_flight_and_leaves_the_model_at_theta():
     assert a.finish() is None  # nothing in flight any more
     a.close()
     b.close()
+
+
+STOPPED = [SimpleNamespace(cancelled=True)]  # what daemon/runs.round_bridge returns for a round the stop cancelled
+
+
+def test_a_round_the_stop_cancelled_is_not_applied():
+    # Without overlap: θ and m stay, and the model goes back to θ (not to θ minus its own P).
+    p = [torch.tensor([1.0])]
+    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32"), lambda *args: STOPPED, "s")
+    p[0] -= 0.5
+    done = loop.end_phase(1, 1.0)
+    assert done.round_t == 1 and done.results == STOPPED
+    assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
+    loop.close()
+    # With overlap, the round in flight when training ends: the model is the last shared θ.
+    p = [torch.tensor([1.0])]
+    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32", overlap=True), lambda *args: STOPPED, "o")
+    p[0] -= 0.5
+    loop.end_phase(1, 1.0)
+    p[0] -= 0.25
+    assert loop.finish().results == STOPPED
+    assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
+    loop.close()
