@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks (bench.daemon_costs, bench.dear, bench.engine_allreduce,
+"""Smoke tests of benchmarks (bench.daemon_costs, bench.dear, bench.diloco_sim, bench.engine_allreduce,
 bench.engine_costs): each runs to the end and prints the promised JSON lines, the last one its
 headline.
 
@@ -89,3 +89,17 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
         s = parse(scenario(name, args, settings), name)
         assert len(s.hosts) == 3 and s.run.task == "charlm" and s.duration == 120.0
         assert s.run.settings["averaging.algorithm"] == settings["averaging.algorithm"]
+
+
+def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
+    """bench.diloco_sim on a tiny model: both setups with the real outer loop, then the headline."""
+    from bench import diloco_sim
+
+    argv = ["--steps", "6", "--every", "3", "--land-after", "1", "--workers", "2", "--d-model", "16",
+            "--n-layers", "1", "--context", "8", "--batch", "4", "--eval-every", "1"]  # fmt: skip
+    assert diloco_sim.main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("setup") for r in records] == ["sync", "overlap", None]
+    assert REQUIRED <= records[-1].keys(), records[-1]
+    for r in records[:2]:
+        assert len(set(r["evals"])) == 1, r  # every worker ends with the same θ
