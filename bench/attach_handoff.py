@@ -91,10 +91,20 @@ def gpt_like(params: int) -> dict[str, tuple[int, ...]]:
     what is left (at 100M: d = 768, the shapes of GPT-2 small with a smaller vocabulary)."""
     layers = 12
     d = max(64, int(math.sqrt(0.85 * params / (12 * layers))) // 64 * 64)
-    block = {"ln_1.weight": (d,), "ln_1.bias": (d,), "attn.c_attn.weight": (3 * d, d), "attn.c_attn.bias": (3 * d,),
-             "attn.c_proj.weight": (d, d), "attn.c_proj.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
-             "mlp.c_fc.weight": (4 * d, d), "mlp.c_fc.bias": (4 * d,), "mlp.c_proj.weight": (d, 4 * d),
-             "mlp.c_proj.bias": (d,)}
+    block = {
+        "ln_1.weight": (d,),
+        "ln_1.bias": (d,),
+        "attn.c_attn.weight": (3 * d, d),
+        "attn.c_attn.bias": (3 * d,),
+        "attn.c_proj.weight": (d, d),
+        "attn.c_proj.bias": (d,),
+        "ln_2.weight": (d,),
+        "ln_2.bias": (d,),
+        "mlp.c_fc.weight": (4 * d, d),
+        "mlp.c_fc.bias": (4 * d,),
+        "mlp.c_proj.weight": (d, 4 * d),
+        "mlp.c_proj.bias": (d,),
+    }
     shapes = {f"h.{i}.{k}": s for i in range(layers) for k, s in block.items()}
     shapes |= {"ln_f.weight": (d,), "ln_f.bias": (d,), "wpe.weight": (1024, d)}
     vocab = max(1, (params - sum(math.prod(s) for s in shapes.values())) // d)
@@ -154,6 +164,7 @@ def daemon_side(params: int, phases: int, directory: str, conn) -> None:
 
     # The seam: OuterLoop.end_phase calls these module-level names once each.
     diloco.to_flat, diloco.from_flat = timed(diloco.to_flat, "read"), timed(diloco.from_flat, "write")
+
     def alone(vector, weight, round_t, payload):  # the round of a daemon alone in its run
         return [RoundResult(round_t, 1, None, "alone in the run")]
 
@@ -224,9 +235,15 @@ class Attached:
         try:
             self.daemon.start()
             inner = torch.optim.SGD(self.model.parameters(), lr=1e-3)  # no gradients: its step changes nothing
-            self.opt = TimedOptimizer(inner, run=RUN_ID, daemon=self.daemon.data_dir, model=self.model,
-                                      settings={"average_every": 1}, attach_timeout=ATTACH_TIMEOUT,
-                                      reconnect_timeout=5.0)
+            self.opt = TimedOptimizer(
+                inner,
+                run=RUN_ID,
+                daemon=self.daemon.data_dir,
+                model=self.model,
+                settings={"average_every": 1},
+                attach_timeout=ATTACH_TIMEOUT,
+                reconnect_timeout=5.0,
+            )
         except BaseException:
             self.close()
             raise
@@ -270,8 +287,13 @@ def measure(args, base: Path) -> list[dict]:
     numel = sum(math.prod(s) for s in gpt_like(args.params).values())
     nbytes = 4 * numel
     gb = nbytes / 1e9
-    common = {"params": numel, "bytes": nbytes, "tensors": len(gpt_like(args.params)), "repeats": args.repeats,
-              "script_threads": torch.get_num_threads()}
+    common = {
+        "params": numel,
+        "bytes": nbytes,
+        "tensors": len(gpt_like(args.params)),
+        "repeats": args.repeats,
+        "script_threads": torch.get_num_threads(),
+    }
 
     progress(BENCH, f"(b) the daemon's side: OuterLoop over a SharedVector of {numel:,} values in a second process")
     daemon, daemon_peak = run_daemon_side(args.params, args.repeats + 1)
@@ -311,52 +333,117 @@ def measure(args, base: Path) -> list[dict]:
     records = []
 
     def line(metric: str, ours: float, faults: int, note: str, baseline: float = copy, **extra) -> None:
-        records.append(result(BENCH, metric, round(ours, 5), round(baseline, 5), "s", **common,
-                              ours_gb_per_s=round(gb / ours, 2), baseline_gb_per_s=round(gb / baseline, 2),
-                              ours_minor_faults=faults, note=note, **extra))
+        records.append(
+            result(
+                BENCH,
+                metric,
+                round(ours, 5),
+                round(baseline, 5),
+                "s",
+                **common,
+                ours_gb_per_s=round(gb / ours, 2),
+                baseline_gb_per_s=round(gb / baseline, 2),
+                ours_minor_faults=faults,
+                note=note,
+                **extra,
+            )
+        )
 
-    line("script_write_s", _median(timings["write"]), _faults(timings["write"]),
-         "peerd.torch.Optimizer._write, model -> shared vector, per phase; baseline: one Tensor.copy_ of the same "
-         "bytes; per_tensor_private_s: the same tensor-by-tensor copies into a private buffer (daemon.flat.to_flat)",
-         per_tensor_private_s=round(_median(private["write"]), 5))
-    line("daemon_read_s", _median(daemon["read"]), _faults(daemon["read"]),
-         "OuterLoop.end_phase's to_flat, shared vector -> the daemon's buffer, in a second process; baseline: "
-         "one Tensor.copy_ of the same bytes in that process, between its phases", daemon_copy)
-    line("daemon_write_s", _median(daemon["write"]), _faults(daemon["write"]),
-         "OuterLoop.end_phase's from_flat, the daemon's buffer -> shared vector, in a second process; baseline: "
-         "as daemon_read_s", daemon_copy)
-    line("script_read_s", _median(timings["read"]), _faults(timings["read"]),
-         "peerd.torch.Optimizer._read, shared vector -> model, per phase; per_tensor_private_s: the same "
-         "tensor-by-tensor copies from a private buffer (daemon.flat.from_flat)",
-         per_tensor_private_s=round(_median(private["read"]), 5))
-    records.append(result(BENCH, "first_write_s", round(first_write[0], 5), round(first_plain[0][0], 5), "s", **common,
-                          ours_minor_faults=first_write[1], baseline_minor_faults=first_plain[0][1],
-                          note="once per attach: the upload's _write, the script's first touch of the mapping; "
-                               "baseline: a copy into a fresh, never-touched tensor"))
-    records.append(result(BENCH, "end_phase_s", round(_median(timings["end_phase"]), 4), None, "s", **common,
-                          daemon_outer_loop_end_phase_s=round(_median(daemon["end_phase"]), 4),
-                          daemon_peak_rss_mib=round(peak), daemon_side_peak_rss_mib=round(daemon_peak),
-                          script_peak_rss_mib=round(script_peak),
-                          note="the EndPhase call's latency, a daemon alone in its run: its two copies plus the outer "
-                               "step (pseudo-gradient, int8 error feedback, Nesterov, the state snapshot); "
-                               "daemon_outer_loop_end_phase_s: OuterLoop.end_phase alone, fp32, in (b)"))
+    line(
+        "script_write_s",
+        _median(timings["write"]),
+        _faults(timings["write"]),
+        "peerd.torch.Optimizer._write, model -> shared vector, per phase; baseline: one Tensor.copy_ of the same "
+        "bytes; per_tensor_private_s: the same tensor-by-tensor copies into a private buffer (daemon.flat.to_flat)",
+        per_tensor_private_s=round(_median(private["write"]), 5),
+    )
+    line(
+        "daemon_read_s",
+        _median(daemon["read"]),
+        _faults(daemon["read"]),
+        "OuterLoop.end_phase's to_flat, shared vector -> the daemon's buffer, in a second process; baseline: "
+        "one Tensor.copy_ of the same bytes in that process, between its phases",
+        daemon_copy,
+    )
+    line(
+        "daemon_write_s",
+        _median(daemon["write"]),
+        _faults(daemon["write"]),
+        "OuterLoop.end_phase's from_flat, the daemon's buffer -> shared vector, in a second process; baseline: "
+        "as daemon_read_s",
+        daemon_copy,
+    )
+    line(
+        "script_read_s",
+        _median(timings["read"]),
+        _faults(timings["read"]),
+        "peerd.torch.Optimizer._read, shared vector -> model, per phase; per_tensor_private_s: the same "
+        "tensor-by-tensor copies from a private buffer (daemon.flat.from_flat)",
+        per_tensor_private_s=round(_median(private["read"]), 5),
+    )
+    records.append(
+        result(
+            BENCH,
+            "first_write_s",
+            round(first_write[0], 5),
+            round(first_plain[0][0], 5),
+            "s",
+            **common,
+            ours_minor_faults=first_write[1],
+            baseline_minor_faults=first_plain[0][1],
+            note="once per attach: the upload's _write, the script's first touch of the mapping; "
+            "baseline: a copy into a fresh, never-touched tensor",
+        )
+    )
+    records.append(
+        result(
+            BENCH,
+            "end_phase_s",
+            round(_median(timings["end_phase"]), 4),
+            None,
+            "s",
+            **common,
+            daemon_outer_loop_end_phase_s=round(_median(daemon["end_phase"]), 4),
+            daemon_peak_rss_mib=round(peak),
+            daemon_side_peak_rss_mib=round(daemon_peak),
+            script_peak_rss_mib=round(script_peak),
+            note="the EndPhase call's latency, a daemon alone in its run: its two copies plus the outer "
+            "step (pseudo-gradient, int8 error feedback, Nesterov, the state snapshot); "
+            "daemon_outer_loop_end_phase_s: OuterLoop.end_phase alone, fp32, in (b)",
+        )
+    )
     ours = sum(_median(x) for x in (timings["write"], daemon["read"], daemon["write"], timings["read"]))
     baseline = 2 * copy + 2 * daemon_copy
-    records.append(result(BENCH, "outer_step_handoff_s", round(ours, 5), round(baseline, 5), "s", **common,
-                          copies=COPIES, ours_gb_per_s=round(COPIES * gb / ours, 2),
-                          baseline_gb_per_s=round(COPIES * gb / baseline, 2), target=TARGET,
-                          meets_target=ours / baseline <= TARGET,
-                          note="one hand-over, script -> daemon -> script: the sum of the four copies' medians above; "
-                               "baseline: the sum of their baselines, four Tensor.copy_ of the same bytes (two in this "
-                               "process, two in the daemon's side's)"))
+    records.append(
+        result(
+            BENCH,
+            "outer_step_handoff_s",
+            round(ours, 5),
+            round(baseline, 5),
+            "s",
+            **common,
+            copies=COPIES,
+            ours_gb_per_s=round(COPIES * gb / ours, 2),
+            baseline_gb_per_s=round(COPIES * gb / baseline, 2),
+            target=TARGET,
+            meets_target=ours / baseline <= TARGET,
+            note="one hand-over, script -> daemon -> script: the sum of the four copies' medians above; "
+            "baseline: the sum of their baselines, four Tensor.copy_ of the same bytes (two in this "
+            "process, two in the daemon's side's)",
+        )
+    )
     return records
 
 
 def _save(records: list[dict]) -> None:
     at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.TimeoutExpired):
         commit = None
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -368,11 +455,16 @@ def _save(records: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 1M-value vector, 3 phases: a smoke run")
-    parser.add_argument("--params", type=int, default=25_000_000,
-                        help="the model's size in float32 values (default 25M: about 2 GiB of memory at the peak; "
-                             "100M: about 6.3 GiB)")
+    parser.add_argument(
+        "--params",
+        type=int,
+        default=25_000_000,
+        help="the model's size in float32 values (default 25M: about 2 GiB of memory at the peak; 100M: about 6.3 GiB)",
+    )
     parser.add_argument("--repeats", type=int, default=10, help="phases timed (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads of the script's side (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads of the script's side (0: torch's default)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.params, args.repeats = 1_000_000, 3

@@ -91,7 +91,11 @@ def tree_memory(root: int) -> dict[str, float]:
         name, r, p = _memory_kib(pid)
         rss["python" if name.startswith("python") else "p2pd" if name.startswith("p2pd") else "other"] += r
         pss, processes = pss + p, processes + (r > 0)
-    return {k: _mib(v) for k, v in rss.items()} | {"total": _mib(sum(rss.values())), "pss": _mib(pss), "processes": processes}
+    return {k: _mib(v) for k, v in rss.items()} | {
+        "total": _mib(sum(rss.values())),
+        "pss": _mib(pss),
+        "processes": processes,
+    }
 
 
 # ---- the baseline: a bare hivemind.DHT ------------------------------------------------------------
@@ -101,7 +105,9 @@ def start_dht(initial_peers: list[str] | None = None):
     import hivemind
 
     # Loopback only, and never UPnP/NAT-PMP or AutoNAT: a benchmark must not touch the LAN.
-    return hivemind.DHT(initial_peers=initial_peers, start=True, host_maddrs=[LOOPBACK], nat_port_map=False, auto_nat=False)
+    return hivemind.DHT(
+        initial_peers=initial_peers, start=True, host_maddrs=[LOOPBACK], nat_port_map=False, auto_nat=False
+    )
 
 
 def stop_dht(dht) -> float:
@@ -136,8 +142,10 @@ class DhtHost:
     def __init__(self, initial_peers: list[str]):
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _DHT_HOST, *initial_peers],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         self.maddrs: list[str] = []
 
     def wait_ready(self) -> list[str]:
@@ -246,25 +254,51 @@ class Bench:
             "it excludes interpreter start and imports (hivemind for it), which the daemon pays"
         )
         headline = result(
-            BENCH, "start_to_ready_s", round(median(fresh), 3), baseline, "s",
-            n=len(fresh), max=round(max(fresh), 3), samples=_r(fresh), baseline_samples=_r(dht_start),
-            imports_s=round(median(imports), 3), target=START_TARGET, meets_target=max(fresh) <= START_TARGET, ok=True,
+            BENCH,
+            "start_to_ready_s",
+            round(median(fresh), 3),
+            baseline,
+            "s",
+            n=len(fresh),
+            max=round(max(fresh), 3),
+            samples=_r(fresh),
+            baseline_samples=_r(dht_start),
+            imports_s=round(median(imports), 3),
+            target=START_TARGET,
+            meets_target=max(fresh) <= START_TARGET,
+            ok=True,
             note=f"median seconds from spawn to ready.json, fresh data dir; lower is better; {excludes} "
             "(imports_s: a Python that only imports daemon.app)",
-        )  # fmt: skip
+        )
         others = [
             result(
-                BENCH, "restart_to_ready_s", round(median(restart), 3), baseline, "s",
-                n=len(restart), max=round(max(restart), 3), samples=_r(restart), target=START_TARGET,
-                meets_target=max(restart) <= START_TARGET, ok=True,
+                BENCH,
+                "restart_to_ready_s",
+                round(median(restart), 3),
+                baseline,
+                "s",
+                n=len(restart),
+                max=round(max(restart), 3),
+                samples=_r(restart),
+                target=START_TARGET,
+                meets_target=max(restart) <= START_TARGET,
+                ok=True,
                 note=f"as start_to_ready_s, on a data dir that already holds an identity; {excludes}",
             ),
             result(
-                BENCH, "stop_s", round(median(stop), 3), round(median(dht_stop), 3), "s",
-                n=len(stop), max=round(max(stop), 3), samples=_r(stop), baseline_samples=_r(dht_stop), ok=True,
+                BENCH,
+                "stop_s",
+                round(median(stop), 3),
+                round(median(dht_stop), 3),
+                "s",
+                n=len(stop),
+                max=round(max(stop), 3),
+                samples=_r(stop),
+                baseline_samples=_r(dht_stop),
+                ok=True,
                 note="SIGTERM to exit of a daemon in no run, vs hivemind.DHT.shutdown(); lower is better",
             ),
-        ]  # fmt: skip
+        ]
         return [headline, *others]
 
     # ---- (b) idle memory ----------------------------------------------------------------------------
@@ -307,20 +341,27 @@ class Bench:
 
         return [
             line(
-                "idle_rss_total_mib", "total", samples=ours, baseline_samples=baseline, target=RSS_TARGET,
+                "idle_rss_total_mib",
+                "total",
+                samples=ours,
+                baseline_samples=baseline,
+                target=RSS_TARGET,
                 meets_target=max(s["total"] for s in ours) <= RSS_TARGET,
                 note="median over three peers idle in one run of the RSS summed over a process tree: `peerd start` and "
                 "its p2pd, vs a Python process holding a bare hivemind.DHT, the DHT's forked child, its p2pd and "
                 "torch_shm_manager; RSS counts pages shared between processes once per process; lower is better",
             ),
             line(
-                "idle_pss_total_mib", "pss",
+                "idle_pss_total_mib",
+                "pss",
                 note="as idle_rss_total_mib with PSS: shared pages are split between the processes sharing them "
                 "(other peers' included), so this is the fairer comparison; lower is better",
             ),
-            line("idle_rss_python_mib", "python", note="the Python processes alone: one for peerd, two for hivemind.DHT"),
+            line(
+                "idle_rss_python_mib", "python", note="the Python processes alone: one for peerd, two for hivemind.DHT"
+            ),
             line("idle_rss_p2pd_mib", "p2pd", note="the p2pd child alone"),
-        ]  # fmt: skip
+        ]
 
     # ---- (c) a SIGKILLed peer leaves the others' tables -------------------------------------------------
 
@@ -351,14 +392,27 @@ class Bench:
         complete = [max(g) for g in samples if None not in g]
         per_observer = [median([g[i] for g in samples if g[i] is not None]) for i in range(len(observers))]
         ours = median(complete) if len(complete) == len(samples) else None
-        return [result(
-            BENCH, "killed_peer_dropped_s", ours, None, "s",
-            n=len(samples), samples=samples, per_observer_median_s=per_observer, max=max(complete, default=None),
-            target=LEAVE_TARGET, meets_target=ours is not None and max(complete) <= LEAVE_TARGET, ok=ours is not None,
-            timeout_s=LEAVE_TIMEOUT, poll_s=POLL, **DEFAULTS,
-            note="median over trials of the seconds from SIGKILL (daemon and p2pd) until both other peers stopped listing "
-            "it; no baseline; lower is better",
-        )]  # fmt: skip
+        return [
+            result(
+                BENCH,
+                "killed_peer_dropped_s",
+                ours,
+                None,
+                "s",
+                n=len(samples),
+                samples=samples,
+                per_observer_median_s=per_observer,
+                max=max(complete, default=None),
+                target=LEAVE_TARGET,
+                meets_target=ours is not None and max(complete) <= LEAVE_TARGET,
+                ok=ours is not None,
+                timeout_s=LEAVE_TIMEOUT,
+                poll_s=POLL,
+                **DEFAULTS,
+                note="median over trials of the seconds from SIGKILL (daemon and p2pd) until both other peers stopped listing "
+                "it; no baseline; lower is better",
+            )
+        ]
 
 
 def _start_torch_shm_manager() -> None:
@@ -383,8 +437,11 @@ def _import_time() -> float:
     t0 = time.time()  # wall clock, to compare with the child's
     out = subprocess.run(
         [sys.executable, "-c", "import time, daemon.app; print(time.time())"],
-        check=True, capture_output=True, text=True, timeout=READY_TIMEOUT,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=READY_TIMEOUT,
+    )
     return float(out.stdout) - t0
 
 

@@ -81,9 +81,14 @@ LAB_RATE_MBIT = 400.0  # --lab default: 33.6 MB of gradients take about 1.2 s pe
 
 
 def run_group(
-    target: Callable[..., Any], world: int, *args: Any, timeout: float, op_timeout: float, wait_for: Iterable[int] | None = None,
+    target: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float,
+    op_timeout: float,
+    wait_for: Iterable[int] | None = None,
     hosts: Sequence[Any] | None = None,
-) -> list[tuple[str, Any]]:  # fmt: skip
+) -> list[tuple[str, Any]]:
     """Run target(rank, world, *args) in `world` spawned processes joined in a gloo group.
 
     The group binds to 127.0.0.1 only (GLOO_SOCKET_IFNAME=lo), rendezvous through a FileStore in a
@@ -102,8 +107,19 @@ def run_group(
         for rank in range(world):
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(
-                target=_entry, name=f"dear-rank{rank}", daemon=True,
-                args=(target, rank, world, f"{scratch}/store", op_timeout, args, child, hosts[rank].netns if hosts else None),
+                target=_entry,
+                name=f"dear-rank{rank}",
+                daemon=True,
+                args=(
+                    target,
+                    rank,
+                    world,
+                    f"{scratch}/store",
+                    op_timeout,
+                    args,
+                    child,
+                    hosts[rank].netns if hosts else None,
+                ),
             )
             proc.start()
             child.close()
@@ -169,7 +185,9 @@ def make_collective(backend: str, timeout: float, min_seconds: Callable[[int], f
     from peers.dear.engine import EngineCollective
 
     host = _eth0_address() if os.environ.get("GLOO_SOCKET_IFNAME") == "eth0" else "127.0.0.1"
-    collective = EngineCollective(rank=dist.get_rank(), world=dist.get_world_size(), timeout=timeout, min_seconds=min_seconds, host=host)
+    collective = EngineCollective(
+        rank=dist.get_rank(), world=dist.get_world_size(), timeout=timeout, min_seconds=min_seconds, host=host
+    )
     addresses: list[str | None] = [None] * collective.world
     dist.all_gather_object(addresses, collective.start())
     collective.join(addresses)
@@ -258,8 +276,16 @@ def _slowest(seconds: float) -> float:
 
 
 def _bench_rank(
-    rank: int, world: int, width: int, depth: int, rounds: int, steps: int, op_timeout: float, link: str, backend: str,
-) -> dict:  # fmt: skip
+    rank: int,
+    world: int,
+    width: int,
+    depth: int,
+    rounds: int,
+    steps: int,
+    op_timeout: float,
+    link: str,
+    backend: str,
+) -> dict:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -329,7 +355,11 @@ def _bench_rank(
         references["comm_only_gloo"] = lambda: gloo.wait(gloo.all_gather(gloo.reduce_scatter(flat)))
 
     def run(mode: str, n: int) -> dict:
-        dear = DeAR(model, optimizer, collective, settings[mode], tuner=tuner if mode == "dear" else None) if mode in settings else None
+        dear = (
+            DeAR(model, optimizer, collective, settings[mode], tuner=tuner if mode == "dear" else None)
+            if mode in settings
+            else None
+        )
         cpu0, start = _cpu_seconds(), time.perf_counter()
         for _ in range(n):
             if dear is None:
@@ -383,12 +413,25 @@ def _variant(args: argparse.Namespace, link: str) -> None:
         "emulated": f"an emulated link {EMULATED_SLOWDOWN}x slower than loopback",
         "lab": f"lab hosts, links shaped to {args.rate_mbit:g} Mbit/s by tbf",
     }.get(link, "loopback")
-    progress(BENCH, f"{what}, {args.backend}: {args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode")
+    progress(
+        BENCH,
+        f"{what}, {args.backend}: {args.world} ranks, MLP {args.depth} x {args.width}, {args.rounds} rounds of {args.steps} steps per mode",
+    )
     with lab_hosts(args.world, args.rate_mbit) if link == "lab" else contextlib.nullcontext() as net:
         reports = run_group(
-            _bench_rank, args.world, args.width, args.depth, args.rounds, args.steps, op_timeout, link, args.backend,
-            timeout=120 + args.rounds * 300, op_timeout=op_timeout, hosts=list(net.hosts.values()) if net else None,
-        )  # fmt: skip
+            _bench_rank,
+            args.world,
+            args.width,
+            args.depth,
+            args.rounds,
+            args.steps,
+            op_timeout,
+            link,
+            args.backend,
+            timeout=120 + args.rounds * 300,
+            op_timeout=op_timeout,
+            hosts=list(net.hosts.values()) if net else None,
+        )
     for rank, (status, value) in enumerate(reports):
         if status != "ok":
             raise SystemExit(f"rank {rank}: {status}: {value}")
@@ -396,7 +439,9 @@ def _variant(args: argparse.Namespace, link: str) -> None:
     samples = report["samples"]
     median = {m: statistics.median(s["seconds"] for s in ss) for m, ss in samples.items()}
     cpu = {m: round(statistics.median(s["cpu_s"] for s in ss), 4) for m, ss in samples.items()}
-    overlap = {m: round(statistics.median(s["overlap"] for s in ss), 3) for m, ss in samples.items() if "overlap" in ss[0]}
+    overlap = {
+        m: round(statistics.median(s["overlap"] for s in ss), 3) for m, ss in samples.items() if "overlap" in ss[0]
+    }
     compute, comm = median["compute_only"], median["comm_only"]
     serial, perfect = compute + comm, max(compute, comm)
     share = (serial - median["dear"]) / (serial - perfect)
@@ -441,15 +486,45 @@ def _variant(args: argparse.Namespace, link: str) -> None:
     prefix = {"emulated": "emulated_link_", "lab": "lab_"}.get(link, "")
     emit(result(BENCH, f"{prefix}compute_vs_comm_seconds_per_step", round(compute, 4), round(comm, 4), "s", **common))
     if "comm_only_gloo" in median:
-        emit(result(BENCH, f"{prefix}comm_seconds_peerd_vs_gloo", round(comm, 4), round(median["comm_only_gloo"], 4), "s", **common))
+        emit(
+            result(
+                BENCH,
+                f"{prefix}comm_seconds_peerd_vs_gloo",
+                round(comm, 4),
+                round(median["comm_only_gloo"], 4),
+                "s",
+                **common,
+            )
+        )
 
     def speed(mode: str) -> float:
         return round(1.0 / median[mode], 3)
 
     for baseline, label in (("after_backward", "a"), ("dear_nofusion", "c"), ("torch_ddp", "native")):
         if baseline in median:
-            emit(result(BENCH, f"{prefix}steps_per_second_vs_{baseline}", speed("dear"), speed(baseline), "steps/s", baseline_label=label, **common))
-    emit(result(BENCH, f"{prefix}steps_per_second_vs_ddp25", speed("dear"), speed("ddp25"), "steps/s", baseline_label="b", target=1.2, **common))
+            emit(
+                result(
+                    BENCH,
+                    f"{prefix}steps_per_second_vs_{baseline}",
+                    speed("dear"),
+                    speed(baseline),
+                    "steps/s",
+                    baseline_label=label,
+                    **common,
+                )
+            )
+    emit(
+        result(
+            BENCH,
+            f"{prefix}steps_per_second_vs_ddp25",
+            speed("dear"),
+            speed("ddp25"),
+            "steps/s",
+            baseline_label="b",
+            target=1.2,
+            **common,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -462,8 +537,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=8, help="steps per mode per round")
     parser.add_argument("--skip-emulated", action="store_true", help="only the loopback run")
-    parser.add_argument("--lab", action="store_true", help="only a run in a network lab (root): ranks in namespaces, tbf-shaped links")
-    parser.add_argument("--rate-mbit", type=float, default=LAB_RATE_MBIT, help="--lab: each host's link rate (both directions)")
+    parser.add_argument(
+        "--lab", action="store_true", help="only a run in a network lab (root): ranks in namespaces, tbf-shaped links"
+    )
+    parser.add_argument(
+        "--rate-mbit", type=float, default=LAB_RATE_MBIT, help="--lab: each host's link rate (both directions)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.width, args.depth, args.rounds, args.steps = 256, 4, 2, 3

@@ -73,7 +73,11 @@ def _sweep(collective, world: int, reps: int = 3) -> dict:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     alpha = max(0.0, my - beta * mx)
-    return {"op_seconds": dict(zip(xs, ys)), "alpha_us": round(alpha * 1e6, 1), "mb_per_s": round(1e-6 / beta, 2) if beta > 0 else None}
+    return {
+        "op_seconds": dict(zip(xs, ys)),
+        "alpha_us": round(alpha * 1e6, 1),
+        "mb_per_s": round(1e-6 / beta, 2) if beta > 0 else None,
+    }
 
 
 def _tuner_rank(rank: int, world: int, cfg: dict, sync: str) -> dict:
@@ -90,7 +94,9 @@ def _tuner_rank(rank: int, world: int, cfg: dict, sync: str) -> dict:
     y = torch.randn(cfg["batch"], cfg["width"], generator=g)
     collective = make_collective("gloo", cfg["op_timeout"])
     tuner = FusionTuner(TunerSettings(min_bytes=cfg["min_kib"] * KIB))
-    dear = DeAR(model, optimizer, collective, DeARSettings(bucket_bytes=1 << 20, retune_every=cfg["retune_every"]), tuner=tuner)
+    dear = DeAR(
+        model, optimizer, collective, DeARSettings(bucket_bytes=1 << 20, retune_every=cfg["retune_every"]), tuner=tuner
+    )
     model_bytes = dear.plan.nbytes
     retunes: list[dict] = []
     started = time.monotonic()
@@ -103,15 +109,21 @@ def _tuner_rank(rank: int, world: int, cfg: dict, sync: str) -> dict:
             if dear.steps % cfg["retune_every"] == 0:
                 fit, _ = tuner.fit()
                 decision = dear.last_retune
-                retunes.append({
-                    "phase": phase, "step": dear.steps, "t_s": round(time.monotonic() - started, 2),
-                    "alpha_us": round(fit.alpha * 1e6, 1) if fit else None,
-                    "mb_per_s": round(fit.bytes_per_second / 1e6, 2) if fit else None,
-                    "proposal_kib": round(proposal / KIB) if (proposal := tuner.propose(model_bytes)[0]) else None,
-                    "bucket_kib": round(dear.plan.bucket_bytes / KIB), "replan": decision.replan,
-                    "buckets": len(dear.plan.buckets), "mean_step_s": round((time.perf_counter() - since) / cfg["retune_every"], 4),
-                    "reason": decision.reason,
-                })  # fmt: skip
+                retunes.append(
+                    {
+                        "phase": phase,
+                        "step": dear.steps,
+                        "t_s": round(time.monotonic() - started, 2),
+                        "alpha_us": round(fit.alpha * 1e6, 1) if fit else None,
+                        "mb_per_s": round(fit.bytes_per_second / 1e6, 2) if fit else None,
+                        "proposal_kib": round(proposal / KIB) if (proposal := tuner.propose(model_bytes)[0]) else None,
+                        "bucket_kib": round(dear.plan.bucket_bytes / KIB),
+                        "replan": decision.replan,
+                        "buckets": len(dear.plan.buckets),
+                        "mean_step_s": round((time.perf_counter() - since) / cfg["retune_every"], 4),
+                        "reason": decision.reason,
+                    }
+                )
                 since = time.perf_counter()
 
     train("A", cfg["steps_a"])
@@ -154,11 +166,18 @@ def _tuner_rank(rank: int, world: int, cfg: dict, sync: str) -> dict:
             fixed.close()
     collective.close()
     return {
-        "retunes": retunes, "sweep_a": sweep_a, "sweep_b": sweep_b, "plan_a": plan_a, "plan_b": plan_b,
-        "model_bytes": model_bytes, "params": sum(p.numel() for p in model.parameters()),
-        "step_s": {n: statistics.median(v) for n, v in samples.items()}, "samples": samples,
-        "buckets": buckets, "plans": plans,
-    }  # fmt: skip
+        "retunes": retunes,
+        "sweep_a": sweep_a,
+        "sweep_b": sweep_b,
+        "plan_a": plan_a,
+        "plan_b": plan_b,
+        "model_bytes": model_bytes,
+        "params": sum(p.numel() for p in model.parameters()),
+        "step_s": {n: statistics.median(v) for n, v in samples.items()},
+        "samples": samples,
+        "buckets": buckets,
+        "plans": plans,
+    }
 
 
 def optimum_kib(model_bytes: int, alpha_us: float, mb_per_s: float | None) -> float | None:
@@ -172,11 +191,21 @@ def run(args: argparse.Namespace, *, emit_lines: bool = True) -> dict:
     """One run (the lab built and destroyed here); returns rank 0's report plus what the parent saw."""
     load0, started = os.getloadavg()[0], time.monotonic()
     cfg = {
-        "width": args.width, "depth": args.depth, "batch": args.batch, "retune_every": args.retune_every,
-        "steps_a": args.steps_a, "steps_b": args.steps_b, "rounds": args.rounds, "steps": args.steps,
-        "min_kib": args.min_kib, "op_timeout": 60.0,
-    }  # fmt: skip
-    progress(BENCH, f"{args.world} ranks in lab hosts, MLP {args.depth} x {args.width}, batch {args.batch}: {args.rate1:g} Mbit/s, then {args.rate2:g}")
+        "width": args.width,
+        "depth": args.depth,
+        "batch": args.batch,
+        "retune_every": args.retune_every,
+        "steps_a": args.steps_a,
+        "steps_b": args.steps_b,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "min_kib": args.min_kib,
+        "op_timeout": 60.0,
+    }
+    progress(
+        BENCH,
+        f"{args.world} ranks in lab hosts, MLP {args.depth} x {args.width}, batch {args.batch}: {args.rate1:g} Mbit/s, then {args.rate2:g}",
+    )
     sync = tempfile.mkdtemp(prefix="dear-tuner-")
     reshaped_at: list[float] = []
     try:
@@ -197,7 +226,15 @@ def run(args: argparse.Namespace, *, emit_lines: bool = True) -> dict:
             watcher = threading.Thread(target=reshape_when_asked, name="dear-tuner-reshape", daemon=True)
             watcher.start()
             try:
-                reports = run_group(_tuner_rank, args.world, cfg, sync, timeout=args.timeout, op_timeout=cfg["op_timeout"], hosts=list(net.hosts.values()))
+                reports = run_group(
+                    _tuner_rank,
+                    args.world,
+                    cfg,
+                    sync,
+                    timeout=args.timeout,
+                    op_timeout=cfg["op_timeout"],
+                    hosts=list(net.hosts.values()),
+                )
             finally:
                 stop.set()
                 watcher.join(SYNC_TIMEOUT)
@@ -223,32 +260,57 @@ def _emit(args: argparse.Namespace, report: dict) -> None:
     rates = {"A": args.rate1, "B": args.rate2}
     for r in report["retunes"]:
         opt = optimum_kib(m, r["alpha_us"], r["mb_per_s"]) if r["alpha_us"] is not None else None
-        emit(result(BENCH, "retune", r["bucket_kib"], None, "KiB", rate_mbit=rates[r["phase"]], optimum_kib_of_fit=opt, **r))
+        emit(
+            result(
+                BENCH, "retune", r["bucket_kib"], None, "KiB", rate_mbit=rates[r["phase"]], optimum_kib_of_fit=opt, **r
+            )
+        )
     for phase, key in (("A", "sweep_a"), ("B", "sweep_b")):
         sw = report[key]
         fits = [r for r in report["retunes"] if r["phase"] == phase and r["mb_per_s"]]
         last = fits[-1] if fits else {"alpha_us": None, "mb_per_s": None}
-        emit(result(
-            BENCH, f"phase_{phase}_tuner_fit_vs_sweep_mb_per_s", last["mb_per_s"], sw["mb_per_s"], "MB/s", rate_mbit=rates[phase],
-            tuner_alpha_us=last["alpha_us"], sweep_alpha_us=sw["alpha_us"], sweep_op_seconds=sw["op_seconds"],
-            tuner_optimum_kib=optimum_kib(m, last["alpha_us"], last["mb_per_s"]) if last["alpha_us"] is not None else None,
-            sweep_optimum_kib=optimum_kib(m, sw["alpha_us"], sw["mb_per_s"]),
-            plan_kib=round(report[f"plan_{phase.lower()}"] / KIB),
-        ))  # fmt: skip
+        emit(
+            result(
+                BENCH,
+                f"phase_{phase}_tuner_fit_vs_sweep_mb_per_s",
+                last["mb_per_s"],
+                sw["mb_per_s"],
+                "MB/s",
+                rate_mbit=rates[phase],
+                tuner_alpha_us=last["alpha_us"],
+                sweep_alpha_us=sw["alpha_us"],
+                sweep_op_seconds=sw["op_seconds"],
+                tuner_optimum_kib=optimum_kib(m, last["alpha_us"], last["mb_per_s"])
+                if last["alpha_us"] is not None
+                else None,
+                sweep_optimum_kib=optimum_kib(m, sw["alpha_us"], sw["mb_per_s"]),
+                plan_kib=round(report[f"plan_{phase.lower()}"] / KIB),
+            )
+        )
     replans_b = [r for r in report["retunes"] if r["phase"] == "B" and r["replan"]]
     common = {
-        "n": args.world, "params": report["params"], "model_bytes": m, "batch": args.batch, "rate1_mbit": args.rate1, "rate2_mbit": args.rate2,
-        "retune_every": args.retune_every, "plan_kib": {k: (round(v / KIB) if math.isfinite(v) else None) for k, v in report["plans"].items()},
-        "buckets": report["buckets"], "step_s": {k: round(v, 4) for k, v in report["step_s"].items()},
-        "first_replan_after_change_step": replans_b[0]["step"] if replans_b else None, "reshaped_at_s": report["reshaped_at_s"],
-        "cores": os.cpu_count(), "load_1min_at_start": report["load_1min_at_start"], "load_1min_at_end": report["load_1min_at_end"],
+        "n": args.world,
+        "params": report["params"],
+        "model_bytes": m,
+        "batch": args.batch,
+        "rate1_mbit": args.rate1,
+        "rate2_mbit": args.rate2,
+        "retune_every": args.retune_every,
+        "plan_kib": {k: (round(v / KIB) if math.isfinite(v) else None) for k, v in report["plans"].items()},
+        "buckets": report["buckets"],
+        "step_s": {k: round(v, 4) for k, v in report["step_s"].items()},
+        "first_replan_after_change_step": replans_b[0]["step"] if replans_b else None,
+        "reshaped_at_s": report["reshaped_at_s"],
+        "cores": os.cpu_count(),
+        "load_1min_at_start": report["load_1min_at_start"],
+        "load_1min_at_end": report["load_1min_at_end"],
         "seconds": report["seconds"],
         "note": (
             f"{args.world} ranks, each in a lab network namespace, gloo over veths limited by tbf at both ends to {args.rate1:g} Mbit/s, "
             f"then to {args.rate2:g} Mbit/s mid-run; the tuner re-plans from what it observed (no sweep feeds it). Step times: phase C, "
             f"at {args.rate2:g} Mbit/s, median over {args.rounds} rounds of {args.steps} steps, slowest rank."
         ),
-    }  # fmt: skip
+    }
     s = report["step_s"]
     emit(result(BENCH, "step_seconds_tuned_vs_stale_plan", round(s["tuned"], 4), round(s["stale"], 4), "s", **common))
     emit(result(BENCH, "step_seconds_tuned_vs_25MB", round(s["tuned"], 4), round(s["25MB"], 4), "s", **common))
@@ -269,7 +331,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-b", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3, help="phase C: rounds over the fixed plans")
     p.add_argument("--steps", type=int, default=6, help="phase C: steps per plan per round")
-    p.add_argument("--min-kib", type=int, default=TunerSettings().min_bytes // KIB, help="the tuner's smallest bucket (TunerSettings.min_bytes)")
+    p.add_argument(
+        "--min-kib",
+        type=int,
+        default=TunerSettings().min_bytes // KIB,
+        help="the tuner's smallest bucket (TunerSettings.min_bytes)",
+    )
     p.add_argument("--timeout", type=float, default=840.0, help="seconds the whole run may take")
     return p
 

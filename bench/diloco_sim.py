@@ -94,8 +94,13 @@ def together(calls: list) -> list:
 
 
 def hparams_of(args) -> CharLMHparams:
-    return CharLMHparams(d_model=args.d_model, n_layers=args.n_layers, context=args.context,
-                         batch_size=args.batch, corpus_bytes=args.corpus_bytes)  # fmt: skip
+    return CharLMHparams(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        context=args.context,
+        batch_size=args.batch,
+        corpus_bytes=args.corpus_bytes,
+    )
 
 
 def score(task: CharLM, model: torch.nn.Module, hparams: CharLMHparams) -> float:
@@ -108,8 +113,9 @@ def simulate(args, overlap: bool, momentum: float) -> dict:
     built = [task.build(hparams, INIT_SEED + args.seed) for _ in range(args.workers)]
     data = [task.data(hparams, PEER_SEED + 10 * args.seed + i) for i in range(args.workers)]
     rounds = Rounds(args.workers)
-    settings = OuterSettings(lr=args.outer_lr, momentum=momentum, payload=args.payload, overlap=overlap,
-                             repair_every=args.repair_every)  # fmt: skip
+    settings = OuterSettings(
+        lr=args.outer_lr, momentum=momentum, payload=args.payload, overlap=overlap, repair_every=args.repair_every
+    )
     loops = [OuterLoop(list(m.parameters()), settings, rounds.member(i), f"w{i}") for i, (m, _) in enumerate(built)]
     curve = []
     for step in range(1, args.steps + 1):
@@ -136,8 +142,10 @@ def simulate(args, overlap: bool, momentum: float) -> dict:
     extra = {}
     if overlap:  # a daemon stopped while its last round is in flight (see the module docstring)
         extra["eval_last_round_dropped"] = dropped(task, hparams, built[0][0], loops[0], before[0])
-        extra["eval_last_round_own_p"] = [own_p(task, hparams, m, loop, b, rounds.own[i])
-                                          for i, ((m, _), loop, b) in enumerate(zip(built, loops, before, strict=True))]
+        extra["eval_last_round_own_p"] = [
+            own_p(task, hparams, m, loop, b, rounds.own[i])
+            for i, ((m, _), loop, b) in enumerate(zip(built, loops, before, strict=True))
+        ]
     for loop in loops:
         loop.close()
     return {"eval": evals[0], "evals": evals, "curve": curve, **extra}
@@ -177,8 +185,11 @@ def single(args) -> dict:
     from daemon.tasks import train_single_process
 
     task, hparams = CharLM(), hparams_of(args)
-    return {"eval": round(train_single_process(task, hparams, args.steps, args.workers * args.batch,
-                                                     INIT_SEED + args.seed).score, 4)}
+    return {
+        "eval": round(
+            train_single_process(task, hparams, args.steps, args.workers * args.batch, INIT_SEED + args.seed).score, 4
+        )
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,9 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--payload", default="int8", choices=["int8", "fp16", "fp32"])
     p.add_argument("--repair-every", type=int, default=25)
-    p.add_argument("--land-after", type=int, default=10,
-                   help="with overlap: inner steps into the next phase at which a round lands (how long it takes); "
-                        "H: at the next phase's end, the whole phase late")
+    p.add_argument(
+        "--land-after",
+        type=int,
+        default=10,
+        help="with overlap: inner steps into the next phase at which a round lands (how long it takes); "
+        "H: at the next phase's end, the whole phase late",
+    )
     p.add_argument("--eval-every", type=int, default=2, help="outer steps between two points of the curve; 0: none")
     p.add_argument("--d-model", type=int, default=64, help="charlm's width (its default is 128: 3x slower here)")
     p.add_argument("--n-layers", type=int, default=2)
@@ -208,9 +223,19 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.every = 200, 25
     torch.set_num_threads(args.threads)
     momenta = [float(m) for m in args.momentum.split(",")]
-    common = {"seed": args.seed, "workers": args.workers, "steps": args.steps, "every": args.every, "outer_lr": args.outer_lr,
-              "payload": args.payload, "repair_every": args.repair_every, "land_after": args.land_after, "d_model": args.d_model,
-              "batch": args.batch, "corpus_bytes": args.corpus_bytes}  # fmt: skip
+    common = {
+        "seed": args.seed,
+        "workers": args.workers,
+        "steps": args.steps,
+        "every": args.every,
+        "outer_lr": args.outer_lr,
+        "payload": args.payload,
+        "repair_every": args.repair_every,
+        "land_after": args.land_after,
+        "d_model": args.d_model,
+        "batch": args.batch,
+        "corpus_bytes": args.corpus_bytes,
+    }
     finals: dict[tuple[str, float], float] = {}
     for setup in args.setups.split(","):
         for momentum in momenta if setup in ("sync", "overlap") else [None]:
@@ -224,14 +249,30 @@ def main(argv: list[str] | None = None) -> int:
                 record = single(args)
             else:
                 raise SystemExit(f"unknown setup {setup!r}")
-            line = {"bench": BENCH, "setup": setup, "momentum": momentum, **record, **common,
-                    "seconds": round(time.monotonic() - t0, 1), "metric": "bits_per_char"}  # fmt: skip
+            line = {
+                "bench": BENCH,
+                "setup": setup,
+                "momentum": momentum,
+                **record,
+                **common,
+                "seconds": round(time.monotonic() - t0, 1),
+                "metric": "bits_per_char",
+            }
             print(json.dumps(line), flush=True)
             progress(BENCH, f"{setup} momentum {momentum}: {record['eval']} bits/char ({line['seconds']} s)")
     m = momenta[0]
     if ("overlap", m) in finals and ("sync", m) in finals:
-        emit(result(BENCH, f"bits_per_char_overlap_vs_sync_momentum_{m:g}", finals[("overlap", m)], finals[("sync", m)],
-                    "bits/char", note="lower is better; θ after finish()", **common))  # fmt: skip
+        emit(
+            result(
+                BENCH,
+                f"bits_per_char_overlap_vs_sync_momentum_{m:g}",
+                finals[("overlap", m)],
+                finals[("sync", m)],
+                "bits/char",
+                note="lower is better; θ after finish()",
+                **common,
+            )
+        )
     return 0
 
 

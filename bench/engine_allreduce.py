@@ -70,7 +70,9 @@ def _worker(system: str, rank: int, n: int, numel: int, rounds: int, conn, barri
 
             report = pair(system.split(":", 1)[1], rank, n, numel, rounds, conn, barrier, scratch, chunk)
         else:
-            report = {"duel": _duel, "hivemind": _hivemind}[system](rank, n, numel, rounds, conn, barrier, scratch, chunk)
+            report = {"duel": _duel, "hivemind": _hivemind}[system](
+                rank, n, numel, rounds, conn, barrier, scratch, chunk
+            )
         conn.send(("done", report))
     except Exception as e:  # report, do not hang the parent
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -146,9 +148,16 @@ def _hivemind(rank, n, numel, rounds, conn, barrier, scratch, chunk) -> dict:
         conn.recv()
     x = _data(rank, numel)
     averager = hivemind.averaging.DecentralizedAverager(
-        averaged_tensors=[x], dht=dht, prefix="bench", target_group_size=n, min_group_size=n,
-        min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=ROUND_LIMIT, start=True,
-    )  # fmt: skip
+        averaged_tensors=[x],
+        dht=dht,
+        prefix="bench",
+        target_group_size=n,
+        min_group_size=n,
+        min_matchmaking_time=2.0,
+        request_timeout=1.0,
+        allreduce_timeout=ROUND_LIMIT,
+        start=True,
+    )
     times, failed = [], 0
     for _ in range(rounds):
         barrier.wait(BARRIER_TIMEOUT)
@@ -276,25 +285,53 @@ def main(argv: list[str] | None = None) -> int:
     agree = all(len({r["outcomes"][i][1] for r in duel}) == 1 for i in range(len(duel[0]["outcomes"])))
     wins = sum(a < b for a, b in zip(p["samples"], g["samples"]))
     common = {
-        "n": n, "bytes": nbytes, "cores": os.cpu_count(), "torch_threads": 1,
-        "load_1min_at_start": round(load, 2), "load_1min_at_end": round(os.getloadavg()[0], 2),
-        "peerd_round_s": round(p["time"], 4), "peerd_samples": p["samples"],
-    }  # fmt: skip
+        "n": n,
+        "bytes": nbytes,
+        "cores": os.cpu_count(),
+        "torch_threads": 1,
+        "load_1min_at_start": round(load, 2),
+        "load_1min_at_end": round(os.getloadavg()[0], 2),
+        "peerd_round_s": round(p["time"], 4),
+        "peerd_samples": p["samples"],
+    }
     if h is not None:
-        emit(result(
-            BENCH, "bus_bandwidth_vs_hivemind", round(p["busbw"], 1), round(h["busbw"], 1), "MB/s", **common,
-            hivemind_round_s=round(h["time"], 4), hivemind_samples=h["samples"], hivemind_failed_steps=h["failed"],
-            target=10.0, note="ratio = peerd / hivemind bus bandwidth; >1 means peerd is faster; "
-            "hivemind's step() includes its matchmaking",
-        ))  # fmt: skip
-    emit(result(
-        BENCH, "bus_bandwidth_vs_gloo", round(p["busbw"], 1), round(g["busbw"], 1), "MB/s", **common,
-        gloo_round_s=round(g["time"], 4), gloo_samples=g["samples"], peerd_faster_rounds=f"{wins}/{len(g['samples'])}",
-        peerd_cpu_s_per_round=round(p["cpu"], 4), gloo_cpu_s_per_round=round(g["cpu"], 4),
-        peerd_statuses=sorted(statuses), peerd_digests_agree=agree, peerd_max_error=max(r["max_error"] for r in duel),
-        target=1.0, note="headline: ratio = peerd / gloo bus bandwidth (= gloo time / peerd time); >1 means peerd "
-        "is faster; the two alternate round by round in the same 4 processes",
-    ))  # fmt: skip
+        emit(
+            result(
+                BENCH,
+                "bus_bandwidth_vs_hivemind",
+                round(p["busbw"], 1),
+                round(h["busbw"], 1),
+                "MB/s",
+                **common,
+                hivemind_round_s=round(h["time"], 4),
+                hivemind_samples=h["samples"],
+                hivemind_failed_steps=h["failed"],
+                target=10.0,
+                note="ratio = peerd / hivemind bus bandwidth; >1 means peerd is faster; "
+                "hivemind's step() includes its matchmaking",
+            )
+        )
+    emit(
+        result(
+            BENCH,
+            "bus_bandwidth_vs_gloo",
+            round(p["busbw"], 1),
+            round(g["busbw"], 1),
+            "MB/s",
+            **common,
+            gloo_round_s=round(g["time"], 4),
+            gloo_samples=g["samples"],
+            peerd_faster_rounds=f"{wins}/{len(g['samples'])}",
+            peerd_cpu_s_per_round=round(p["cpu"], 4),
+            gloo_cpu_s_per_round=round(g["cpu"], 4),
+            peerd_statuses=sorted(statuses),
+            peerd_digests_agree=agree,
+            peerd_max_error=max(r["max_error"] for r in duel),
+            target=1.0,
+            note="headline: ratio = peerd / gloo bus bandwidth (= gloo time / peerd time); >1 means peerd "
+            "is faster; the two alternate round by round in the same 4 processes",
+        )
+    )
     return 0 if statuses == {"completed"} and agree else 1
 
 

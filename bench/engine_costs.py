@@ -46,10 +46,19 @@ def switched_off(part: str):
     """Patch the engine so that `part` does nothing, for the duration of one B round."""
     from peers.collective import inbox, reduction
 
-    parts = {"none": (), "contract": ("digest_sums", "own_backup", "nonfinite_check"),
-             "bare": ("digest_sums", "own_backup", "nonfinite_check", "arithmetic")}.get(part, (part,))  # fmt: skip
-    saved = (inbox.sum64, reduction.sum64, inbox.Inbox.back_up, reduction.all_finite, reduction.ShardReducer.fold,
-             reduction.ShardReducer.finish)  # fmt: skip
+    parts = {
+        "none": (),
+        "contract": ("digest_sums", "own_backup", "nonfinite_check"),
+        "bare": ("digest_sums", "own_backup", "nonfinite_check", "arithmetic"),
+    }.get(part, (part,))
+    saved = (
+        inbox.sum64,
+        reduction.sum64,
+        inbox.Inbox.back_up,
+        reduction.all_finite,
+        reduction.ShardReducer.fold,
+        reduction.ShardReducer.finish,
+    )
     if "digest_sums" in parts:
         inbox.sum64 = reduction.sum64 = lambda values: 0
     if "own_backup" in parts:
@@ -57,6 +66,7 @@ def switched_off(part: str):
     if "nonfinite_check" in parts:
         reduction.all_finite = lambda values: True
     if "arithmetic" in parts:
+
         def fold(self, st, k, c):  # only the bookkeeping: which contributions the chunk holds
             self._started(st, c)
             st.acc_mask[c] |= 1 << k
@@ -75,8 +85,14 @@ def switched_off(part: str):
     try:
         yield
     finally:
-        (inbox.sum64, reduction.sum64, inbox.Inbox.back_up, reduction.all_finite, reduction.ShardReducer.fold,
-         reduction.ShardReducer.finish) = saved  # fmt: skip
+        (
+            inbox.sum64,
+            reduction.sum64,
+            inbox.Inbox.back_up,
+            reduction.all_finite,
+            reduction.ShardReducer.fold,
+            reduction.ShardReducer.finish,
+        ) = saved
 
 
 def pair(part, rank, n, numel, rounds, conn, barrier, scratch, chunk) -> dict:
@@ -162,14 +178,28 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = [r["outcomes"] for r in reports]
         agree = all(len({o[i] for o in outcomes}) == 1 for i in range(len(outcomes[0])))
         ok &= agree and all(o[0] == "completed" for o in outcomes[0])
-        emit(result(
-            BENCH, f"bus_bandwidth_with_{part}", round(a["busbw"], 1), round(b["busbw"], 1), "MB/s", n=n, bytes=nbytes,
-            cores=os.cpu_count(), load_1min_at_start=round(load, 2), part=part, a_round_s=round(a["time"], 4),
-            b_round_s=round(b["time"], 4), a_cpu_s_per_round=round(a["cpu"], 4), b_cpu_s_per_round=round(b["cpu"], 4),
-            cost=round(1 - a["busbw"] / b["busbw"], 3), a_outcomes_agree=agree,
-            note=f"ours = the engine as shipped, baseline = {'the same engine again (A/A)' if part == 'none' else 'the same engine without ' + part}, "
-            "in alternating rounds in the same processes; cost = 1 - ratio",
-        ))  # fmt: skip
+        emit(
+            result(
+                BENCH,
+                f"bus_bandwidth_with_{part}",
+                round(a["busbw"], 1),
+                round(b["busbw"], 1),
+                "MB/s",
+                n=n,
+                bytes=nbytes,
+                cores=os.cpu_count(),
+                load_1min_at_start=round(load, 2),
+                part=part,
+                a_round_s=round(a["time"], 4),
+                b_round_s=round(b["time"], 4),
+                a_cpu_s_per_round=round(a["cpu"], 4),
+                b_cpu_s_per_round=round(b["cpu"], 4),
+                cost=round(1 - a["busbw"] / b["busbw"], 3),
+                a_outcomes_agree=agree,
+                note=f"ours = the engine as shipped, baseline = {'the same engine again (A/A)' if part == 'none' else 'the same engine without ' + part}, "
+                "in alternating rounds in the same processes; cost = 1 - ratio",
+            )
+        )
     return 0 if ok else 1
 
 

@@ -59,7 +59,19 @@ def _enter(netns: str) -> None:
         os.close(fd)
 
 
-def _worker(system: str, rank: int, n: int, numel: int, rounds: int, conn, barrier, scratch: str, netns: str, ip: str, timeout: float) -> None:
+def _worker(
+    system: str,
+    rank: int,
+    n: int,
+    numel: int,
+    rounds: int,
+    conn,
+    barrier,
+    scratch: str,
+    netns: str,
+    ip: str,
+    timeout: float,
+) -> None:
     os.setpgrp()  # own process group: the parent kills it with all its children in one call
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # and the kernel kills it if the parent dies
     _enter(netns)
@@ -124,9 +136,17 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
     conn.send(("address", loop.run_until_complete(transport.start())))
     group = Group("bench", [f"peer{i}" for i in range(n)], conn.recv(), rank)
     # Owners wait for contributions up to half the limit, members for results up to all of it.
-    settings = AllReduceSettings(connect_timeout=min(10.0, timeout / 2), contribute_timeout=timeout / 2, gather_timeout=timeout, verdict_timeout=5.0, drain_timeout=2.0)
+    settings = AllReduceSettings(
+        connect_timeout=min(10.0, timeout / 2),
+        contribute_timeout=timeout / 2,
+        gather_timeout=timeout,
+        verdict_timeout=5.0,
+        drain_timeout=2.0,
+    )
     engine = GroupAllReduce(group, transport, numel, settings=settings)
-    dist.init_process_group("gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout)
+    )
     x = _data(rank, numel)
     gloo = GlooStep(_data(rank, numel), n)
 
@@ -156,14 +176,23 @@ def _hivemind(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> di
         conn.send(("address", None))
         initial = conn.recv()
     # The host's address only, and never UPnP/NAT-PMP or AutoNAT: nothing leaves the lab.
-    dht = hivemind.DHT(start=True, initial_peers=initial, host_maddrs=[f"/ip4/{ip}/tcp/0"], nat_port_map=False, auto_nat=False)
+    dht = hivemind.DHT(
+        start=True, initial_peers=initial, host_maddrs=[f"/ip4/{ip}/tcp/0"], nat_port_map=False, auto_nat=False
+    )
     if not rank:
         conn.send(("address", [str(m) for m in dht.get_visible_maddrs()]))
         conn.recv()
     averager = hivemind.averaging.DecentralizedAverager(
-        averaged_tensors=[_data(rank, numel)], dht=dht, prefix="bench", target_group_size=n, min_group_size=n,
-        min_matchmaking_time=2.0, request_timeout=2.0, allreduce_timeout=timeout, start=True,
-    )  # fmt: skip
+        averaged_tensors=[_data(rank, numel)],
+        dht=dht,
+        prefix="bench",
+        target_group_size=n,
+        min_group_size=n,
+        min_matchmaking_time=2.0,
+        request_timeout=2.0,
+        allreduce_timeout=timeout,
+        start=True,
+    )
 
     def step() -> bool:
         # `timeout` bounds finding the group and allreduce_timeout the round itself. A failed step
@@ -215,7 +244,9 @@ def run_system(system: str, keys: tuple[str, ...], hosts: list, numel: int, roun
         while pending:
             ready = mp.connection.wait(list(pending.values()), timeout + QUIET_SLACK)
             if not ready:
-                progress(BENCH, f"{system}: nothing for {timeout + QUIET_SLACK:.0f} s; stopped, the rest counts as failed")
+                progress(
+                    BENCH, f"{system}: nothing for {timeout + QUIET_SLACK:.0f} s; stopped, the rest counts as failed"
+                )
                 break
             for rank in [r for r, c in pending.items() if c in ready]:
                 try:
@@ -239,9 +270,14 @@ def run_system(system: str, keys: tuple[str, ...], hosts: list, numel: int, roun
 def round_time(reports: list[dict], key: str, digits: int = 3) -> tuple[float | None, list]:
     """A round's time is its slowest process's (None if any failed); the median over rounds that all
     completed, and each round's, rounded to `digits` decimals."""
-    rounds = [None if any(r[key][i] is None for r in reports) else max(r[key][i] for r in reports) for i in range(len(reports[0][key]))]
+    rounds = [
+        None if any(r[key][i] is None for r in reports) else max(r[key][i] for r in reports)
+        for i in range(len(reports[0][key]))
+    ]
     done = [t for t in rounds if t is not None]
-    return (round(statistics.median(done), digits) if done else None), [None if t is None else round(t, digits) for t in rounds]
+    return (round(statistics.median(done), digits) if done else None), [
+        None if t is None else round(t, digits) for t in rounds
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,11 +289,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", default="0,1,5,10", help="packet loss settings in %%, comma-separated")
     parser.add_argument("--cc", default="bbr,reno", help="TCP congestion controls, comma-separated")
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per system and setting")
-    parser.add_argument("--round-timeout", type=float, default=90.0, help="seconds a round may take before it counts as failed")
+    parser.add_argument(
+        "--round-timeout", type=float, default=90.0, help="seconds a round may take before it counts as failed"
+    )
     parser.add_argument("--skip-hivemind", action="store_true")
-    parser.add_argument("--hivemind-loss", default=None, help="run hivemind only at these loss settings (%%, comma-separated); default: all")
-    parser.add_argument("--rtt-ms", default="0", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)")
-    parser.add_argument("--budget-min", type=float, default=0.0, help="start no cell after this many minutes (0 = no limit); the rest are reported as skipped")
+    parser.add_argument(
+        "--hivemind-loss",
+        default=None,
+        help="run hivemind only at these loss settings (%%, comma-separated); default: all",
+    )
+    parser.add_argument(
+        "--rtt-ms", default="0", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)"
+    )
+    parser.add_argument(
+        "--budget-min",
+        type=float,
+        default=0.0,
+        help="start no cell after this many minutes (0 = no limit); the rest are reported as skipped",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.loss, args.cc = 4.0, "0,5", "reno"
@@ -276,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_signals()
     numel = int(args.mib * (1 << 20)) // 4
     net = Network()
-    progress(BENCH, f"{args.hosts} hosts at {args.rate:g} Mbit/s, {numel * 4 / (1 << 20):.0f} MiB float32, added RTT {rtts} ms, loss {losses} %, TCP {ccs}, lab {net.name}")
+    progress(
+        BENCH,
+        f"{args.hosts} hosts at {args.rate:g} Mbit/s, {numel * 4 / (1 << 20):.0f} MiB float32, added RTT {rtts} ms, loss {losses} %, TCP {ccs}, lab {net.name}",
+    )
     records, started = [], time.monotonic()
     try:
         net.create()
@@ -287,9 +339,25 @@ def main(argv: list[str] | None = None) -> int:
                     net.set_congestion_control(h, cc)
                 for loss in losses:
                     if args.budget_min and time.monotonic() - started > args.budget_min * 60:
-                        progress(BENCH, f"rtt {rtt:g} ms, {cc}, {loss:g} % loss: skipped, past --budget-min {args.budget_min:g}")
-                        emit(result(BENCH, f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""), None, None, "s",
-                                    cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), added_rtt_ms=rtt, skipped="budget"))  # fmt: skip
+                        progress(
+                            BENCH,
+                            f"rtt {rtt:g} ms, {cc}, {loss:g} % loss: skipped, past --budget-min {args.budget_min:g}",
+                        )
+                        emit(
+                            result(
+                                BENCH,
+                                f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""),
+                                None,
+                                None,
+                                "s",
+                                cc=cc,
+                                loss_pct=loss,
+                                rate_mbit=args.rate,
+                                hosts=len(hosts),
+                                added_rtt_ms=rtt,
+                                skipped="budget",
+                            )
+                        )
                         continue
                     for h in hosts:
                         net.shape(h.name, LinkShape(rate_mbit=args.rate, loss_pct=loss, rtt_ms=rtt))
@@ -303,10 +371,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     headline = next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0), records[-1])
     suffix = f"_rtt{headline['added_rtt_ms']:g}ms" if headline["added_rtt_ms"] else ""
-    emit({**headline, "metric": f"round_s_peerd_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct{suffix}",
-          "total_s": round(time.monotonic() - started, 1),
-          "note": "headline: seconds of one averaging round, peerd's reliable engine vs gloo; ratio = peerd / gloo "
-          "time, < 1 means peerd is faster"})  # fmt: skip
+    emit(
+        {
+            **headline,
+            "metric": f"round_s_peerd_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct{suffix}",
+            "total_s": round(time.monotonic() - started, 1),
+            "note": "headline: seconds of one averaging round, peerd's reliable engine vs gloo; ratio = peerd / gloo "
+            "time, < 1 means peerd is faster",
+        }
+    )
     return 0
 
 
@@ -343,32 +416,56 @@ def measure(args, net, hosts, numel: int, cc: str, loss: float, rtt: float = 0.0
     h, h_rounds = None, []
     if not args.skip_hivemind and (args.hivemind_losses is None or loss in args.hivemind_losses):
         progress(BENCH, f"{where}: hivemind, {args.rounds} round(s)")
-        h, h_rounds = round_time(run_system("hivemind", ("hivemind",), hosts, numel, args.rounds, args.round_timeout), "hivemind")
+        h, h_rounds = round_time(
+            run_system("hivemind", ("hivemind",), hosts, numel, args.rounds, args.round_timeout), "hivemind"
+        )
     after, lines_after = net.dropped(), net.delay_stats()
     cell_s = time.monotonic() - t_cell
 
     def delta(key: str) -> float:
         return sum(lines_after[n][key] - lines_before.get(n, {}).get(key, 0) for n in lines_after)
 
-    delay = f"{rtt:g} ms added RTT between any two hosts (userspace TUN delay line, {rtt / 2:g} ms on each host's egress; measured {measured} ms median)" if rtt else "no added latency (no netem)"
+    delay = (
+        f"{rtt:g} ms added RTT between any two hosts (userspace TUN delay line, {rtt / 2:g} ms on each host's egress; measured {measured} ms median)"
+        if rtt
+        else "no added latency (no netem)"
+    )
     record = result(
-        BENCH, f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""), p, g, "s",
-        cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), bytes=numel * 4, added_rtt_ms=rtt,
-        measured_rtt_ms=measured, measured_rtt_pairs={f"{a}->{b}": m for (a, b), m in rtts.items()},
+        BENCH,
+        f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""),
+        p,
+        g,
+        "s",
+        cc=cc,
+        loss_pct=loss,
+        rate_mbit=args.rate,
+        hosts=len(hosts),
+        bytes=numel * 4,
+        added_rtt_ms=rtt,
+        measured_rtt_ms=measured,
+        measured_rtt_pairs={f"{a}->{b}": m for (a, b), m in rtts.items()},
         hivemind_run=not args.skip_hivemind and (args.hivemind_losses is None or loss in args.hivemind_losses),
         delay_line_packets=int(delta("packets")) if lines_after else None,
         delay_line_cpu_s=round(delta("cpu_s"), 2) if lines_after else None,
-        delay_line_dropped=int(delta("dropped_overflow") + delta("dropped_send") + delta("tun_dropped")) if lines_after else None,
+        delay_line_dropped=int(delta("dropped_overflow") + delta("dropped_send") + delta("tun_dropped"))
+        if lines_after
+        else None,
         cell_s=round(cell_s, 1),
-        hivemind_s=h, ratio_vs_hivemind=round(p / h, 3) if p and h else None,
-        peerd_rounds_s=p_rounds, gloo_rounds_s=g_rounds, hivemind_rounds_s=h_rounds,
+        hivemind_s=h,
+        ratio_vs_hivemind=round(p / h, 3) if p and h else None,
+        peerd_rounds_s=p_rounds,
+        gloo_rounds_s=g_rounds,
+        hivemind_rounds_s=h_rounds,
         peerd_outcomes=sorted({o for r in duel for o in r["outcomes"]}),
-        packets_dropped=sum(after[n]["loss"] - before[n]["loss"] for n in after), cores=os.cpu_count(),
-        load_1min_at_start=round(load, 2), load_1min_at_end=round(os.getloadavg()[0], 2), round_timeout_s=args.round_timeout,
+        packets_dropped=sum(after[n]["loss"] - before[n]["loss"] for n in after),
+        cores=os.cpu_count(),
+        load_1min_at_start=round(load, 2),
+        load_1min_at_end=round(os.getloadavg()[0], 2),
+        round_timeout_s=args.round_timeout,
         emulated=f"{len(hosts)} network namespaces on one bridge; tbf {args.rate:g} Mbit/s both directions; "
         f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; {delay}",
         note="ratio = peerd / gloo round time; < 1 means peerd is faster; None = failed or timed out",
-    )  # fmt: skip
+    )
     emit(record)
     return record
 

@@ -52,15 +52,24 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
     rate = float(os.environ["PEERD_BENCH_RATE_MBIT"]) * 1e6 * PACE
     loop = uvloop.new_event_loop()
     tcp = TcpTransport(ip, 0)
-    udp = UdpTransport(ip, 0, secret=b"bench-secret-0123456789abcdef012", session="bench", max_datagram=DATAGRAM, rate_bps=rate)
+    udp = UdpTransport(
+        ip, 0, secret=b"bench-secret-0123456789abcdef012", session="bench", max_datagram=DATAGRAM, rate_bps=rate
+    )
     conn.send(("address", (loop.run_until_complete(tcp.start()), loop.run_until_complete(udp.start()))))
     addresses = conn.recv()
     members = [f"peer{i}" for i in range(n)]
-    settings = AllReduceSettings(connect_timeout=min(10.0, timeout / 2), contribute_timeout=timeout / 2,
-                                 gather_timeout=timeout, verdict_timeout=5.0, drain_timeout=2.0)  # fmt: skip
+    settings = AllReduceSettings(
+        connect_timeout=min(10.0, timeout / 2),
+        contribute_timeout=timeout / 2,
+        gather_timeout=timeout,
+        verdict_timeout=5.0,
+        drain_timeout=2.0,
+    )
     reliable = GroupAllReduce(Group("bench", members, [a[0] for a in addresses], rank), tcp, numel, settings=settings)
     lossy = LossyAllReduce(Group("bench", members, [a[1] for a in addresses], rank), udp, numel, settings=settings)
-    dist.init_process_group("gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout)
+    )
     x, z = _data(rank, numel), _data(rank, numel)
     gloo = GlooStep(_data(rank, numel), n)
 
@@ -92,28 +101,50 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
 def measure_rounds(args, net, hosts, numel: int, cc: str, loss: float, rtt: float) -> dict:
     measured = measured_rtt(net, hosts)[0] if rtt else None
     before, load = net.dropped(), os.getloadavg()[0]
-    progress(BENCH, f"rtt {rtt:g} ms (measured {measured}), {cc}, {loss:g} % loss: peerd UDP, peerd reliable and gloo in turn, {args.rounds} round(s) each")
+    progress(
+        BENCH,
+        f"rtt {rtt:g} ms (measured {measured}), {cc}, {loss:g} % loss: peerd UDP, peerd reliable and gloo in turn, {args.rounds} round(s) each",
+    )
     reports = run_system("bench.lossy:_trio", (*SYSTEMS, "held"), hosts, numel, args.rounds, args.round_timeout)
     times = {s: round_time(reports, s) for s in SYSTEMS}
     after = net.dropped()
     held = [h for r in reports for h in r["held"] if h is not None]
     record = result(
-        BENCH, f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""), times["udp"][0], times["gloo"][0], "s",
-        cc=cc, loss_pct=loss, rate_mbit=args.rate, hosts=len(hosts), bytes=numel * 4, added_rtt_ms=rtt,
+        BENCH,
+        f"round_s_{cc}_{loss:g}pct" + (f"_rtt{rtt:g}ms" if rtt else ""),
+        times["udp"][0],
+        times["gloo"][0],
+        "s",
+        cc=cc,
+        loss_pct=loss,
+        rate_mbit=args.rate,
+        hosts=len(hosts),
+        bytes=numel * 4,
+        added_rtt_ms=rtt,
         measured_rtt_ms=measured,
         reliable_s=times["reliable"][0],
-        ratio_vs_reliable=round(times["udp"][0] / times["reliable"][0], 3) if times["udp"][0] and times["reliable"][0] else None,
-        rounds_s={s: t[1] for s, t in times.items()}, outcomes=sorted({o for r in reports for o in r["outcomes"]}),
+        ratio_vs_reliable=round(times["udp"][0] / times["reliable"][0], 3)
+        if times["udp"][0] and times["reliable"][0]
+        else None,
+        rounds_s={s: t[1] for s, t in times.items()},
+        outcomes=sorted({o for r in reports for o in r["outcomes"]}),
         udp_held=round(statistics.fmean(held), 4) if held else None,
-        packets_dropped=sum(after[h]["loss"] - before[h]["loss"] for h in after), cores=os.cpu_count(),
-        load_1min_at_start=round(load, 2), load_1min_at_end=round(os.getloadavg()[0], 2), round_timeout_s=args.round_timeout,
-        datagram=DATAGRAM, udp_pace_mbit=round(args.rate * PACE, 1),
+        packets_dropped=sum(after[h]["loss"] - before[h]["loss"] for h in after),
+        cores=os.cpu_count(),
+        load_1min_at_start=round(load, 2),
+        load_1min_at_end=round(os.getloadavg()[0], 2),
+        round_timeout_s=args.round_timeout,
+        datagram=DATAGRAM,
+        udp_pace_mbit=round(args.rate * PACE, 1),
         emulated=f"{len(hosts)} network namespaces on one bridge; tbf {args.rate:g} Mbit/s both directions; "
         f"{loss:g} % random drop of packets delivered to each host; TCP {cc}; "
-        + (f"{rtt:g} ms added RTT (userspace TUN delay line, {rtt / 2:g} ms on each host's egress; measured {measured} ms median)"
-           if rtt else "no added latency (no netem)"),
+        + (
+            f"{rtt:g} ms added RTT (userspace TUN delay line, {rtt / 2:g} ms on each host's egress; measured {measured} ms median)"
+            if rtt
+            else "no added latency (no netem)"
+        ),
         note="ours = peerd UDP round time, baseline = gloo's; ratio < 1: peerd faster; None = failed or timed out",
-    )  # fmt: skip
+    )
     emit(record)
     return record
 
@@ -147,45 +178,85 @@ def convergence_part(args) -> list[dict]:
 
     out = []
     for loss in (0.0, 10.0, 20.0):
-        scenario = parse({
-            "name": f"lossy-convergence-{loss:g}", "duration": args.converge_seconds, "congestion_control": "reno",
-            "run": {"id": "lossy", "task": "digits-mlp", "max_steps": args.steps,
-                    "settings": {"averaging.average_every": "10", "averaging.algorithm": "state", "averaging.transport": "udp", "optimizer": "sgd", "lr": "0.05"},
-                    "args": ["--eval-every", str(args.steps), "--udp-rate", str(args.rate * PACE)]},
-            "link": {"rate_mbit": args.rate},
-            "host": [{"name": f"h{i}"} for i in range(args.hosts)],
-            # Loss from the moment all train: p2pd gives up bootstrapping when its first dials are lost.
-            "fault": [{"at": 0.1, "action": "link", "hosts": [f"h{i}" for i in range(args.hosts)], "loss_pct": loss}],
-        })  # fmt: skip
+        scenario = parse(
+            {
+                "name": f"lossy-convergence-{loss:g}",
+                "duration": args.converge_seconds,
+                "congestion_control": "reno",
+                "run": {
+                    "id": "lossy",
+                    "task": "digits-mlp",
+                    "max_steps": args.steps,
+                    "settings": {
+                        "averaging.average_every": "10",
+                        "averaging.algorithm": "state",
+                        "averaging.transport": "udp",
+                        "optimizer": "sgd",
+                        "lr": "0.05",
+                    },
+                    "args": ["--eval-every", str(args.steps), "--udp-rate", str(args.rate * PACE)],
+                },
+                "link": {"rate_mbit": args.rate},
+                "host": [{"name": f"h{i}"} for i in range(args.hosts)],
+                # Loss from the moment all train: p2pd gives up bootstrapping when its first dials are lost.
+                "fault": [
+                    {"at": 0.1, "action": "link", "hosts": [f"h{i}" for i in range(args.hosts)], "loss_pct": loss}
+                ],
+            }
+        )
         progress(BENCH, f"convergence: {args.hosts} daemons, {args.steps} steps, UDP averaging, {loss:g} % loss")
         built = report.build(Lab(scenario, progress=lambda m: progress(BENCH, m)).run())
         hosts = built["hosts"]
         scores = [h["eval_score"] for h in hosts.values() if h["eval_score"] is not None]
         steps = [h["step"] for h in hosts.values()]
-        out.append({"loss_pct": loss, "accuracy_mean": round(statistics.fmean(scores), 4) if scores else None,
-                    "accuracy_spread": round(max(scores) - min(scores), 4) if scores else None,
-                    "steps": steps, "rounds": {n: h["rounds"] for n, h in hosts.items()},
-                    "max_divergence": (built["max_param_divergence"] or {}).get("value"),
-                    "nothing_lost": built["nothing_lost"]})  # fmt: skip
+        out.append(
+            {
+                "loss_pct": loss,
+                "accuracy_mean": round(statistics.fmean(scores), 4) if scores else None,
+                "accuracy_spread": round(max(scores) - min(scores), 4) if scores else None,
+                "steps": steps,
+                "rounds": {n: h["rounds"] for n, h in hosts.items()},
+                "max_divergence": (built["max_param_divergence"] or {}).get("value"),
+                "nothing_lost": built["nothing_lost"],
+            }
+        )
     base = out[0]["accuracy_mean"]
     for o in out:
-        emit(result(BENCH, f"accuracy_{o['loss_pct']:g}pct_vs_0pct", o["accuracy_mean"], base, "accuracy", **o,
-                    task="digits-mlp", hosts=args.hosts, rate_mbit=args.rate, steps_per_host=args.steps,
-                    note="final test accuracy (mean over hosts) with UDP averaging at this loss vs at 0 % loss"))  # fmt: skip
+        emit(
+            result(
+                BENCH,
+                f"accuracy_{o['loss_pct']:g}pct_vs_0pct",
+                o["accuracy_mean"],
+                base,
+                "accuracy",
+                **o,
+                task="digits-mlp",
+                hosts=args.hosts,
+                rate_mbit=args.rate,
+                steps_per_host=args.steps,
+                note="final test accuracy (mean over hosts) with UDP averaging at this loss vs at 0 % loss",
+            )
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 MiB, reno, loss 0 and 5 %%, 60 training steps: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="4 MiB, reno, loss 0 and 5 %%, 60 training steps: a smoke run"
+    )
     parser.add_argument("--mib", type=float, default=64.0, help="vector size in MiB of float32 (64 = 16M values)")
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--rate", type=float, default=100.0, help="link rate in Mbit/s, both directions")
     parser.add_argument("--loss", default="0,1,5,10,20", help="packet loss settings in %%, comma-separated")
     parser.add_argument("--cc", default="bbr,reno", help="TCP congestion controls, comma-separated")
-    parser.add_argument("--rtt-ms", default="0", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)")
+    parser.add_argument(
+        "--rtt-ms", default="0", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="measured rounds per system and setting")
-    parser.add_argument("--round-timeout", type=float, default=90.0, help="seconds a round may take before it counts as failed")
+    parser.add_argument(
+        "--round-timeout", type=float, default=90.0, help="seconds a round may take before it counts as failed"
+    )
     parser.add_argument("--steps", type=int, default=300, help="training steps per host in the convergence part")
     parser.add_argument("--converge-seconds", type=float, default=150.0, help="schedule length of each convergence run")
     parser.add_argument("--skip-rounds", action="store_true")
@@ -213,10 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         progress(BENCH, "interrupted; every process started here was killed and the lab removed")
         return 130
     if records:
-        headline = next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0 and not r["added_rtt_ms"]),
-                        next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0), records[-1]))
-        emit({**headline, "metric": f"round_s_udp_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct",
-              "total_s": round(time.monotonic() - started, 1)})
+        headline = next(
+            (r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0 and not r["added_rtt_ms"]),
+            next((r for r in records if r["cc"] == "reno" and r["loss_pct"] == 5.0), records[-1]),
+        )
+        emit(
+            {
+                **headline,
+                "metric": f"round_s_udp_vs_gloo_{headline['cc']}_{headline['loss_pct']:g}pct",
+                "total_s": round(time.monotonic() - started, 1),
+            }
+        )
     return 0
 
 

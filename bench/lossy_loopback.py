@@ -73,24 +73,35 @@ def _serve(rank: int, n: int, numel: int, conn, datagram: int, gso: bool) -> Non
 
     torch.set_num_threads(1)
     tally = {"sent": 0, "lost": 0}
-    events = PeerEvents(packets_sent=lambda k: tally.__setitem__("sent", tally["sent"] + k),
-                        packets_lost=lambda k: tally.__setitem__("lost", tally["lost"] + k))  # fmt: skip
+    events = PeerEvents(
+        packets_sent=lambda k: tally.__setitem__("sent", tally["sent"] + k),
+        packets_lost=lambda k: tally.__setitem__("lost", tally["lost"] + k),
+    )
     rng, seam = random.Random(rank), {"p": 0.0}
     loop = uvloop.new_event_loop()
     tcp = TcpTransport("127.0.0.1", 0)
-    udp = UdpTransport("127.0.0.1", 0, secret=SECRET, session="bench", max_datagram=datagram, gso=gso,
-                       events=events, drop=lambda address, h: seam["p"] > 0 and rng.random() < seam["p"])  # fmt: skip
+    udp = UdpTransport(
+        "127.0.0.1",
+        0,
+        secret=SECRET,
+        session="bench",
+        max_datagram=datagram,
+        gso=gso,
+        events=events,
+        drop=lambda address, h: seam["p"] > 0 and rng.random() < seam["p"],
+    )
     conn.send(("address", (loop.run_until_complete(tcp.start()), loop.run_until_complete(udp.start()))))
     tcp_addresses, udp_addresses = conn.recv()
     members = [f"peer{i}" for i in range(n)]
     settings = AllReduceSettings(contribute_timeout=30.0, gather_timeout=60.0, verdict_timeout=5.0, drain_timeout=5.0)
     engines = {
         "tcp": GroupAllReduce(Group("bench", members, tcp_addresses, rank), tcp, numel, settings=settings),
-        "udp": LossyAllReduce(Group("bench", members, udp_addresses, rank), udp, numel, settings=settings,
-                              events=events),
+        "udp": LossyAllReduce(
+            Group("bench", members, udp_addresses, rank), udp, numel, settings=settings, events=events
+        ),
     }
     weights = [float(i + 1) for i in range(n)]
-    exact = (sum(w * _data(r, numel).numpy().astype(np.float64) for r, w in enumerate(weights)) / sum(weights))
+    exact = sum(w * _data(r, numel).numpy().astype(np.float64) for r, w in enumerate(weights)) / sum(weights)
     exact_rms = float(np.sqrt(np.mean(exact**2)))
     base, x = _data(rank, numel), torch.empty(numel)
     rounds = dict.fromkeys(engines, 0)
@@ -106,13 +117,23 @@ def _serve(rank: int, n: int, numel: int, conn, datagram: int, gso: bool) -> Non
         outcome = loop.run_until_complete(engines[system].all_reduce(x, weights[rank], rounds[system]))
         t1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         error = x.numpy() - exact
-        conn.send(("round", {
-            "time": t1 - t0, "cpu": c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime,
-            "status": outcome.status.value, "held": statistics.mean(outcome.held or [0.0]),
-            "coverage": statistics.mean(outcome.coverage), "rel_error": float(np.sqrt(np.mean(error**2))) / exact_rms,
-            "bias": float(error.mean()), "sent": tally["sent"] - before["sent"], "lost": tally["lost"] - before["lost"],
-            "kernel_drops": udp.kernel_drops,
-        }))  # fmt: skip
+        conn.send(
+            (
+                "round",
+                {
+                    "time": t1 - t0,
+                    "cpu": c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime,
+                    "status": outcome.status.value,
+                    "held": statistics.mean(outcome.held or [0.0]),
+                    "coverage": statistics.mean(outcome.coverage),
+                    "rel_error": float(np.sqrt(np.mean(error**2))) / exact_rms,
+                    "bias": float(error.mean()),
+                    "sent": tally["sent"] - before["sent"],
+                    "lost": tally["lost"] - before["lost"],
+                    "kernel_drops": udp.kernel_drops,
+                },
+            )
+        )
     for engine in engines.values():
         loop.run_until_complete(engine.close())
     loop.run_until_complete(tcp.close())
@@ -170,7 +191,9 @@ class NftLoss:
     def set(self, percent: float) -> None:
         t = self.table
         if not self.active:
-            self._nft(f"add table inet {t}\nadd chain inet {t} input {{ type filter hook input priority 0; policy accept; }}\n")
+            self._nft(
+                f"add table inet {t}\nadd chain inet {t} input {{ type filter hook input priority 0; policy accept; }}\n"
+            )
             self.active = True
         rule = f"add rule inet {t} input iifname lo meta l4proto {{ tcp, udp }} th dport {{ {self.ports} }} "
         rule += f"numgen random mod 10000 < {round(percent * 100)} drop\n" if percent else "accept\n"
@@ -192,12 +215,18 @@ def summarize(reports: list[list[dict]], n: int, nbytes: int) -> dict:
 
     sent = sum(r["sent"] for r in everyone)
     return {
-        "time": t, "busbw": round(2 * (n - 1) / n * nbytes / t / 1e6, 1), "samples": [round(x, 4) for x in times],
+        "time": t,
+        "busbw": round(2 * (n - 1) / n * nbytes / t / 1e6, 1),
+        "samples": [round(x, 4) for x in times],
         "cpu": round(statistics.median(sum(r["cpu"] for r in round_) for round_ in reports), 4),
-        "statuses": sorted({r["status"] for r in everyone}), "held": mean("held"), "coverage": mean("coverage"),
-        "rel_error": mean("rel_error"), "bias": mean("bias"), "datagrams_lost": round(sum(r["lost"] for r in everyone) / sent, 4) if sent else None,
+        "statuses": sorted({r["status"] for r in everyone}),
+        "held": mean("held"),
+        "coverage": mean("coverage"),
+        "rel_error": mean("rel_error"),
+        "bias": mean("bias"),
+        "datagrams_lost": round(sum(r["lost"] for r in everyone) / sent, 4) if sent else None,
         "kernel_drops": max(r["kernel_drops"] for r in everyone),
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=9, help="measured rounds per system and condition")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--loss", default="0,5,10", help="loss percentages, comma-separated")
-    parser.add_argument("--datagram", type=int, default=65507, help="UDP datagram bytes (65507: the most lo carries unfragmented)")
-    parser.add_argument("--gso", action="store_true", help="UDP segmentation offload (nft then drops GSO batches whole)")
+    parser.add_argument(
+        "--datagram", type=int, default=65507, help="UDP datagram bytes (65507: the most lo carries unfragmented)"
+    )
+    parser.add_argument(
+        "--gso", action="store_true", help="UDP segmentation offload (nft then drops GSO batches whole)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.mib, args.rounds = 4.0, 3
@@ -223,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     nbytes, losses = numel * 4, [float(p) for p in args.loss.split(",")]
     modes = (["nft"] if NftLoss.available() else []) + ["rule"]
     load = os.getloadavg()[0]
-    progress(BENCH, f"{n} peers, {nbytes / (1 << 20):.0f} MiB, datagrams {args.datagram} B, gso {args.gso}, "
-                    f"loss {losses} % by {' and '.join(modes)}, load {load:.2f}, {os.cpu_count()} cores")  # fmt: skip
+    progress(
+        BENCH,
+        f"{n} peers, {nbytes / (1 << 20):.0f} MiB, datagrams {args.datagram} B, gso {args.gso}, "
+        f"loss {losses} % by {' and '.join(modes)}, load {load:.2f}, {os.cpu_count()} cores",
+    )
     workers, nft, lines = Workers(n, numel, args.datagram, args.gso), None, []
     try:
         addresses = [workers.recv(rank, SETUP_TIMEOUT) for rank in range(n)]
@@ -245,16 +281,36 @@ def main(argv: list[str] | None = None) -> int:
                         if r >= args.warmup:
                             reports[system].append(round_)
                 u, t = (summarize(reports[s], n, nbytes) for s in ("udp", "tcp"))
-                progress(BENCH, f"{mode} {percent:g} %: udp {u['time'] * 1e3:.0f} ms (held {u['held']:.3f}), "
-                                f"tcp {t['time'] * 1e3:.0f} ms {t['statuses']}")  # fmt: skip
-                lines.append(result(
-                    BENCH, f"bus_bandwidth_{mode}_{percent:g}pct_loss", u["busbw"], t["busbw"], "MB/s", n=n,
-                    bytes=nbytes, loss_percent=percent, loss_by=mode, datagram=args.datagram, gso=args.gso,
-                    cores=os.cpu_count(), load_1min_at_start=round(load, 2), udp=u, tcp=t,
-                    note="ratio = UDP / TCP bus bandwidth (>1: the UDP engine is faster); "
-                    + ("TCP lost nothing: a rule cannot drop TCP segments" if mode == "rule" else
-                       "nftables dropped the same share of packets for both engines"),
-                ))  # fmt: skip
+                progress(
+                    BENCH,
+                    f"{mode} {percent:g} %: udp {u['time'] * 1e3:.0f} ms (held {u['held']:.3f}), "
+                    f"tcp {t['time'] * 1e3:.0f} ms {t['statuses']}",
+                )
+                lines.append(
+                    result(
+                        BENCH,
+                        f"bus_bandwidth_{mode}_{percent:g}pct_loss",
+                        u["busbw"],
+                        t["busbw"],
+                        "MB/s",
+                        n=n,
+                        bytes=nbytes,
+                        loss_percent=percent,
+                        loss_by=mode,
+                        datagram=args.datagram,
+                        gso=args.gso,
+                        cores=os.cpu_count(),
+                        load_1min_at_start=round(load, 2),
+                        udp=u,
+                        tcp=t,
+                        note="ratio = UDP / TCP bus bandwidth (>1: the UDP engine is faster); "
+                        + (
+                            "TCP lost nothing: a rule cannot drop TCP segments"
+                            if mode == "rule"
+                            else "nftables dropped the same share of packets for both engines"
+                        ),
+                    )
+                )
     except KeyboardInterrupt:
         progress(BENCH, "interrupted; every worker was killed")
         return 130

@@ -205,8 +205,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--max-rounds", type=int, default=200)
-    parser.add_argument("--fail-rates", type=float, nargs="+", default=list(FAIL_RATES), metavar="P",
-                        help="per-round failure probabilities (default: %(default)s); the headline uses the last")
+    parser.add_argument(
+        "--fail-rates",
+        type=float,
+        nargs="+",
+        default=list(FAIL_RATES),
+        metavar="P",
+        help="per-round failure probabilities (default: %(default)s); the headline uses the last",
+    )
     args = parser.parse_args()
     rates, common = args.fail_rates, {"n": N, "seeds": args.seeds, "target": TARGET, "max_rounds": args.max_rounds}
 
@@ -220,27 +226,63 @@ def main() -> None:
         return None if None in means else round(statistics.fmean(means), 2)
 
     for part in ([n for n in SWEEP if n <= GROUP**2], [n for n in SWEEP if n > GROUP**2]):
-        progress(BENCH, f"mean over n = {part[0]}, {part[1]}, ..., {part[-1]}, {SWEEP_SEEDS} seeds: "
-                 + ", ".join(f"{name} p={p:.1%} {over_sweep((name, p), part)}" for name, p in swept[part[0]]))
+        progress(
+            BENCH,
+            f"mean over n = {part[0]}, {part[1]}, ..., {part[-1]}, {SWEEP_SEEDS} seeds: "
+            + ", ".join(f"{name} p={p:.1%} {over_sweep((name, p), part)}" for name, p in swept[part[0]]),
+        )
     rounds = measure(methods, N, rates, args.seeds, args.max_rounds)
-    progress(BENCH, f"N = {N}, {grid_shape(N, GROUP)} grid, {DIM} values per peer, {args.seeds} seeds, "
-             f"{time.monotonic() - started:.1f} s in all\n{table(rounds, args.max_rounds)}")
+    progress(
+        BENCH,
+        f"N = {N}, {grid_shape(N, GROUP)} grid, {DIM} values per peer, {args.seeds} seeds, "
+        f"{time.monotonic() - started:.1f} s in all\n{table(rounds, args.max_rounds)}",
+    )
 
     records = [
-        result(BENCH, f"rounds_to_1e-9_p{p:g}_sweep_peerd_shape_vs_equal_sides", over_sweep(("peerd rule", p)),
-               over_sweep(("equal sides", p)), "rounds", fail_rate=p, n=f"{SWEEP.start}..{SWEEP[-1]} step {SWEEP.step}",
-               seeds=SWEEP_SEEDS, note="mean over the peer counts n")
+        result(
+            BENCH,
+            f"rounds_to_1e-9_p{p:g}_sweep_peerd_shape_vs_equal_sides",
+            over_sweep(("peerd rule", p)),
+            over_sweep(("equal sides", p)),
+            "rounds",
+            fail_rate=p,
+            n=f"{SWEEP.start}..{SWEEP[-1]} step {SWEEP.step}",
+            seeds=SWEEP_SEEDS,
+            note="mean over the peer counts n",
+        )
         for p in rates
     ]
     ours = {p: mean_rounds(rounds[("moshpit", p)]) for p in rates}
     for p in rates:
-        for metric, name in (("gossip", "gossip"), ("hash_coords", "moshpit, hash coords"),
-                             ("stale_views", "moshpit, half miss a joiner")):
-            records.append(result(BENCH, f"rounds_to_1e-9_p{p:g}_vs_{metric}", ours[p], mean_rounds(rounds[(name, p)]),
-                                  "rounds", fail_rate=p, **common))
+        for metric, name in (
+            ("gossip", "gossip"),
+            ("hash_coords", "moshpit, hash coords"),
+            ("stale_views", "moshpit, half miss a joiner"),
+        ):
+            records.append(
+                result(
+                    BENCH,
+                    f"rounds_to_1e-9_p{p:g}_vs_{metric}",
+                    ours[p],
+                    mean_rounds(rounds[(name, p)]),
+                    "rounds",
+                    fail_rate=p,
+                    **common,
+                )
+            )
     for p in rates:  # the headline (by default p = 0.5 %) goes last
-        records.append(result(BENCH, f"rounds_to_1e-9_p{p:g}_vs_random_groups", ours[p],
-                              mean_rounds(rounds[("random groups", p)]), "rounds", fail_rate=p, group=GROUP, **common))
+        records.append(
+            result(
+                BENCH,
+                f"rounds_to_1e-9_p{p:g}_vs_random_groups",
+                ours[p],
+                mean_rounds(rounds[("random groups", p)]),
+                "rounds",
+                fail_rate=p,
+                group=GROUP,
+                **common,
+            )
+        )
     for record in records:
         emit(record)
 

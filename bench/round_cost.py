@@ -106,17 +106,31 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         initial = conn.recv()[0]
     else:
         initial = []
-    settings = NodeSettings(host_maddrs=[f"/ip4/{ip}/tcp/0"], identity_path=Path(scratch) / f"h{rank}.key",
-                            initial_peers=initial, request_timeout=network.request_timeout)  # fmt: skip
+    settings = NodeSettings(
+        host_maddrs=[f"/ip4/{ip}/tcp/0"],
+        identity_path=Path(scratch) / f"h{rank}.key",
+        initial_peers=initial,
+        request_timeout=network.request_timeout,
+    )
     node = on_loop(PeerNode.start(settings, events), SETUP_TIMEOUT)
     if not rank:
         conn.send(("address", on_loop(node.visible_maddrs(), SETUP_TIMEOUT)))
         conn.recv()
     matchmaker = TimedMatchmaker(node, MatchmakingSettings(max_group_size=MAX_GROUP), events)
     on_loop(matchmaker.start(), SETUP_TIMEOUT)
-    membership = RunMembership(node, RUN, None, DiscoverySettings(
-        heartbeat_interval=discovery.heartbeat_interval, refresh_interval=discovery.refresh_interval,
-        peer_ttl=discovery.peer_ttl, goodbye_timeout=discovery.goodbye_timeout), version=__version__, events=events)  # fmt: skip
+    membership = RunMembership(
+        node,
+        RUN,
+        None,
+        DiscoverySettings(
+            heartbeat_interval=discovery.heartbeat_interval,
+            refresh_interval=discovery.refresh_interval,
+            peer_ttl=discovery.peer_ttl,
+            goodbye_timeout=discovery.goodbye_timeout,
+        ),
+        version=__version__,
+        events=events,
+    )
     step = 0
     membership.step_of = lambda: step
     on_loop(membership.start(), SETUP_TIMEOUT)
@@ -127,17 +141,27 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
 
     on_loop(everyone_in_table(), SETUP_TIMEOUT)
     averager = MoshpitAverager(
-        run_id=RUN, secret=None, peer_id=node.peer_id, matchmaker=matchmaker, bind_host=ip, advertise_host=ip,
-        max_group_size=averaging.max_group_size, p2p=node.p2p, transport_mode="reliable", events=events,
+        run_id=RUN,
+        secret=None,
+        peer_id=node.peer_id,
+        matchmaker=matchmaker,
+        bind_host=ip,
+        advertise_host=ip,
+        max_group_size=averaging.max_group_size,
+        p2p=node.p2p,
+        transport_mode="reliable",
+        events=events,
         rendezvous=rendezvous_for(membership, averaging.average_every, averaging.round_timeout),
-    )  # fmt: skip
+    )
 
     async def run_round(vector, weight, round_t, lanes, restore, payload):  # as daemon/app.py's
         live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers()}
         return await averager.average(vector, weight, round_t, live, lanes, "", restore, payload)
 
     average = round_bridge(RunHandle(RUN, None, None), loop, run_round, min(timeout, averaging.round_timeout))
-    dist.init_process_group("gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout)
+    )
     x, gloo = _data(rank, numel), GlooStep(_data(rank, numel), n)
     parts: dict[str, float | None] = {}
 
@@ -215,22 +239,39 @@ def measure(args, net, hosts, rtt: float) -> dict:
     gloo, gloo_rounds = round_time(reports, "gloo", digits=4)
     parts = breakdown(reports)
     progress(BENCH, f"rtt {rtt:g} ms: ours {ours} s, gloo {gloo} s; parts of ours {parts}")
-    delay = (f"{rtt:g} ms added RTT between any two hosts (userspace TUN delay line, {rtt / 2:g} ms on each host's egress)"
-             if rtt else "no added latency")  # fmt: skip
+    delay = (
+        f"{rtt:g} ms added RTT between any two hosts (userspace TUN delay line, {rtt / 2:g} ms on each host's egress)"
+        if rtt
+        else "no added latency"
+    )
     return result(
-        BENCH, f"round_s_rtt{rtt:g}ms", ours, gloo, "s",
-        added_rtt_ms=rtt, measured_rtt_ms=measured, measured_rtt_pairs={f"{a}->{b}": m for (a, b), m in rtts.items()},
-        hosts=len(hosts), numel=args.numel, bytes=args.numel * 4, rate_mbit=args.rate, rounds=args.rounds,
-        ours_parts_s=parts, ours_rounds_s=ours_rounds, gloo_rounds_s=gloo_rounds,
+        BENCH,
+        f"round_s_rtt{rtt:g}ms",
+        ours,
+        gloo,
+        "s",
+        added_rtt_ms=rtt,
+        measured_rtt_ms=measured,
+        measured_rtt_pairs={f"{a}->{b}": m for (a, b), m in rtts.items()},
+        hosts=len(hosts),
+        numel=args.numel,
+        bytes=args.numel * 4,
+        rate_mbit=args.rate,
+        rounds=args.rounds,
+        ours_parts_s=parts,
+        ours_rounds_s=ours_rounds,
+        gloo_rounds_s=gloo_rounds,
         ours_first_round_s=round_time(reports, "ours_first", digits=4)[1][0],
         gloo_first_round_s=round_time(reports, "gloo_first", digits=4)[1][0],
         ours_outcomes=sorted({o for r in reports for o in r["outcomes"]}),
-        cell_s=round(time.monotonic() - t_cell, 1), cores=os.cpu_count(),
-        load_1min_at_start=round(load, 2), load_1min_at_end=round(os.getloadavg()[0], 2),
+        cell_s=round(time.monotonic() - t_cell, 1),
+        cores=os.cpu_count(),
+        load_1min_at_start=round(load, 2),
+        load_1min_at_end=round(os.getloadavg()[0], 2),
         emulated=f"{len(hosts)} network namespaces on one bridge; tbf {args.rate:g} Mbit/s both directions; no loss; {delay}",
         note="ours: one peerd round as the daemon runs it (rendezvous, direct matchmaking, reliable engine); "
         "baseline: gloo all_reduce; ratio = ours / gloo; *_rtts: (figure - its 0 ms figure) / added RTT",
-    )  # fmt: skip
+    )
 
 
 def add_rtts(records: list[dict]) -> None:
@@ -240,18 +281,29 @@ def add_rtts(records: list[dict]) -> None:
         rtt = r["added_rtt_ms"]
         r["ours_rtts"] = in_rtts(r["ours"], zero and zero["ours"], rtt)
         r["gloo_rtts"] = in_rtts(r["baseline"], zero and zero["baseline"], rtt)
-        r["ours_parts_rtts"] = {p: in_rtts(v, zero and zero["ours_parts_s"][p], rtt) for p, v in r["ours_parts_s"].items()}
+        r["ours_parts_rtts"] = {
+            p: in_rtts(v, zero and zero["ours_parts_s"][p], rtt) for p, v in r["ours_parts_s"].items()
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="RTT 0 and 50 ms, 3 rounds: a smoke run (about a minute)")
     parser.add_argument("--hosts", type=int, default=3)
-    parser.add_argument("--rtt-ms", default="0,50,200", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)")
-    parser.add_argument("--rounds", type=int, default=15, help="measured rounds per system and RTT (after the first round, reported apart)")
+    parser.add_argument(
+        "--rtt-ms", default="0,50,200", help="added RTT settings in ms between any two hosts, comma-separated (0-2000)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=15,
+        help="measured rounds per system and RTT (after the first round, reported apart)",
+    )
     parser.add_argument("--numel", type=int, default=256, help="float32 values in the averaged vector")
     parser.add_argument("--rate", type=float, default=100.0, help="link rate in Mbit/s, both directions")
-    parser.add_argument("--round-timeout", type=float, default=30.0, help="seconds a round may take before it counts as failed")
+    parser.add_argument(
+        "--round-timeout", type=float, default=30.0, help="seconds a round may take before it counts as failed"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rtt_ms, args.rounds = "0,50", 3
@@ -267,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     interrupt_on_signals()
     net = Network()
-    progress(BENCH, f"{args.hosts} hosts at {args.rate:g} Mbit/s, {args.numel} float32, added RTT {rtts} ms, lab {net.name}")
+    progress(
+        BENCH, f"{args.hosts} hosts at {args.rate:g} Mbit/s, {args.numel} float32, added RTT {rtts} ms, lab {net.name}"
+    )
     records, started = [], time.monotonic()
     try:
         net.create()
@@ -284,9 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     add_rtts(records)
     headline = next((r for r in records if r["added_rtt_ms"] == 50), records[-1])
     rtt = headline["added_rtt_ms"]
-    records.append({**headline, "metric": f"round fixed cost at {rtt:g} ms RTT", "total_s": round(time.monotonic() - started, 1),
-                    "note": f"headline: seconds of one round of {args.numel} float32 among {args.hosts} hosts at {rtt:g} ms RTT, "
-                    "peerd's round as the daemon runs it vs gloo's all_reduce; ratio = ours / gloo, < 1 means peerd is faster"})  # fmt: skip
+    records.append(
+        {
+            **headline,
+            "metric": f"round fixed cost at {rtt:g} ms RTT",
+            "total_s": round(time.monotonic() - started, 1),
+            "note": f"headline: seconds of one round of {args.numel} float32 among {args.hosts} hosts at {rtt:g} ms RTT, "
+            "peerd's round as the daemon runs it vs gloo's all_reduce; ratio = ours / gloo, < 1 means peerd is faster",
+        }
+    )
     for r in records:
         emit(r)
     if not args.quick:  # a smoke run's figures are not worth keeping

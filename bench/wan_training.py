@@ -26,7 +26,6 @@ the last is the headline: utilization, (a)'s steps per host over (c)'s. Needs ro
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -34,7 +33,6 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import json
 
@@ -101,8 +99,13 @@ def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> d
         "name": name,
         "duration": args.seconds,
         "congestion_control": "bbr",
-        "run": {"id": name, "task": args.task, "settings": {k: str(v) for k, v in settings.items()},
-                "checkpoint_every": 100_000, "args": ["--eval-every", "100000", "--progress-interval", "0"]},
+        "run": {
+            "id": name,
+            "task": args.task,
+            "settings": {k: str(v) for k, v in settings.items()},
+            "checkpoint_every": 100_000,
+            "args": ["--eval-every", "100000", "--progress-interval", "0"],
+        },
         "link": {"rate_mbit": args.rate, "loss_pct": args.loss if loss is None else loss, "rtt_ms": args.rtt_ms},
         "host": hosts,
     }
@@ -170,14 +173,23 @@ def run_setup(name: str, data: dict, throttle: str = "") -> dict:
         s = last[-1]
         samples = s.metrics.get("samples", 0.0)
         hosts[host] = {
-            "steps": s.step, "local_steps": s.local_step,
+            "steps": s.step,
+            "local_steps": s.local_step,
             "compute_fraction": round(s.metrics.get("compute_fraction", math.nan), 3),
             "mb_per_1000_samples": round(s.metrics.get("sent_bytes", 0.0) / 1e6 / max(samples, 1) * 1000, 4),
-            "samples": samples, "eval": round(lab.evaluations.get(host, math.nan), 4),
+            "samples": samples,
+            "eval": round(lab.evaluations.get(host, math.nan), 4),
             "rounds_completed": s.metrics.get("rounds_completed", 0.0),
         }
-    out = {"bench": BENCH, "setup": name, "hosts": hosts, "settings": data["run"]["settings"],
-            "link": data["link"], "duration": round(record.duration, 1), "exit_codes": record.exit_codes}
+    out = {
+        "bench": BENCH,
+        "setup": name,
+        "hosts": hosts,
+        "settings": data["run"]["settings"],
+        "link": data["link"],
+        "duration": round(record.duration, 1),
+        "exit_codes": record.exit_codes,
+    }
     line(out)
     return out
 
@@ -199,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="charlm")
     p.add_argument("--extra", default="", help="comma-separated: udp10, sync (no overlap), throttled")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
-    p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True,
-                   help="also train one process on as many samples as (a)'s hosts together")
+    p.add_argument(
+        "--single",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train one process on as many samples as (a)'s hosts together",
+    )
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         print("bench.wan_training needs root (network namespaces)", file=sys.stderr)
@@ -213,13 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         ("c_alone", scenario("c_alone", args, {"averaging.algorithm": "state", "averaging.average_every": 100_000})),
     ]
     if not args.quick:
-        setups.insert(1, ("b_state", scenario("b_state", args, {"averaging.algorithm": "state",
-                                                                  "averaging.average_every": 10})))
+        setups.insert(
+            1, ("b_state", scenario("b_state", args, {"averaging.algorithm": "state", "averaging.average_every": 10}))
+        )
     extras = [e for e in args.extra.split(",") if e]
     for e in extras:
         if e == "udp10":
-            setups.append(("a_diloco_udp10", scenario("a_diloco_udp10", args, {**diloco, "averaging.transport": "udp"},
-                                                      loss=10.0)))
+            setups.append(
+                (
+                    "a_diloco_udp10",
+                    scenario("a_diloco_udp10", args, {**diloco, "averaging.transport": "udp"}, loss=10.0),
+                )
+            )
         elif e == "sync":
             setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
         elif e == "throttled":
@@ -239,14 +260,28 @@ def main(argv: list[str] | None = None) -> int:
         steps = round(_mean(a, "local_steps"))
         progress(f"one process: {steps} steps of {args.hosts} x {h.batch_size} samples")
         single = train_single_process(task, h, steps=steps, batch_size=args.hosts * h.batch_size, seed=0)
-        line({"bench": BENCH, "setup": "single_process", "steps": steps, "batch": args.hosts * h.batch_size,
-              "eval": round(single.score, 4), "metric": single.metric})
-    summary = {"bench": BENCH, "setup": "summary",
-               "eval_a": round(_mean(a, "eval"), 4), "eval_c_best": min(h["eval"] for h in c["hosts"].values()),
-               "compute_fraction_a": round(_mean(a, "compute_fraction"), 3)}
+        line(
+            {
+                "bench": BENCH,
+                "setup": "single_process",
+                "steps": steps,
+                "batch": args.hosts * h.batch_size,
+                "eval": round(single.score, 4),
+                "metric": single.metric,
+            }
+        )
+    summary = {
+        "bench": BENCH,
+        "setup": "summary",
+        "eval_a": round(_mean(a, "eval"), 4),
+        "eval_c_best": min(h["eval"] for h in c["hosts"].values()),
+        "compute_fraction_a": round(_mean(a, "compute_fraction"), 3),
+    }
     if "b_state" in lines:
         b = lines["b_state"]
-        summary["bytes_per_sample_b_over_a"] = round(_mean(b, "mb_per_1000_samples") / _mean(a, "mb_per_1000_samples"), 1)
+        summary["bytes_per_sample_b_over_a"] = round(
+            _mean(b, "mb_per_1000_samples") / _mean(a, "mb_per_1000_samples"), 1
+        )
         summary["eval_b"] = round(_mean(b, "eval"), 4)
     line(summary)
     ours, base = _mean(a, "steps"), _mean(c, "steps")

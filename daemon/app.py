@@ -98,7 +98,9 @@ class Daemon:
         after undoing whatever had started."""
         cfg = self.config
         if self.control_address.startswith("unix:") and len(self.control_address) - 5 > UNIX_SOCKET_PATH_MAX:
-            raise OSError(f"control socket path {self.control_address[5:]} is too long for a unix socket; pass --control")
+            raise OSError(
+                f"control socket path {self.control_address[5:]} is too long for a unix socket; pass --control"
+            )
         secret = self._secret_for_start()
         self.data_dir.open()
         try:
@@ -154,8 +156,11 @@ class Daemon:
         """The runs whose peers' links this daemon measures: those that use the measurements, i.e.
         loss-tolerant runs (per-link data path) and, with --local-group auto, every training run."""
         auto = self.config.train.local_group == AUTO
-        return [run_id for run_id, h in self.runs.items()
-                if h.manifest is not None and (auto or h.manifest.averaging.transport == "udp")]  # fmt: skip
+        return [
+            run_id
+            for run_id, h in self.runs.items()
+            if h.manifest is not None and (auto or h.manifest.averaging.transport == "udp")
+        ]
 
     async def _probe_links(self) -> None:
         """Measure the link to every peer of the runs that use it (_measured_runs; peers/linkprobe.py):
@@ -165,15 +170,24 @@ class Daemon:
             await asyncio.sleep(PROBE_TICK)
             try:
                 runs = self.memberships.runs if self.memberships else {}
-                targets = {e.peer_id: e.probe_address for r in self._measured_runs() if r in runs
-                           for e in runs[r].peers() if e.probe_address}  # fmt: skip
+                targets = {
+                    e.peer_id: e.probe_address
+                    for r in self._measured_runs()
+                    if r in runs
+                    for e in runs[r].peers()
+                    if e.probe_address
+                }
                 self.prober.forget(set(targets))
                 t = time.monotonic()
-                due = [(p, a) for p, a in targets.items()
-                       if p not in self.prober.stats or t - self.prober.stats[p].measured_at >= PROBE_INTERVAL]  # fmt: skip
+                due = [
+                    (p, a)
+                    for p, a in targets.items()
+                    if p not in self.prober.stats or t - self.prober.stats[p].measured_at >= PROBE_INTERVAL
+                ]
                 for i in range(0, len(due), PROBE_BATCH):
-                    await asyncio.gather(*(self.prober.measure(p, a) for p, a in due[i : i + PROBE_BATCH]),
-                                         return_exceptions=True)  # fmt: skip
+                    await asyncio.gather(
+                        *(self.prober.measure(p, a) for p, a in due[i : i + PROBE_BATCH]), return_exceptions=True
+                    )
                 if self.config.train.local_group == AUTO:  # one train at a time: trains would share links
                     t = time.monotonic()
                     for p, a in targets.items():
@@ -274,7 +288,9 @@ class Daemon:
             raise RuntimeError(f"daemon is {self.state.value}, not READY")
         return self.memberships
 
-    async def join_run(self, run_id: str, secret_file: str | None, task: str = "", settings: dict[str, str] | None = None) -> bool:
+    async def join_run(
+        self, run_id: str, secret_file: str | None, task: str = "", settings: dict[str, str] | None = None
+    ) -> bool:
         """Join a run (creating it when `task` is given and it has no manifest). Raises RunRefused,
         InvalidSecret, TooManyRuns beyond max_runs, or RuntimeError when not READY; a refused join
         changes nothing. Joining a run this daemon is in already returns False."""
@@ -294,12 +310,16 @@ class Daemon:
         if run_id in self.runs:
             current = self.runs[run_id].manifest
             if task and (current is None or current.task != task):
-                raise run_setup.RunRefused(f"already in run {run_id!r}, which trains {current.task if current else 'nothing'!r}, not {task!r}")
+                raise run_setup.RunRefused(
+                    f"already in run {run_id!r}, which trains {current.task if current else 'nothing'!r}, not {task!r}"
+                )
             return False
         data_dir = self.config.data_dir
         resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject, data_dir)
         await self.memberships.join(run_id, secret)
-        self.memberships.runs[run_id].probe_address = self.prober.announced(self._advertise_host()) if self.prober else ""
+        self.memberships.runs[run_id].probe_address = (
+            self.prober.announced(self._advertise_host()) if self.prober else ""
+        )
         handle = RunHandle(run_id, None, None, secret=secret)
         if resolved is not None:
             await self._train(handle, *resolved)
@@ -320,8 +340,9 @@ class Daemon:
         while True:
             await asyncio.sleep(MANIFEST_POLL)
             try:
-                resolved = await run_setup.resolve(self.node, handle.run_id, handle.secret, "", {}, self.reject,
-                                                   self.config.data_dir)
+                resolved = await run_setup.resolve(
+                    self.node, handle.run_id, handle.secret, "", {}, self.reject, self.config.data_dir
+                )
             except run_setup.RunRefused as e:
                 logger.warning("run %s: its manifest appeared, and this daemon cannot train it: %s", handle.run_id, e)
                 return
@@ -355,14 +376,18 @@ class Daemon:
             advertise_host=self._advertise_host(),
             max_group_size=manifest.averaging.max_group_size,
             p2p=self.node.p2p,
-            transport_mode={"auto": "reliable"}.get(self.config.network.reliable_links, self.config.network.reliable_links),
+            transport_mode={"auto": "reliable"}.get(
+                self.config.network.reliable_links, self.config.network.reliable_links
+            ),
             loss_tolerant=manifest.averaging.transport == "udp",
             data_path=self.config.network.transport,
             udp_path_ok=lambda peer_id: self.prober is not None and self.prober.passes(peer_id),
             datagram_bytes=manifest.averaging.datagram_bytes,
             udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
             events=self.metrics.peer_events(),
-            rendezvous=run_setup.rendezvous_for(membership, manifest.averaging.average_every, manifest.averaging.round_timeout),
+            rendezvous=run_setup.rendezvous_for(
+                membership, manifest.averaging.average_every, manifest.averaging.round_timeout
+            ),
             lanes=manifest.averaging.lanes,
         )
 
@@ -370,8 +395,7 @@ class Daemon:
             # Peers with nothing training (role idle: no process attached) are nobody's mates.
             live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers() if e.role != IDLE}
             # The trainer thread waits for this round: its delegation cannot change meanwhile.
-            return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore,
-                                          payload)
+            return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore, payload)
 
         loop = asyncio.get_running_loop()
         average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
@@ -399,7 +423,10 @@ class Daemon:
                 peer_id=self.node.peer_id,
                 label=self.config.train.local_group,
                 host=self._advertise_host(),
-                peers=lambda: [GroupPeer(e.peer_id, e.local_group, e.dear_address, e.links, e.timestamp) for e in membership.peers()],
+                peers=lambda: [
+                    GroupPeer(e.peer_id, e.local_group, e.dear_address, e.links, e.timestamp)
+                    for e in membership.peers()
+                ],
                 own_links=lambda: membership.published_links,
                 events=self.metrics.peer_events(),
                 engine_key=secret.engine_key if secret is not None else None,
@@ -437,7 +464,9 @@ class Daemon:
         if removed := remove_stale(shared):
             logger.info("removed %d shared-memory file(s) of daemons that are gone from %s", removed, shared)
         if train.local_group:
-            logger.warning("run %s: --local-group does not apply to a run trained by scripts; its rounds run alone", run_id)
+            logger.warning(
+                "run %s: --local-group does not apply to a run trained by scripts; its rounds run alone", run_id
+            )
         membership.role = IDLE  # until a process attaches
 
         def on_role(active: bool) -> None:
@@ -479,10 +508,13 @@ class Daemon:
         async with self._run_changes:
             handle = self.runs.get(run_id)
             if handle is None:
-                raise UnknownRun(f"this daemon is not in run {run_id!r}: start it with --run {run_id} (or `peerd join {run_id}`)")
+                raise UnknownRun(
+                    f"this daemon is not in run {run_id!r}: start it with --run {run_id} (or `peerd join {run_id}`)"
+                )
             if handle.manifest is None:
-                resolved = await run_setup.resolve(self.node, run_id, handle.secret, "", settings, self.reject,
-                                                   self.config.data_dir, model=layout)
+                resolved = await run_setup.resolve(
+                    self.node, run_id, handle.secret, "", settings, self.reject, self.config.data_dir, model=layout
+                )
                 await self._train(handle, *resolved)
                 self.data_dir.write_ready(self.ready_info())
             else:
@@ -572,12 +604,20 @@ class Daemon:
             handle = self.runs.get(m.run_id)
             tr = handle.trainer if handle else None
             manifest = handle.manifest if handle else None
-            r = control_pb2.RunStatus(run_id=m.run_id, peers=len(m.table), secured=m.secured,
-                                      joined_seconds=t - m.joined_at, task=manifest.task if manifest else "",
-                                      algorithm=manifest.averaging.algorithm if manifest else "",
-                                      param_divergence=math.nan, param_distance_to_group_mean=math.nan,
-                                      dear_overlap_ratio=math.nan, compute_fraction=math.nan, wan_share=1.0,
-                                      local_group_rank=-1)  # fmt: skip
+            r = control_pb2.RunStatus(
+                run_id=m.run_id,
+                peers=len(m.table),
+                secured=m.secured,
+                joined_seconds=t - m.joined_at,
+                task=manifest.task if manifest else "",
+                algorithm=manifest.averaging.algorithm if manifest else "",
+                param_divergence=math.nan,
+                param_distance_to_group_mean=math.nan,
+                dear_overlap_ratio=math.nan,
+                compute_fraction=math.nan,
+                wan_share=1.0,
+                local_group_rank=-1,
+            )
             if tr is not None:
                 lr, div, lg, session = tr.last_round, m.divergence(), tr.local_group, tr.session
                 r.train_state, r.step, r.loss, r.samples = tr.state.value, tr.step, tr.loss, tr.samples

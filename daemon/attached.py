@@ -155,7 +155,12 @@ def layout_identity(run_id: str, layout: tuple[TensorSpec, ...]) -> dict:
     import json
 
     text = json.dumps([(t.name, list(t.shape), t.dtype) for t in layout])
-    return {"run_id": run_id, "task": "", "hparams": {}, "layout": hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}
+    return {
+        "run_id": run_id,
+        "task": "",
+        "hparams": {},
+        "layout": hashlib.blake2b(text.encode(), digest_size=8).hexdigest(),
+    }
 
 
 class AttachedTrainer:
@@ -197,7 +202,13 @@ class AttachedTrainer:
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
         self.average_every, self.round_timeout, self.checkpoint_every = average_every, round_timeout, checkpoint_every
-        self.average, self.on_round, self.peer_steps, self.sync, self.on_sync = average, on_round, peer_steps, sync, on_sync
+        self.average, self.on_round, self.peer_steps, self.sync, self.on_sync = (
+            average,
+            on_round,
+            peer_steps,
+            sync,
+            on_sync,
+        )
         self.on_role, self.lease_seconds = on_role, lease_seconds
         self.numel = sum(t.numel for t in layout)
         self._identity = layout_identity(run_id, layout)
@@ -282,7 +293,8 @@ class AttachedTrainer:
             if s is not None and (not s.pid or pid_alive(s.pid)) and time.monotonic() - s.renewed < self.lease_seconds:
                 raise AttachRefused(
                     f"run {self.run_id!r} already has a training process attached to this daemon (pid {s.pid}); "
-                    "one per run per daemon: start another daemon with its own --data-dir for a second process")
+                    "one per run per daemon: start another daemon with its own --data-dir for a second process"
+                )
             if s is not None:
                 self._end_session("another process attaches")
             upload = False
@@ -291,20 +303,37 @@ class AttachedTrainer:
                     if not self.creator:
                         raise AttachRefused(
                             f"no peer served run {self.run_id!r}'s state within {ATTACH_PATIENCE:.0f} s, and this daemon did "
-                            "not create the run: the process must start from the run's parameters; try again")
+                            "not create the run: the process must start from the run's parameters; try again"
+                        )
                     upload = True
             else:
                 self._catch_up()
             if step > self.global_step:  # a restart from an older checkpoint: the run's step goes on
                 self.global_step = step
-            self.session = Session(secrets.token_hex(16), pid if pid and pid_alive(pid) else 0, device, time.monotonic())
+            self.session = Session(
+                secrets.token_hex(16), pid if pid and pid_alive(pid) else 0, device, time.monotonic()
+            )
             self.state = TrainState.TRAINING
             self.error = ""
         self.on_role(True)
-        logger.info("run %s: process %d attached (%s) at step %d%s", self.run_id, pid, device, self.global_step,
-                    "; it uploads the run's first parameters" if upload else "")
-        return AttachInfo(self.session.token, str(self._shared.path), self.numel, self.global_step, self.average_every,
-                          self.lease_seconds, self.phase_timeout, upload)
+        logger.info(
+            "run %s: process %d attached (%s) at step %d%s",
+            self.run_id,
+            pid,
+            device,
+            self.global_step,
+            "; it uploads the run's first parameters" if upload else "",
+        )
+        return AttachInfo(
+            self.session.token,
+            str(self._shared.path),
+            self.numel,
+            self.global_step,
+            self.average_every,
+            self.lease_seconds,
+            self.phase_timeout,
+            upload,
+        )
 
     @property
     def phase_timeout(self) -> float:
@@ -314,7 +343,9 @@ class AttachedTrainer:
     def renew(self, token: str) -> None:
         s = self.session
         if s is None or s.token != token:
-            raise SessionLost(f"no attachment {token[:8]}… to run {self.run_id!r}: its lease lapsed or the daemon restarted")
+            raise SessionLost(
+                f"no attachment {token[:8]}… to run {self.run_id!r}: its lease lapsed or the daemon restarted"
+            )
         s.renewed = time.monotonic()
 
     def detach(self, token: str) -> None:
@@ -394,7 +425,9 @@ class AttachedTrainer:
                     self.snapshot = Snapshot(result.step, self._outer.outer.clone())
                     self.global_step = max(self.global_step, result.step)
                     self._samples_since_round, self._has_state = 0.0, True
-                    logger.info("run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step)
+                    logger.info(
+                        "run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step
+                    )
                     self.on_sync(result)
                     return True
             if time.monotonic() >= deadline:

@@ -93,8 +93,10 @@ def _check_ports_free(config) -> None:
                 s.bind((host, port))  # without SO_REUSEPORT: fails while any socket listens on the port
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
-                    raise ConfigError(f"{flag} {port} is in use on {host} (another peerd daemon, or another program, "
-                                      f"listens on it): pick another {flag}, or 0 for any free port") from None
+                    raise ConfigError(
+                        f"{flag} {port} is in use on {host} (another peerd daemon, or another program, "
+                        f"listens on it): pick another {flag}, or 0 for any free port"
+                    ) from None
                 raise ConfigError(f"{flag} {port}: cannot listen on {host}: {e.strerror}") from None
 
 
@@ -211,36 +213,63 @@ def _cmd_status(args) -> int:
     rows = []
     for r in s.runs:
         trains = bool(r.train_state)  # a task, or a script's model: status has training figures
-        rows.append((
-            r.run_id,
-            str(r.peers),
-            "yes" if r.secured else "no",
-            r.task or ("script" if trains else "-"),
-            r.train_state or "-",
-            str(r.step) if trains else "-",
-            str(r.local_step) if trains else "-",
-            f"{r.loss:.4f}" if trains else "-",
-            f"{r.samples_per_second:.0f}" if trains else "-",
-            f"{r.last_round} {r.last_round_outcome} ({r.group_size}{', ' + r.last_round_links if r.last_round_links else ''})"
-            if r.last_round_outcome else "-",
-            f"{r.eval_metric} {r.eval_score:.4f}" if r.eval_metric else "-",
-        ))
-    _table(("RUN", "PEERS", "SECRET", "TASK", "TRAINING", "STEP", "LOCAL", "LOSS", "SAMPLES/S", "LAST ROUND (GROUP, LINKS)", "EVAL"), rows, empty="not in any run (peerd join RUN_ID)")
+        rows.append(
+            (
+                r.run_id,
+                str(r.peers),
+                "yes" if r.secured else "no",
+                r.task or ("script" if trains else "-"),
+                r.train_state or "-",
+                str(r.step) if trains else "-",
+                str(r.local_step) if trains else "-",
+                f"{r.loss:.4f}" if trains else "-",
+                f"{r.samples_per_second:.0f}" if trains else "-",
+                f"{r.last_round} {r.last_round_outcome} ({r.group_size}{', ' + r.last_round_links if r.last_round_links else ''})"
+                if r.last_round_outcome
+                else "-",
+                f"{r.eval_metric} {r.eval_score:.4f}" if r.eval_metric else "-",
+            )
+        )
+    _table(
+        (
+            "RUN",
+            "PEERS",
+            "SECRET",
+            "TASK",
+            "TRAINING",
+            "STEP",
+            "LOCAL",
+            "LOSS",
+            "SAMPLES/S",
+            "LAST ROUND (GROUP, LINKS)",
+            "EVAL",
+        ),
+        rows,
+        empty="not in any run (peerd join RUN_ID)",
+    )
     for r in s.runs:
         if r.train_state and not r.task:
-            who = f"pid {r.attached_pid} ({r.attached_device})" if r.attached_pid else "none (peerd.torch.Optimizer attaches one)"
+            who = (
+                f"pid {r.attached_pid} ({r.attached_device})"
+                if r.attached_pid
+                else "none (peerd.torch.Optimizer attaches one)"
+            )
             print(f"{r.run_id}: attached process: {who}")
         if r.local_group:
             rank = str(r.local_group_rank) if r.local_group_rank >= 0 else "-"
             overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"
-            print(f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
-                  f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}")
+            print(
+                f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
+                f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}"
+            )
         if len(r.last_round_group) > 1:
             # Peer IDs share their first characters ("12D3KooW..."); the last ones tell them apart.
             mates = ", ".join("…" + p[-8:] for p in r.last_round_group[1:])
             print(f"{r.run_id}: group of round {r.last_round}: this daemon, {mates}")
         if not math.isnan(r.param_divergence):
-            print(f"{r.run_id}: parameter divergence {r.param_divergence:.4g} (largest pair of peers at step {r.param_divergence_step})")
+            print(
+                f"{r.run_id}: parameter divergence {r.param_divergence:.4g} (largest pair of peers at step {r.param_divergence_step})"
+            )
         if r.error:
             print(f"{r.run_id}: {'training failed: ' if r.train_state == 'FAILED' else ''}{r.error}")
     return 0
@@ -289,8 +318,11 @@ def _cmd_join(args) -> int:
     except grpc.RpcError as e:
         return _refused(e, f"cannot join {args.run_id}")
     if run is not None and not run.task:
-        print(f"peerd: warning: run {args.run_id!r} has no manifest and no --task was given: joined for discovery "
-              "only, nothing to train (a mistyped run ID, or a run not created yet? --task creates it)", file=sys.stderr)
+        print(
+            f"peerd: warning: run {args.run_id!r} has no manifest and no --task was given: joined for discovery "
+            "only, nothing to train (a mistyped run ID, or a run not created yet? --task creates it)",
+            file=sys.stderr,
+        )
     if args.json:
         _print_json({"run_id": args.run_id, "joined": joined})
     else:
@@ -379,8 +411,15 @@ def _add_export(sub) -> None:
         "not verify is skipped for the next newest, with a warning.",
     )
     p.add_argument("run_id", metavar="RUN_ID")
-    p.add_argument("--out", required=True, type=Path, metavar="OUT", help="file to write, e.g. model.pt (replaced atomically)")
-    p.add_argument("--data-dir", type=Path, default=client_defaults()[0], help="data dir of the daemon that trained the run [PEERD_DATA_DIR]")
+    p.add_argument(
+        "--out", required=True, type=Path, metavar="OUT", help="file to write, e.g. model.pt (replaced atomically)"
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=client_defaults()[0],
+        help="data dir of the daemon that trained the run [PEERD_DATA_DIR]",
+    )
     p.add_argument("--step", type=int, metavar="N", help="the checkpoint of this global step (default: the newest)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(func=_cmd_export)
@@ -396,8 +435,17 @@ def _cmd_export(args) -> int:
     for warning in r.warnings:
         print(f"peerd: warning: {warning}", file=sys.stderr)
     if args.json:
-        _print_json({"path": str(r.path), "run_id": args.run_id, "step": r.step, "parameters": r.parameters,
-                     "kind": r.kind.value, "checkpoint": str(r.checkpoint), "warnings": list(r.warnings)})  # fmt: skip
+        _print_json(
+            {
+                "path": str(r.path),
+                "run_id": args.run_id,
+                "step": r.step,
+                "parameters": r.parameters,
+                "kind": r.kind.value,
+                "checkpoint": str(r.checkpoint),
+                "warnings": list(r.warnings),
+            }
+        )
         return 0
     what = {"diloco": "θ, DiLoCo's outer parameters", "state": "the model", "script": "θ, by the script's layout"}
     print(f"wrote {r.path}: run {args.run_id} at step {r.step}, {r.parameters:,} parameters ({what[r.kind.value]})")
@@ -408,17 +456,26 @@ def _cmd_export(args) -> int:
 
 
 def _add_lab(sub) -> None:
-    p = sub.add_parser("lab", help="network lab: real daemons in network namespaces, shaped links, faults (docs/lab.md)",
-                       description="Build hosts as Linux network namespaces on one machine, run a real daemon in each, "
-                       "shape their links and play a scenario of faults (root; docs/lab.md).")  # fmt: skip
+    p = sub.add_parser(
+        "lab",
+        help="network lab: real daemons in network namespaces, shaped links, faults (docs/lab.md)",
+        description="Build hosts as Linux network namespaces on one machine, run a real daemon in each, "
+        "shape their links and play a scenario of faults (root; docs/lab.md).",
+    )
     lab = p.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND", parser_class=_Parser)
-    r = lab.add_parser("run", help="run a scenario and print its report", description="Run SCENARIO.toml and print its report.")
+    r = lab.add_parser(
+        "run", help="run a scenario and print its report", description="Run SCENARIO.toml and print its report."
+    )
     r.add_argument("scenario", metavar="SCENARIO.toml")
     r.add_argument("--json", dest="json_out", metavar="OUT", help="also write the report as JSON to OUT (- for stdout)")
     r.add_argument("--logs", metavar="DIR", help="copy every daemon's log to DIR before the lab is removed")
     r.set_defaults(func=lambda a: _lab().run_command(a.scenario, a.json_out, a.logs))
-    c = lab.add_parser("clean", help="remove what crashed labs left behind", description="Remove the namespaces, links, "
-                       "nftables tables, processes and work dirs of labs whose `peerd lab` process is gone.")  # fmt: skip
+    c = lab.add_parser(
+        "clean",
+        help="remove what crashed labs left behind",
+        description="Remove the namespaces, links, "
+        "nftables tables, processes and work dirs of labs whose `peerd lab` process is gone.",
+    )
     c.add_argument("--force", action="store_true", help="also remove labs whose process still runs")
     c.set_defaults(func=lambda a: _lab().clean_command(a.force))
 
@@ -449,26 +506,64 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     _add_start(sub)
     parent = _client_parent()
-    p = sub.add_parser("status", parents=[parent], help="what the daemon is doing", description="Show the daemon's state, identity, addresses and runs.")
+    p = sub.add_parser(
+        "status",
+        parents=[parent],
+        help="what the daemon is doing",
+        description="Show the daemon's state, identity, addresses and runs.",
+    )
     p.set_defaults(func=_cmd_status)
-    p = sub.add_parser("peers", parents=[parent], help="list the live peers of the daemon's runs", description="List the live peers of one run, or of every run the daemon is in.")
+    p = sub.add_parser(
+        "peers",
+        parents=[parent],
+        help="list the live peers of the daemon's runs",
+        description="List the live peers of one run, or of every run the daemon is in.",
+    )
     p.add_argument("--run", help="only this run")
     p.set_defaults(func=_cmd_peers)
-    p = sub.add_parser("join", parents=[parent], help="join a run", description="Make the daemon join a run: announce itself and track the run's peers.")
+    p = sub.add_parser(
+        "join",
+        parents=[parent],
+        help="join a run",
+        description="Make the daemon join a run: announce itself and track the run's peers.",
+    )
     p.add_argument("run_id", metavar="RUN_ID")
-    p.add_argument("--run-secret-file", help="file holding the run's secret (read by the daemon; give a path it can read)")
+    p.add_argument(
+        "--run-secret-file", help="file holding the run's secret (read by the daemon; give a path it can read)"
+    )
     p.add_argument("--task", default="", help="task of the run, if this join creates it (e.g. digits-mlp)")
-    p.add_argument("--set", dest="settings", action="append", default=[], metavar="KEY=VALUE", help="hyper-parameter or averaging.SETTING of a new run (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="hyper-parameter or averaging.SETTING of a new run (repeatable)",
+    )
     p.set_defaults(func=_cmd_join)
-    p = sub.add_parser("leave", parents=[parent], help="leave a run", description="Make the daemon leave a run; its peers drop it at once.")
+    p = sub.add_parser(
+        "leave",
+        parents=[parent],
+        help="leave a run",
+        description="Make the daemon leave a run; its peers drop it at once.",
+    )
     p.add_argument("run_id", metavar="RUN_ID")
     p.set_defaults(func=_cmd_leave)
-    p = sub.add_parser("stop", parents=[parent], help="drain and stop the daemon", description="Ask the daemon to drain and exit, and wait until it has.")
+    p = sub.add_parser(
+        "stop",
+        parents=[parent],
+        help="drain and stop the daemon",
+        description="Ask the daemon to drain and exit, and wait until it has.",
+    )
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the process to exit (default 30)")
     p.set_defaults(func=_cmd_stop)
-    p = sub.add_parser("health", parents=[parent], help="exit 0 if the daemon is SERVING",
-                       description="Query the standard gRPC health service; exit 0 only when the daemon is READY and "
-                       "no run it trains has FAILED. Prints the status, then each trained run's state.")
+    p = sub.add_parser(
+        "health",
+        parents=[parent],
+        help="exit 0 if the daemon is SERVING",
+        description="Query the standard gRPC health service; exit 0 only when the daemon is READY and "
+        "no run it trains has FAILED. Prints the status, then each trained run's state.",
+    )
     p.set_defaults(func=_cmd_health)
     _add_export(sub)
     _add_lab(sub)
@@ -484,7 +579,13 @@ def main(argv: list[str] | None = None) -> int:
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and args.func is not _cmd_start:
             where = getattr(args, "control", None) or control_address(args.data_dir)
             return _fail(1, f"no daemon answering at {where} ({code.name}); is `peerd start` running?")
-        return _fail(2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION) else 1, f"{code.name}: {e.details()}")
+        return _fail(
+            2
+            if code
+            in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+            else 1,
+            f"{code.name}: {e.details()}",
+        )
     except KeyboardInterrupt:
         return 130
 

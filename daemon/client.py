@@ -60,7 +60,9 @@ class ControlClient:
     def list_peers(self, run_id: str) -> control_pb2.ListPeersResponse:
         return self.stub.ListPeers(control_pb2.ListPeersRequest(run_id=run_id), timeout=self.timeout)
 
-    def join(self, run_id: str, secret_file: str = "", task: str = "", settings: dict[str, str] | None = None) -> control_pb2.JoinRunResponse:
+    def join(
+        self, run_id: str, secret_file: str = "", task: str = "", settings: dict[str, str] | None = None
+    ) -> control_pb2.JoinRunResponse:
         request = control_pb2.JoinRunRequest(run_id=run_id, secret_file=secret_file, task=task, settings=settings or {})
         return self.stub.JoinRun(request, timeout=self.timeout)
 

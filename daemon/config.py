@@ -87,7 +87,9 @@ class DiscoveryConfig:
         for name in ("heartbeat_interval", "refresh_interval", "peer_ttl", "goodbye_timeout"):
             _check_positive(name, getattr(self, name))
         if self.peer_ttl > MAX_PEER_TTL:
-            raise ConfigError(f"peer_ttl ({self.peer_ttl}) must be at most {MAX_PEER_TTL} s: DHT nodes refuse longer-lived records")
+            raise ConfigError(
+                f"peer_ttl ({self.peer_ttl}) must be at most {MAX_PEER_TTL} s: DHT nodes refuse longer-lived records"
+            )
         if self.peer_ttl < 2 * self.heartbeat_interval:
             raise ConfigError(
                 f"peer_ttl ({self.peer_ttl}) must be at least twice heartbeat_interval ({self.heartbeat_interval}), "
@@ -103,7 +105,9 @@ class ControlConfig:
     def __post_init__(self) -> None:
         _check_control_address(self.address)
         if not 1024 <= self.max_request_bytes <= 1024 * 1024:
-            raise ConfigError(f"max_request_bytes must be in 1024..1048576 (gRPC's hard limit), got {self.max_request_bytes}")
+            raise ConfigError(
+                f"max_request_bytes must be in 1024..1048576 (gRPC's hard limit), got {self.max_request_bytes}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -230,7 +234,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("data_dir", "--data-dir", "directory for the identity key, control socket, ready.json and lock", "DIR"),
     Option("runs", "--run", "join this run at start (repeatable)", "RUN_ID"),
     Option("max_runs", "--max-runs", "most runs the daemon holds at once; a join beyond it is refused", "N"),
-    Option("run_secret_file", "--run-secret-file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
+    Option(
+        "run_secret_file",
+        "--run-secret-file",
+        "file holding the secret of the runs joined at start; none: open runs",
+        "FILE",
+    ),
     Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
     Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
     Option("progress_interval", "--progress-interval", "seconds between progress lines per run (0: none)", "SECONDS"),
@@ -240,16 +249,50 @@ OPTIONS: tuple[Option, ...] = (
     Option("network.initial_peers", "--initial-peers", "multiaddrs of peers to bootstrap from", "MADDR"),
     Option("network.nat_port_map", "--nat-port-map", "UPnP/NAT-PMP port mapping (multicasts on the LAN, so opt-in)"),
     Option("network.auto_nat", "--auto-nat", "libp2p AutoNAT (asks peers to dial back, so opt-in)"),
-    Option("network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
+    Option(
+        "network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"
+    ),
     Option("network.dht_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
-    Option("network.transport", "--transport", "data of loss-tolerant runs (averaging.transport=udp), per link: auto (UDP where the link probe passes, else the reliable link), reliable, or udp", "MODE"),
-    Option("network.reliable_links", "--reliable-links", "reliable averaging links: auto (direct TCP, else libp2p streams), tcp or libp2p", "MODE"),
-    Option("network.udp_rate_mbit", "--udp-rate", "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)", "MBIT"),
-    Option("discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"),
+    Option(
+        "network.transport",
+        "--transport",
+        "data of loss-tolerant runs (averaging.transport=udp), per link: auto (UDP where the link probe passes, else the reliable link), reliable, or udp",
+        "MODE",
+    ),
+    Option(
+        "network.reliable_links",
+        "--reliable-links",
+        "reliable averaging links: auto (direct TCP, else libp2p streams), tcp or libp2p",
+        "MODE",
+    ),
+    Option(
+        "network.udp_rate_mbit",
+        "--udp-rate",
+        "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)",
+        "MBIT",
+    ),
+    Option(
+        "discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"
+    ),
     Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
-    Option("discovery.peer_ttl", "--peer-ttl", "seconds of silence after which a peer is dropped; a killed peer leaves the tables within --peer-ttl + --refresh-interval + --dht-timeout", "SECONDS"),
-    Option("discovery.goodbye_timeout", "--goodbye-timeout", "seconds allowed for telling a run's peers we leave", "SECONDS"),
-    Option("control.address", "--control", "control API address: unix:/path or HOST:PORT; none: the unix socket in the data dir", "ADDR"),
+    Option(
+        "discovery.peer_ttl",
+        "--peer-ttl",
+        "seconds of silence after which a peer is dropped; a killed peer leaves the tables within --peer-ttl + --refresh-interval + --dht-timeout",
+        "SECONDS",
+    ),
+    Option(
+        "discovery.goodbye_timeout",
+        "--goodbye-timeout",
+        "seconds allowed for telling a run's peers we leave",
+        "SECONDS",
+    ),
+    Option(
+        "control.address",
+        "--control",
+        "control API address: unix:/path or HOST:PORT; none: the unix socket in the data dir",
+        "ADDR",
+    ),
     Option("control.max_request_bytes", "--control-max-request-bytes", "larger control requests are refused", "BYTES"),
     Option("metrics.host", "--metrics-host", "address /metrics listens on", "ADDR"),
     Option("metrics.port", "--metrics-port", "port of /metrics (0: any free port)", "PORT"),
@@ -261,7 +304,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
     Option("train.min_peers", "--min-peers", "live peers (this daemon included) to wait for before training", "N"),
     Option("train.min_peers_timeout", "--min-peers-timeout", "longest wait for --min-peers", "SECONDS"),
-    Option("train.local_group", "--local-group", "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md)", "NAME"),
+    Option(
+        "train.local_group",
+        "--local-group",
+        "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md)",
+        "NAME",
+    ),
 )
 
 _SECTIONS = {
@@ -311,7 +359,9 @@ def _coerce(path: str, value: Any, source: str) -> Any:
         try:
             return int(value) if kind == "int" else float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}") from None
+            raise ConfigError(
+                f"{where}: expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}"
+            ) from None
     if not isinstance(value, (str, Path)):
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value

@@ -76,7 +76,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         size = request.ByteSize()
         if size > self.max_request_bytes:
             self.daemon.reject("control_oversized")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request is {size} bytes; the limit is {self.max_request_bytes}")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"request is {size} bytes; the limit is {self.max_request_bytes}"
+            )
 
     def _log_malformed(self, request: Malformed) -> None:
         """One line per MALFORMED_LOG_INTERVAL at most: a flood of garbage must not flood the log."""
@@ -85,7 +87,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if now - self._malformed_logged_at >= MALFORMED_LOG_INTERVAL:
             logger.warning(
                 "refused %d control request(s) that do not parse (last: %s: %s)",
-                self._malformed_unlogged, request.message, request.error,
+                self._malformed_unlogged,
+                request.message,
+                request.error,
             )
             self._malformed_unlogged, self._malformed_logged_at = 0, now
 
@@ -111,7 +115,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             run_id=run_id,
             peers=[
                 control_pb2.PeerEntry(
-                    peer_id=p.peer_id, maddrs=p.maddrs, last_seen_seconds=p.last_seen_seconds, version=p.version, role=p.role
+                    peer_id=p.peer_id,
+                    maddrs=p.maddrs,
+                    last_seen_seconds=p.last_seen_seconds,
+                    version=p.version,
+                    role=p.role,
                 )
                 for p in peers
             ],
@@ -121,7 +129,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         run_id = await self._run_id(request.run_id, context)
         try:
-            joined = await self.daemon.join_run(run_id, request.secret_file or None, request.task, dict(request.settings))
+            joined = await self.daemon.join_run(
+                run_id, request.secret_file or None, request.task, dict(request.settings)
+            )
         except RunRefused as e:
             self.daemon.reject("control_run_refused")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -149,7 +159,6 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self.daemon.request_shutdown("Shutdown RPC")
         return control_pb2.ShutdownResponse()
 
-
     async def Attach(self, request, context):
         from daemon.attached import AttachRefused
         from peers.manifest import TensorSpec
@@ -158,7 +167,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         run_id = await self._run_id(request.run_id, context)
         layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in request.layout)
         try:
-            info = await self.daemon.attach(run_id, request.pid, request.device[:64], layout, dict(request.settings), request.step)
+            info = await self.daemon.attach(
+                run_id, request.pid, request.device[:64], layout, dict(request.settings), request.step
+            )
         except UnknownRun as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
         except (RunRefused, ValueError) as e:  # ValueError: a layout no run can hold (peers/manifest.py)
@@ -169,8 +180,13 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         except RuntimeError as e:  # not READY
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return control_pb2.AttachResponse(
-            session=info.session, shared_path=info.shared_path, numel=info.numel, step=info.step,
-            average_every=info.average_every, lease_seconds=info.lease_seconds, phase_timeout=info.phase_timeout,
+            session=info.session,
+            shared_path=info.shared_path,
+            numel=info.numel,
+            step=info.step,
+            average_every=info.average_every,
+            lease_seconds=info.lease_seconds,
+            phase_timeout=info.phase_timeout,
             upload=info.upload,
         )
 
@@ -180,12 +196,19 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         trainer = await self._session_trainer(request.session, context)
         try:
-            end = await asyncio.to_thread(trainer.end_phase, request.session, request.steps, max(request.samples, 0.0),
-                                          request.loss, max(request.compute_seconds, 0.0))
+            end = await asyncio.to_thread(
+                trainer.end_phase,
+                request.session,
+                request.steps,
+                max(request.samples, 0.0),
+                request.loss,
+                max(request.compute_seconds, 0.0),
+            )
         except SessionLost as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        return control_pb2.EndPhaseResponse(step=end.step, round=end.round_t, outcome=end.outcome,
-                                            waited_seconds=end.waited, downloaded=end.downloaded)
+        return control_pb2.EndPhaseResponse(
+            step=end.step, round=end.round_t, outcome=end.outcome, waited_seconds=end.waited, downloaded=end.downloaded
+        )
 
     async def Renew(self, request, context):
         from daemon.attached import SessionLost
@@ -209,7 +232,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             s = trainer.session
             if s is not None and s.token == session:
                 return trainer
-        await context.abort(grpc.StatusCode.NOT_FOUND, "no such attachment: its lease lapsed or the daemon restarted; attach again")
+        await context.abort(
+            grpc.StatusCode.NOT_FOUND, "no such attachment: its lease lapsed or the daemon restarted; attach again"
+        )
 
 
 class HealthServicer(health_async.HealthServicer):

@@ -29,8 +29,7 @@ from daemon.procs import READY_TIMEOUT, DaemonFailed, LocalDaemon, stop_all
 RUN_ID = "demo"
 STATUS_TIMEOUT = 2.0  # seconds for one daemon's status RPC; a daemon that does not answer shows as such
 HEADER = (
-    f"{'TIME':>6}  {'DAEMON':<6}  {'STATE':<9}  {'STEP':>5}  {'LOSS':>7}  {'SAMPLES/S':>9}  {'LAST ROUND':<16}  "
-    "EVAL"
+    f"{'TIME':>6}  {'DAEMON':<6}  {'STATE':<9}  {'STEP':>5}  {'LOSS':>7}  {'SAMPLES/S':>9}  {'LAST ROUND':<16}  EVAL"
 )
 
 

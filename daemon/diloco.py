@@ -52,8 +52,9 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def outer_step(params: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.Tensor, lr: float, mu: float,
-               scratch: torch.Tensor) -> None:
+def outer_step(
+    params: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.Tensor, lr: float, mu: float, scratch: torch.Tensor
+) -> None:
     """One Nesterov step of the outer optimizer, in place: m ← μ·m + g ; θ ← θ − lr·(g + μ·m),
     with g the mean pseudo-gradient (torch.optim.SGD(nesterov=True, dampening=0)'s arithmetic)."""
     momentum.mul_(mu).add_(mean_delta)

@@ -80,8 +80,10 @@ def _pick(store: CheckpointStore, run_id: str, step: int | None) -> tuple[Checkp
     """The checkpoint of `step`, or the newest that verifies, and what was skipped on the way."""
     paths = store.paths()
     if not paths:
-        raise ExportError(f"run {run_id!r} has no checkpoint yet in {store.directory} (the trainer writes one "
-                          "every --checkpoint-every steps and when it stops)")  # fmt: skip
+        raise ExportError(
+            f"run {run_id!r} has no checkpoint yet in {store.directory} (the trainer writes one "
+            "every --checkpoint-every steps and when it stops)"
+        )
     if step is not None:
         wanted = [p for p in paths if step_of(p) == step]
         if not wanted:
@@ -117,8 +119,10 @@ def _weights(checkpoint: Checkpoint) -> tuple[Kind, dict[str, torch.Tensor], int
         model.load_state_dict(state["model"])
     except (KeyError, RuntimeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"checkpoint {name} does not fit task {identity['task']!r}'s model as built here "
-                          f"(the task's code changed?): {first}") from None  # fmt: skip
+        raise ExportError(
+            f"checkpoint {name} does not fit task {identity['task']!r}'s model as built here "
+            f"(the task's code changed?): {first}"
+        ) from None
     kind = Kind.STATE
     if "outer" in state:
         kind = Kind.DILOCO
@@ -126,7 +130,9 @@ def _weights(checkpoint: Checkpoint) -> tuple[Kind, dict[str, torch.Tensor], int
         n, outer = sum(p.numel() for p in params), state["outer"]
         if not torch.is_tensor(outer) or outer.numel() != 2 * n:
             got = outer.numel() if torch.is_tensor(outer) else type(outer).__name__
-            raise ExportError(f"checkpoint {name}: its outer state holds {got} values, not 2 x {n} for the task's model")
+            raise ExportError(
+                f"checkpoint {name}: its outer state holds {got} values, not 2 x {n} for the task's model"
+            )
         from_flat(outer[:n], params)
     return kind, dict(model.state_dict()), sum(p.numel() for p in model.parameters())
 
@@ -160,7 +166,9 @@ def _cut(state: dict[str, Any], name: str) -> tuple[dict[str, torch.Tensor], int
     except (TypeError, ValueError, RuntimeError, AttributeError) as e:
         raise ExportError(f"checkpoint {name}: its model_layout does not cut its outer state: {e}") from None
     if offset != theta.numel():
-        raise ExportError(f"checkpoint {name}: its model_layout holds {offset} values, its outer state 2 x {theta.numel()}")
+        raise ExportError(
+            f"checkpoint {name}: its model_layout holds {offset} values, its outer state 2 x {theta.numel()}"
+        )
     return weights, offset
 
 
@@ -179,4 +187,6 @@ def _other_models(store: CheckpointStore, checkpoint: Checkpoint) -> list[str]:
             others.append(f"{path.name} ({why})")
     if not others:
         return []
-    return [f"checkpoints of another model are kept beside {checkpoint.path.name}: {', '.join(others)}; --step picks one"]
+    return [
+        f"checkpoints of another model are kept beside {checkpoint.path.name}: {', '.join(others)}; --step picks one"
+    ]

@@ -75,7 +75,9 @@ class _RunPeersCollector(Collector):
         self.peers_by_run = peers_by_run
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        family = GaugeMetricFamily("peerd_peers", "Live peers in the run's table, this daemon excluded.", labels=["run"])
+        family = GaugeMetricFamily(
+            "peerd_peers", "Live peers in the run's table, this daemon excluded.", labels=["run"]
+        )
         for run_id, count in sorted(self.peers_by_run().items()):
             family.add_metric([run_id], count)
         yield family
@@ -91,39 +93,65 @@ class _TrainingCollector(Collector):
         state = GaugeMetricFamily(
             "peerd_train_state", "1 for the run's current training state, 0 for the others.", labels=["run", "state"]
         )
-        step = GaugeMetricFamily("peerd_train_step", "Global step of the run's state this daemon holds.", labels=["run"])
-        local = CounterMetricFamily("peerd_local_steps", "Optimizer steps this daemon computed in the run.", labels=["run"])
+        step = GaugeMetricFamily(
+            "peerd_train_step", "Global step of the run's state this daemon holds.", labels=["run"]
+        )
+        local = CounterMetricFamily(
+            "peerd_local_steps", "Optimizer steps this daemon computed in the run.", labels=["run"]
+        )
         divergence = GaugeMetricFamily(
-            "peerd_param_divergence", "Largest estimated L2 parameter distance between two live peers of the run, from sketches.", labels=["run"]
+            "peerd_param_divergence",
+            "Largest estimated L2 parameter distance between two live peers of the run, from sketches.",
+            labels=["run"],
         )
         to_mean = GaugeMetricFamily(
-            "peerd_param_distance_to_group_mean", "L2 distance of the parameters from the group mean at the last completed round.", labels=["run"]
+            "peerd_param_distance_to_group_mean",
+            "L2 distance of the parameters from the group mean at the last completed round.",
+            labels=["run"],
         )
         loss = GaugeMetricFamily("peerd_train_loss", "Training loss of the run's last step.", labels=["run"])
-        samples = CounterMetricFamily("peerd_samples", "Training samples this daemon processed in the run.", labels=["run"])
-        score = GaugeMetricFamily("peerd_eval_score", "Latest evaluation score of the run (see docs/metrics.md).", labels=["run"])
-        group = GaugeMetricFamily(
-            "peerd_local_group_size", "Members of the run's active DeAR local group, this daemon included; 0 when none.", labels=["run"]
+        samples = CounterMetricFamily(
+            "peerd_samples", "Training samples this daemon processed in the run.", labels=["run"]
         )
-        dear_steps = CounterMetricFamily("peerd_dear_steps", "Steps this daemon took under DeAR in the run.", labels=["run"])
+        score = GaugeMetricFamily(
+            "peerd_eval_score", "Latest evaluation score of the run (see docs/metrics.md).", labels=["run"]
+        )
+        group = GaugeMetricFamily(
+            "peerd_local_group_size",
+            "Members of the run's active DeAR local group, this daemon included; 0 when none.",
+            labels=["run"],
+        )
+        dear_steps = CounterMetricFamily(
+            "peerd_dear_steps", "Steps this daemon took under DeAR in the run.", labels=["run"]
+        )
         overlap = GaugeMetricFamily(
-            "peerd_dear_overlap_ratio", "Share of DeAR's communication hidden behind compute (latest local group).", labels=["run"]
+            "peerd_dear_overlap_ratio",
+            "Share of DeAR's communication hidden behind compute (latest local group).",
+            labels=["run"],
         )
         bucket_bytes = GaugeMetricFamily(
-            "peerd_dear_bucket_bytes", "Fusion target (bytes) of the active DeAR group's buckets, as tuned; 0 when none.", labels=["run"]
+            "peerd_dear_bucket_bytes",
+            "Fusion target (bytes) of the active DeAR group's buckets, as tuned; 0 when none.",
+            labels=["run"],
         )
         wan_share = GaugeMetricFamily(
-            "peerd_wan_share", "Fraction of the run's state this daemon averages over the WAN (1 outside a local group).", labels=["run"]
+            "peerd_wan_share",
+            "Fraction of the run's state this daemon averages over the WAN (1 outside a local group).",
+            labels=["run"],
         )
         compute = GaugeMetricFamily(
-            "peerd_train_compute_fraction", "Forward, backward and optimizer time over wall time since training began.", labels=["run"]
+            "peerd_train_compute_fraction",
+            "Forward, backward and optimizer time over wall time since training began.",
+            labels=["run"],
         )
         waited = CounterMetricFamily(
             "peerd_train_wait_seconds", "Seconds the trainer waited for averaging rounds in the run.", labels=["run"]
         )
         attached = GaugeMetricFamily(
-            "peerd_train_attached", "1 while a training process is attached to the run (peerd.torch), else 0; "
-            "only for runs trained by scripts.", labels=["run"]
+            "peerd_train_attached",
+            "1 while a training process is attached to the run (peerd.torch), else 0; "
+            "only for runs trained by scripts.",
+            labels=["run"],
         )
         for r in self.runs():
             if not r.train_state:  # discovery only: nothing trains
@@ -153,8 +181,23 @@ class _TrainingCollector(Collector):
                 if not math.isnan(r.dear_overlap_ratio):
                     overlap.add_metric([r.run_id], r.dear_overlap_ratio)
         yield state
-        yield from (step, local, loss, samples, score, divergence, to_mean, group, dear_steps, overlap, wan_share, bucket_bytes,
-                    compute, waited, attached)
+        yield from (
+            step,
+            local,
+            loss,
+            samples,
+            score,
+            divergence,
+            to_mean,
+            group,
+            dear_steps,
+            overlap,
+            wan_share,
+            bucket_bytes,
+            compute,
+            waited,
+            attached,
+        )
 
 
 def process_started() -> float:
@@ -184,14 +227,29 @@ class DaemonMetrics:
         self.version = version
         self.started = process_started()  # peerd_uptime_seconds and `peerd status` count from here
         r = self.registry
-        self.info = Gauge("peerd_info", "Always 1; labels give this daemon's version and peer ID.", ["version", "peer_id"], registry=r)
-        self.state = Gauge("peerd_state", "1 for the daemon's current lifecycle state, 0 for the others.", ["state"], registry=r)
+        self.info = Gauge(
+            "peerd_info", "Always 1; labels give this daemon's version and peer ID.", ["version", "peer_id"], registry=r
+        )
+        self.state = Gauge(
+            "peerd_state", "1 for the daemon's current lifecycle state, 0 for the others.", ["state"], registry=r
+        )
         self.uptime = Gauge("peerd_uptime_seconds", "Seconds since the daemon process started.", registry=r)
         self.uptime.set_function(lambda: time.monotonic() - self.started)
-        self.dht_requests = Counter("peerd_dht_requests", "DHT requests made by this daemon.", ["op", "result"], registry=r)
-        self.heartbeats = Counter("peerd_heartbeats", "Heartbeats this daemon tried to store, by result.", ["result"], registry=r)
-        self.rejected = Counter("peerd_rejected", "Inputs refused, by reason (see docs/metrics.md).", ["reason"], registry=r)
-        self.rounds = Counter("peerd_rounds", "Averaging rounds by outcome: completed, partial, aborted, no_group.", ["run", "outcome"], registry=r)
+        self.dht_requests = Counter(
+            "peerd_dht_requests", "DHT requests made by this daemon.", ["op", "result"], registry=r
+        )
+        self.heartbeats = Counter(
+            "peerd_heartbeats", "Heartbeats this daemon tried to store, by result.", ["result"], registry=r
+        )
+        self.rejected = Counter(
+            "peerd_rejected", "Inputs refused, by reason (see docs/metrics.md).", ["reason"], registry=r
+        )
+        self.rounds = Counter(
+            "peerd_rounds",
+            "Averaging rounds by outcome: completed, partial, aborted, no_group.",
+            ["run", "outcome"],
+            registry=r,
+        )
         self.round_duration = Histogram(
             "peerd_round_duration_seconds",
             "Duration of averaging rounds that formed a group (matchmaking excluded).",
@@ -210,7 +268,10 @@ class DaemonMetrics:
             "peerd_round_stragglers", "Group mates a round stopped waiting for (still behind it).", ["run"], registry=r
         )
         self.link_probes = Counter(
-            "peerd_link_probes", "Link probes sent to peers, by result: answered, lost (peers/linkprobe.py).", ["result"], registry=r
+            "peerd_link_probes",
+            "Link probes sent to peers, by result: answered, lost (peers/linkprobe.py).",
+            ["result"],
+            registry=r,
         )
         self.link_rtt = Histogram(
             "peerd_link_rtt_seconds",
@@ -225,18 +286,37 @@ class DaemonMetrics:
             registry=r,
         )
         self.state_syncs = Counter(
-            "peerd_state_syncs", "Downloads of the run's state from peers, by result: ok, failed.", ["run", "result"], registry=r
+            "peerd_state_syncs",
+            "Downloads of the run's state from peers, by result: ok, failed.",
+            ["run", "result"],
+            registry=r,
         )
-        self.state_sync_bytes = Counter("peerd_state_sync_bytes", "Bytes of run state downloaded from peers.", ["run"], registry=r)
-        self.group_size = Gauge("peerd_group_size", "Members of the run's latest averaging group, this daemon included.", ["run"], registry=r)
-        self.sent_bytes = Counter("peerd_sent_bytes", "Bytes the collective engine sent, by transport.", ["transport"], registry=r)
-        self.received_bytes = Counter("peerd_received_bytes", "Bytes the collective engine received, by transport.", ["transport"], registry=r)
+        self.state_sync_bytes = Counter(
+            "peerd_state_sync_bytes", "Bytes of run state downloaded from peers.", ["run"], registry=r
+        )
+        self.group_size = Gauge(
+            "peerd_group_size",
+            "Members of the run's latest averaging group, this daemon included.",
+            ["run"],
+            registry=r,
+        )
+        self.sent_bytes = Counter(
+            "peerd_sent_bytes", "Bytes the collective engine sent, by transport.", ["transport"], registry=r
+        )
+        self.received_bytes = Counter(
+            "peerd_received_bytes", "Bytes the collective engine received, by transport.", ["transport"], registry=r
+        )
         self.packets_sent = Counter("peerd_packets_sent", "UDP datagrams the loss-tolerant engine sent.", registry=r)
         self.packets_lost = Counter(
-            "peerd_packets_lost", "UDP datagrams expected in a round that never arrived (gaps in the packet grid).", registry=r
+            "peerd_packets_lost",
+            "UDP datagrams expected in a round that never arrived (gaps in the packet grid).",
+            registry=r,
         )
         self.rejected_packets = Counter(
-            "peerd_rejected_packets", "UDP datagrams dropped unread, by reason (see docs/loss-tolerance.md).", ["reason"], registry=r
+            "peerd_rejected_packets",
+            "UDP datagrams dropped unread, by reason (see docs/loss-tolerance.md).",
+            ["reason"],
+            registry=r,
         )
         self.shard_coverage = _WeightedHistogram(
             "peerd_shard_coverage",
@@ -244,7 +324,9 @@ class DaemonMetrics:
             buckets=(0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
         )
         r.register(self.shard_coverage)
-        self.links = Counter("peerd_links", "Links to group members opened by averaging rounds, by transport.", ["transport"], registry=r)
+        self.links = Counter(
+            "peerd_links", "Links to group members opened by averaging rounds, by transport.", ["transport"], registry=r
+        )
         r.register(_RunPeersCollector(peers_by_run))
         r.register(_TrainingCollector(runs))
         self._states = tuple(states)

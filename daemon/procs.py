@@ -40,12 +40,22 @@ class LocalDaemon:
         self.ready = {}  # a restart's, not the last run's
         self.log_path = self.log_path or self.data_dir.parent / f"{self.data_dir.name}.log"
         cmd = [
-            sys.executable, "-m", "daemon.cli", "start",
-            "--data-dir", str(self.data_dir),
-            "--host", "127.0.0.1", "--port", "0",
-            "--metrics-host", "127.0.0.1", "--metrics-port", "0",
+            sys.executable,
+            "-m",
+            "daemon.cli",
+            "start",
+            "--data-dir",
+            str(self.data_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            "0",
             *self.args,
-        ]  # fmt: skip
+        ]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "ab") as log:
             # A new session, so that a test can reap the daemon and p2pd as one process group.

@@ -40,7 +40,9 @@ MANIFEST_TTL = 300.0  # seconds a published manifest lives without being republi
 MANIFEST_REPUBLISH = 60.0  # seconds between republications by each member
 CANCEL_GRACE = 5.0  # seconds a cancelled round may take to restore the vector it was writing
 SYNC_TIMEOUT = 120.0  # seconds one download of the run's state may take
-RENDEZVOUS_PATIENCE = 10.0  # seconds a round waits for group mates still in the previous round (at most round_timeout / 3)
+RENDEZVOUS_PATIENCE = (
+    10.0  # seconds a round waits for group mates still in the previous round (at most round_timeout / 3)
+)
 
 
 def rendezvous_for(membership, average_every: int, round_timeout: float):
@@ -55,8 +57,12 @@ def rendezvous_for(membership, average_every: int, round_timeout: float):
         step = round_t * average_every
         behind = await membership.rendezvous(mates, step, step - 2 * average_every, patience)
         if behind:
-            logger.info("run %s: round %d goes on without %d group mate(s) still behind it",
-                        membership.run_id, round_t, len(behind))  # fmt: skip
+            logger.info(
+                "run %s: round %d goes on without %d group mate(s) still behind it",
+                membership.run_id,
+                round_t,
+                len(behind),
+            )
         return behind
 
     return rendezvous
@@ -87,7 +93,9 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
     into the vector, or after CANCEL_GRACE."""
     from peers.averaging import RoundResult
 
-    def average(vector, weight: float, round_t: int, lanes=None, restore: bool = True, payload: str = "fp32") -> list[RoundResult]:
+    def average(
+        vector, weight: float, round_t: int, lanes=None, restore: bool = True, payload: str = "fp32"
+    ) -> list[RoundResult]:
         future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore, payload), loop)
         handle.round_future = future
         try:
@@ -106,7 +114,9 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
     return average
 
 
-def sync_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNode, run_id: str, secret, membership, events):
+def sync_bridge(
+    handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNode, run_id: str, secret, membership, events
+):
     """A blocking `sync(min_step, out)` for the trainer thread: downloads the run's state from the
     live peers that announce at least min_step (peers/statesync.py), at most SYNC_TIMEOUT seconds,
     and copies it into `out` only when complete and verified. Downloads land in one buffer of the
@@ -123,7 +133,15 @@ def sync_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNo
         if buffer is None or buffer.numel() != out.numel():
             buffer, partial = torch.empty_like(out), None
         coro = fetch_state(
-            node, run_id, secret, donors, min_step=min_step, out=buffer, resume=partial, timeout=SYNC_TIMEOUT, events=events
+            node,
+            run_id,
+            secret,
+            donors,
+            min_step=min_step,
+            out=buffer,
+            resume=partial,
+            timeout=SYNC_TIMEOUT,
+            events=events,
         )
         future = asyncio.run_coroutine_threadsafe(coro, loop)
         handle.round_future = future  # cancelled like a round when the run stops
@@ -138,7 +156,9 @@ def sync_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNo
             out.copy_(result.tensor)
             partial = None
         elif result.ok:
-            return FetchResult(ok=False, reason=f"the run's state has {result.tensor.numel()} values, ours {out.numel()}")
+            return FetchResult(
+                ok=False, reason=f"the run's state has {result.tensor.numel()} values, ours {out.numel()}"
+            )
         else:
             partial = result.partial
         return result
@@ -233,25 +253,32 @@ def _keep(path: Path, data: bytes) -> None:
         logger.warning("cannot keep the run's manifest in %s: %s", path, e.strerror)
 
 
-def _check_asked(manifest: RunManifest, task_name: str, settings: dict[str, str], where: str,
-                 model: tuple[TensorSpec, ...] = ()) -> None:
+def _check_asked(
+    manifest: RunManifest, task_name: str, settings: dict[str, str], where: str, model: tuple[TensorSpec, ...] = ()
+) -> None:
     """Refuse (RunRefused, naming what differs) a --task, --set or script model that disagrees with
     the run's manifest, or a manifest whose task this daemon cannot train. `where` says where it
     was found."""
     run_id = manifest.run_id
     if not manifest.task:  # trained by scripts (peerd.torch.Optimizer)
         if task_name:
-            raise RunRefused(f"run {run_id!r} trains a model of users' scripts (peerd.torch), not task {task_name!r}{where}")
+            raise RunRefused(
+                f"run {run_id!r} trains a model of users' scripts (peerd.torch), not task {task_name!r}{where}"
+            )
         if model and (why := layout_mismatch(manifest.model, model)):
             raise RunRefused(f"this model does not match run {run_id!r}'s: {why}{where}")
         hparam_text, averaging = _split_settings(settings)
         if hparam_text:
-            raise RunRefused(f"run {run_id!r} trains a script's model: only averaging.* settings apply, not {', '.join(sorted(hparam_text))}")
+            raise RunRefused(
+                f"run {run_id!r} trains a script's model: only averaging.* settings apply, not {', '.join(sorted(hparam_text))}"
+            )
         _differs(manifest, [], averaging, settings, where)
         return
     if model:
-        raise RunRefused(f"run {run_id!r} trains task {manifest.task!r} inside its daemons; a script attaches to a run "
-                         f"created by a script (another run ID){where}")
+        raise RunRefused(
+            f"run {run_id!r} trains task {manifest.task!r} inside its daemons; a script attaches to a run "
+            f"created by a script (another run ID){where}"
+        )
     if task_name and task_name != manifest.task:
         raise RunRefused(f"run {run_id!r} trains task {manifest.task!r}, not {task_name!r}{where}")
     task = _installed(manifest.task)
@@ -275,12 +302,16 @@ def check_attach(manifest: RunManifest, model: tuple[TensorSpec, ...], settings:
     _check_asked(manifest, "", settings, "", model)
 
 
-def _differs(manifest: RunManifest, differs: list[str], averaging: AveragingSettings, settings: dict[str, str], where: str) -> None:
+def _differs(
+    manifest: RunManifest, differs: list[str], averaging: AveragingSettings, settings: dict[str, str], where: str
+) -> None:
     for key in (k.removeprefix("averaging.") for k in settings if k.startswith("averaging.")):
         if getattr(averaging, key) != getattr(manifest.averaging, key):
             differs.append(f"averaging.{key}={getattr(manifest.averaging, key)}")
     if differs:
-        raise RunRefused(f"run {manifest.run_id!r} exists and its manifest sets {', '.join(differs)}{where}; drop --set")
+        raise RunRefused(
+            f"run {manifest.run_id!r} exists and its manifest sets {', '.join(differs)}{where}; drop --set"
+        )
 
 
 async def resolve(
@@ -317,7 +348,9 @@ async def resolve(
         hparam_text, averaging = _split_settings(settings)
         if hparam_text:
             raise RunRefused(f"a script's run takes only averaging.* settings, not {', '.join(sorted(hparam_text))}")
-        manifest = RunManifest(run_id=run_id, task="", averaging=averaging, creator=node.peer_id, created_at=now(), model=model)
+        manifest = RunManifest(
+            run_id=run_id, task="", averaging=averaging, creator=node.peer_id, created_at=now(), model=model
+        )
         data = manifests.encode_manifest(manifest, node.identity, secret)
     elif not task_name:
         if settings:
@@ -374,8 +407,11 @@ def make_trainer(
     count = on_rejected or (lambda reason: None)
     task = _installed(manifest.task)
     if train.local_group and manifest.averaging.algorithm == "diloco":
-        logger.warning("run %s: --local-group needs averaging.algorithm=state for now: under diloco the members "
-                       "train as separate peers (docs/algorithms.md)", manifest.run_id)
+        logger.warning(
+            "run %s: --local-group needs averaging.algorithm=state for now: under diloco the members "
+            "train as separate peers (docs/algorithms.md)",
+            manifest.run_id,
+        )
     return Trainer(
         run_id=manifest.run_id,
         task=task,
@@ -415,8 +451,14 @@ def outer_settings(a: AveragingSettings):
 
     if a.algorithm != "diloco":
         return None
-    return OuterSettings(lr=a.outer_lr, momentum=a.outer_momentum, payload=a.payload, overlap=a.overlap,
-                         repair_every=a.repair_every, lanes=a.lanes)
+    return OuterSettings(
+        lr=a.outer_lr,
+        momentum=a.outer_momentum,
+        payload=a.payload,
+        overlap=a.overlap,
+        repair_every=a.repair_every,
+        lanes=a.lanes,
+    )
 
 
 async def republish(node: PeerNode, manifest: RunManifest, data: bytes, secret: RunSecret | None) -> None:
@@ -424,4 +466,6 @@ async def republish(node: PeerNode, manifest: RunManifest, data: bytes, secret: 
     while True:
         await asyncio.sleep(MANIFEST_REPUBLISH)
         if not await manifests.publish(node, manifest, data, secret, MANIFEST_TTL):
-            logger.info("run %s: republishing the manifest failed; next try in %.0f s", manifest.run_id, MANIFEST_REPUBLISH)
+            logger.info(
+                "run %s: republishing the manifest failed; next try in %.0f s", manifest.run_id, MANIFEST_REPUBLISH
+            )

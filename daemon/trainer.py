@@ -102,9 +102,10 @@ def lanes_to_put_back(results: list, lanes: int) -> list[int]:
     round answers once for every lane). A lane alone or without a group was not touched."""
     by_lane = {r.lane: r for r in results}
     return [
-        lane for lane in range(lanes)
+        lane
+        for lane in range(lanes)
         if (r := by_lane.get(lane)) is None or (not r.applied and (r.outcome is not None or r.interrupted))
-    ]  # fmt: skip
+    ]
 
 
 @torch.no_grad()
@@ -209,7 +210,12 @@ class Trainer:
         self._identity: dict = {}  # what this run's checkpoints hold (daemon/checkpoint.py), set at load
         self._loaded: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None  # by load()
         self._resumed_state: dict | None = None  # the checkpoint _resume loaded (DiLoCo reads its outer state)
-        self.threads, self.checkpoint_every, self.eval_every, self.max_steps = threads, checkpoint_every, eval_every, max_steps
+        self.threads, self.checkpoint_every, self.eval_every, self.max_steps = (
+            threads,
+            checkpoint_every,
+            eval_every,
+            max_steps,
+        )
         self.state = TrainState.LOADING
         self.global_step = 0
         self.local_step = 0
@@ -260,7 +266,9 @@ class Trainer:
             model, optimizer = self._resume()
             self._tensors, self._n_params = state_tensors(model, optimizer)
             if self.outer_settings is not None:  # rounds average the parameters' pseudo-gradient
-                self._outer = OuterLoop(self._tensors[: self._n_params], self.outer_settings, self._round_in, self.run_id)
+                self._outer = OuterLoop(
+                    self._tensors[: self._n_params], self.outer_settings, self._round_in, self.run_id
+                )
                 resumed = self._resumed_state
                 if resumed is not None and "outer" in resumed and resumed["outer"].numel() == 2 * self._outer.n:
                     self._outer.adopt(resumed["outer"])
@@ -350,7 +358,10 @@ class Trainer:
                     self._leave_group(f"DeAR step failed: {e}")
                     continue
                 self.dear_steps += 1
-                self.dear_buckets, self.dear_bucket_bytes = len(self._dear.plan.buckets), int(self._dear.plan.bucket_bytes)
+                self.dear_buckets, self.dear_bucket_bytes = (
+                    len(self._dear.plan.buckets),
+                    int(self._dear.plan.bucket_bytes),
+                )
             else:
                 loss = self.task.loss(model, batch)
                 optimizer.zero_grad(set_to_none=True)
@@ -401,7 +412,9 @@ class Trainer:
         if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)
         # Last: a run resumed at max_steps is FINISHED only once its evaluation is in status too.
-        self.state = TrainState.FINISHED if self.max_steps and self.global_step >= self.max_steps else TrainState.STOPPED
+        self.state = (
+            TrainState.FINISHED if self.max_steps and self.global_step >= self.max_steps else TrainState.STOPPED
+        )
 
     def _evaluate(self, model: torch.nn.Module) -> None:
         """Evaluate the run's model: under DiLoCo the outer parameters θ, which every member of a
@@ -474,7 +487,12 @@ class Trainer:
         result = None
         while max(self.peer_steps(), default=0) >= self.global_step + 2 * self.average_every:
             if result is None:
-                logger.info("run %s: at step %d, peers at %d: downloading the run's state", self.run_id, self.global_step, max(self.peer_steps()))
+                logger.info(
+                    "run %s: at step %d, peers at %d: downloading the run's state",
+                    self.run_id,
+                    self.global_step,
+                    max(self.peer_steps()),
+                )
             result = self.sync(self.global_step + 1, self._flat)
             if getattr(result, "ok", False) and result.step > self.global_step:
                 if self._outer is not None:
@@ -485,7 +503,9 @@ class Trainer:
                     self.snapshot = Snapshot(result.step, self._flat.clone())
                 self.global_step = self.synced_from = result.step
                 self._samples_since_round = 0
-                logger.info("run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step)
+                logger.info(
+                    "run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step
+                )
                 self.on_sync(result)
                 return True
             if time.monotonic() > deadline or self._stop.wait(1.0):
@@ -509,10 +529,14 @@ class Trainer:
         lg, gathered, broke = self.local_group, False, ""
         if self._dear is not None and lg is not None and self._exchange is not None:
             done = hierarchical_round(
-                self._dear.collective, self._exchange, lg.rank, self._flat, weight,
+                self._dear.collective,
+                self._exchange,
+                lg.rank,
+                self._flat,
+                weight,
                 lambda vector, w, lanes: self.average(vector, w, round_t, lanes),
                 gather_timeout=self.round_timeout + HIERARCHY_SLACK,
-            )  # fmt: skip
+            )
             results, gathered, broke = done.results, done.gathered, done.error
         else:
             # restore=False: the engine keeps no backup of the vector (a copy of it per round); a
@@ -525,9 +549,17 @@ class Trainer:
         applied = gathered or any(getattr(r, "applied", False) for r in results)
         previous = self.last_round
         # Status shows the round of this daemon's first lane (or that its group averaged them all).
-        self.last_round = results[0] if results else RoundResult(round_t, lg.size if lg else 1, None,
-                                                                  "every lane averaged by the local group's other members",
-                                                                  delegated=True)  # fmt: skip
+        self.last_round = (
+            results[0]
+            if results
+            else RoundResult(
+                round_t,
+                lg.size if lg else 1,
+                None,
+                "every lane averaged by the local group's other members",
+                delegated=True,
+            )
+        )
         self._log_incomplete(results, previous, round_t)
         if applied or broke:  # a broken hierarchical round may still have changed this member's lanes
             # Before the result replaces them: how far this member's parameters were from the mean.
@@ -547,7 +579,9 @@ class Trainer:
         elif gathered and lg is not None and lg.outdated(lg.members):
             # Every member decides this from the same records: they drop the group together (one that
             # did not would fail its next DeAR op at once), and a later round forms the new one.
-            self._leave_group("the local group's decision changed (a labelled peer came or went; with auto, links measured since)")
+            self._leave_group(
+                "the local group's decision changed (a labelled peer came or went; with auto, links measured since)"
+            )
         else:
             self._regroup(model, optimizer, results)
 
@@ -573,8 +607,12 @@ class Trainer:
             self._others_done = now  # when this trainer first saw half of its peers at the boundary
         if now - began < self.inner_budget * (self._others_done - began):
             return False
-        logger.info("run %s: phase ends at step %d of %d: its peers are at the boundary (straggler budget)",
-                    self.run_id, self.global_step % self.average_every, self.average_every)
+        logger.info(
+            "run %s: phase ends at step %d of %d: its peers are at the boundary (straggler budget)",
+            self.run_id,
+            self.global_step % self.average_every,
+            self.average_every,
+        )
         self.global_step = boundary
         self._others_done = math.nan
         return True
@@ -617,7 +655,8 @@ class Trainer:
         reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
         same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason
         (logger.debug if same else logger.info)(
-            "run %s: round %d at step %d not completed: %s", self.run_id, round_t, self.global_step, reason)
+            "run %s: round %d at step %d not completed: %s", self.run_id, round_t, self.global_step, reason
+        )
 
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         """DiLoCo's rounds: every lane, the engine's backup kept (a lane without a result keeps this

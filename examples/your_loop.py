@@ -66,8 +66,13 @@ def evaluate(model) -> float:
 
 model = TinyLM().to(args.device)
 inner = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-opt = peerd.torch.Optimizer(inner, run=args.run, daemon=args.daemon, model=model,  # peerd: attach
-                            settings={"average_every": args.every})
+opt = peerd.torch.Optimizer(
+    inner,
+    run=args.run,
+    daemon=args.daemon,
+    model=model,  # peerd: attach
+    settings={"average_every": args.every},
+)
 schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / 50))
 print(f"attached at run step {opt.run_step}; eval {evaluate(model):.3f} bits/char", flush=True)
 
@@ -80,8 +85,11 @@ for step in range(args.steps):
     opt.zero_grad()
     schedule.step()
     if (step + 1) % 100 == 0:
-        print(f"step {step + 1} run step {opt.run_step} loss {loss.item() / math.log(2):.3f} "
-              f"round {opt.last_outcome or '-'}", flush=True)
+        print(
+            f"step {step + 1} run step {opt.run_step} loss {loss.item() / math.log(2):.3f} "
+            f"round {opt.last_outcome or '-'}",
+            flush=True,
+        )
 
 print(f"done: run step {opt.run_step}; eval {evaluate(model):.3f} bits/char", flush=True)
 opt.close()

@@ -66,8 +66,18 @@ class Attached:
 class Attachment:
     """Attach, end phases, renew the lease from a named background thread, detach."""
 
-    def __init__(self, *, run: str, daemon, control: str | None, layout: list[control_pb2.TensorSpec],
-                 settings: dict[str, str], device: str, attach_timeout: float, reconnect_timeout: float):
+    def __init__(
+        self,
+        *,
+        run: str,
+        daemon,
+        control: str | None,
+        layout: list[control_pb2.TensorSpec],
+        settings: dict[str, str],
+        device: str,
+        attach_timeout: float,
+        reconnect_timeout: float,
+    ):
         self.run, self.daemon, self.control = run, daemon, control
         self.layout, self.settings, self.device = layout, settings, device
         self.attach_timeout, self.reconnect_timeout = attach_timeout, reconnect_timeout
@@ -90,18 +100,29 @@ class Attachment:
             except grpc.RpcError as e:  # NOT_FOUND here is "not in that run": an answer, not an absence
                 if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
                     raise self._error(e) from None
-                logger.info("peerd: daemon not reachable (%s); retrying for %.0f s more", e.code().name,
-                            deadline - time.monotonic())
+                logger.info(
+                    "peerd: daemon not reachable (%s); retrying for %.0f s more",
+                    e.code().name,
+                    deadline - time.monotonic(),
+                )
             time.sleep(RETRY_EVERY)
 
     def _attach_once(self, step: int) -> Attached:
         self._connect()
-        request = control_pb2.AttachRequest(run_id=self.run, pid=os.getpid(), device=self.device, layout=self.layout,
-                                            settings=self.settings, step=step)
+        request = control_pb2.AttachRequest(
+            run_id=self.run, pid=os.getpid(), device=self.device, layout=self.layout, settings=self.settings, step=step
+        )
         response = self._stub.Attach(request, timeout=self.attach_timeout)
         vector = self._map_vector(response.shared_path, response.numel)
-        self.current = Attached(response.session, vector, response.step, response.average_every,
-                                response.lease_seconds, response.phase_timeout, response.upload)
+        self.current = Attached(
+            response.session,
+            vector,
+            response.step,
+            response.average_every,
+            response.lease_seconds,
+            response.phase_timeout,
+            response.upload,
+        )
         self.lost.clear()
         if self._renewer is None:
             self._renewer = threading.Thread(target=self._renew_loop, name=f"peerd-lease:{self.run}", daemon=True)
@@ -118,7 +139,9 @@ class Attachment:
     def _map_vector(self, path: str, numel: int) -> torch.Tensor:
         with open(path, "r+b") as f:
             # Populated at once: the first hand-over then takes no page faults (about 100,000 at 100M values).
-            mapped = mmap.mmap(f.fileno(), HEADER_BYTES + 4 * numel, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            mapped = mmap.mmap(
+                f.fileno(), HEADER_BYTES + 4 * numel, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            )
         magic, version, n = HEADER.unpack_from(mapped)
         if magic != MAGIC or version != 1 or n != numel:
             mapped.close()
@@ -137,12 +160,15 @@ class Attachment:
 
     # -- phases --------------------------------------------------------------------------------
 
-    def end_phase(self, steps: int, samples: float, loss: float, compute_seconds: float) -> control_pb2.EndPhaseResponse:
+    def end_phase(
+        self, steps: int, samples: float, loss: float, compute_seconds: float
+    ) -> control_pb2.EndPhaseResponse:
         """The parameters are in the vector: the run's outer step. Raises Lost when the attachment
         ended (attach again), PeerdError for anything else."""
         a = self.current
-        request = control_pb2.EndPhaseRequest(session=a.session, steps=steps, samples=samples, loss=loss,
-                                              compute_seconds=compute_seconds)
+        request = control_pb2.EndPhaseRequest(
+            session=a.session, steps=steps, samples=samples, loss=loss, compute_seconds=compute_seconds
+        )
         try:
             return self._stub.EndPhase(request, timeout=a.phase_timeout)
         except grpc.RpcError as e:
@@ -162,8 +188,11 @@ class Attachment:
                 self._stub.Renew(control_pb2.RenewRequest(session=a.session), timeout=RENEW_TIMEOUT)
             except grpc.RpcError as e:
                 if e.code() in AWAY and self.current is a:
-                    logger.info("peerd: attachment to run %s lost (%s); attaching again at the next step", self.run,
-                                e.code().name)
+                    logger.info(
+                        "peerd: attachment to run %s lost (%s); attaching again at the next step",
+                        self.run,
+                        e.code().name,
+                    )
                     self.lost.set()
             except ValueError:  # the channel was closed by a reconnect meanwhile
                 pass
@@ -185,5 +214,7 @@ class Attachment:
     def _error(self, e: grpc.RpcError) -> PeerdError:
         where = f"daemon at {self.control or self.daemon}"
         if e.code() is grpc.StatusCode.UNAVAILABLE:
-            return PeerdError(f"{where} did not answer within {self.reconnect_timeout:.0f} s: is `peerd start --run {self.run}` running?")
+            return PeerdError(
+                f"{where} did not answer within {self.reconnect_timeout:.0f} s: is `peerd start --run {self.run}` running?"
+            )
         return PeerdError(f"{where}: {e.details()}")

@@ -44,9 +44,18 @@ class Optimizer(torch.optim.Optimizer):
     are the inner optimizer's: LR schedulers, gradient clipping and GradScaler work as without peerd.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, run: str, daemon=None, control: str | None = None,
-                 model: torch.nn.Module | None = None, settings: dict[str, Any] | None = None,
-                 attach_timeout: float = ATTACH_TIMEOUT, reconnect_timeout: float = RECONNECT_TIMEOUT):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        run: str,
+        daemon=None,
+        control: str | None = None,
+        model: torch.nn.Module | None = None,
+        settings: dict[str, Any] | None = None,
+        attach_timeout: float = ATTACH_TIMEOUT,
+        reconnect_timeout: float = RECONNECT_TIMEOUT,
+    ):
         # torch.optim.Optimizer.__init__ is not called: the inner optimizer holds the groups and state.
         self.inner = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -54,10 +63,19 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer has no parameters")
         self.layout = _layout(optimizer, model)
         self.device = str(self.params[0].device)
-        settings = {(k if k.startswith("averaging.") else f"averaging.{k}"): str(v) for k, v in (settings or {}).items()}
-        self._attachment = Attachment(run=run, daemon=daemon, control=control, layout=self.layout, settings=settings,
-                                      device=self.device, attach_timeout=attach_timeout,
-                                      reconnect_timeout=reconnect_timeout)
+        settings = {
+            (k if k.startswith("averaging.") else f"averaging.{k}"): str(v) for k, v in (settings or {}).items()
+        }
+        self._attachment = Attachment(
+            run=run,
+            daemon=daemon,
+            control=control,
+            layout=self.layout,
+            settings=settings,
+            device=self.device,
+            attach_timeout=attach_timeout,
+            reconnect_timeout=reconnect_timeout,
+        )
         self.run = run
         self.run_step = 0  # the run's step as the daemon last answered (DiLoCo: counts inner steps)
         self.local_step = 0  # steps this process took
@@ -119,9 +137,12 @@ class Optimizer(torch.optim.Optimizer):
         try:
             end = self._attachment.end_phase(self._phase_steps, self._phase_samples, loss, compute)
         except Lost:
-            logger.warning("peerd: run %s: the daemon went away at a phase's end; attaching again "
-                           "(this phase's %d steps of progress are dropped, the step count goes on)",
-                           self.run, self._phase_steps)
+            logger.warning(
+                "peerd: run %s: the daemon went away at a phase's end; attaching again "
+                "(this phase's %d steps of progress are dropped, the step count goes on)",
+                self.run,
+                self._phase_steps,
+            )
             self._reattach()
             return
         self.run_step, self.last_outcome = end.step, end.outcome
@@ -143,12 +164,18 @@ class Optimizer(torch.optim.Optimizer):
             try:
                 self._attachment.end_phase(0, 0.0, math.nan, 0.0)
             except Lost:
-                raise PeerdError(f"run {self.run}: the daemon went away while taking the run's first parameters") from None
+                raise PeerdError(
+                    f"run {self.run}: the daemon went away while taking the run's first parameters"
+                ) from None
         else:
             self._read()
         self._new_phase()
-        logger.info("peerd: attached to run %s at step %d (%s)", self.run, self.run_step,
-                    "this model starts the run" if a.upload else "the model holds the run's parameters")
+        logger.info(
+            "peerd: attached to run %s at step %d (%s)",
+            self.run,
+            self.run_step,
+            "this model starts the run" if a.upload else "the model holds the run's parameters",
+        )
 
     def _reattach(self) -> None:
         self._attach()
@@ -168,8 +195,10 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The inner optimizer's state and this process's counters (the run's parameters and outer
         state are the daemon's: its checkpoints and the peers hold them)."""
-        return {"inner": self.inner.state_dict(),
-                "peerd": {"run": self.run, "run_step": self.run_step, "local_step": self.local_step}}
+        return {
+            "inner": self.inner.state_dict(),
+            "peerd": {"run": self.run, "run_step": self.run_step, "local_step": self.local_step},
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict["inner"])
@@ -241,7 +270,9 @@ def _layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> 
         for i, p in enumerate(group["params"]):
             if not p.is_floating_point():
                 raise ValueError(f"parameter {names.get(id(p), f'{g}.{i}')} is {p.dtype}: a run trains floating point")
-            specs.append(control_pb2.TensorSpec(name=names.get(id(p), f"{g}.{i}"), shape=list(p.shape), dtype=str(p.dtype)))
+            specs.append(
+                control_pb2.TensorSpec(name=names.get(id(p), f"{g}.{i}"), shape=list(p.shape), dtype=str(p.dtype))
+            )
     return specs
 
 

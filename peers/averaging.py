@@ -72,7 +72,9 @@ class RoundResult:
     reason: str
     links: dict[str, str] = field(default_factory=dict)  # peer ID -> "tcp", "libp2p" or "udp", per member reached
     bytes_by_transport: dict[str, tuple[int, int]] = field(default_factory=dict)  # transport -> (sent, received)
-    waited: float = 0.0  # seconds the rendezvous waited for group mates; NaN in the other lanes of a round (counted once)
+    waited: float = (
+        0.0  # seconds the rendezvous waited for group mates; NaN in the other lanes of a round (counted once)
+    )
     stragglers: int = 0  # group mates the rendezvous gave up on (still behind it)
     lane: int = 0  # the slice of the state vector this round averaged (peers/dear/hierarchy.py)
     delegated: bool = False  # not a round: every lane of this daemon was averaged by its local group's other members
@@ -154,9 +156,16 @@ class MoshpitAverager:
         self.buffers = BufferPool(keep=2 * lanes)
 
     async def average(
-        self, vector: torch.Tensor, weight: float, round_t: int, live_peers: Mapping[str, tuple[int, str]],
-        lanes: Sequence[int] | None = None, group: str = "", restore: bool = True, payload: str = "fp32",
-    ) -> list[RoundResult]:  # fmt: skip
+        self,
+        vector: torch.Tensor,
+        weight: float,
+        round_t: int,
+        live_peers: Mapping[str, tuple[int, str]],
+        lanes: Sequence[int] | None = None,
+        group: str = "",
+        restore: bool = True,
+        payload: str = "fp32",
+    ) -> list[RoundResult]:
         """Average `lanes` of `vector` (flat float32, in place; every lane of the run when None) with
         this round's groups, one round per lane. `live_peers`: peer ID -> (the lanes it delegated as
         a bit mask, its DeAR group's ID), as announced; `group`: this daemon's DeAR group ID ("" when
@@ -191,21 +200,41 @@ class MoshpitAverager:
             namespace, key, _ = plans[lane]
             s, e = bounds[lane]
             try:
-                return await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, payload, plans[lane][2])
+                return await self._round(
+                    vector[s:e], weight, round_t, namespace, key, lane, restore, payload, plans[lane][2]
+                )
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
-                return RoundResult(round_t, 1, None, f"lane {lane} failed: {type(error).__name__}: {error}", lane=lane,
-                                   interrupted=True)  # fmt: skip
+                return RoundResult(
+                    round_t,
+                    1,
+                    None,
+                    f"lane {lane} failed: {type(error).__name__}: {error}",
+                    lane=lane,
+                    interrupted=True,
+                )
 
         results = list(await asyncio.gather(*(one(lane) for lane in mine)))
         # The rendezvous served every lane: its wait is counted once, with the first.
-        return [dataclasses.replace(r, waited=waited, stragglers=stragglers) if k == 0 else dataclasses.replace(r, waited=math.nan)
-                for k, r in enumerate(results)]  # fmt: skip
+        return [
+            dataclasses.replace(r, waited=waited, stragglers=stragglers)
+            if k == 0
+            else dataclasses.replace(r, waited=math.nan)
+            for k, r in enumerate(results)
+        ]
 
     async def _round(
-        self, vector: torch.Tensor, weight: float, round_t: int, namespace: str, key: str, lane: int, restore: bool,
-        payload: str = "fp32", mates: Sequence[str] = (),
-    ) -> RoundResult:  # fmt: skip
+        self,
+        vector: torch.Tensor,
+        weight: float,
+        round_t: int,
+        namespace: str,
+        key: str,
+        lane: int,
+        restore: bool,
+        payload: str = "fp32",
+        mates: Sequence[str] = (),
+    ) -> RoundResult:
         """One lane's round under group key `key`: listen, matchmaking (directly with `mates`, the group
         the view gives, peers/matchmaking.py), all-reduce of `vector` (a slice)."""
         transport, address = await self._listen(key)
@@ -227,19 +256,32 @@ class MoshpitAverager:
                 # which all members decide alike from the same size and group.
                 payload = "fp32"
                 if vector.numel() < group.size:
-                    return RoundResult(round_t, group.size, None,
-                                       f"{vector.numel()} values cannot be shared among {group.size} members", lane=lane)
+                    return RoundResult(
+                        round_t,
+                        group.size,
+                        None,
+                        f"{vector.numel()} values cannot be shared among {group.size} members",
+                        lane=lane,
+                    )
             buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
             settings = self.settings if payload == "fp32" else dataclasses.replace(self.settings, payload=payload)
-            engine = engine_type(group, transport, vector.numel(), settings=settings, events=self.events,
-                                 buffers=buffers)  # fmt: skip
+            engine = engine_type(
+                group, transport, vector.numel(), settings=settings, events=self.events, buffers=buffers
+            )
             try:
                 # A fresh engine's first round is number 1; the group key already names round_t.
                 outcome = await engine.all_reduce(vector, float(weight), 1, restore=restore)
             finally:
                 await engine.close()
-            return RoundResult(round_t, group.size, outcome, outcome.reason, self._links(transport, group),
-                               transport.bytes_by_transport(), lane=lane)  # fmt: skip
+            return RoundResult(
+                round_t,
+                group.size,
+                outcome,
+                outcome.reason,
+                self._links(transport, group),
+                transport.bytes_by_transport(),
+                lane=lane,
+            )
         finally:
             await transport.close()
             if buffers is not None:  # only now: a closed transport writes into nothing
@@ -267,9 +309,16 @@ class MoshpitAverager:
         reliable = FallbackTransport(self.bind_host, 0, p2p=self.p2p, mode=mode, auth=auth, events=self.events)
         if not self.loss_tolerant:
             return reliable
-        return UdpTransport(self.bind_host, 0, secret=self.secret.engine_key if self.secret else None, session=key,
-                            control=reliable, max_datagram=self.datagram_bytes, rate_bps=self.udp_rate_bps,
-                            events=self.events)  # fmt: skip
+        return UdpTransport(
+            self.bind_host,
+            0,
+            secret=self.secret.engine_key if self.secret else None,
+            session=key,
+            control=reliable,
+            max_datagram=self.datagram_bytes,
+            rate_bps=self.udp_rate_bps,
+            events=self.events,
+        )
 
     def _datagrams(self, peer_of: dict[str, str]) -> Callable[[str], bool]:
         """Whether this round sends its data to the member at `address` as datagrams."""
@@ -289,5 +338,9 @@ class MoshpitAverager:
             elif a in reliable.choices:
                 links[group.members[k]] = reliable.choices[a]
         if "libp2p" in links.values():
-            logger.info("reached %d of %d members through libp2p streams", sum(v == "libp2p" for v in links.values()), len(links))
+            logger.info(
+                "reached %d of %d members through libp2p streams",
+                sum(v == "libp2p" for v in links.values()),
+                len(links),
+            )
         return links

@@ -92,7 +92,12 @@ def _exports(tree: ast.Module, package: str) -> dict[str, tuple[str, str]]:
     the top of an `__init__.py`. Anything else it binds is left to running it."""
     exports = {}
     for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith(package + "."):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.startswith(package + ".")
+        ):
             for alias in node.names:
                 if alias.name != "*":
                     exports[alias.asname or alias.name] = (node.module, alias.name)

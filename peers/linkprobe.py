@@ -121,8 +121,9 @@ class LinkReport:
 class LinkProber:
     """Answers probes on host:port and measures links to peers (see the module docstring)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, events: PeerEvents | None = None,
-                 echo_rate: float = ECHO_RATE):  # fmt: skip
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, events: PeerEvents | None = None, echo_rate: float = ECHO_RATE
+    ):
         self.host, self.port, self.echo_rate = host, port, echo_rate
         self.events = events or PeerEvents()
         self.stats: dict[str, LinkStats] = {}  # peer ID -> latest measurement
@@ -175,8 +176,9 @@ class LinkProber:
         s = self.stats.get(peer_id)
         return s is not None and s.passes
 
-    async def measure(self, peer_id: str, address: str, *, count: int = PROBE_COUNT, gap: float = PROBE_GAP,
-                      wait: float = ECHO_WAIT) -> LinkStats:  # fmt: skip
+    async def measure(
+        self, peer_id: str, address: str, *, count: int = PROBE_COUNT, gap: float = PROBE_GAP, wait: float = ECHO_WAIT
+    ) -> LinkStats:
         """Probe `address` ("host:port") `count` times and record the result under `peer_id`.
         Bounded: count * gap + wait seconds, plus one name lookup. Raises ValueError for an address
         that is not host:port."""
@@ -205,15 +207,23 @@ class LinkProber:
         rtt = statistics.median(rtts.values()) if rtts else float("nan")
         if rtts:
             self.events.link_rtt(rtt)
-        stats = LinkStats(address, rtt, loss, last_loss, answered >= PASS_SHARE * count, time.monotonic(),
-                          (old.measurements + 1) if old else 1)  # fmt: skip
+        stats = LinkStats(
+            address,
+            rtt,
+            loss,
+            last_loss,
+            answered >= PASS_SHARE * count,
+            time.monotonic(),
+            (old.measurements + 1) if old else 1,
+        )
         if old is not None and old.address == address:
             stats.bandwidth, stats.bandwidth_at = old.bandwidth, old.bandwidth_at
         self.stats[peer_id] = stats
         return stats
 
-    async def measure_bandwidth(self, peer_id: str, address: str, *, trains: int = TRAINS, count: int = TRAIN_COUNT,
-                                wait: float = TRAIN_WAIT) -> float:  # fmt: skip
+    async def measure_bandwidth(
+        self, peer_id: str, address: str, *, trains: int = TRAINS, count: int = TRAIN_COUNT, wait: float = TRAIN_WAIT
+    ) -> float:
         """Send `trains` packet trains of `count` datagrams to `address` (module docstring); returns
         the highest figure in bytes per second (0.0: no train was measurable) and records it in the
         peer's LinkStats (which `measure` must have created). Bounded: trains * count datagrams, and
@@ -229,7 +239,9 @@ class LinkProber:
             sent: dict[int, int] = {}
             received: dict[int, float] = {}
             self._pending[nonce] = (addr[:2], TRAIN_ECHO, sent, received)
-            packets = [FORMAT.pack(MAGIC, VERSION, TRAIN, nonce, seq, 0.0).ljust(TRAIN_SIZE, b"\0") for seq in range(count)]
+            packets = [
+                FORMAT.pack(MAGIC, VERSION, TRAIN, nonce, seq, 0.0).ljust(TRAIN_SIZE, b"\0") for seq in range(count)
+            ]
             try:
                 deadline = loop.time() + wait
                 for seq, packet in enumerate(packets):  # back to back, without yielding: the train is the measurement
@@ -321,10 +333,18 @@ class LinkProber:
                 return
             # An echo of a probe carries how long it was held here; that of a train packet, when it arrived.
             reply = (ECHO, time.time_ns() - at) if kind == PROBE else (TRAIN_ECHO, at)
-            self._send(REPLY.pack(MAGIC, VERSION, reply[0], nonce, seq, sent_at, max(reply[1], 0)).ljust(SIZE, b"\0"), addr)
+            self._send(
+                REPLY.pack(MAGIC, VERSION, reply[0], nonce, seq, sent_at, max(reply[1], 0)).ljust(SIZE, b"\0"), addr
+            )
             return
         pending = self._pending.get(nonce)
-        if pending is None or pending[0] != addr[:2] or pending[1] != kind or seq not in pending[2] or seq in pending[3]:
+        if (
+            pending is None
+            or pending[0] != addr[:2]
+            or pending[1] != kind
+            or seq not in pending[2]
+            or seq in pending[3]
+        ):
             self.events.packet_rejected("probe_unexpected_echo")
             return
         if kind == TRAIN_ECHO:

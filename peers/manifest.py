@@ -119,7 +119,9 @@ def check_layout(layout: tuple[TensorSpec, ...]) -> None:
     total = 0
     for spec in layout:
         if not 0 < len(spec.name) <= MAX_TENSOR_NAME or len(spec.shape) > 8 or any(d < 0 for d in spec.shape):
-            raise ValueError(f"parameter {spec.name[:64]!r}: a name of 1..{MAX_TENSOR_NAME} characters and at most 8 dimensions")
+            raise ValueError(
+                f"parameter {spec.name[:64]!r}: a name of 1..{MAX_TENSOR_NAME} characters and at most 8 dimensions"
+            )
         if spec.dtype not in FLOAT_DTYPES:
             raise ValueError(f"parameter {spec.name[:64]!r} is {spec.dtype}; a run trains {', '.join(FLOAT_DTYPES)}")
         total += spec.numel
@@ -158,7 +160,9 @@ class RunManifest:
             raise ValueError(f"{len(self.hparams)} hyper-parameters; at most {MAX_HPARAMS}")
         for key, value in self.hparams.items():
             if not TASK_NAME.fullmatch(key) or len(value) > MAX_HPARAM_CHARS:
-                raise ValueError(f"hyper-parameter {key[:64]!r} has a bad name or a value over {MAX_HPARAM_CHARS} characters")
+                raise ValueError(
+                    f"hyper-parameter {key[:64]!r} has a bad name or a value over {MAX_HPARAM_CHARS} characters"
+                )
 
     @property
     def order(self) -> tuple[float, str]:
@@ -176,10 +180,19 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
         task=manifest.task,
         hparams=manifest.hparams,
         averaging=records_pb2.AveragingSettings(
-            average_every=a.average_every, max_group_size=a.max_group_size, round_timeout=a.round_timeout,
-            transport=a.transport, datagram_bytes=a.datagram_bytes, lanes=a.lanes, algorithm=a.algorithm,
-            outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, payload=a.payload, overlap=a.overlap,
-            inner_budget=a.inner_budget, repair_every=a.repair_every,
+            average_every=a.average_every,
+            max_group_size=a.max_group_size,
+            round_timeout=a.round_timeout,
+            transport=a.transport,
+            datagram_bytes=a.datagram_bytes,
+            lanes=a.lanes,
+            algorithm=a.algorithm,
+            outer_lr=a.outer_lr,
+            outer_momentum=a.outer_momentum,
+            payload=a.payload,
+            overlap=a.overlap,
+            inner_budget=a.inner_budget,
+            repair_every=a.repair_every,
         ),
         creator=manifest.creator,
         created_at=manifest.created_at,
@@ -223,8 +236,13 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
 
 def _diloco_fields(a: records_pb2.AveragingSettings) -> dict:
     return dict(
-        algorithm="diloco", outer_lr=a.outer_lr, outer_momentum=a.outer_momentum, payload=a.payload,
-        overlap=a.overlap, inner_budget=a.inner_budget, repair_every=a.repair_every,
+        algorithm="diloco",
+        outer_lr=a.outer_lr,
+        outer_momentum=a.outer_momentum,
+        payload=a.payload,
+        overlap=a.overlap,
+        inner_budget=a.inner_budget,
+        repair_every=a.repair_every,
     )
 
 

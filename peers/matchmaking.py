@@ -204,8 +204,14 @@ class Matchmaker:
     def _entry_envelope(self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member) -> bytes:
         if me.peer_id != self.node.peer_id:
             raise ValueError("a daemon only publishes entries about itself")
-        body = pb.GroupEntry(format_version=ENTRY_FORMAT_VERSION, group_key=key, round=round_t,
-                             engine_addr=me.engine_addr, weight=me.weight, timestamp=now()).SerializeToString()
+        body = pb.GroupEntry(
+            format_version=ENTRY_FORMAT_VERSION,
+            group_key=key,
+            round=round_t,
+            engine_addr=me.engine_addr,
+            weight=me.weight,
+            timestamp=now(),
+        ).SerializeToString()
         return seal(RecordKind.GROUP_ENTRY, body, self.node.identity, secret, namespace)
 
     async def _store(self, key: str, me: Member, envelope: bytes) -> None:
@@ -214,7 +220,12 @@ class Matchmaker:
             logger.info("group %s: my entry was not stored; only peers that see it can join me", key)
 
     async def form_group(
-        self, namespace: str, secret: RunSecret | None, round_t: int, key: str, me: Member,
+        self,
+        namespace: str,
+        secret: RunSecret | None,
+        round_t: int,
+        key: str,
+        me: Member,
         mates: Iterable[str] = (),
     ) -> Matched:
         """Form the group of (key, round_t); see the module docstring for the protocol and timeouts.
@@ -298,8 +309,12 @@ class Matchmaker:
         except TimeoutError:
             pass
         members, reason = decide_group(
-            [session.entry, *session.joins.values()], key=key, round_t=round_t, now=now(),
-            max_age=self._max_age, max_group_size=self.settings.max_group_size,
+            [session.entry, *session.joins.values()],
+            key=key,
+            round_t=round_t,
+            now=now(),
+            max_age=self._max_age,
+            max_group_size=self.settings.max_group_size,
         )
         session.decision.set_result(members)
         if len(members) < 2:

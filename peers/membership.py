@@ -84,8 +84,13 @@ class RunMembership:
         self.probe_address = ""  # where this daemon answers link probes, put into each heartbeat
         # (lanes its DeAR group's other members average for it as a bit mask, that group's ID), ditto
         self.delegation_of: Callable[[], tuple[int, str]] = lambda: (0, "")
-        self.links_of: Callable[[], tuple[LinkReport, ...]] = lambda: ()  # its fresh link reports, put into each heartbeat
-        self.published_links: tuple[float, tuple[LinkReport, ...]] = (0.0, ())  # (timestamp, links) of the latest heartbeat
+        self.links_of: Callable[[], tuple[LinkReport, ...]] = (
+            lambda: ()
+        )  # its fresh link reports, put into each heartbeat
+        self.published_links: tuple[float, tuple[LinkReport, ...]] = (
+            0.0,
+            (),
+        )  # (timestamp, links) of the latest heartbeat
         # Its parameter sketches of the latest rounds, oldest first: the newest goes into each heartbeat.
         self.sketches_of: Callable[[], tuple[ParamSketch, ...]] = lambda: ()
         self._divergence: Divergence | None = None  # the newest step's figure found so far
@@ -100,8 +105,12 @@ class RunMembership:
         await self.heartbeat()
         await self.refresh()
         self._tasks = [
-            asyncio.create_task(self._every(self.settings.heartbeat_interval, self.heartbeat), name=f"heartbeat:{self.run_id}"),
-            asyncio.create_task(self._every(self.settings.refresh_interval, self.refresh), name=f"refresh:{self.run_id}"),
+            asyncio.create_task(
+                self._every(self.settings.heartbeat_interval, self.heartbeat), name=f"heartbeat:{self.run_id}"
+            ),
+            asyncio.create_task(
+                self._every(self.settings.refresh_interval, self.refresh), name=f"refresh:{self.run_id}"
+            ),
             asyncio.create_task(self._every(REJOIN_INTERVAL, self.rejoin), name=f"rejoin:{self.run_id}"),
         ]
 
@@ -271,7 +280,9 @@ class Memberships:
     async def leave_all(self) -> None:
         await asyncio.gather(*(self.leave(run_id) for run_id in list(self.runs)), return_exceptions=True)
 
-    async def _on_goodbye(self, request: records_pb2.GoodbyeRequest, context: P2PContext) -> records_pb2.GoodbyeResponse:
+    async def _on_goodbye(
+        self, request: records_pb2.GoodbyeRequest, context: P2PContext
+    ) -> records_pb2.GoodbyeResponse:
         target = next((m for m in self.runs.values() if m.key == request.run_key), None)
         if target is None:
             self.events.rejected("goodbye_unknown_run")

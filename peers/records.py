@@ -27,7 +27,16 @@ MAX_LINKS = 64  # link reports per record (peers/linkprobe.py MAX_REPORTS)
 MAX_LINK_AGE = 3600.0  # seconds: a report claiming an older measurement is malformed (fresh ones are < 60 s)
 MAX_LINK_RTT = 60.0  # seconds
 
-__all__ = ["LinkReport", "MemberRecord", "MemberState", "ParamSketch", "RecordRejected", "seal_record", "open_envelope", "check_storable"]
+__all__ = [
+    "LinkReport",
+    "MemberRecord",
+    "MemberState",
+    "ParamSketch",
+    "RecordRejected",
+    "seal_record",
+    "open_envelope",
+    "check_storable",
+]
 
 
 class MemberState(Enum):
@@ -73,8 +82,10 @@ def seal_record(record: MemberRecord, identity: Identity, secret: RunSecret | No
         probe_address=record.probe_address,
         delegated_lanes=record.delegated_lanes,
         dear_group=record.dear_group,
-        links=[records_pb2.LinkReport(peer_id=r.peer_id, rtt=r.rtt, bandwidth=r.bandwidth, loss=r.loss, age=r.age)
-               for r in record.links],  # fmt: skip
+        links=[
+            records_pb2.LinkReport(peer_id=r.peer_id, rtt=r.rtt, bandwidth=r.bandwidth, loss=r.loss, age=r.age)
+            for r in record.links
+        ],
     )
     if record.sketch is not None:
         s = record.sketch

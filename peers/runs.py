@@ -53,7 +53,10 @@ class RunSecret:
         if len(secret) < MIN_SECRET_BYTES:
             raise InvalidSecret(f"run secret is {len(secret)} bytes; at least {MIN_SECRET_BYTES} are required")
         prk = hmac.new(b"peerd run secret v1", secret, hashlib.sha256).digest()  # HKDF-extract
-        expand = lambda label: hmac.new(prk, f"{label}\x00{run_id}".encode(), hashlib.sha256).digest()
+
+        def expand(label: str) -> bytes:
+            return hmac.new(prk, f"{label}\x00{run_id}".encode(), hashlib.sha256).digest()
+
         return cls(key_id=expand("dht-key"), seal_key=expand("record-seal"), engine_key=expand("engine-link"))
 
     @classmethod

@@ -59,8 +59,17 @@ from protos import state_pb2 as pb
 if TYPE_CHECKING:  # torch is imported where a tensor is touched: a daemon that trains nothing never loads it
     import torch
 
-__all__ = ["FetchResult", "Partial", "Snapshot", "SnapshotInfo", "StateServer", "choose_snapshot", "fetch_state",
-           "snapshot_id", "state_tag"]
+__all__ = [
+    "FetchResult",
+    "Partial",
+    "Snapshot",
+    "SnapshotInfo",
+    "StateServer",
+    "choose_snapshot",
+    "fetch_state",
+    "snapshot_id",
+    "state_tag",
+]
 
 INFO_HANDLER = "peerd.state.v1.info"
 CHUNK_HANDLER = "peerd.state.v1.chunk"
@@ -94,8 +103,13 @@ def _fits(t: torch.Tensor | None, numel: int) -> bool:
     """Whether t can hold a snapshot of `numel` elements in place."""
     import torch
 
-    return (t is not None and t.numel() == numel and t.dtype == torch.float32 and t.device.type == "cpu"
-            and t.is_contiguous())
+    return (
+        t is not None
+        and t.numel() == numel
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +144,12 @@ class SnapshotInfo:
     def consistent(self) -> bool:
         cb = self.chunk_bytes
         return (
-            len(self.id) == DIGEST_BYTES and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES and cb % 4 == 0
-            and 0 < self.numel and self.step < 2**63 and len(self.hashes) == -(-self.numel * 4 // cb) <= MAX_CHUNKS
+            len(self.id) == DIGEST_BYTES
+            and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES
+            and cb % 4 == 0
+            and 0 < self.numel
+            and self.step < 2**63
+            and len(self.hashes) == -(-self.numel * 4 // cb) <= MAX_CHUNKS
             and all(len(h) == DIGEST_BYTES for h in self.hashes)
             and snapshot_id(self.step, self.numel, self.hashes) == self.id
         )
@@ -166,8 +184,9 @@ class _Served:
 class StateServer:
     """Serves the snapshots of every run this daemon serves; start() registers the two handlers."""
 
-    def __init__(self, node: PeerNode, events: PeerEvents | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 keep: int = 3):
+    def __init__(
+        self, node: PeerNode, events: PeerEvents | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep: int = 3
+    ):
         if not (MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES and chunk_bytes % 4 == 0) or keep < 2:
             raise ValueError(f"need chunk_bytes a multiple of 4 in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], keep >= 2")
         self.node, self.events, self.chunk_bytes, self.keep = node, events or node.events, chunk_bytes, keep
@@ -180,8 +199,9 @@ class StateServer:
     def serve(self, run_id: str, secret: RunSecret | None, provider: Callable[[], Snapshot | None]) -> None:
         """Answer for run_id from now on. provider() is called on every info request: it must return
         the same Snapshot object until the trainer publishes the next one (a new object is hashed)."""
-        self._runs[run_dht_key(run_id, secret)] = _Served(run_id, secret, provider, deque(maxlen=self.keep),
-                                                          asyncio.Lock())
+        self._runs[run_dht_key(run_id, secret)] = _Served(
+            run_id, secret, provider, deque(maxlen=self.keep), asyncio.Lock()
+        )
 
     def stop_serving(self, run_id: str) -> None:
         """Stop answering for run_id and release its snapshots; downloads in progress are refused."""
@@ -205,13 +225,17 @@ class StateServer:
     def _admit(self, run_key: str, tag: bytes, context: P2PContext, kind: bytes, snapshot: bytes = b"", index: int = 0):
         """The served run a request is for, or None after counting why it is refused."""
         served = self._runs.get(run_key)
-        if len(run_key) > MAX_RUN_KEY_CHARS or len(tag) not in (0, TAG_BYTES) or len(snapshot) != (
-                DIGEST_BYTES if kind == b"chunk" else 0):
+        if (
+            len(run_key) > MAX_RUN_KEY_CHARS
+            or len(tag) not in (0, TAG_BYTES)
+            or len(snapshot) != (DIGEST_BYTES if kind == b"chunk" else 0)
+        ):
             reason = "state_malformed"
         elif served is None:
             reason = "state_unknown_run"
         elif served.secret is not None and not hmac.compare_digest(
-                tag, state_tag(served.secret, context.remote_id.to_base58(), self.node.peer_id, kind, snapshot, index)):
+            tag, state_tag(served.secret, context.remote_id.to_base58(), self.node.peer_id, kind, snapshot, index)
+        ):
             reason = "state_bad_tag"
         else:
             return served
@@ -225,8 +249,14 @@ class StateServer:
         info = await self._newest(served)
         if info is None:
             return pb.StateInfoResponse(status=pb.STATE_STATUS_NO_SNAPSHOT)
-        return pb.StateInfoResponse(status=pb.STATE_STATUS_OK, snapshot_id=info.id, step=info.step, numel=info.numel,
-                                    chunk_bytes=info.chunk_bytes, chunk_hashes=info.hashes)
+        return pb.StateInfoResponse(
+            status=pb.STATE_STATUS_OK,
+            snapshot_id=info.id,
+            step=info.step,
+            numel=info.numel,
+            chunk_bytes=info.chunk_bytes,
+            chunk_hashes=info.hashes,
+        )
 
     async def _on_chunk(self, request: pb.StateChunkRequest, context: P2PContext) -> pb.StateChunkResponse:
         sid, index = request.snapshot_id, request.index
@@ -380,17 +410,31 @@ class _Fetch:
         if self.dropped:
             reason += "; dropped " + ", ".join(f"{d} ({why})" for d, why in sorted(self.dropped.items()))
         return FetchResult(
-            ok=ok, reason=reason, step=info.step if info else None, snapshot_id=info.id if info else None,
-            tensor=self.buffer if ok else None, donors_used=tuple(d for d, _ in self.served.most_common()),
-            bytes=self.bytes, duration=time.monotonic() - started,
+            ok=ok,
+            reason=reason,
+            step=info.step if info else None,
+            snapshot_id=info.id if info else None,
+            tensor=self.buffer if ok else None,
+            donors_used=tuple(d for d, _ in self.served.most_common()),
+            bytes=self.bytes,
+            duration=time.monotonic() - started,
             partial=Partial(info, self.buffer, frozenset(self.verified)) if info and not ok else None,
         )
 
 
 async def fetch_state(
-    node: PeerNode, run_id: str, secret: RunSecret | None, donors: list[str], *, min_step: int = 0,
-    out: torch.Tensor | None = None, resume: Partial | None = None, parallel: int = 8,
-    request_timeout: float = 10.0, timeout: float = 300.0, events: PeerEvents | None = None,
+    node: PeerNode,
+    run_id: str,
+    secret: RunSecret | None,
+    donors: list[str],
+    *,
+    min_step: int = 0,
+    out: torch.Tensor | None = None,
+    resume: Partial | None = None,
+    parallel: int = 8,
+    request_timeout: float = 10.0,
+    timeout: float = 300.0,
+    events: PeerEvents | None = None,
 ) -> FetchResult:
     """Download the best snapshot `donors` hold (see the module docstring). `request_timeout` covers one
     info or chunk RPC; `timeout` covers the whole call. Writes into `out` when it is a contiguous

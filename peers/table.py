@@ -54,9 +54,20 @@ class PeerTable:
             # First sight: trust the record's age only as far as it makes the peer look older.
             age = min(max(now - record.timestamp, 0.0), self.ttl)
             self._entries[record.peer_id] = PeerEntry(
-                record.peer_id, record.maddrs, record.version, record.role, record.timestamp, now - age, record.step,
-                record.local_group, record.dear_address, record.probe_address, record.delegated_lanes,
-                record.dear_group, record.links, record.sketch,
+                record.peer_id,
+                record.maddrs,
+                record.version,
+                record.role,
+                record.timestamp,
+                now - age,
+                record.step,
+                record.local_group,
+                record.dear_address,
+                record.probe_address,
+                record.delegated_lanes,
+                record.dear_group,
+                record.links,
+                record.sketch,
             )
             return "new"
         if record.timestamp <= entry.timestamp:

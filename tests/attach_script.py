@@ -21,9 +21,14 @@ args = p.parse_args()
 
 torch.manual_seed(0)
 model = torch.nn.Linear(args.dim, 1)
-opt = peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.05), run=args.run, daemon=args.daemon,
-                            model=model, settings={"average_every": args.every},
-                            reconnect_timeout=args.reconnect_timeout)
+opt = peerd.torch.Optimizer(
+    torch.optim.SGD(model.parameters(), lr=0.05),
+    run=args.run,
+    daemon=args.daemon,
+    model=model,
+    settings={"average_every": args.every},
+    reconnect_timeout=args.reconnect_timeout,
+)
 print(json.dumps({"attached": opt.run_step}), flush=True)
 target = torch.arange(args.dim, dtype=torch.float32) / args.dim
 for i in range(args.steps):
@@ -33,8 +38,10 @@ for i in range(args.steps):
     opt.step(samples=16, loss=loss)
     opt.zero_grad()
     if (i + 1) % args.every == 0:
-        print(json.dumps({"step": i + 1, "run_step": opt.run_step, "outcome": opt.last_outcome, "loss": loss.item()}),
-              flush=True)
+        print(
+            json.dumps({"step": i + 1, "run_step": opt.run_step, "outcome": opt.last_outcome, "loss": loss.item()}),
+            flush=True,
+        )
     time.sleep(args.sleep)
 opt.close()
 print(json.dumps({"done": opt.run_step, "local_step": opt.local_step}), flush=True)

@@ -80,7 +80,9 @@ async def peer_nodes(n: int, tmp_path, events=None):
     from peers.node import NodeSettings, PeerNode
 
     def settings(i: int, initial: list[str]) -> NodeSettings:
-        return NodeSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / f"n{i}.key", initial_peers=initial)
+        return NodeSettings(
+            host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / f"n{i}.key", initial_peers=initial
+        )
 
     events = events or PeerEvents()
     nodes: list[PeerNode] = []

@@ -26,8 +26,11 @@ REQUIRED = {"bench", "metric", "ours", "baseline", "ratio", "unit"}
 def test_daemon_costs_quick_prints_json_lines():
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.daemon_costs", "--quick"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -50,8 +53,11 @@ def test_dear_quick_prints_json_lines_with_the_headline_last(backend):
     """bench.dear --quick: a small MLP, two ranks on loopback, every schedule (a few seconds)."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.dear", "--quick", "--skip-emulated", "--backend", backend],
-        cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert records and all(REQUIRED <= r.keys() for r in records), records
@@ -84,8 +90,13 @@ def test_attach_handoff_quick_prints_json_lines_with_the_headline_last():
     shared = set(Path("/dev/shm").glob("peerd-*"))
     results = ROOT / "bench" / "results" / "attach_handoff.jsonl"
     size = results.stat().st_size if results.exists() else None
-    proc = subprocess.run([sys.executable, "-m", "bench.attach_handoff", "--quick"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.attach_handoff", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert records and all(REQUIRED <= r.keys() for r in records), records
@@ -105,8 +116,10 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
     from daemon.lab.scenario import parse
 
     args = argparse.Namespace(hosts=3, seconds=120.0, rate=100.0, rtt_ms=50.0, loss=1.0, task="charlm")
-    for name, settings in (("a", {"averaging.algorithm": "diloco", "averaging.average_every": 50}),
-                           ("b", {"averaging.algorithm": "state", "averaging.average_every": 10})):
+    for name, settings in (
+        ("a", {"averaging.algorithm": "diloco", "averaging.average_every": 50}),
+        ("b", {"averaging.algorithm": "state", "averaging.average_every": 10}),
+    ):
         s = parse(scenario(name, args, settings), name)
         assert len(s.hosts) == 3 and s.run.task == "charlm" and s.duration == 120.0
         assert s.run.settings["averaging.algorithm"] == settings["averaging.algorithm"]
@@ -122,8 +135,12 @@ def test_round_cost_quick_prints_a_line_per_rtt_and_the_headline_last():
     if problem:
         pytest.skip(f"network lab unavailable: {problem}")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.round_cost", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT
-    )  # fmt: skip
+        [sys.executable, "-m", "bench.round_cost", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert records and all(REQUIRED <= r.keys() for r in records), records
@@ -136,8 +153,26 @@ def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
     """bench.diloco_sim on a tiny model: both setups with the real outer loop, then the headline."""
     from bench import diloco_sim
 
-    argv = ["--steps", "6", "--every", "3", "--land-after", "1", "--workers", "2", "--d-model", "16",
-            "--n-layers", "1", "--context", "8", "--batch", "4", "--eval-every", "1"]  # fmt: skip
+    argv = [
+        "--steps",
+        "6",
+        "--every",
+        "3",
+        "--land-after",
+        "1",
+        "--workers",
+        "2",
+        "--d-model",
+        "16",
+        "--n-layers",
+        "1",
+        "--context",
+        "8",
+        "--batch",
+        "4",
+        "--eval-every",
+        "1",
+    ]
     assert diloco_sim.main(argv) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r.get("setup") for r in records] == ["sync", "overlap", None]

@@ -27,7 +27,16 @@ pytestmark = pytest.mark.slow
 
 RUN_ARGS = ["--eval-every", "1000", "--checkpoint-every", "50", "--torch-threads", "1"]
 PEER_TTL, REFRESH = 4.0, 0.5
-FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", str(REFRESH), "--peer-ttl", str(PEER_TTL), "--dht-timeout", "2"]
+FAST_DISCOVERY = [
+    "--heartbeat-interval",
+    "1",
+    "--refresh-interval",
+    str(REFRESH),
+    "--peer-ttl",
+    str(PEER_TTL),
+    "--dht-timeout",
+    "2",
+]
 
 
 def status(d, run: str):
@@ -47,8 +56,10 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
     args = ["--run", "acc", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS]
     a = spawn("acc-a", [*args, *create])
     # c reaches its group only through libp2p streams (as behind a NAT); a and b dial directly.
-    others = [spawn(f"acc-{n}", [*args, "--initial-peers", a.maddrs[0], *extra], wait=False)
-              for n, extra in (("b", []), ("c", ["--reliable-links", "libp2p"]))]
+    others = [
+        spawn(f"acc-{n}", [*args, "--initial-peers", a.maddrs[0], *extra], wait=False)
+        for n, extra in (("b", []), ("c", ["--reliable-links", "libp2p"]))
+    ]
     for d in others:
         d.wait_ready()
     daemons = [a, *others]
@@ -70,14 +81,19 @@ def test_three_daemons_reach_single_process_accuracy(spawn):
         print(f"accuracy {r.eval_score:.4f}, single process {single:.4f}")
         assert r.eval_score >= single - 0.01, (r.eval_score, single)
     for d, r in zip(daemons, finals):  # `peerd status` names the last round's group: all three
-        assert r.last_round_group[0] == d.peer_id and sorted(r.last_round_group) == sorted(x.peer_id for x in daemons), r
+        assert r.last_round_group[0] == d.peer_id and sorted(r.last_round_group) == sorted(
+            x.peer_id for x in daemons
+        ), r
     assert "acc: group of round" in peerd("status", "--control", a.control).stdout
     # The last round ended with every member holding the same bytes: the same evaluation.
     assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     # Divergence from sketches (peers/sketch.py): once every daemon has the others' sketches of the
     # last round (step 500, a heartbeat after it), all three compare the same three sketches.
-    wait_for(lambda: all(status(d, "acc").param_divergence_step == steps for d in daemons), timeout=30,
-             what="every daemon compares the sketches of the last round")  # fmt: skip
+    wait_for(
+        lambda: all(status(d, "acc").param_divergence_step == steps for d in daemons),
+        timeout=30,
+        what="every daemon compares the sketches of the last round",
+    )
     divergences = [scrape(d.metrics_url)[("peerd_param_divergence", (("run", "acc"),))] for d in daemons]
     to_mean = sorted(r.param_distance_to_group_mean for r in finals)  # exact, of the same round
     print(f"divergence {divergences}, distances to the group mean {to_mean}")
@@ -176,20 +192,30 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secre
         c.proc.send_signal(signal.SIGKILL)  # mid-run, quite likely mid-round
         c.proc.wait(10)
         t_kill, killed_at = time.monotonic(), status(a, "churn").step
-        wait_for(lambda: status(a, "churn").step >= killed_at + 3 * every, timeout=60, what="a trains on after the kill")
+        wait_for(
+            lambda: status(a, "churn").step >= killed_at + 3 * every, timeout=60, what="a trains on after the kill"
+        )
         print(f"a's longest stall after the kill: {watch.longest_stall(a, t_kill):.1f} s (bound {stall_bound:.1f} s)")
         assert watch.longest_stall(a, t_kill) < stall_bound, (watch.longest_stall(a, t_kill), stall_bound)
 
         watch.frozen.add(b.data_dir.name)
         os.kill(b.pid, signal.SIGSTOP)
         t_freeze, frozen_at = time.monotonic(), status(a, "churn").step
-        wait_for(lambda: status(a, "churn").step >= frozen_at + 3 * every, timeout=60, what="a trains on while b is frozen")
-        print(f"a's longest stall after the freeze: {watch.longest_stall(a, t_freeze):.1f} s (bound {stall_bound:.1f} s)")
+        wait_for(
+            lambda: status(a, "churn").step >= frozen_at + 3 * every, timeout=60, what="a trains on while b is frozen"
+        )
+        print(
+            f"a's longest stall after the freeze: {watch.longest_stall(a, t_freeze):.1f} s (bound {stall_bound:.1f} s)"
+        )
         assert watch.longest_stall(a, t_freeze) < stall_bound, (watch.longest_stall(a, t_freeze), stall_bound)
 
         late = spawn("churn-late", [*args, "--min-peers", "1", "--initial-peers", a.maddrs[0]])
         watch.add(late)
-        wait_for(lambda: status(late, "churn").step >= status(a, "churn").step - every, timeout=60, what="late joiner catches up")
+        wait_for(
+            lambda: status(late, "churn").step >= status(a, "churn").step - every,
+            timeout=60,
+            what="late joiner catches up",
+        )
         late_status = status(late, "churn")
         assert late_status.local_step < late_status.step, late_status  # it downloaded, not recomputed
 
@@ -201,7 +227,9 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secre
         def agreed():
             rs = [status(d, "churn") for d in (a, b, late)]
             same_round = len({r.last_round for r in rs}) == 1 and all(r.last_round_outcome == "completed" for r in rs)
-            return same_round and len({r.last_round_digest for r in rs}) == 1 and all(r.group_size == 3 for r in rs) and rs
+            return (
+                same_round and len({r.last_round_digest for r in rs}) == 1 and all(r.group_size == 3 for r in rs) and rs
+            )
 
         rs = wait_for(agreed, timeout=60, interval=0.05, what="a round all three live peers complete together")
         for r in rs:
@@ -219,9 +247,15 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secre
         # downloads the newer state. (A restart whose checkpoint is the newest: tests/test_training.py.)
         assert late.stop() == 0
         stopped_at = watch.last[late.data_dir.name]
-        wait_for(lambda: status(a, "churn").step >= stopped_at + 3 * every, timeout=60, what="a trains on while late is down")
+        wait_for(
+            lambda: status(a, "churn").step >= stopped_at + 3 * every, timeout=60, what="a trains on while late is down"
+        )
         late.start()
-        wait_for(lambda: status(late, "churn").step >= status(a, "churn").step - every, timeout=60, what="restarted late catches up")
+        wait_for(
+            lambda: status(late, "churn").step >= status(a, "churn").step - every,
+            timeout=60,
+            what="restarted late catches up",
+        )
         # Its first start had no checkpoint to resume from: the line is the restart's.
         resumed = re.search(r"resumed from checkpoint at step (\d+)", late.log_path.read_text(errors="replace"))
         assert resumed and int(resumed[1]) >= stopped_at, late.log_tail(60)
@@ -247,12 +281,28 @@ def test_the_readme_demo_trains_and_the_loss_falls(tmp_path):
     from tests.helpers import ROOT
 
     out = subprocess.run(
-        [sys.executable, "-m", "daemon.demo", "--steps", "600", "--interval", "0.5", "--duration", "150",
-         "--dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=200,
+        [
+            sys.executable,
+            "-m",
+            "daemon.demo",
+            "--steps",
+            "600",
+            "--interval",
+            "0.5",
+            "--duration",
+            "150",
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "training ended, --steps 600" in out.stdout and "every daemon exited cleanly" in out.stdout, out.stdout[-3000:]
+    assert "training ended, --steps 600" in out.stdout and "every daemon exited cleanly" in out.stdout, out.stdout[
+        -3000:
+    ]
     assert out.stdout.count("metrics http://127.0.0.1:") == 3
     # Rows: TIME DAEMON STATE STEP LOSS ...; the loss is a dash before the first step.
     losses = [float(x) for x in re.findall(r"peer0 +[A-Z]+ +\d+ +(\d+\.\d+)", out.stdout)]

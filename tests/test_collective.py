@@ -250,10 +250,11 @@ def test_engines_built_per_round_reuse_pooled_buffers():
             lent = [pools[i].take(numel, n, 37) for i in range(n)]
             settings = dataclasses.replace(FAST, chunk_elements=37)
             engines = [
-                GroupAllReduce(Group(RUN, members, grouped, order[i]), transports[i], numel, settings=settings,
-                               buffers=lent[i])
+                GroupAllReduce(
+                    Group(RUN, members, grouped, order[i]), transports[i], numel, settings=settings, buffers=lent[i]
+                )
                 for i in range(n)
-            ]  # fmt: skip
+            ]
             xs = [torch.randn(numel) for _ in range(n)]
             ws = [float(i + r) for i in range(n)]
             expect = weighted_mean(xs, ws)
@@ -321,7 +322,8 @@ def test_bad_input_is_refused_counted_and_the_round_completes(chunk):
             Header(**{**base, "round": 1, "offset": 1}).pack(),  # off the chunk grid
             # Bytes where the round carries float32: a wrong dtype. (An unknown dtype code fails
             # decoding: test_header_round_trip_and_refusals.)
-            Header(**{**base, "round": 1, "dtype": DType.BYTES, "count": 4 * min(chunk, 333)}).pack() + bytes(4 * min(chunk, 333)),
+            Header(**{**base, "round": 1, "dtype": DType.BYTES, "count": 4 * min(chunk, 333)}).pack()
+            + bytes(4 * min(chunk, 333)),
         ]
         writers = [(await raw(target, f))[1] for f in forged]
         expected = {"wire_bad_magic", "wire_wrong_round", "wire_not_in_group", "wire_bad_size", "wire_wrong_run"}
@@ -410,7 +412,9 @@ def test_without_restore_only_the_own_shard_is_backed_up_and_put_back():
             e.inbox.backup.fill_(float("nan"))
         xs = [torch.randn(numel) for _ in range(n)]
         expect = weighted_mean(xs, [1.0, 2.0, 3.0])
-        outcomes = await asyncio.gather(*(e.all_reduce(x, i + 1.0, 1, restore=False) for i, (e, x) in enumerate(zip(engines, xs))))
+        outcomes = await asyncio.gather(
+            *(e.all_reduce(x, i + 1.0, 1, restore=False) for i, (e, x) in enumerate(zip(engines, xs)))
+        )
         assert {o.status for o in outcomes} == {Status.COMPLETED}, [o.reason for o in outcomes]
         assert all(close(x, expect) for x in xs)
         for i, e in enumerate(engines):
@@ -580,9 +584,13 @@ class Member:
     def __init__(self, me: int, n: int, rounds: int):
         code = f"from tests.test_collective import _member_main; _member_main({me}, {n}, {rounds})"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.reader = threading.Thread(target=self._read, name=f"member-{me}-stdout", daemon=True)
         self.reader.start()

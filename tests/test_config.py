@@ -13,7 +13,9 @@ from tests.helpers import ROOT, peerd
 
 def test_precedence_cli_over_env_over_file_over_default(tmp_path):
     f = tmp_path / "peerd.toml"
-    f.write_text('log_level = "debug"\n[network]\nport = 1111\nhost = "127.0.0.1"\n[metrics]\nport = 2222\n[discovery]\npeer_ttl = 12.0\n')
+    f.write_text(
+        'log_level = "debug"\n[network]\nport = 1111\nhost = "127.0.0.1"\n[metrics]\nport = 2222\n[discovery]\npeer_ttl = 12.0\n'
+    )
     env = {"PEERD_PORT": "3333", "PEERD_METRICS_PORT": "4444", "PEERD_RUN": "x,y"}
     c = load_config({"network.port": "5555"}, config_file=str(f), environ=env)
     assert c.network.port == 5555  # CLI beats env and file

@@ -19,7 +19,6 @@ from daemon.client import ControlClient
 from daemon.config import DaemonConfig, DiscoveryConfig
 from daemon.procs import LocalDaemon
 from peers.events import PeerEvents
-from peers.identity import Identity
 from peers.node import NodeSettings, PeerNode
 from peers.records import MemberRecord, MemberState, seal_record
 from peers.runs import RunSecret, run_dht_key
@@ -62,8 +61,11 @@ def test_metrics_show_two_peers_and_no_remote_ids(cluster):
         # A heartbeat's own record is readable from the local DHT storage before its store call
         # returns and is counted, so the table can list two peers a moment before the counter moves.
         ok = ("peerd_heartbeats_total", (("result", "ok"),))
-        wait_for(lambda: scrape(d.metrics_url).get(ok, 0) >= 1, timeout=2 * DiscoveryConfig().heartbeat_interval + 5,
-                 what="a heartbeat counted ok")  # fmt: skip
+        wait_for(
+            lambda: scrape(d.metrics_url).get(ok, 0) >= 1,
+            timeout=2 * DiscoveryConfig().heartbeat_interval + 5,
+            what="a heartbeat counted ok",
+        )
         m = scrape(d.metrics_url)
         assert m[("peerd_peers", (("run", CLUSTER_RUN),))] == 2
         assert m[("peerd_info", (("peer_id", d.peer_id), ("version", "0.1.0")))] == 1
@@ -89,7 +91,9 @@ def test_metrics_doc_and_endpoint_agree(cluster):
     live = families(cluster[0].metrics_url)
     documented = documented_metrics()
     assert documented, "no metric rows found in docs/metrics.md"
-    assert set(live) == set(documented), f"undocumented: {set(live) - set(documented)}; stale: {set(documented) - set(live)}"
+    assert set(live) == set(documented), (
+        f"undocumented: {set(live) - set(documented)}; stale: {set(documented) - set(live)}"
+    )
     assert {name: kind for name, (kind, _) in live.items()} == {name: kind for name, (kind, _) in documented.items()}
     # Label names show only on families with series (in a run without a task, not the training ones).
     seen = {name: labels for name, (_, labels) in live.items() if labels is not None}
@@ -105,7 +109,9 @@ def test_health_service_reports_serving(cluster):
 def test_wrong_secret_sees_nobody_and_nobody_sees_it(spawn, cluster, tmp_path):
     wrong = tmp_path / "wrong.secret"
     wrong.write_text("not-the-secret-of-this-run-0123456789")
-    intruder = spawn("intruder", ["--run", CLUSTER_RUN, "--run-secret-file", str(wrong), "--initial-peers", cluster[0].maddrs[0]])
+    intruder = spawn(
+        "intruder", ["--run", CLUSTER_RUN, "--run-secret-file", str(wrong), "--initial-peers", cluster[0].maddrs[0]]
+    )
     try:
         # Nothing should happen, so wait long enough for it to have happened: two heartbeats and refreshes.
         time.sleep(5)
@@ -124,13 +130,25 @@ def test_forged_and_malformed_dht_records_are_refused_and_counted(cluster, secre
 
     async def attack() -> list[bool]:
         node = await PeerNode.start(
-            NodeSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / "mallory.key", initial_peers=[cluster[0].maddrs[0]]),
+            NodeSettings(
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                identity_path=tmp_path / "mallory.key",
+                initial_peers=[cluster[0].maddrs[0]],
+            ),
             PeerEvents(),
         )
         try:
             mallory = node.identity
             expiration = now() + 60
-            forged = MemberRecord(run_id=CLUSTER_RUN, peer_id=mallory.peer_id, maddrs=(), version="x", role="trainer", state=MemberState.LEFT, timestamp=now())
+            forged = MemberRecord(
+                run_id=CLUSTER_RUN,
+                peer_id=mallory.peer_id,
+                maddrs=(),
+                version="x",
+                role="trainer",
+                state=MemberState.LEFT,
+                timestamp=now(),
+            )
             wrong_seal = RunSecret.from_bytes(b"m" * 32, CLUSTER_RUN)
             return [
                 # Garbage under the victim's slot, and a LEFT record for the victim signed by Mallory.
@@ -151,7 +169,11 @@ def test_forged_and_malformed_dht_records_are_refused_and_counted(cluster, secre
 
 
 def _rejected(d) -> float:
-    return sum(v for (name, labels), v in scrape(d.metrics_url).items() if name == "peerd_rejected_total" and labels[0][1].startswith("record_"))
+    return sum(
+        v
+        for (name, labels), v in scrape(d.metrics_url).items()
+        if name == "peerd_rejected_total" and labels[0][1].startswith("record_")
+    )
 
 
 @pytest.mark.parametrize(
@@ -200,9 +222,13 @@ def test_join_and_leave_an_open_run_over_the_cli(cluster):
 
 
 def _join_cluster(spawn, cluster, secret_file, name):
-    d = spawn(name, ["--run", CLUSTER_RUN, "--run-secret-file", str(secret_file), "--initial-peers", cluster[0].maddrs[0]])
+    d = spawn(
+        name, ["--run", CLUSTER_RUN, "--run-secret-file", str(secret_file), "--initial-peers", cluster[0].maddrs[0]]
+    )
     for other in cluster:
-        wait_for(lambda: d.peer_id in peer_ids(other, CLUSTER_RUN), timeout=15, what=f"{other.data_dir.name} sees {name}")
+        wait_for(
+            lambda: d.peer_id in peer_ids(other, CLUSTER_RUN), timeout=15, what=f"{other.data_dir.name} sees {name}"
+        )
     return d
 
 
@@ -227,7 +253,12 @@ def test_sigkill_leaves_the_tables_within_the_ttl(spawn, cluster, secret_file):
     os.kill(d.pid, signal.SIGKILL)
     t0 = time.monotonic()
     for other in cluster:
-        wait_for(lambda: d.peer_id not in peer_ids(other, CLUSTER_RUN), timeout=bound, what="the killed peer leaves", interval=0.2)
+        wait_for(
+            lambda: d.peer_id not in peer_ids(other, CLUSTER_RUN),
+            timeout=bound,
+            what="the killed peer leaves",
+            interval=0.2,
+        )
     assert time.monotonic() - t0 <= bound
     # p2pd notices its parent is gone (its pipes close) and exits by itself.
     wait_for(lambda: session_pids(d.pid) == [], timeout=10, what="p2pd exits after its daemon is killed")
@@ -237,7 +268,10 @@ def test_draining_is_not_serving_and_a_second_signal_exits_at_once(spawn):
     """A run peer frozen with its p2pd holds the drain in its goodbye (--goodbye-timeout 60): health
     says NOT_SERVING, requests get UNAVAILABLE, and a second SIGTERM ends the daemon and its p2pd."""
     frozen = spawn("frozen", ["--run", "slow-bye"])
-    d = spawn("drainer", ["--run", "slow-bye", "--initial-peers", frozen.maddrs[0], "--goodbye-timeout", "60", "--drain-timeout", "90"])
+    d = spawn(
+        "drainer",
+        ["--run", "slow-bye", "--initial-peers", frozen.maddrs[0], "--goodbye-timeout", "60", "--drain-timeout", "90"],
+    )
     wait_for(lambda: peer_ids(d, "slow-bye") == [frozen.peer_id], timeout=15, what="the drainer sees its peer")
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
@@ -268,18 +302,38 @@ def test_upnp_and_autonat_are_off_by_default(cluster):
     assert "-natPortMap=0" in args and "-autonat=0" in args, args
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
-                    reason="needs root, unshare and ip: the opted-in daemon runs in a network namespace of its own")  # fmt: skip
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"),
+    reason="needs root, unshare and ip: the opted-in daemon runs in a network namespace of its own",
+)
 def test_upnp_and_autonat_are_on_when_asked_for(tmp_path):
     """UPnP discovery multicasts on the LAN: the daemon that opts in runs in a fresh network
     namespace whose only interface is loopback, so nothing it sends leaves this machine."""
     d = LocalDaemon(tmp_path / "natted", log_path=tmp_path / "natted.log")
     d.data_dir.mkdir()
     cmd = [
-        "unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
-        sys.executable, "-m", "daemon.cli", "start", "--data-dir", str(d.data_dir), "--host", "127.0.0.1", "--port", "0",
-        "--metrics-host", "127.0.0.1", "--metrics-port", "0", "--nat-port-map", "--auto-nat",
-    ]  # fmt: skip
+        "unshare",
+        "--net",
+        "sh",
+        "-c",
+        'ip link set lo up && exec "$0" "$@"',
+        sys.executable,
+        "-m",
+        "daemon.cli",
+        "start",
+        "--data-dir",
+        str(d.data_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--metrics-port",
+        "0",
+        "--nat-port-map",
+        "--auto-nat",
+    ]
     with open(d.log_path, "ab") as log:
         d.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -301,7 +355,9 @@ def test_restart_with_the_same_data_dir_keeps_the_peer_id(spawn):
 
 
 def test_data_dir_in_use_by_a_live_daemon_is_refused(cluster):
-    r = peerd("start", "--data-dir", str(cluster[0].data_dir), "--port", "0", "--metrics-port", "0", "--host", "127.0.0.1")
+    r = peerd(
+        "start", "--data-dir", str(cluster[0].data_dir), "--port", "0", "--metrics-port", "0", "--host", "127.0.0.1"
+    )
     assert r.returncode == 2 and "in use by a live daemon" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r
     assert (cluster[0].data_dir / "ready.json").exists()  # the live daemon's files are untouched
 

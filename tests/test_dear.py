@@ -21,9 +21,19 @@ from torch.nn import functional as F
 
 from bench.dear import make_collective, run_group
 from peers.dear import (
-    CollectiveError, DeAR, DeARSettings, FusionTuner, Kind, LinkSample, LocalGroupRules, Mode, PeerSample,
-    TunerSettings, local_groups, plan_buckets,
-)  # fmt: skip
+    CollectiveError,
+    DeAR,
+    DeARSettings,
+    FusionTuner,
+    Kind,
+    LinkSample,
+    LocalGroupRules,
+    Mode,
+    PeerSample,
+    TunerSettings,
+    local_groups,
+    plan_buckets,
+)
 from peers.dear.fake import FakeFabric
 from peers.dear.overlap import StepStats, union_seconds
 from peers.dear.tuner import KIB
@@ -51,7 +61,10 @@ def test_buckets_follow_backward_order_in_one_flat_buffer():
     for b in plan.buckets[:-1]:
         assert sum(p.numel() for p in b.params) * 4 >= 300  # closed once full
     for b in plan.buckets:
-        assert b.buffer.numel() % 3 == 0 and b.buffer.untyped_storage().data_ptr() == plan.flat.untyped_storage().data_ptr()
+        assert (
+            b.buffer.numel() % 3 == 0
+            and b.buffer.untyped_storage().data_ptr() == plan.flat.untyped_storage().data_ptr()
+        )
         assert [v.shape for v in b.grad_views()] == [p.shape for p in b.params]
     assert plan.buckets[0].modules == (model[2], model[4])  # the last layer, then the bias of the one before
     assert plan.buckets[-1].modules[0] is model[0]  # the pre-hook of the first layer serves the last bucket
@@ -165,8 +178,10 @@ def test_dead_peer_is_an_error_from_the_forward_and_every_later_call():
 def test_ranks_with_different_plans_break_the_group_instead_of_mixing_buckets():
     fabric = FakeFabric(2)
     models = [mlp(), mlp()]
-    dears = [DeAR(m, torch.optim.SGD(m.parameters(), lr=0.1), fabric.endpoint(r), DeARSettings(bucket_bytes=b))
-             for r, (m, b) in enumerate(zip(models, (300, 0)))]  # fmt: skip
+    dears = [
+        DeAR(m, torch.optim.SGD(m.parameters(), lr=0.1), fabric.endpoint(r), DeARSettings(bucket_bytes=b))
+        for r, (m, b) in enumerate(zip(models, (300, 0)))
+    ]
     x, y = batches(0, 1)[0]
     for m in models:
         F.mse_loss(m(x), y).backward()
@@ -279,7 +294,12 @@ def test_local_groups_from_links_need_every_pair_close():
 
 def test_local_groups_by_label_and_after_a_member_dies():
     rules = LocalGroupRules(peer_timeout=10.0)
-    peers = [PeerSample("a", 100.0, "rack1"), PeerSample("b", 100.0, "rack1"), PeerSample("c", 90.0, "rack1"), PeerSample("d", 100.0)]
+    peers = [
+        PeerSample("a", 100.0, "rack1"),
+        PeerSample("b", 100.0, "rack1"),
+        PeerSample("c", 90.0, "rack1"),
+        PeerSample("d", 100.0),
+    ]
     assert local_groups(peers, [fast("c", "d")], rules, now=100.0).groups == (("a", "b", "c"),)  # labels ignore links
     later = local_groups(peers, [], rules, now=100.5)  # c unheard for 10.5 s: the group re-forms without it
     assert later.groups == (("a", "b"),) and "c left out" in later.reason
@@ -329,7 +349,13 @@ def test_a_rank_without_a_proposal_keeps_everyone_on_the_plan_without_sending_na
     for ep in endpoints:  # each rank in its own thread: wait for the other to issue the op, then check it
         ep.wait = lambda h, ep=ep: (h.done.wait(5.0), type(ep).wait(ep, h))[1]
     dears = [
-        DeAR(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), ep, DeARSettings(bucket_bytes=300), tuner=ProposingTuner(p))
+        DeAR(
+            mlp(),
+            torch.optim.SGD(mlp().parameters(), lr=0.1),
+            ep,
+            DeARSettings(bucket_bytes=300),
+            tuner=ProposingTuner(p),
+        )
         for ep, p in zip(endpoints, (None, 2 * KIB))
     ]
     with ThreadPoolExecutor(2) as pool:
@@ -347,7 +373,9 @@ def _equality_rank(rank: int, world: int, backend: str = "gloo") -> dict:
     from daemon.tasks.digits import DigitsMLP
 
     task = DigitsMLP()
-    sgd = task.parse_hparams({"hidden": 48, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4, "batch_size": 16})
+    sgd = task.parse_hparams(
+        {"hidden": 48, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4, "batch_size": 16}
+    )
     adam = task.parse_hparams({"hidden": 48, "optimizer": "adam", "lr": 3e-3, "batch_size": 16})
     data = list(itertools.islice(task.data(sgd, 1000 + rank), STEPS))  # each rank its own samples
 
@@ -425,7 +453,7 @@ def _failure_rank(rank: int, world: int, how: str, backend: str = "gloo") -> dic
             F.mse_loss(model(x), y).backward()
             dear.step()
         return {"raised": False}
-    except CollectiveError as e:
+    except CollectiveError:
         elapsed = time.monotonic() - start
     try:
         dear.step()

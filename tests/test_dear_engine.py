@@ -39,7 +39,9 @@ async def start_group(n: int, *, chunk: int = 512 * 1024, events: PeerEvents | N
     addresses = [await t.start() for t in transports]
     settings = HalvesSettings(op_timeout=TIMEOUT, connect_timeout=TIMEOUT, chunk_elements=chunk)
     members = [f"m{i}" for i in range(n)]
-    halves = [Halves(Group(RUN, members, addresses, i), t, settings=settings, events=events) for i, t in enumerate(transports)]
+    halves = [
+        Halves(Group(RUN, members, addresses, i), t, settings=settings, events=events) for i, t in enumerate(transports)
+    ]
     return halves, transports
 
 
@@ -61,7 +63,12 @@ def weighted_mean(xs, ws) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "n, sizes, chunk, fallback",
-    [(3, (1001, 12), 37, False), (4, (64 * 1024 + 3, 4), 4096, False), (3, (30, 6), 512 * 1024, False), (3, (1001, 12), 37, True)],
+    [
+        (3, (1001, 12), 37, False),
+        (4, (64 * 1024 + 3, 4), 4096, False),
+        (3, (30, 6), 512 * 1024, False),
+        (3, (1001, 12), 37, True),
+    ],
 )
 def test_halves_give_each_owner_the_exact_mean_and_everyone_the_same_bytes(n, sizes, chunk, fallback):
     """Two buffers of different lengths, every op queued at once: RS(a), RS(b), AG(b), AG(a), three times."""
@@ -144,7 +151,9 @@ def test_a_member_that_dies_before_sending_anything_fails_the_op_at_once():
         transports = [TcpTransport("127.0.0.1", 0) for _ in range(2)]
         addresses = [await t.start() for t in transports]
         settings = HalvesSettings(op_timeout=10.0, connect_timeout=TIMEOUT)
-        halves = [Halves(Group(RUN, ["m0", "m1"], addresses, i), t, settings=settings) for i, t in enumerate(transports)]
+        halves = [
+            Halves(Group(RUN, ["m0", "m1"], addresses, i), t, settings=settings) for i, t in enumerate(transports)
+        ]
         op = halves[0].reduce_scatter(integers(12, 0))
         async with asyncio.timeout(5):
             while halves[0].links[1] is None or not transports[1]._inbound:  # member 0 has dialed and sent
@@ -177,7 +186,11 @@ def test_members_issuing_different_ops_or_nonfinite_values_fail_at_once_and_are_
         await asyncio.gather(*ops, *after)
         assert ops[0].error and all(op.error for op in after), [op.error for op in ops + after]
         assert time.monotonic() - t0 < TIMEOUT / 2  # member 0 broke and closed its connections: nobody waits
-        reason = {"other_kind": "wire_bad_kind", "other_length": "wire_bad_size", "nonfinite": "contribution_nonfinite"}[fault]
+        reason = {
+            "other_kind": "wire_bad_kind",
+            "other_length": "wire_bad_size",
+            "nonfinite": "contribution_nonfinite",
+        }[fault]
         assert counts[reason] >= 1, counts
         await stop_group(halves, transports)
 
@@ -210,5 +223,7 @@ def test_dear_over_the_engine_turns_a_dead_or_frozen_peer_into_an_error(how):
         if how == "exit":  # its connections close: at once
             assert report["elapsed"] < 2.0 and "closed" in report["error"], report
         else:  # after the op timeout (on one member; the others see its connections close), plus the ops queued ahead
-            assert report["elapsed"] < 3 * OP_TIMEOUT and ("timed out" in report["error"] or "closed" in report["error"]), report
+            assert report["elapsed"] < 3 * OP_TIMEOUT and (
+                "timed out" in report["error"] or "closed" in report["error"]
+            ), report
     assert results[1][0] == ("exited" if how == "exit" else "killed")

@@ -21,9 +21,33 @@ def test_tuner_replans_smaller_buckets_after_the_link_rate_drops():
     from bench.dear_tuner import parser, run
 
     args = parser().parse_args(
-        ["--rate1", "400", "--rate2", "25", "--width", "128", "--depth", "32", "--batch", "64", "--retune-every", "4",
-         "--steps-a", "16", "--steps-b", "20", "--rounds", "1", "--steps", "2", "--min-kib", "16", "--timeout", "85"]
-    )  # fmt: skip
+        [
+            "--rate1",
+            "400",
+            "--rate2",
+            "25",
+            "--width",
+            "128",
+            "--depth",
+            "32",
+            "--batch",
+            "64",
+            "--retune-every",
+            "4",
+            "--steps-a",
+            "16",
+            "--steps-b",
+            "20",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--min-kib",
+            "16",
+            "--timeout",
+            "85",
+        ]
+    )
     report = run(args, emit_lines=False)
     assert report["lab_id"] not in netns.labs(), "the lab was not destroyed"  # other labs may come and go meanwhile
     a = [r for r in report["retunes"] if r["phase"] == "A"]

@@ -39,8 +39,10 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
     h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
     single = sum(train_single_process(task, h, steps=steps, batch_size=3 * batch, seed=s).score for s in range(3)) / 3
     for d, r in zip(daemons, finals):
-        print(f"{d.data_dir.name}: accuracy {r.eval_score:.4f}, single process {single:.4f}, last round "
-              f"{r.last_round_outcome} of {r.group_size}")
+        print(
+            f"{d.data_dir.name}: accuracy {r.eval_score:.4f}, single process {single:.4f}, last round "
+            f"{r.last_round_outcome} of {r.group_size}"
+        )
         assert r.step == steps, r
         # Within 3 % of one process (the bound). Measured at H = 50: 0.9722 without overlap (the
         # default), 0.9639 and 0.9750 with it, against 0.9676 (one test image is 0.28 points).
@@ -63,8 +65,20 @@ def test_diloco_trains_on_through_a_kill_and_a_late_joiner_realigns_by_the_repai
     from tests.test_cluster_training import StepWatch
 
     every = 20
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.repair_every=2",
-              "--set", "averaging.overlap=true", "--set", "optimizer=sgd", "--set", "lr=0.05"]
+    create = [
+        "--task",
+        "digits-mlp",
+        "--set",
+        f"averaging.average_every={every}",
+        "--set",
+        "averaging.repair_every=2",
+        "--set",
+        "averaging.overlap=true",
+        "--set",
+        "optimizer=sgd",
+        "--set",
+        "lr=0.05",
+    ]
     args = ["--run", "dk", "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("dk-a", [*args, *create])
     b, c = (spawn(f"dk-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
@@ -80,8 +94,11 @@ def test_diloco_trains_on_through_a_kill_and_a_late_joiner_realigns_by_the_repai
 
         late = spawn("dk-late", [*args, "--min-peers", "1", "--initial-peers", a.maddrs[0]])
         watch.add(late)
-        wait_for(lambda: status(late, "dk").step >= status(a, "dk").step - 2 * every, timeout=90,
-                 what="the late joiner catches up")
+        wait_for(
+            lambda: status(late, "dk").step >= status(a, "dk").step - 2 * every,
+            timeout=90,
+            what="the late joiner catches up",
+        )
         assert status(late, "dk").local_step < status(late, "dk").step  # it downloaded the outer state
         m = scrape(late.metrics_url)
         assert m.get(("peerd_state_syncs_total", (("result", "ok"), ("run", "dk"))), 0) >= 1, late.log_tail(40)

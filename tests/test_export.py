@@ -43,8 +43,10 @@ class BatchNormTask(Task):
         with seeded(seed):
             model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
         named = list(model.named_parameters())
-        groups = [{"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
-                  {"params": [p for n, p in named if not n.endswith("bias")]}]  # fmt: skip
+        groups = [
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0},
+            {"params": [p for n, p in named if not n.endswith("bias")]},
+        ]
         return model, torch.optim.AdamW(groups, lr=1e-2)
 
     def data(self, hparams: Hparams, peer_seed: int) -> Iterator[Batch]:
@@ -79,13 +81,24 @@ def train(data_dir: Path, run: str, task: str, algorithm: str, max_steps: int, c
     """A lone peer's trainer, run to max_steps; its checkpoints land where a daemon keeps them."""
     t = get_task(task)
     trainer = Trainer(
-        run_id=run, task=t, hparams=t.parse_hparams({}), init_seed=1, peer_seed=2,
-        store=CheckpointStore(data_dir / "runs" / run / "checkpoints"), threads=1,
-        checkpoint_every=checkpoint_every, eval_every=10_000, max_steps=max_steps, average_every=4, average=alone,
+        run_id=run,
+        task=t,
+        hparams=t.parse_hparams({}),
+        init_seed=1,
+        peer_seed=2,
+        store=CheckpointStore(data_dir / "runs" / run / "checkpoints"),
+        threads=1,
+        checkpoint_every=checkpoint_every,
+        eval_every=10_000,
+        max_steps=max_steps,
+        average_every=4,
+        average=alone,
         outer=outer_settings(AveragingSettings(algorithm=algorithm, average_every=4)),
-    )  # fmt: skip
+    )
     trainer.start()
-    wait_for(lambda: trainer.state in (TrainState.FINISHED, TrainState.FAILED), timeout=60, interval=0.02, what="training")
+    wait_for(
+        lambda: trainer.state in (TrainState.FINISHED, TrainState.FAILED), timeout=60, interval=0.02, what="training"
+    )
     trainer.stop()
     assert trainer.state is TrainState.FINISHED, trainer.error
     return trainer
@@ -138,7 +151,9 @@ def test_diloco_exports_theta_not_the_inner_parameters(runs, tmp_path):
     for name, value in theta.items():
         assert torch.equal(weights[name], value), name
         assert torch.equal(model.get_parameter(name).detach(), value), name
-    assert any(not torch.equal(ckpt.state["model"][n], theta[n]) for n in theta), "mid-phase: inner params differ from θ"
+    assert any(not torch.equal(ckpt.state["model"][n], theta[n]) for n in theta), (
+        "mid-phase: inner params differ from θ"
+    )
     assert r.parameters == sum(v.numel() for v in theta.values()) == ckpt.state["outer"].numel() // 2
 
     # By default the newest checkpoint: the end of training, where the model was left at θ.
@@ -179,7 +194,11 @@ def test_theta_maps_by_the_optimizers_order_and_buffers_come_from_the_model(bn_t
 
 
 def test_a_scripts_run_is_cut_by_its_model_layout(tmp_path):
-    layout = [["encoder.weight", [3, 4], "torch.float32"], ["encoder.bias", [3], "torch.bfloat16"], ["scale", [], "torch.float16"]]
+    layout = [
+        ["encoder.weight", [3, 4], "torch.float32"],
+        ["encoder.bias", [3], "torch.bfloat16"],
+        ["scale", [], "torch.float16"],
+    ]
     theta = torch.randn(16)
     outer = torch.cat([theta, torch.randn(16)])  # [θ; m]
     state = {"outer": outer, "residual": torch.zeros(16), "model_layout": layout, "samples": 640, "local_step": 20}
@@ -189,7 +208,9 @@ def test_a_scripts_run_is_cut_by_its_model_layout(tmp_path):
     weights = torch.load(r.path, weights_only=True)
     assert list(weights) == ["encoder.weight", "encoder.bias", "scale"]
     assert torch.equal(weights["encoder.weight"], theta[:12].view(3, 4))
-    assert weights["encoder.bias"].dtype == torch.bfloat16 and torch.equal(weights["encoder.bias"], theta[12:15].bfloat16())
+    assert weights["encoder.bias"].dtype == torch.bfloat16 and torch.equal(
+        weights["encoder.bias"], theta[12:15].bfloat16()
+    )
     assert weights["scale"].shape == () and weights["scale"].dtype == torch.float16
     assert torch.equal(weights["scale"], theta[15].half())
 
@@ -208,7 +229,9 @@ def test_a_checkpoint_that_does_not_verify_is_skipped_for_the_next_newest(runs, 
     r = export(data_dir, "dl", tmp_path / "model.pt")
     assert r.step == 6
     (warning,) = r.warnings
-    assert warning.startswith("checkpoint ckpt-000000000007.peerd skipped: payload is ") and warning.endswith("(torn write)")
+    assert warning.startswith("checkpoint ckpt-000000000007.peerd skipped: payload is ") and warning.endswith(
+        "(torn write)"
+    )
     with pytest.raises(ExportError, match="no checkpoint of step 7 verifies .*torn write"):
         export(data_dir, "dl", tmp_path / "model.pt", step=7)
 
@@ -222,8 +245,10 @@ def test_checkpoints_of_another_model_beside_the_one_exported_are_named(runs, tm
     CheckpointStore(data_dir / "runs" / "dl" / "checkpoints").save(2, ckpt.state, identity)
     r = export(data_dir, "dl", tmp_path / "model.pt")
     assert r.step == 7
-    assert r.warnings == ("checkpoints of another model are kept beside ckpt-000000000007.peerd: "
-                          "ckpt-000000000002.peerd (hyper-parameters lr=0.01 (now 0.003)); --step picks one",)  # fmt: skip
+    assert r.warnings == (
+        "checkpoints of another model are kept beside ckpt-000000000007.peerd: "
+        "ckpt-000000000002.peerd (hyper-parameters lr=0.01 (now 0.003)); --step picks one",
+    )
     assert export(data_dir, "dl", tmp_path / "model.pt", step=2).step == 2
 
 
@@ -246,7 +271,9 @@ def test_what_cannot_be_exported_is_named(runs, tmp_path):
 
     # A checkpoint whose task this machine does not have cannot be mapped onto names.
     identity = {"run_id": "other", "task": "not-installed", "hparams": {}, "layout": "x"}
-    CheckpointStore(tmp_path / "runs" / "other" / "checkpoints").save(3, {"model": {}, "outer": torch.zeros(4)}, identity)
+    CheckpointStore(tmp_path / "runs" / "other" / "checkpoints").save(
+        3, {"model": {}, "outer": torch.zeros(4)}, identity
+    )
     with pytest.raises(ExportError, match="of task 'not-installed', which cannot be built here: no task named"):
         export(tmp_path, "other", out)
 
@@ -276,11 +303,20 @@ def test_export_while_the_trainer_writes_checkpoints(tmp_path):
     reads a whole one."""
     t = get_task("digits-mlp")
     trainer = Trainer(
-        run_id="busy", task=t, hparams=t.parse_hparams({}), init_seed=1, peer_seed=2,
-        store=CheckpointStore(tmp_path / "runs" / "busy" / "checkpoints"), threads=1,
-        checkpoint_every=1, eval_every=10_000, max_steps=30, average_every=4, average=alone,
+        run_id="busy",
+        task=t,
+        hparams=t.parse_hparams({}),
+        init_seed=1,
+        peer_seed=2,
+        store=CheckpointStore(tmp_path / "runs" / "busy" / "checkpoints"),
+        threads=1,
+        checkpoint_every=1,
+        eval_every=10_000,
+        max_steps=30,
+        average_every=4,
+        average=alone,
         outer=outer_settings(AveragingSettings(average_every=4)),
-    )  # fmt: skip
+    )
     trainer.start()
     steps = []
     try:

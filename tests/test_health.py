@@ -36,6 +36,7 @@ def test_a_failed_trainer_is_in_metrics_and_health(tmp_path):
 
         r = peerd("join", "doomed", "--task", NAME, "--control", d.control)
         assert r.returncode == 0, r
+
         def failed():
             states = train_state(d, "doomed")
             return states.get("FAILED") == 1 and states

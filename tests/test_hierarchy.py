@@ -117,7 +117,9 @@ def test_each_owner_averages_the_groups_mean_of_its_lanes_and_everyone_ends_with
                 vector[s:e] = 100.0 + lane
             return [f"lane {lane}" for lane in mine]
 
-        return hierarchical_round(collectives[rank], exchange, rank, vectors[rank], weights[rank], wan, gather_timeout=10.0)
+        return hierarchical_round(
+            collectives[rank], exchange, rank, vectors[rank], weights[rank], wan, gather_timeout=10.0
+        )
 
     try:
         done = _run_members(k, member)
@@ -170,7 +172,9 @@ def test_a_member_that_dies_during_the_wan_rounds_breaks_the_group_and_the_other
         s, e = bounds[rank]
         assert torch.equal(vectors[rank][s:e], torch.full((e - s,), 100.0 + rank))  # its own lane: averaged
         other = bounds[1 - rank]
-        assert torch.equal(vectors[rank][other[0] : other[1]], torch.full((other[1] - other[0],), float(rank)))  # the rest: as it was
+        assert torch.equal(
+            vectors[rank][other[0] : other[1]], torch.full((other[1] - other[0],), float(rank))
+        )  # the rest: as it was
 
 
 def test_a_per_op_timeout_is_refused_where_the_backend_cannot_honour_it():
@@ -199,8 +203,16 @@ def test_a_lane_whose_round_fails_is_a_result_not_an_error_and_the_other_lanes_g
                 raise RuntimeError("matchmaking broke")
             return Matched(None, "alone: nobody joined")
 
-    averager = MoshpitAverager(run_id="r", secret=None, peer_id="me", matchmaker=Matchmaker(), bind_host="127.0.0.1",
-                               advertise_host="127.0.0.1", max_group_size=16, lanes=2)  # fmt: skip
+    averager = MoshpitAverager(
+        run_id="r",
+        secret=None,
+        peer_id="me",
+        matchmaker=Matchmaker(),
+        bind_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        max_group_size=16,
+        lanes=2,
+    )
     vector = torch.arange(10, dtype=torch.float32)
     results = asyncio.run(averager.average(vector, 1.0, 3, {"other": (0, "")}))
     assert [r.lane for r in results] == [0, 1]

@@ -18,7 +18,9 @@ SKIPPED = ["hivemind.averaging", "hivemind.moe", "hivemind.optim", "hivemind.uti
 
 def run_fresh(code: str) -> None:
     """Run `code` in a new interpreter from the repo root; its failure (an assert) fails the test."""
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

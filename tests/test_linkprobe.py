@@ -15,8 +15,10 @@ from peers.linkprobe import FORMAT, MAGIC, PROBE_COUNT, SIZE, VERSION, ECHO, Lin
 def _counting():
     rejected: collections.Counter[str] = collections.Counter()
     probes = collections.Counter()
-    events = PeerEvents(packet_rejected=lambda r: rejected.update([r]),
-                        link_probes=lambda a, l: probes.update(answered=a, lost=l))  # fmt: skip
+    events = PeerEvents(
+        packet_rejected=lambda r: rejected.update([r]),
+        link_probes=lambda answered, lost: probes.update(answered=answered, lost=lost),
+    )
     return events, rejected, probes
 
 

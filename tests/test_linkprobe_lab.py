@@ -49,11 +49,20 @@ def test_a_tbf_limited_host_measures_below_the_threshold_and_unshaped_hosts_abov
     net = netns.Network().create()
     procs = []
     try:
-        hosts = {n: net.add_host(n, netns.LinkShape(rate_mbit=RATE_MBIT if n == "slow" else 0)) for n in ("a", "b", "slow")}
+        hosts = {
+            n: net.add_host(n, netns.LinkShape(rate_mbit=RATE_MBIT if n == "slow" else 0)) for n in ("a", "b", "slow")
+        }
         plan = {"a": [hosts["b"].ip, hosts["slow"].ip], "b": [], "slow": [hosts["a"].ip]}
         for name, h in hosts.items():
-            procs.append(subprocess.Popen([*h.exec_prefix(), sys.executable, "-c", _PROBER, h.ip, *plan[name]],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=netns._ROOT))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [*h.exec_prefix(), sys.executable, "-c", _PROBER, h.ip, *plan[name]],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=netns._ROOT,
+                )
+            )
         results = {}
         for name, p in zip(hosts, procs):
             if plan[name]:
@@ -68,7 +77,9 @@ def test_a_tbf_limited_host_measures_below_the_threshold_and_unshaped_hosts_abov
                 p.kill()
                 p.wait()
         net.destroy()
-    print(json.dumps({f"{k} -> {t}": [round(f * 8e-6) for f in v] for k, r in results.items() for t, v in r.items()}))  # Mbit/s
+    print(
+        json.dumps({f"{k} -> {t}": [round(f * 8e-6) for f in v] for k, r in results.items() for t, v in r.items()})
+    )  # Mbit/s
     threshold = LocalGroupRules().min_bandwidth
     rate = RATE_MBIT * 1e6 / 8
     # Into the shaped host (its downlink tbf) and out of it (its uplink tbf): below the threshold,

@@ -21,7 +21,9 @@ from peers.events import PeerEvents
 from tests.helpers import peer_nodes
 
 RUN = "fallback-test"
-SETTINGS = AllReduceSettings(connect_timeout=3.0, contribute_timeout=4.0, gather_timeout=8.0, verdict_timeout=1.0, drain_timeout=1.0)
+SETTINGS = AllReduceSettings(
+    connect_timeout=3.0, contribute_timeout=4.0, gather_timeout=8.0, verdict_timeout=1.0, drain_timeout=1.0
+)
 
 
 def closed_port() -> int:
@@ -31,8 +33,15 @@ def closed_port() -> int:
         return s.getsockname()[1]
 
 
-async def reduce_over(nodes, *, unreachable: set[int], mode: str = "reliable", numel: int = 300_000, rejected=None,
-                      auth: LinkAuth | None = None):
+async def reduce_over(
+    nodes,
+    *,
+    unreachable: set[int],
+    mode: str = "reliable",
+    numel: int = 300_000,
+    rejected=None,
+    auth: LinkAuth | None = None,
+):
     """One all-reduce among the nodes' members; members in `unreachable` advertise a dead TCP port."""
     events = PeerEvents(rejected=(rejected.append if rejected is not None else lambda r: None))
     transports, addresses = [], []
@@ -45,8 +54,10 @@ async def reduce_over(nodes, *, unreachable: set[int], mode: str = "reliable", n
         addresses.append(f"{advertised}|{transport.relay.address}")
         assert i in unreachable or addresses[-1] == member_address(advertised, node.peer_id)
     members = [n.peer_id for n in nodes]
-    engines = [GroupAllReduce(Group(RUN, members, addresses, i), t, numel, settings=SETTINGS, events=events)
-               for i, t in enumerate(transports)]  # fmt: skip
+    engines = [
+        GroupAllReduce(Group(RUN, members, addresses, i), t, numel, settings=SETTINGS, events=events)
+        for i, t in enumerate(transports)
+    ]
     xs = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(len(nodes))]
     weights = [1.0 + i for i in range(len(nodes))]
     expected = sum(w * x for w, x in zip(weights, xs)) / sum(weights)
@@ -67,7 +78,8 @@ def test_an_undialable_member_is_reached_over_libp2p_and_the_round_is_exact(tmp_
             rejected: list[str] = []
             auth = LinkAuth(b"k" * 32, "group-key")  # as in a secret run: every link opens with a hello
             outcomes, tensors, expected, transports, addresses = await reduce_over(
-                nodes, unreachable={2}, rejected=rejected, auth=auth)
+                nodes, unreachable={2}, rejected=rejected, auth=auth
+            )
             assert rejected == []
             assert all(o.completed for o in outcomes), [o.reason for o in outcomes]
             assert len({o.digest for o in outcomes}) == 1

@@ -32,7 +32,9 @@ def test_a_group_forms_only_when_every_member_was_in_the_round_and_announced_its
     plan = plan_group(me, peers, {"a", "b", "c"}, RULES, now=100.0)
     assert plan.form and plan.addresses == ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"), plan
     assert not plan_group(me, peers, {"a", "b"}, RULES, now=100.0).form  # c missed the round
-    assert not plan_group(GroupPeer("b", "", "127.0.0.1:2"), peers, {"a", "b", "c"}, RULES, now=100.0).form  # unlabelled
+    assert not plan_group(
+        GroupPeer("b", "", "127.0.0.1:2"), peers, {"a", "b", "c"}, RULES, now=100.0
+    ).form  # unlabelled
     alone = plan_group(GroupPeer("d", "other", "x:4"), peers, {"a", "b", "c", "d"}, RULES, now=100.0)
     assert alone.members == () and not alone.form, alone  # the only member of its label
 
@@ -59,14 +61,40 @@ def wait_group(daemons, run: str, size: int, what: str, *, timeout: float = 40, 
         return wait_for(formed, timeout=timeout, interval=0.05, what=what)
     except AssertionError as e:
         shown = shown or daemons
-        raise AssertionError("\n".join([str(e), str([status(d, run) for d in shown])] + [d.log_tail(60) for d in shown])) from None
+        raise AssertionError(
+            "\n".join([str(e), str([status(d, run) for d in shown])] + [d.log_tail(60) for d in shown])
+        ) from None
 
 
 @pytest.mark.slow
 def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     """A secret run, so that the DeAR links open with the secret's hello too."""
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "averaging.algorithm=state", "--set", "optimizer=sgd", "--set", "lr=0.05"]
-    args = ["--run", "lg", "--run-secret-file", str(secret_file), "--local-group", "rack", "--max-steps", str(STEPS), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    create = [
+        "--task",
+        "digits-mlp",
+        "--set",
+        f"averaging.average_every={EVERY}",
+        "--set",
+        "averaging.algorithm=state",
+        "--set",
+        "optimizer=sgd",
+        "--set",
+        "lr=0.05",
+    ]
+    args = [
+        "--run",
+        "lg",
+        "--run-secret-file",
+        str(secret_file),
+        "--local-group",
+        "rack",
+        "--max-steps",
+        str(STEPS),
+        "--min-peers",
+        "3",
+        *RUN_ARGS,
+        *FAST_DISCOVERY,
+    ]
     a = spawn("lg-a", [*args, *create])
     b, c = (spawn(f"lg-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
     b.wait_ready()
@@ -89,11 +117,18 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     # A dead member fails the next DeAR op at once (its connections close): both fall back to
     # training alone between rounds (size 0), within the op timeout at worst; if the kill lands in
     # the group's averaging round, once the rank averaging over the WAN for the group is done.
-    wait_for(lambda: all(status(d, "lg").local_group_size != 3 for d in (a, b)), timeout=OP_TIMEOUT + 15, interval=0.05,
-             what="a and b drop the group of three")  # fmt: skip
+    wait_for(
+        lambda: all(status(d, "lg").local_group_size != 3 for d in (a, b)),
+        timeout=OP_TIMEOUT + 15,
+        interval=0.05,
+        what="a and b drop the group of three",
+    )
     fell_back = time.monotonic() - t0
-    wait_for(lambda: all(status(d, "lg").step >= killed_at + 3 * EVERY for d in (a, b)), timeout=30,
-             what="a and b train on after the kill")  # fmt: skip
+    wait_for(
+        lambda: all(status(d, "lg").step >= killed_at + 3 * EVERY for d in (a, b)),
+        timeout=30,
+        what="a and b train on after the kill",
+    )
     # Once c left their tables (peer ttl 4 s), the next round with both re-forms the group as two.
     before = {d.data_dir.name: status(d, "lg").dear_steps for d in (a, b)}
     rs = wait_group((a, b), "lg", 2, "a and b re-form a group of two")
@@ -127,7 +162,9 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
     single = sum(train_single_process(task, h, steps=STEPS, batch_size=2 * BATCH, seed=s).score for s in range(2)) / 2
     assert finals[0].eval_score >= single - 0.02, (finals[0].eval_score, single)
-    print(f"fell back {fell_back:.2f} s after the kill; final accuracy {finals[0].eval_score:.4f} (single {single:.4f})")
+    print(
+        f"fell back {fell_back:.2f} s after the kill; final accuracy {finals[0].eval_score:.4f} (single {single:.4f})"
+    )
     for d in (a, b):
         assert d.stop() == 0
 
@@ -138,8 +175,20 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lan
     hierarchy"). Once a and b train as a DeAR group, each averages one lane over the WAN for both,
     with the solo daemons, which average both lanes; the group's members stay identical and the
     run converges as a whole."""
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "averaging.algorithm=state", "--set", "averaging.lanes=2",
-              "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
+    create = [
+        "--task",
+        "digits-mlp",
+        "--set",
+        f"averaging.average_every={EVERY}",
+        "--set",
+        "averaging.algorithm=state",
+        "--set",
+        "averaging.lanes=2",
+        "--set",
+        "optimizer=sgd",
+        "--set",
+        "lr=0.05",
+    ]
     base = ["--run", "hier", "--max-steps", str(STEPS), "--min-peers", "4", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("h-a", [*base, "--local-group", "rack", *create])
     join = ["--initial-peers", a.maddrs[0]]
@@ -156,10 +205,19 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lan
 
     def met_on_the_wan():  # a round of a group member's own lane, with solo daemons in it
         rs = [status(x, "hier") for x in group]
-        return all(r.local_group_size == 2 and r.last_round_outcome == "completed" and r.group_size >= 2 for r in rs) and rs
+        return (
+            all(r.local_group_size == 2 and r.last_round_outcome == "completed" and r.group_size >= 2 for r in rs)
+            and rs
+        )
 
-    rs = wait_for(met_on_the_wan, timeout=60, interval=0.05, what="each member of the group completes its lane's round with solo peers")
+    rs = wait_for(
+        met_on_the_wan,
+        timeout=60,
+        interval=0.05,
+        what="each member of the group completes its lane's round with solo peers",
+    )
     assert all(r.last_round_links for r in rs), rs
+
     # One big peer on the WAN: over the same rounds, the group's members together send about what
     # one solo daemon sends (each lane's group of three: the lane's owner and the two solo daemons),
     # each member half of it. Averaging rounds only: DeAR's traffic is not in peerd_sent_bytes_total.
@@ -167,8 +225,11 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lan
         return sum(v for (name, _), v in scrape(x.metrics_url).items() if name == "peerd_sent_bytes_total")
 
     start = {x.data_dir.name: (sent(x), status(x, "hier").step) for x in (a, b, c, d)}
-    wait_for(lambda: all(status(x, "hier").step >= min(start[x.data_dir.name][1] + 5 * EVERY, STEPS) for x in (a, b, c, d)),
-             timeout=60, what="five more rounds")  # fmt: skip
+    wait_for(
+        lambda: all(status(x, "hier").step >= min(start[x.data_dir.name][1] + 5 * EVERY, STEPS) for x in (a, b, c, d)),
+        timeout=60,
+        what="five more rounds",
+    )
     held = all(status(x, "hier").local_group_size == 2 for x in group)
     delta = {x.data_dir.name: sent(x) - start[x.data_dir.name][0] for x in (a, b, c, d)}
     if held and start["h-a"][1] + 5 * EVERY <= STEPS:
@@ -194,6 +255,9 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lan
     h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
     single = train_single_process(task, h, steps=STEPS, batch_size=2 * BATCH, seed=0).score
     assert ga.eval_score >= single - 0.03, (ga.eval_score, single)
-    print({k: (round(r.eval_score, 4), r.last_round_outcome, r.group_size) for k, r in finals.items()}, f"single {single:.4f}")
+    print(
+        {k: (round(r.eval_score, 4), r.last_round_outcome, r.group_size) for k, r in finals.items()},
+        f"single {single:.4f}",
+    )
     for x in (a, b, c, d):
         assert x.stop() == 0

@@ -85,8 +85,30 @@ STEPS, EVERY = 300, 10
 
 @pytest.mark.slow
 def test_three_daemons_on_loopback_form_a_group_by_measured_links(spawn):
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={EVERY}", "--set", "averaging.algorithm=state", "--set", "optimizer=sgd", "--set", "lr=0.05"]
-    args = ["--run", "la", "--local-group", AUTO, "--max-steps", str(STEPS), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    create = [
+        "--task",
+        "digits-mlp",
+        "--set",
+        f"averaging.average_every={EVERY}",
+        "--set",
+        "averaging.algorithm=state",
+        "--set",
+        "optimizer=sgd",
+        "--set",
+        "lr=0.05",
+    ]
+    args = [
+        "--run",
+        "la",
+        "--local-group",
+        AUTO,
+        "--max-steps",
+        str(STEPS),
+        "--min-peers",
+        "3",
+        *RUN_ARGS,
+        *FAST_DISCOVERY,
+    ]
     a = spawn("la-a", [*args, *create])
     b, c = (spawn(f"la-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
     b.wait_ready()

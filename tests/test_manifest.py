@@ -14,7 +14,9 @@ def ids(tmp_path_factory):
 
 
 def manifest(creator: Identity, **kw) -> RunManifest:
-    return RunManifest(run_id="r", task="digits-mlp", hparams={"lr": "0.1"}, creator=creator.peer_id, created_at=100.0, **kw)
+    return RunManifest(
+        run_id="r", task="digits-mlp", hparams={"lr": "0.1"}, creator=creator.peer_id, created_at=100.0, **kw
+    )
 
 
 def test_round_trip_open_and_sealed(ids):
@@ -39,7 +41,9 @@ def test_only_the_creator_can_sign(ids):
 
 def test_a_member_record_is_not_a_manifest(ids):
     a, _ = ids
-    rec = MemberRecord(run_id="r", peer_id=a.peer_id, maddrs=(), version="0", role="trainer", state=MemberState.ACTIVE, timestamp=1.0)
+    rec = MemberRecord(
+        run_id="r", peer_id=a.peer_id, maddrs=(), version="0", role="trainer", state=MemberState.ACTIVE, timestamp=1.0
+    )
     with pytest.raises(RecordRejected) as e:
         decode_manifest(seal_record(rec, a, None), run_id="r", secret=None, subkey=None)
     assert e.value.reason == "record_malformed"
@@ -86,11 +90,15 @@ def test_a_script_run_carries_its_model_and_names_the_first_mismatch(ids):
     assert decode_manifest(encode_manifest(m, a, None), run_id="r", secret=None, subkey=a.peer_id) == m
     assert layout_mismatch(model, model) == ""
     assert layout_mismatch(model, (model[0], TensorSpec("b", (4,), "torch.bfloat16"))) == (
-        "parameter 1: the run has b [3] torch.bfloat16, this model has b [4] torch.bfloat16")
+        "parameter 1: the run has b [3] torch.bfloat16, this model has b [4] torch.bfloat16"
+    )
     assert layout_mismatch(model, model[:1]) == "the run's model has 2 parameters, this one 1"
-    for bad in [dict(task="", model=()), dict(task="digits-mlp", model=model),
-                dict(task="", model=(TensorSpec("i", (2,), "torch.int64"),)),
-                dict(task="", model=(TensorSpec("", (2,), "torch.float32"),)),
-                dict(task="", model=tuple(TensorSpec(f"p{i}", (1,), "torch.float32") for i in range(1025)))]:
+    for bad in [
+        dict(task="", model=()),
+        dict(task="digits-mlp", model=model),
+        dict(task="", model=(TensorSpec("i", (2,), "torch.int64"),)),
+        dict(task="", model=(TensorSpec("", (2,), "torch.float32"),)),
+        dict(task="", model=tuple(TensorSpec(f"p{i}", (1,), "torch.float32") for i in range(1025))),
+    ]:
         with pytest.raises(ValueError):
             RunManifest(run_id="r", creator=a.peer_id, created_at=1.0, **bad)

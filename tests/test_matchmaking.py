@@ -12,7 +12,13 @@ from peers.clock import now
 from peers.envelope import RecordKind, seal
 from peers.events import PeerEvents
 from peers.matchmaking import (
-    ENTRY_FORMAT_VERSION, JOIN_HANDLER, Entry, Matchmaker, MatchmakingSettings, Member, decide_group,
+    ENTRY_FORMAT_VERSION,
+    JOIN_HANDLER,
+    Entry,
+    Matchmaker,
+    MatchmakingSettings,
+    Member,
+    decide_group,
 )
 from peers.node import NodeSettings, PeerNode
 from peers.runs import RunSecret
@@ -160,11 +166,19 @@ def test_a_forged_join_is_refused_and_counted(tmp_path):
             a, b, mallory = mms
             leader = min(a, b, key=lambda m: m.node.peer_id)
             victim = b if leader is a else a
-            forming = [asyncio.create_task(m.form_group("mm", None, ROUND, KEY, me(m, i))) for i, m in enumerate([a, b])]
+            forming = [
+                asyncio.create_task(m.form_group("mm", None, ROUND, KEY, me(m, i))) for i, m in enumerate([a, b])
+            ]
             await asyncio.sleep(0)  # each task has run to its first await: its session is open
             # An entry signed by the victim, sent by Mallory: the signer is not the caller.
-            body = pb.GroupEntry(format_version=ENTRY_FORMAT_VERSION, group_key=KEY, round=ROUND,
-                                 engine_addr="10.0.0.1:1", weight=1e9, timestamp=now())
+            body = pb.GroupEntry(
+                format_version=ENTRY_FORMAT_VERSION,
+                group_key=KEY,
+                round=ROUND,
+                engine_addr="10.0.0.1:1",
+                weight=1e9,
+                timestamp=now(),
+            )
             forged = seal(RecordKind.GROUP_ENTRY, body.SerializeToString(), victim.node.identity, None, "mm")
             calls = [
                 pb.JoinGroupRequest(group_key=KEY, round=ROUND, envelope=forged),
@@ -240,8 +254,9 @@ def test_a_view_that_disagrees_falls_back_to_the_dht_read(tmp_path):
             ids = sorted(m.node.peer_id for m in mms)
             leader = ids[0]
             views = {m.node.peer_id: [p for p in ids if p != leader] if m.node.peer_id == ids[2] else ids for m in mms}
-            calls = (m.form_group("mm", None, ROUND, KEY, me(m, i), mates=views[m.node.peer_id])
-                     for i, m in enumerate(mms))
+            calls = (
+                m.form_group("mm", None, ROUND, KEY, me(m, i), mates=views[m.node.peer_id]) for i, m in enumerate(mms)
+            )
             results = await asyncio.gather(*calls)
             groups = [r.group for r in results]
             # The two that agree form directly; the third is refused by its view's leader and falls back.

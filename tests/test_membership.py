@@ -42,7 +42,8 @@ def test_rendezvous_waits_for_a_mate_in_the_previous_round_until_it_arrives(tmp_
 
                 started = time.monotonic()
                 behind_a, behind_b = await asyncio.gather(
-                    a.rendezvous([b.node.peer_id, c.node.peer_id], 20, 20 - EVERY, timeout=8.0), b_arrives())
+                    a.rendezvous([b.node.peer_id, c.node.peer_id], 20, 20 - EVERY, timeout=8.0), b_arrives()
+                )
                 waited = time.monotonic() - started
                 assert behind_a == [] and behind_b == []
                 assert 1.0 <= waited < 4.0, waited  # b's announcement was seen at one of a's next polls
@@ -84,7 +85,11 @@ def test_sketches_travel_in_heartbeats_and_every_member_finds_the_same_divergenc
         async with peer_nodes(3, tmp_path) as nodes:
             a, b, c = members = await _members(nodes)
             try:
-                sketches = {a: (ParamSketch(20, 2, (0.0, 0.0)),), b: (ParamSketch(20, 2, (3.0, 4.0)),), c: (ParamSketch(10, 2, (0.0, 90.0)),)}
+                sketches = {
+                    a: (ParamSketch(20, 2, (0.0, 0.0)),),
+                    b: (ParamSketch(20, 2, (3.0, 4.0)),),
+                    c: (ParamSketch(10, 2, (0.0, 90.0)),),
+                }
                 for m in members:
                     m.step_of, m.sketches_of = (lambda m=m: sketches[m][-1].step), (lambda m=m: sketches[m])
                     await m.heartbeat()

@@ -16,7 +16,10 @@ from tests.helpers import wait_for
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs the prometheus server (`./dev setup` installs Debian's, as root)"),
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None,
+        reason="needs the prometheus server (`./dev setup` installs Debian's, as root)",
+    ),
 ]
 
 
@@ -74,7 +77,9 @@ def test_prometheus_scrapes_every_daemon(cluster, prometheus):
         result = query(prometheus, f'peerd_peers{{run="{CLUSTER_RUN}"}}')
         return {r["metric"]["instance"]: float(r["value"][1]) for r in result}
 
-    seen = wait_for(lambda: len(peers_by_instance()) == 3 and peers_by_instance(), timeout=30, interval=0.5, what="3 scraped series")
+    seen = wait_for(
+        lambda: len(peers_by_instance()) == 3 and peers_by_instance(), timeout=30, interval=0.5, what="3 scraped series"
+    )
     assert sorted(seen.values()) == [2.0, 2.0, 2.0]
     up = query(prometheus, 'up{job="peerd"}')
     assert sorted(float(r["value"][1]) for r in up) == [1.0, 1.0, 1.0]

@@ -30,7 +30,15 @@ def mallory(tmp_path_factory) -> Identity:
 
 
 def record(identity: Identity, run_id="r1", ts=NOW, state=MemberState.ACTIVE) -> MemberRecord:
-    return MemberRecord(run_id=run_id, peer_id=identity.peer_id, maddrs=("/ip4/127.0.0.1/tcp/5",), version="0.1.0", role="trainer", state=state, timestamp=ts)
+    return MemberRecord(
+        run_id=run_id,
+        peer_id=identity.peer_id,
+        maddrs=("/ip4/127.0.0.1/tcp/5",),
+        version="0.1.0",
+        role="trainer",
+        state=state,
+        timestamp=ts,
+    )
 
 
 def rejected(reason, data, **kw):
@@ -62,7 +70,9 @@ def test_secret_run_round_trip_and_wrong_secret(alice):
 
 def test_forged_record_naming_another_peer(alice, mallory):
     # Mallory signs a record that claims to be Alice.
-    body = records_pb2.PeerRecord(format_version=1, run_id="r1", peer_id=alice.peer_id, state=1, timestamp=NOW).SerializeToString()
+    body = records_pb2.PeerRecord(
+        format_version=1, run_id="r1", peer_id=alice.peer_id, state=1, timestamp=NOW
+    ).SerializeToString()
     envelope = records_pb2.Envelope(format_version=1, payload=body, public_key=mallory.public_key_der, kind=1)
     envelope.signature = mallory.sign(b"peerd-envelope-v1" + bytes([1]) + body)
     rejected("record_forged", envelope.SerializeToString())
@@ -174,7 +184,9 @@ def test_malformed_link_reports_refuse_the_record(alice, links):
 
 
 def sketch_body(peer_id: str, *, step=50, size=1000, values=b"\0\0\x80\x3f" * 8, record_step=50, present=True):
-    body = records_pb2.PeerRecord(format_version=1, run_id="r1", peer_id=peer_id, state=1, timestamp=NOW, step=record_step)
+    body = records_pb2.PeerRecord(
+        format_version=1, run_id="r1", peer_id=peer_id, state=1, timestamp=NOW, step=record_step
+    )
     if present:
         body.sketch.step, body.sketch.size, body.sketch.values = step, size, values
     return body
@@ -182,10 +194,22 @@ def sketch_body(peer_id: str, *, step=50, size=1000, values=b"\0\0\x80\x3f" * 8,
 
 def test_a_sketch_round_trips_and_an_absent_one_is_none(alice):
     body = sketch_body(alice.peer_id)
-    rec = open_envelope(seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1"), run_id="r1", secret=None, subkey=None, now=NOW)
+    rec = open_envelope(
+        seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1"),
+        run_id="r1",
+        secret=None,
+        subkey=None,
+        now=NOW,
+    )
     assert rec.sketch == ParamSketch(50, 1000, (1.0,) * 8)
     body = sketch_body(alice.peer_id, present=False)
-    rec = open_envelope(seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1"), run_id="r1", secret=None, subkey=None, now=NOW)
+    rec = open_envelope(
+        seal(RecordKind.MEMBER, body.SerializeToString(), alice, None, "r1"),
+        run_id="r1",
+        secret=None,
+        subkey=None,
+        now=NOW,
+    )
     assert rec.sketch is None
 
 

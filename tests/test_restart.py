@@ -14,7 +14,18 @@ pytestmark = pytest.mark.slow
 
 # --min-peers makes a restarted daemon wait 3 s before its first step: status shows the step it
 # starts from (0 when the checkpoint was not loaded) before training could pass the old one.
-TRAIN = ["--task", "digits-mlp", "--checkpoint-every", "10", "--eval-every", "1000", "--min-peers", "2", "--min-peers-timeout", "3"]
+TRAIN = [
+    "--task",
+    "digits-mlp",
+    "--checkpoint-every",
+    "10",
+    "--eval-every",
+    "1000",
+    "--min-peers",
+    "2",
+    "--min-peers-timeout",
+    "3",
+]
 
 
 def run_status(d, run: str):

@@ -62,9 +62,12 @@ def test_divergence_is_the_largest_pair_among_the_newest_shared_step():
         return ParamSketch(step, len(values), tuple(float(v) for v in values))
 
     sketches = [
-        s(20, 0, 0), s(20, 3, 4), s(20, 0, 1),  # newest step two peers share: 5 between the first two
+        s(20, 0, 0),
+        s(20, 3, 4),
+        s(20, 0, 1),  # newest step two peers share: 5 between the first two
         s(30, 100, 100),  # alone at its step: a peer ahead, not compared with anyone
-        s(10, 1000, 0), s(10, 0, 0),  # an older shared step: not the newest
+        s(10, 1000, 0),
+        s(10, 0, 0),  # an older shared step: not the newest
     ]
     d = divergence(sketches)
     assert (d.value, d.step, d.peers) == (5.0, 20, 3)
@@ -78,7 +81,9 @@ def test_peers_at_different_steps_are_not_compared():
 
 def test_sketches_of_different_plans_are_not_compared():
     """Same step, but another parameter count (or sketch size): other coordinates, not comparable."""
-    d = divergence([ParamSketch(10, 2, (0.0, 0.0)), ParamSketch(10, 3, (5.0, 5.0, 5.0)), ParamSketch(10, 2, (0.0, 1.0))])
+    d = divergence(
+        [ParamSketch(10, 2, (0.0, 0.0)), ParamSketch(10, 3, (5.0, 5.0, 5.0)), ParamSketch(10, 2, (0.0, 1.0))]
+    )
     assert (d.value, d.peers) == (1.0, 2)
     with pytest.raises(ValueError):
         estimate(ParamSketch(10, 2, (0.0, 0.0)), ParamSketch(10, 3, (0.0, 0.0, 0.0)))

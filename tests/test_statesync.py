@@ -15,7 +15,14 @@ import torch
 from peers.events import PeerEvents
 from peers.runs import RunSecret, run_dht_key
 from peers.statesync import (
-    CHUNK_HANDLER, INFO_HANDLER, Snapshot, StateServer, SnapshotInfo, choose_snapshot, fetch_state, state_tag,
+    CHUNK_HANDLER,
+    INFO_HANDLER,
+    Snapshot,
+    StateServer,
+    SnapshotInfo,
+    choose_snapshot,
+    fetch_state,
+    state_tag,
 )
 from protos import state_pb2 as pb
 from tests.helpers import peer_nodes as started
@@ -282,7 +289,11 @@ def test_bad_requests_are_refused_and_counted(tmp_path):
             answer = await me.call(donor.peer_id, CHUNK_HANDLER, ok, pb.StateChunkResponse, 5)
             assert answer.status == pb.STATE_STATUS_OK and len(answer.data) == 100_000 * 4 - CHUNK
         assert rejected == [
-            "state_bad_index", "state_unknown_snapshot", "state_malformed", "state_unknown_run", "state_malformed",
+            "state_bad_index",
+            "state_unknown_snapshot",
+            "state_malformed",
+            "state_unknown_run",
+            "state_malformed",
         ]
 
     asyncio.run(scenario())

@@ -160,8 +160,17 @@ def test_demo_rows_show_a_dash_for_what_has_not_happened_yet():
 
     before = control_pb2.RunStatus(run_id="demo", train_state="LOADING", loss=float("nan"))
     after = control_pb2.RunStatus(
-        run_id="demo", train_state="TRAINING", step=20, local_step=20, loss=1.23456, samples_per_second=850.4,
-        last_round=2, last_round_outcome="completed", group_size=3, eval_metric="accuracy", eval_score=0.8123,
+        run_id="demo",
+        train_state="TRAINING",
+        step=20,
+        local_step=20,
+        loss=1.23456,
+        samples_per_second=850.4,
+        last_round=2,
+        last_round_outcome="completed",
+        group_size=3,
+        eval_metric="accuracy",
+        eval_score=0.8123,
     )
     assert progress_line("5s", "peer0", before).split() == ["5s", "peer0", "LOADING", "0", "-", "-", "-", "-"]
     row = progress_line("", "peer1", after)

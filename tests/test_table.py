@@ -5,7 +5,15 @@ from peers.table import PeerTable
 
 
 def rec(peer: str, ts: float, state=MemberState.ACTIVE) -> MemberRecord:
-    return MemberRecord(run_id="r", peer_id=peer, maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer}",), version="0", role="trainer", state=state, timestamp=ts)
+    return MemberRecord(
+        run_id="r",
+        peer_id=peer,
+        maddrs=(f"/ip4/127.0.0.1/tcp/1/p2p/{peer}",),
+        version="0",
+        role="trainer",
+        state=state,
+        timestamp=ts,
+    )
 
 
 def test_peer_expires_ttl_after_its_heartbeat_stops_advancing():

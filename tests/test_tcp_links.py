@@ -4,8 +4,6 @@ the DeAR engine relies on to fail an op at once when a member it waits for goes)
 from __future__ import annotations
 
 import asyncio
-import socket
-import time
 
 import uvloop
 
@@ -87,9 +85,13 @@ def test_many_messages_of_many_sizes_arrive_in_order():
         receiver.attach(sink)
         link = await sender.connect(address)
         sizes = [0, 1, 7, 1 << 16, 3, (1 << 20) + 5, 2] * 30
-        payloads = [bytes((i + j) % 251 for j in range(min(n * 4, 64))) * (n * 4 // 64 + 1) for i, n in enumerate(sizes)]
+        payloads = [
+            bytes((i + j) % 251 for j in range(min(n * 4, 64))) * (n * 4 // 64 + 1) for i, n in enumerate(sizes)
+        ]
         payloads = [p[: n * 4] for p, n in zip(payloads, sizes)]
-        sent = sum(link.send(_header(i, n), memoryview(p) if n else None) for i, (n, p) in enumerate(zip(sizes, payloads)))
+        sent = sum(
+            link.send(_header(i, n), memoryview(p) if n else None) for i, (n, p) in enumerate(zip(sizes, payloads))
+        )
         assert sent == sender.bytes_sent
         await link.drain()
         await _until(lambda: len(sink.got) == len(sizes), timeout=20)

@@ -62,16 +62,31 @@ def test_a_daemon_trains_checkpoints_and_resumes(spawn):
 def test_a_joiner_trains_the_runs_task_and_a_mismatch_is_refused(spawn):
     creator = spawn("creator", ["--run", "shared", *TRAIN])
     joiner = spawn("joiner", ["--run", "shared", "--max-steps", "20", "--initial-peers", creator.maddrs[0]])
-    r = wait_for(lambda: (s := run_status(joiner, "shared")).train_state == "FINISHED" and s, timeout=60, what="joiner trains")
+    r = wait_for(
+        lambda: (s := run_status(joiner, "shared")).train_state == "FINISHED" and s, timeout=60, what="joiner trains"
+    )
     # It trains the run's task; the creator is far ahead, so it downloads the run's state first.
     assert r.task == "digits-mlp" and r.step >= 20
     # The run exists: another task, or hyper-parameters, cannot be imposed on it.
     bad = peerd("join", "shared", "--task", "charlm", "--control", joiner.control)
     assert bad.returncode == 2 and "trains" in bad.stderr, bad
     late = peerd(
-        "start", "--data-dir", str(joiner.data_dir.parent / "late"), "--host", "127.0.0.1", "--port", "0",
-        "--metrics-port", "0", "--run", "shared", "--task", "charlm", "--initial-peers", creator.maddrs[0],
-    )  # fmt: skip
+        "start",
+        "--data-dir",
+        str(joiner.data_dir.parent / "late"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--run",
+        "shared",
+        "--task",
+        "charlm",
+        "--initial-peers",
+        creator.maddrs[0],
+    )
     assert late.returncode == 2 and "trains task 'digits-mlp', not 'charlm'" in late.stderr, late.stderr
     for d in (creator, joiner):
         assert d.stop() == 0
@@ -94,14 +109,21 @@ def test_a_missing_task_or_an_invalid_manifest_is_refused_and_changes_nothing(sp
     # Mallory publishes, under her own slot, a manifest of a format this daemon does not know.
     async def publish_bad() -> bool:
         node = await PeerNode.start(
-            NodeSettings(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=tmp_path / "mallory.key", initial_peers=[d.maddrs[0]]),
+            NodeSettings(
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                identity_path=tmp_path / "mallory.key",
+                initial_peers=[d.maddrs[0]],
+            ),
             PeerEvents(),
         )
         try:
             body = records_pb2.RunManifest(
-                format_version=MANIFEST_FORMAT_VERSION + 1, run_id="bad", task="digits-mlp",
-                creator=node.peer_id, created_at=now(),
-            ).SerializeToString()  # fmt: skip
+                format_version=MANIFEST_FORMAT_VERSION + 1,
+                run_id="bad",
+                task="digits-mlp",
+                creator=node.peer_id,
+                created_at=now(),
+            ).SerializeToString()
             data = seal(RecordKind.MANIFEST, body, node.identity, None, "bad")
             return await node.store(run_dht_key("bad", None, "manifest"), node.peer_id, data, now() + 60)
         finally:

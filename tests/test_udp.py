@@ -45,10 +45,12 @@ class Counts:
         self.sent = self.lost = 0
         self.coverage: collections.Counter[float] = collections.Counter()
         self.events = PeerEvents(
-            rejected=self.rejected.update, packet_rejected=lambda r: self.rejected.update([r]),
-            packets_sent=self._sent, packets_lost=self._lost,
+            rejected=self.rejected.update,
+            packet_rejected=lambda r: self.rejected.update([r]),
+            packets_sent=self._sent,
+            packets_lost=self._lost,
             shard_coverage=lambda fraction, packets: self.coverage.update({fraction: packets}),
-        )  # fmt: skip
+        )
 
     def _sent(self, n: int) -> None:
         self.sent += n
@@ -72,10 +74,11 @@ class Loss:
 
 async def start_group(n, numel, *, settings=SETTINGS, events=None, losses=None, **kw):
     transports = [
-        UdpTransport("127.0.0.1", 0, secret=SECRET, session=SESSION, events=events,
-                     drop=losses[i] if losses else None, **kw)
+        UdpTransport(
+            "127.0.0.1", 0, secret=SECRET, session=SESSION, events=events, drop=losses[i] if losses else None, **kw
+        )
         for i in range(n)
-    ]  # fmt: skip
+    ]
     addresses = [await t.start() for t in transports]
     members = [f"m{i}" for i in range(n)]
     engines = [
@@ -141,7 +144,9 @@ def test_a_datagram_opens_only_as_it_was_sealed():
     assert reason(raw[:70] + bytes([raw[70] ^ 1]) + raw[71:]) == "dgram_bad_tag"  # a value changed
     assert reason(raw[:16] + (4).to_bytes(8, "little") + raw[24:]) == "dgram_bad_tag"  # moved to another round
     assert reason(raw, DatagramCodec(b"another secret", SESSION)) == "dgram_bad_tag"
-    assert reason(raw, DatagramCodec(SECRET, "another group key")) == "dgram_bad_tag"  # a replay from another round's engine
+    assert (
+        reason(raw, DatagramCodec(SECRET, "another group key")) == "dgram_bad_tag"
+    )  # a replay from another round's engine
 
 
 # ---- rounds over real UDP --------------------------------------------------------------------------
@@ -149,15 +154,23 @@ def test_a_datagram_opens_only_as_it_was_sealed():
 
 @pytest.mark.parametrize(
     "n, numel, chunk, datagram",
-    [(1, 5, 2, 1472), (2, 7, 1, 1472), (3, 1001, 37, 1472), (4, 64 * 1024 + 3, 4096, 8972), (3, 30_000, 512 * 1024, 65507)],
+    [
+        (1, 5, 2, 1472),
+        (2, 7, 1, 1472),
+        (3, 1001, 37, 1472),
+        (4, 64 * 1024 + 3, 4096, 8972),
+        (3, 30_000, 512 * 1024, 65507),
+    ],
 )
 def test_without_loss_every_member_completes_with_the_exact_weighted_mean(n, numel, chunk, datagram):
     async def main():
         counts = Counts()
-        settings = AllReduceSettings(connect_timeout=1.0, contribute_timeout=3.0, gather_timeout=6.0,
-                                     drain_timeout=1.0, chunk_elements=chunk)  # fmt: skip
-        engines, transports, _ = await start_group(n, numel, settings=settings, events=counts.events,
-                                                   max_datagram=datagram)  # fmt: skip
+        settings = AllReduceSettings(
+            connect_timeout=1.0, contribute_timeout=3.0, gather_timeout=6.0, drain_timeout=1.0, chunk_elements=chunk
+        )
+        engines, transports, _ = await start_group(
+            n, numel, settings=settings, events=counts.events, max_datagram=datagram
+        )
         for r in (1, 2):
             xs = [torch.randn(numel) for _ in range(n)]
             ws = [float(i + 1) for i in range(n)]
@@ -183,13 +196,15 @@ def test_a_round_at_10_percent_loss_is_the_reference_rule_bit_for_bit(gso):
     shares follow, every lost datagram is counted, and the owners' results err around the true
     weighted mean (values near 1) where zero-filling would pull them about 9 % toward zero."""
     n, numel = 4, 40_000
-    settings = AllReduceSettings(connect_timeout=1.0, contribute_timeout=3.0, gather_timeout=6.0,
-                                 drain_timeout=1.0, chunk_elements=4096)  # fmt: skip
+    settings = AllReduceSettings(
+        connect_timeout=1.0, contribute_timeout=3.0, gather_timeout=6.0, drain_timeout=1.0, chunk_elements=4096
+    )
 
     async def main():
         counts, losses = Counts(), [Loss(0.1, seed=i) for i in range(n)]
-        engines, transports, addresses = await start_group(n, numel, settings=settings, events=counts.events,
-                                                           losses=losses, gso=gso)  # fmt: skip
+        engines, transports, addresses = await start_group(
+            n, numel, settings=settings, events=counts.events, losses=losses, gso=gso
+        )
         grid, ws = engines[0].inbox.grid, [1.0, 2.0, 3.0, 4.0]
         errors, dropped = [], 0
         for r in (1, 2, 3):
@@ -313,13 +328,16 @@ def test_hostile_datagrams_are_refused_by_reason_and_change_nothing():
         waiter = Waiter(counts)
         fake = FakeMember()
         fake_address = await fake.start()
-        transports = [UdpTransport("127.0.0.1", 0, secret=SECRET, session=SESSION, events=counts.events)
-                      for _ in range(2)]  # fmt: skip
+        transports = [
+            UdpTransport("127.0.0.1", 0, secret=SECRET, session=SESSION, events=counts.events) for _ in range(2)
+        ]
         real = [await t.start() for t in transports]
         addresses = [real[0], fake_address, real[1]]
         members = [f"m{i}" for i in range(n)]
-        engines = {i: LossyAllReduce(Group(RUN, members, addresses, i), t, numel, settings=SHORT, events=counts.events)
-                   for i, t in zip((0, 2), transports)}  # fmt: skip
+        engines = {
+            i: LossyAllReduce(Group(RUN, members, addresses, i), t, numel, settings=SHORT, events=counts.events)
+            for i, t in zip((0, 2), transports)
+        }
         xs = {i: torch.randn(numel) for i in engines}
         outcomes = await asyncio.gather(*(e.all_reduce(xs[i], ws[i], 1) for i, e in engines.items()))
         assert {o.status for o in outcomes} == {Status.PARTIAL} and all(o.held[1] == 0.0 for o in outcomes)
@@ -379,8 +397,9 @@ def test_hostile_datagrams_are_refused_by_reason_and_change_nothing():
         grid = engines[0].inbox.grid
         silent = [np.zeros(grid.packets(j), bool) for j in range(n)]
         everything = [np.ones(grid.packets(j), bool) for j in range(n)]
-        simulate_round(grid, reference, ws, [everything, silent, everything],
-                       [[*everything[:1], silent[1], everything[2]]] * n)  # fmt: skip
+        simulate_round(
+            grid, reference, ws, [everything, silent, everything], [[*everything[:1], silent[1], everything[2]]] * n
+        )
         for i in engines:
             assert np.array_equal(xs[i].numpy(), reference[i])
         assert counts.rejected["wire_duplicate"] > 0 and counts.rejected["wire_bad_shard"] > 1
@@ -423,9 +442,11 @@ def test_real_loss_from_an_nftables_rule_on_loopback():
         engines, transports, addresses = await start_group(n, numel, events=counts.events)
         ports = ", ".join(a.rsplit(":", 1)[1] for a in addresses)
         try:
-            added = nft(f"add table inet {table}\n"
-                        f"add chain inet {table} input {{ type filter hook input priority 0; policy accept; }}\n"
-                        f"add rule inet {table} input iifname lo udp dport {{ {ports} }} numgen random mod 100 < 10 drop\n")  # fmt: skip
+            added = nft(
+                f"add table inet {table}\n"
+                f"add chain inet {table} input {{ type filter hook input priority 0; policy accept; }}\n"
+                f"add rule inet {table} input iifname lo udp dport {{ {ports} }} numgen random mod 100 < 10 drop\n"
+            )
             if added.returncode:
                 pytest.skip(f"nft refused the rule: {added.stderr.strip()}")
             grid = engines[0].inbox.grid
@@ -504,8 +525,9 @@ def test_a_member_whose_udp_path_fails_gets_its_data_over_the_reliable_link_and_
     `datagrams` saying its links fail the probe, its data goes as packets over the reliable link,
     the others keep UDP among themselves, and the round completes with the exact weighted mean."""
     n, numel, blocked = 4, 30_000, 1
-    settings = AllReduceSettings(connect_timeout=1.0, contribute_timeout=2.0, gather_timeout=4.0,
-                                 drain_timeout=1.0, chunk_elements=4096)  # fmt: skip
+    settings = AllReduceSettings(
+        connect_timeout=1.0, contribute_timeout=2.0, gather_timeout=4.0, drain_timeout=1.0, chunk_elements=4096
+    )
 
     class Firewall:
         def __init__(self, me: int):
@@ -520,16 +542,20 @@ def test_a_member_whose_udp_path_fails_gets_its_data_over_the_reliable_link_and_
     async def run(per_link: bool):
         counts = Counts()
         walls = [Firewall(i) for i in range(n)]
-        transports = [UdpTransport("127.0.0.1", 0, secret=SECRET, session=SESSION, events=counts.events, drop=walls[i])
-                      for i in range(n)]  # fmt: skip
+        transports = [
+            UdpTransport("127.0.0.1", 0, secret=SECRET, session=SESSION, events=counts.events, drop=walls[i])
+            for i in range(n)
+        ]
         addresses = [await t.start() for t in transports]
         for i, (w, t) in enumerate(zip(walls, transports)):
             w.addresses = addresses
             if per_link:  # what the probes would say: nothing to or from member 1 comes back
                 t.datagrams = (lambda a: False) if i == blocked else (lambda a: a != addresses[blocked])
         group = [f"m{i}" for i in range(n)]
-        engines = [LossyAllReduce(Group(RUN, group, addresses, i), t, numel, settings=settings, events=counts.events)
-                   for i, t in enumerate(transports)]  # fmt: skip
+        engines = [
+            LossyAllReduce(Group(RUN, group, addresses, i), t, numel, settings=settings, events=counts.events)
+            for i, t in enumerate(transports)
+        ]
         xs = [torch.randn(numel) for _ in range(n)]
         ws = [1.0, 2.0, 3.0, 4.0]
         expect = sum(w * x.numpy() for w, x in zip(ws, xs)) / sum(ws)
@@ -551,7 +577,8 @@ def test_a_member_whose_udp_path_fails_gets_its_data_over_the_reliable_link_and_
             if i != blocked:
                 assert paths[i][addresses[blocked]] == "stream"
                 assert {a: p for a, p in paths[i].items() if a != addresses[blocked]} == {
-                    a: "udp" for k, a in enumerate(addresses) if k not in (i, blocked)}
+                    a: "udp" for k, a in enumerate(addresses) if k not in (i, blocked)
+                }
         # The same firewall without the per-link choice: member 1 is cut off from the data.
         outcomes, xs, expect, paths, addresses, dropped, counts = await run(per_link=False)
         assert dropped > 0 and outcomes[blocked].status is not Status.COMPLETED

@@ -83,7 +83,11 @@ class Sprayer(threading.Thread):
         out = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         deadline = time.monotonic() + SPRAY_SECONDS
         try:
-            while not self.stop_event.is_set() and time.monotonic() < deadline and sum(self.sent.values()) < SPRAY_DATAGRAMS:
+            while (
+                not self.stop_event.is_set()
+                and time.monotonic() < deadline
+                and sum(self.sent.values()) < SPRAY_DATAGRAMS
+            ):
                 ports = set().union(*(udp_ports(pid) for pid in self.pids))
                 if self.capture is not None:
                     self._capture_some(ports)
@@ -91,7 +95,21 @@ class Sprayer(threading.Thread):
                     out.sendto(rng.randbytes(rng.randrange(1, 2000)), ("127.0.0.1", port))
                     self.sent["garbage"] += 1
                     # A well-formed CONTRIBUTION of one value whose tag is made up: only the key can make one.
-                    fields = (MAGIC, 1, 1, rng.randrange(3), rng.randbytes(8), 1, rng.randrange(3), 0, 1, 0, 1.0, 0, rng.randbytes(12))
+                    fields = (
+                        MAGIC,
+                        1,
+                        1,
+                        rng.randrange(3),
+                        rng.randbytes(8),
+                        1,
+                        rng.randrange(3),
+                        0,
+                        1,
+                        0,
+                        1.0,
+                        0,
+                        rng.randbytes(12),
+                    )
                     out.sendto(HEADER.pack(*fields) + rng.randbytes(4 + OVERHEAD - HEADER.size), ("127.0.0.1", port))
                     self.sent["forged"] += 1
                     # Replays go to the ports of later rounds: old rounds' keys do not open them.
@@ -107,10 +125,34 @@ class Sprayer(threading.Thread):
 
 def test_a_udp_run_trains_to_one_result_through_garbage_forgeries_and_replays(spawn, secret_file):
     steps, every = 200, 10
-    create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.algorithm=state", "--set", "averaging.transport=udp",
-              "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
-    args = ["--run", "udp", "--run-secret-file", str(secret_file), "--max-steps", str(steps), "--min-peers", "3",
-            "--eval-every", "1000", "--torch-threads", "1"]  # fmt: skip
+    create = [
+        "--task",
+        "digits-mlp",
+        "--set",
+        f"averaging.average_every={every}",
+        "--set",
+        "averaging.algorithm=state",
+        "--set",
+        "averaging.transport=udp",
+        "--set",
+        "optimizer=sgd",
+        "--set",
+        "lr=0.05",
+    ]
+    args = [
+        "--run",
+        "udp",
+        "--run-secret-file",
+        str(secret_file),
+        "--max-steps",
+        str(steps),
+        "--min-peers",
+        "3",
+        "--eval-every",
+        "1000",
+        "--torch-threads",
+        "1",
+    ]
     a = spawn("udp-a", [*args, *create])
     others = [spawn(f"udp-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]
     for d in others:
@@ -120,7 +162,9 @@ def test_a_udp_run_trains_to_one_result_through_garbage_forgeries_and_replays(sp
     sprayer.start()
     try:
         for d in daemons:
-            wait_for(lambda: status(d, "udp").train_state == "FINISHED", timeout=180, what=f"{d.data_dir.name} finishes")
+            wait_for(
+                lambda: status(d, "udp").train_state == "FINISHED", timeout=180, what=f"{d.data_dir.name} finishes"
+            )
     finally:
         sprayer.stop_event.set()
         sprayer.join(10)
@@ -145,7 +189,14 @@ def test_a_udp_run_trains_to_one_result_through_garbage_forgeries_and_replays(sp
                 rejected[dict(labels)["reason"]] = rejected.get(dict(labels)["reason"], 0) + value
     # Every kind of hostile datagram was refused and counted, by its reason.
     assert rejected.get("dgram_bad_tag", 0) > 0, rejected
-    assert sum(v for k, v in rejected.items() if k in ("dgram_truncated", "dgram_bad_magic", "dgram_oversized", "dgram_bad_size")) > 0, rejected
+    assert (
+        sum(
+            v
+            for k, v in rejected.items()
+            if k in ("dgram_truncated", "dgram_bad_magic", "dgram_oversized", "dgram_bad_size")
+        )
+        > 0
+    ), rejected
     for d in daemons:
         assert d.stop() == 0
 
@@ -154,8 +205,9 @@ def _nft(script: str) -> subprocess.CompletedProcess:
     return subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True, timeout=10)
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("nft") is None,
-                    reason="needs root and nft to block UDP to one loopback address")  # fmt: skip
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("nft") is None, reason="needs root and nft to block UDP to one loopback address"
+)
 def test_transport_auto_sends_data_over_the_reliable_link_where_udp_is_blocked(spawn):
     """c listens on 127.0.0.2, and an nftables rule drops every UDP datagram to or from that address
     (TCP passes): as behind a firewall that admits no UDP. With `--transport auto` (the default) the
@@ -166,22 +218,50 @@ def test_transport_auto_sends_data_over_the_reliable_link_where_udp_is_blocked(s
 add chain inet {table} input {{ type filter hook input priority 0; }}
 add rule inet {table} input ip daddr 127.0.0.2 meta l4proto udp counter drop
 add rule inet {table} input ip saddr 127.0.0.2 meta l4proto udp counter drop
-""")  # fmt: skip
+""")
     assert rule.returncode == 0, rule.stderr
     try:
         steps, every = 120, 10
-        create = ["--task", "digits-mlp", "--set", f"averaging.average_every={every}", "--set", "averaging.algorithm=state", "--set", "averaging.transport=udp",
-                  "--set", "optimizer=sgd", "--set", "lr=0.05"]  # fmt: skip
-        args = ["--run", "auto", "--max-steps", str(steps), "--min-peers", "3", "--eval-every", "1000", "--torch-threads", "1"]
+        create = [
+            "--task",
+            "digits-mlp",
+            "--set",
+            f"averaging.average_every={every}",
+            "--set",
+            "averaging.algorithm=state",
+            "--set",
+            "averaging.transport=udp",
+            "--set",
+            "optimizer=sgd",
+            "--set",
+            "lr=0.05",
+        ]
+        args = [
+            "--run",
+            "auto",
+            "--max-steps",
+            str(steps),
+            "--min-peers",
+            "3",
+            "--eval-every",
+            "1000",
+            "--torch-threads",
+            "1",
+        ]
         a = spawn("auto-a", [*args, *create])
         b = spawn("auto-b", [*args, "--initial-peers", a.maddrs[0]], wait=False)
-        c = spawn("auto-c", [*args, "--initial-peers", a.maddrs[0], "--host", "127.0.0.2", "--metrics-host", "127.0.0.2"],
-                  wait=False)  # fmt: skip
+        c = spawn(
+            "auto-c",
+            [*args, "--initial-peers", a.maddrs[0], "--host", "127.0.0.2", "--metrics-host", "127.0.0.2"],
+            wait=False,
+        )
         for d in (b, c):
             d.wait_ready()
         daemons = [a, b, c]
         for d in daemons:
-            wait_for(lambda: status(d, "auto").train_state == "FINISHED", timeout=180, what=f"{d.data_dir.name} finishes")
+            wait_for(
+                lambda: status(d, "auto").train_state == "FINISHED", timeout=180, what=f"{d.data_dir.name} finishes"
+            )
         finals = {d.data_dir.name: status(d, "auto") for d in daemons}
         for r in finals.values():
             # PARTIAL is possible (a datagram between a and b dropped by a starved receiver on a loaded

@@ -27,8 +27,13 @@ EXAMPLE = ROOT / "examples" / "your_loop.py"
 
 
 def script(*args, path=SCRIPT) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(path), *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, str(path), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
@@ -97,8 +102,20 @@ def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_o
 
 def test_a_daemon_restarted_under_a_script_is_reattached_and_the_step_goes_on(spawn):
     a = spawn("restart-a", ["--run", "again"])
-    p = script("--run", "again", "--daemon", a.data_dir, "--steps", 400, "--every", 10, "--sleep", 0.02,
-               "--reconnect-timeout", 90)
+    p = script(
+        "--run",
+        "again",
+        "--daemon",
+        a.data_dir,
+        "--steps",
+        400,
+        "--every",
+        10,
+        "--sleep",
+        0.02,
+        "--reconnect-timeout",
+        90,
+    )
     assert json.loads(p.stdout.readline()) == {"attached": 0}
     wait_for(lambda: run_status(a, "again").step >= 50, timeout=60, what="a few phases")
     before = run_status(a, "again").step
@@ -115,8 +132,9 @@ def test_a_daemon_restarted_under_a_script_is_reattached_and_the_step_goes_on(sp
 def test_a_model_that_does_not_match_the_run_is_refused_naming_the_first_mismatch(spawn):
     a = spawn("layout", ["--run", "shape"])
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
-    with peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir,
-                               model=model) as opt:
+    with peerd.torch.Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=model
+    ) as opt:
         # The wrapper is a torch optimizer to LR schedulers, clipping and GradScaler.
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         scaler = torch.amp.GradScaler("cpu")
@@ -129,11 +147,17 @@ def test_a_model_that_does_not_match_the_run_is_refused_naming_the_first_mismatc
         assert opt.local_step == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.05)
         assert run_status(a, "shape").attached_pid > 0
         other = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 1))
-        with pytest.raises(peerd.PeerdError, match=r"parameter 0: the run has 0.weight \[3, 4\].*this model has 0.weight \[2, 4\]"):
-            peerd.torch.Optimizer(torch.optim.SGD(other.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=other)
+        with pytest.raises(
+            peerd.PeerdError, match=r"parameter 0: the run has 0.weight \[3, 4\].*this model has 0.weight \[2, 4\]"
+        ):
+            peerd.torch.Optimizer(
+                torch.optim.SGD(other.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=other
+            )
         # A second process (here: a second attach) on the same daemon and run is refused while one lives.
         with pytest.raises(peerd.PeerdError, match="already has a training process attached"):
-            peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=model)
+            peerd.torch.Optimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=model
+            )
     wait_for(lambda: run_status(a, "shape").attached_pid == 0, timeout=10, what="detached")
     with pytest.raises(peerd.PeerdError, match="not in run 'elsewhere'"):
         peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), run="elsewhere", daemon=a.data_dir)
@@ -147,15 +171,21 @@ def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
         stub = control_pb2_grpc.ControlStub(channel)
         bad = [
             control_pb2.AttachRequest(run_id="junk"),  # no layout
-            control_pb2.AttachRequest(run_id="junk", layout=[control_pb2.TensorSpec(name="w", shape=[2], dtype="torch.int64")]),
-            control_pb2.AttachRequest(run_id="junk", layout=[control_pb2.TensorSpec(name="", shape=[2], dtype="torch.float32")]),
+            control_pb2.AttachRequest(
+                run_id="junk", layout=[control_pb2.TensorSpec(name="w", shape=[2], dtype="torch.int64")]
+            ),
+            control_pb2.AttachRequest(
+                run_id="junk", layout=[control_pb2.TensorSpec(name="", shape=[2], dtype="torch.float32")]
+            ),
         ]
         for request in bad:
             with pytest.raises(grpc.RpcError) as e:
                 stub.Attach(request, timeout=10)
             assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        for call, request in [(stub.EndPhase, control_pb2.EndPhaseRequest(session="nope", steps=1)),
-                              (stub.Renew, control_pb2.RenewRequest(session="nope"))]:
+        for call, request in [
+            (stub.EndPhase, control_pb2.EndPhaseRequest(session="nope", steps=1)),
+            (stub.Renew, control_pb2.RenewRequest(session="nope")),
+        ]:
             with pytest.raises(grpc.RpcError) as e:
                 call(request, timeout=10)
             assert e.value.code() is grpc.StatusCode.NOT_FOUND

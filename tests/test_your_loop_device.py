@@ -31,8 +31,11 @@ def mapped_vector(tmp_path, numel: int) -> tuple[mmap.mmap, torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_parameters_go_to_the_vector_and_back_cast_and_in_order(device, tmp_path):
     torch.manual_seed(0)
-    params = [torch.randn(3, 5, device=device), torch.randn(7, device=device, dtype=torch.bfloat16),
-              torch.randn(2, 2, 2, device=device, dtype=torch.float16)]
+    params = [
+        torch.randn(3, 5, device=device),
+        torch.randn(7, device=device, dtype=torch.bfloat16),
+        torch.randn(2, 2, 2, device=device, dtype=torch.float16),
+    ]
     numel = sum(p.numel() for p in params)
     _mapped, vector = mapped_vector(tmp_path, numel)
     address = pin(vector) if device == "cuda" else 0

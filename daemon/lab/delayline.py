@@ -88,7 +88,13 @@ class DelayLine:
 
     def write_stats(self) -> None:
         ru = resource.getrusage(resource.RUSAGE_SELF)
-        data = {**self.c, "queue": len(self.queue), "one_way_ms": self.delay * 1000, "cpu_s": round(ru.ru_utime + ru.ru_stime, 3), "pid": os.getpid()}
+        data = {
+            **self.c,
+            "queue": len(self.queue),
+            "one_way_ms": self.delay * 1000,
+            "cpu_s": round(ru.ru_utime + ru.ru_stime, 3),
+            "pid": os.getpid(),
+        }
         tmp = f"{self.stats_path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)

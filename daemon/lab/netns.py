@@ -122,12 +122,16 @@ def render_rules(table: str, hosts: list[Host], side: dict[str, int]) -> str:
     if len(sides) > 1:
         for h in hosts:
             same = ", ".join(f'"{p}"' for p in sides[side.get(h.name, 0)])
-            lines.append(f'add rule bridge {table} forward oifname "{h.port}" iifname != {{ {same} }} counter name "cut-{h.name}" drop')
+            lines.append(
+                f'add rule bridge {table} forward oifname "{h.port}" iifname != {{ {same} }} counter name "cut-{h.name}" drop'
+            )
     for h in hosts:
         s = h.shape
         if s.loss_pct <= 0:
             continue
-        drop = f'numgen random mod {LOSS_SCALE} < {round(s.loss_pct * LOSS_SCALE / 100)} counter name "loss-{h.name}" drop'
+        drop = (
+            f'numgen random mod {LOSS_SCALE} < {round(s.loss_pct * LOSS_SCALE / 100)} counter name "loss-{h.name}" drop'
+        )
         match = f'add rule bridge {table} forward oifname "{h.port}"'
         proto = {"all": "{ tcp, udp }"}.get(s.loss_protocol, s.loss_protocol)
         if s.loss_ports:
@@ -242,9 +246,16 @@ class Network:
             self._start_delay_line(h, conf)
         elif line.poll() is None:
             line.send_signal(signal.SIGHUP)
-            _wait_for_file(self.delay_stats_path(h.name), lambda d: d.get("one_way_ms") == rtt_ms / 2, DELAY_READY_TIMEOUT, f"the delay line of {h.name} to take {rtt_ms / 2} ms")
+            _wait_for_file(
+                self.delay_stats_path(h.name),
+                lambda d: d.get("one_way_ms") == rtt_ms / 2,
+                DELAY_READY_TIMEOUT,
+                f"the delay line of {h.name} to take {rtt_ms / 2} ms",
+            )
         else:
-            raise LabError(f"the delay line of host {h.name} exited ({line.returncode}); see {self.dir / 'delay' / (h.name + '.log')}")
+            raise LabError(
+                f"the delay line of host {h.name} exited ({line.returncode}); see {self.dir / 'delay' / (h.name + '.log')}"
+            )
 
     def delay_stats_path(self, name: str) -> Path:
         return self.dir / "delay" / f"{name}.json"
@@ -255,22 +266,43 @@ class Network:
         stats = self.delay_stats_path(h.name)
         stats.unlink(missing_ok=True)
         with open(self.dir / "delay" / f"{h.name}.log", "ab") as log:
-            cmd = [*h.exec_prefix(), sys.executable, "-m", "daemon.lab.delayline", "--dev", DELAY_DEV, "--conf", str(conf), "--stats", str(stats)]
+            cmd = [
+                *h.exec_prefix(),
+                sys.executable,
+                "-m",
+                "daemon.lab.delayline",
+                "--dev",
+                DELAY_DEV,
+                "--conf",
+                str(conf),
+                "--stats",
+                str(stats),
+            ]
             # Own session: a Ctrl-C of the lab does not reach it; destroy() kills it with the namespace.
-            self.delay_lines[h.name] = proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT)
+            self.delay_lines[h.name] = proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT
+            )
         try:
-            _wait_for_file(stats, lambda d: True, DELAY_READY_TIMEOUT, f"the delay line of {h.name} to open {DELAY_DEV}", proc)
+            _wait_for_file(
+                stats, lambda d: True, DELAY_READY_TIMEOUT, f"the delay line of {h.name} to open {DELAY_DEV}", proc
+            )
         except LabError as e:
             raise LabError(f"{e}; log: {(self.dir / 'delay' / (h.name + '.log')).read_text()[-2000:]}") from None
         ns = ["ip", "-n", h.netns]
         subnet = f"10.77.{self.subnet_k}.0/24"
         mtu = json.loads(sh(*ns, "-j", "link", "show", "eth0"))[0]["mtu"]
-        for key in ("all", "default", "eth0"):  # replies arrive on eth0 from hosts routed via dl0: no reverse-path check
+        for key in (
+            "all",
+            "default",
+            "eth0",
+        ):  # replies arrive on eth0 from hosts routed via dl0: no reverse-path check
             sh(*h.exec_prefix(), "sysctl", "-q", "-w", f"net.ipv4.conf.{key}.rp_filter=0")
         sh(*h.exec_prefix(), "sysctl", "-q", "-w", f"net.ipv6.conf.{DELAY_DEV}.disable_ipv6=1")
         sh(*ns, "link", "set", DELAY_DEV, "mtu", str(mtu), "txqueuelen", "10000", "up")  # 500 overflowed under load
         sh(*ns, "route", "add", subnet, "dev", DELAY_DEV, "src", h.ip, "table", str(DELAY_TABLE))
-        sh(*ns, "route", "add", "throw", f"{self.bridge_ip}/32", "table", str(DELAY_TABLE))  # the lab's own polling: direct
+        sh(
+            *ns, "route", "add", "throw", f"{self.bridge_ip}/32", "table", str(DELAY_TABLE)
+        )  # the lab's own polling: direct
         sh(*ns, "rule", "add", "pref", "100", "fwmark", hex(_delay_mark()), "lookup", "main")
         sh(*ns, "rule", "add", "pref", "110", "to", subnet, "lookup", str(DELAY_TABLE))
 
@@ -280,13 +312,17 @@ class Network:
         for name in self.delay_lines:
             try:
                 out[name] = json.loads(self.delay_stats_path(name).read_text())
-                link = json.loads(sh("ip", "-n", self.hosts[name].netns, "-j", "-s", "link", "show", DELAY_DEV))[0]["stats64"]
+                link = json.loads(sh("ip", "-n", self.hosts[name].netns, "-j", "-s", "link", "show", DELAY_DEV))[0][
+                    "stats64"
+                ]
                 out[name]["tun_dropped"] = link["tx"]["dropped"]  # the TUN's queue was full: the delay line fell behind
             except (OSError, ValueError, LabError, KeyError, IndexError):
                 pass
         return out
 
-    def measure_rtt(self, pairs: list[tuple[str, str]], probes: int = 10, timeout: float = 2.0) -> dict[tuple[str, str], dict]:
+    def measure_rtt(
+        self, pairs: list[tuple[str, str]], probes: int = 10, timeout: float = 2.0
+    ) -> dict[tuple[str, str], dict]:
         """Round-trip times from host a to host b, for each (a, b), measured in parallel: `probes` TCP
         connects from a to a closed port of b (SYN out, RST back: one round trip, no server needed),
         after one unmeasured connect. {(a, b): {"median_ms", "min_ms", "max_ms", "probes"}}; a probe
@@ -296,10 +332,22 @@ class Network:
         expected = {(a, b): (self.hosts[a].shape.rtt_ms + self.hosts[b].shape.rtt_ms) / 2000 for a, b in pairs}
         waits = {pair: 0.95 if rtt < 0.5 else max(timeout, 3 * rtt + 1) for pair, rtt in expected.items()}
         procs = {
-            (a, b): subprocess.Popen([*self.hosts[a].exec_prefix(), sys.executable, "-c", _RTT_PROBE, self.hosts[b].ip, str(probes), str(waits[a, b])],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            (a, b): subprocess.Popen(
+                [
+                    *self.hosts[a].exec_prefix(),
+                    sys.executable,
+                    "-c",
+                    _RTT_PROBE,
+                    self.hosts[b].ip,
+                    str(probes),
+                    str(waits[a, b]),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for a, b in pairs
-        }  # fmt: skip
+        }
         out = {}
         for pair, p in procs.items():
             try:
@@ -349,10 +397,12 @@ class Network:
         tcp = [line.split()[1:] for line in snmp if line.startswith("Tcp:")]
         retrans = int(dict(zip(tcp[0], tcp[1])).get("RetransSegs", 0)) if len(tcp) == 2 else 0
         return {
-            "rx_bytes": link["rx"]["bytes"], "tx_bytes": link["tx"]["bytes"],
-            "rx_packets": link["rx"]["packets"], "tx_packets": link["tx"]["packets"],
+            "rx_bytes": link["rx"]["bytes"],
+            "tx_bytes": link["tx"]["bytes"],
+            "rx_packets": link["rx"]["packets"],
+            "tx_packets": link["tx"]["packets"],
             "tcp_retransmitted_segments": retrans,
-        }  # fmt: skip
+        }
 
     def destroy(self) -> list[str]:
         removed = destroy(self.id)
@@ -364,7 +414,8 @@ class Network:
         return removed
 
 
-_RTT_PROBE = """
+_RTT_PROBE = (
+    """
 import json, socket, sys, time
 ip, n, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 times = []
@@ -384,7 +435,9 @@ for i in range(n + 1):
     if ok and i:
         times.append(dt)
 print(json.dumps(times))
-""" % RTT_PORT
+"""
+    % RTT_PORT
+)
 
 
 def _delay_mark() -> int:

@@ -71,7 +71,9 @@ def build(record: Record) -> dict[str, Any]:
         "loss_model": "random drop of packets delivered to a host (nftables numgen in the bridge's forward hook)",
         "hosts": hosts,
         "faults": faults,
-        "max_param_divergence": None if worst is None else {"value": worst[0], "host": worst[1], "t": round(worst[2], 2)},
+        "max_param_divergence": None
+        if worst is None
+        else {"value": worst[0], "host": worst[1], "t": round(worst[2], 2)},
         "step_regressions": regressions,
         "torn_checkpoints": torn,
         "checkpoints_verified": sum(len(c["steps"]) for c in record.checkpoints.values()),
@@ -138,7 +140,9 @@ def _fault(record: Record, e: Event, by_host: dict[str, list[Sample]]) -> dict[s
     elif f.action in ("join", "restart", "thaw"):
         wants = {o: _sees_all_of(target_ids) for o in others}
     elif f.action == "partition":
-        wants = {o: _sees_none_of({ids[n] for n in e.side if e.side[n] != e.side[o] and n in ids}) for o in sorted(e.running)}
+        wants = {
+            o: _sees_none_of({ids[n] for n in e.side if e.side[n] != e.side[o] and n in ids}) for o in sorted(e.running)
+        }
     elif f.action == "heal":
         wants = {o: _sees_all_of({ids[n] for n in e.running if n != o and n in ids}) for o in sorted(e.running)}
     else:
@@ -154,7 +158,8 @@ def _fault(record: Record, e: Event, by_host: dict[str, list[Sample]]) -> dict[s
         "noticed_s": _slowest({o: _first(by_host[o], e.t, want) for o, want in wants.items()}, e.t),
         "resumed_s": _slowest({p: _first(by_host[p], e.t, want) for p, want in resumed.items()}, e.t),
         "ready_s": _slowest({n: _first(by_host[n], e.t, lambda s: True) for n in targets}, e.t)
-        if f.action in ("join", "restart") else None,
+        if f.action in ("join", "restart")
+        else None,
         "measured_rtt": e.rtt or None,
     }
 
@@ -202,31 +207,64 @@ def table(report: dict[str, Any]) -> str:
     ]
     rows = [
         (
-            name, h["state"], str(h["incarnations"]), _v(h["step"]), _v(h["local_step"]), _v(h["loss"], "{:.4f}"),
-            _v(h["eval_score"], "{:.3f}"), "{completed}/{partial}/{aborted}/{no_group}".format(**h["rounds"]),
-            _mb(h["engine_sent_bytes"]), _mb(h["engine_received_bytes"]), _mb(h["state_sync_bytes"]),
+            name,
+            h["state"],
+            str(h["incarnations"]),
+            _v(h["step"]),
+            _v(h["local_step"]),
+            _v(h["loss"], "{:.4f}"),
+            _v(h["eval_score"], "{:.3f}"),
+            "{completed}/{partial}/{aborted}/{no_group}".format(**h["rounds"]),
+            _mb(h["engine_sent_bytes"]),
+            _mb(h["engine_received_bytes"]),
+            _mb(h["state_sync_bytes"]),
             f"{_mb(h['link_tx_bytes'])}/{_mb(h['link_rx_bytes'])}",
-            f"{h['lost_packets_random']}+{h['lost_packets_partition']}", _v(h["tcp_retransmitted_segments"]),
+            f"{h['lost_packets_random']}+{h['lost_packets_partition']}",
+            _v(h["tcp_retransmitted_segments"]),
             _rtt(h["measured_rtt"]),
         )
         for name, h in report["hosts"].items()
-    ]  # fmt: skip
-    header = ("HOST", "STATE", "RUNS", "STEP", "LOCAL", "LOSS", "EVAL", "ROUNDS C/P/A/N", "SENT MB", "RECV MB",
-              "SYNC MB", "LINK TX/RX MB", "DROPPED RND+CUT", "TCP RETRANS", "RTT MS (SET)")  # fmt: skip
+    ]
+    header = (
+        "HOST",
+        "STATE",
+        "RUNS",
+        "STEP",
+        "LOCAL",
+        "LOSS",
+        "EVAL",
+        "ROUNDS C/P/A/N",
+        "SENT MB",
+        "RECV MB",
+        "SYNC MB",
+        "LINK TX/RX MB",
+        "DROPPED RND+CUT",
+        "TCP RETRANS",
+        "RTT MS (SET)",
+    )
     lines += _columns(header, rows)
     if report["faults"]:
         lines.append("")
         rows = [
-            (f"{f['t']:.1f}", f["what"] + "".join(f"; RTT {n}: {_rtt(m)}" for n, m in (f.get("measured_rtt") or {}).items()), _v(f["ready_s"], "{:.1f} s", ""), _v(f["noticed_s"], "{:.1f} s", "-"),
-             _v(f["resumed_s"], "{:.1f} s", "not within the run"))
+            (
+                f"{f['t']:.1f}",
+                f["what"] + "".join(f"; RTT {n}: {_rtt(m)}" for n, m in (f.get("measured_rtt") or {}).items()),
+                _v(f["ready_s"], "{:.1f} s", ""),
+                _v(f["noticed_s"], "{:.1f} s", "-"),
+                _v(f["resumed_s"], "{:.1f} s", "not within the run"),
+            )
             for f in report["faults"]
-        ]  # fmt: skip
+        ]
         lines += _columns(("AT S", "EVENT", "READY AFTER", "NOTICED AFTER", "TRAINING WENT ON AFTER"), rows)
     d = report["max_param_divergence"]
     lines.append("")
     lines.append(
         "largest parameter divergence: "
-        + ("none measured (no completed round)" if d is None else f"{d['value']:.4g} (host {d['host']} at t={d['t']:.1f} s)")
+        + (
+            "none measured (no completed round)"
+            if d is None
+            else f"{d['value']:.4g} (host {d['host']} at t={d['t']:.1f} s)"
+        )
     )
     lost = report["step_regressions"] + report["torn_checkpoints"]
     lines.append(

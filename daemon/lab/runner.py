@@ -39,9 +39,17 @@ RTT_PROBE_TIMEOUT = 60.0  # seconds the end of a run waits for a measurement sti
 # The DHT timeout stays below the peer TTL: with the default 5 s, one frozen DHT node stalls every
 # refresh past the 4 s TTL and the others drop each other, not only the frozen peer (seen here).
 DAEMON_DEFAULTS = [
-    "--torch-threads", "1", "--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4",
-    "--dht-timeout", "2",
-]  # fmt: skip
+    "--torch-threads",
+    "1",
+    "--heartbeat-interval",
+    "1",
+    "--refresh-interval",
+    "0.5",
+    "--peer-ttl",
+    "4",
+    "--dht-timeout",
+    "2",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +66,9 @@ class Sample:
     outcome: str  # of the last round: completed, aborted, no_group, or ""
     group_size: int
     peers: frozenset[str]  # peer IDs in its table of the run
-    divergence: float  # peerd_param_divergence (largest pairwise, from sketches), NaN until two peers share a sketch step
+    divergence: (
+        float  # peerd_param_divergence (largest pairwise, from sketches), NaN until two peers share a sketch step
+    )
     eval_score: float
     metrics: dict[str, float]  # peerd_rounds_total by outcome and byte counters (this incarnation)
 
@@ -101,9 +111,23 @@ def spawn_in(host: Host, data_dir: Path, args: list[str]) -> LocalDaemon:
     (data_dir / "ready.json").unlink(missing_ok=True)
     d.log_path = data_dir.parent / f"{data_dir.name}.log"
     cmd = [
-        *host.exec_prefix(), sys.executable, "-m", "daemon.cli", "start", "--data-dir", str(data_dir),
-        "--host", host.ip, "--port", "0", "--metrics-host", host.ip, "--metrics-port", "0", *args,
-    ]  # fmt: skip
+        *host.exec_prefix(),
+        sys.executable,
+        "-m",
+        "daemon.cli",
+        "start",
+        "--data-dir",
+        str(data_dir),
+        "--host",
+        host.ip,
+        "--port",
+        "0",
+        "--metrics-host",
+        host.ip,
+        "--metrics-port",
+        "0",
+        *args,
+    ]
     with open(d.log_path, "ab") as log:
         # Own session: the daemon and its p2pd are one process group, frozen and killed together.
         d.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=_ROOT)
@@ -151,10 +175,20 @@ def poll_daemon(name: str, d: LocalDaemon, run_id: str, t: float) -> Sample | No
     if run is None:
         return None
     return Sample(
-        t=t, host=name, pid=d.pid, step=run.step, local_step=run.local_step, loss=run.loss,
-        last_round=run.last_round, outcome=run.last_round_outcome, group_size=run.group_size, peers=peers,
-        divergence=metrics.pop("divergence", math.nan), eval_score=run.eval_score, metrics=metrics,
-    )  # fmt: skip
+        t=t,
+        host=name,
+        pid=d.pid,
+        step=run.step,
+        local_step=run.local_step,
+        loss=run.loss,
+        last_round=run.last_round,
+        outcome=run.last_round_outcome,
+        group_size=run.group_size,
+        peers=peers,
+        divergence=metrics.pop("divergence", math.nan),
+        eval_score=run.eval_score,
+        metrics=metrics,
+    )
 
 
 def scrape(url: str, run_id: str) -> dict[str, float]:
@@ -240,9 +274,14 @@ class Lab:
             host = self.net.add_host(h.name, h.link, self.s.congestion_control)
             self.record.congestion_control[h.name] = self.net.congestion_control(host)
         self.record.rtt = self._measure_rtt([h.name for h in self.s.hosts])
-        delayed = {n: m for n, m in self.record.rtt.items() if self.s.host(n).link.rtt_ms or self.s.host(m["to"]).link.rtt_ms}
+        delayed = {
+            n: m for n, m in self.record.rtt.items() if self.s.host(n).link.rtt_ms or self.s.host(m["to"]).link.rtt_ms
+        }
         if delayed:
-            self.progress("RTT measured: " + ", ".join(f"{n}->{m['to']} {m['median_ms']} ms (set {m['set_ms']:g})" for n, m in delayed.items()))
+            self.progress(
+                "RTT measured: "
+                + ", ".join(f"{n}->{m['to']} {m['median_ms']} ms (set {m['set_ms']:g})" for n, m in delayed.items())
+            )
 
     def _measure_rtt(self, names: list[str]) -> dict[str, dict]:
         """Each named host's RTT to the next host of the scenario (a ring), measured now, with what
@@ -281,7 +320,9 @@ class Lab:
         waiting = set(names)
         while waiting:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"hosts {', '.join(sorted(waiting))} not training after {self.s.start_timeout:.0f} s")
+                raise TimeoutError(
+                    f"hosts {', '.join(sorted(waiting))} not training after {self.s.start_timeout:.0f} s"
+                )
             for name in names:
                 d = self.daemons[name]
                 if d.proc.poll() is not None:
@@ -342,7 +383,9 @@ class Lab:
         event = Event(time.monotonic() - self.t0, f, running, side)
         self.record.events.append(event)
         if f.action == "link" and "rtt_ms" in f.link:  # measured aside: the schedule keeps its times
-            probe = threading.Thread(target=lambda: event.rtt.update(self._measure_rtt(list(f.hosts))), name="lab-rtt", daemon=True)
+            probe = threading.Thread(
+                target=lambda: event.rtt.update(self._measure_rtt(list(f.hosts))), name="lab-rtt", daemon=True
+            )
             probe.start()
             self.probes.append(probe)
 

@@ -125,7 +125,9 @@ _LINK_KEYS = ("rate_mbit", "loss_pct", "loss_protocol", "loss_ports", "rtt_ms")
 
 
 def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
-    top = _Table("top level", data, ("name", "duration", "congestion_control", "start_timeout", "run", "link", "host", "fault"))
+    top = _Table(
+        "top level", data, ("name", "duration", "congestion_control", "start_timeout", "run", "link", "host", "fault")
+    )
     duration = top.number("duration", required=True)
     if duration <= 0:
         raise ScenarioError(f"duration must be more than 0 s, not {duration}")
@@ -139,7 +141,9 @@ def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
         t = _Table(f"[[host]] {i}", raw, ("name", "join_at", *_LINK_KEYS))
         name = t.text("name", required=True)
         if not HOST_NAME.fullmatch(name):
-            raise ScenarioError(f"[[host]] {i}: name {name!r} must be 1-16 of a-z, 0-9 and '-', starting with a letter or digit")
+            raise ScenarioError(
+                f"[[host]] {i}: name {name!r} must be 1-16 of a-z, 0-9 and '-', starting with a letter or digit"
+            )
         if name in (h.name for h in hosts):
             raise ScenarioError(f"[[host]] {i}: a second host named {name!r}")
         join_at = t.number("join_at", 0.0)
@@ -165,7 +169,9 @@ def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
         names = tuple(t.strings("hosts"))
         unknown = [n for n in names if n not in {h.name for h in hosts}]
         if unknown:
-            raise ScenarioError(f"[[fault]] {i} ({action}): unknown host {unknown[0]!r} (hosts: {', '.join(h.name for h in hosts)})")
+            raise ScenarioError(
+                f"[[fault]] {i} ({action}): unknown host {unknown[0]!r} (hosts: {', '.join(h.name for h in hosts)})"
+            )
         if action == "heal" and names:
             raise ScenarioError(f"[[fault]] {i}: heal takes no hosts (it removes the partition)")
         if action != "heal" and not names:
@@ -175,13 +181,18 @@ def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
         if action == "link" and not changes:
             raise ScenarioError(f"[[fault]] {i}: a link fault changes at least one of {', '.join(_LINK_KEYS)}")
         if action != "link" and any(k in raw for k in _LINK_KEYS):
-            raise ScenarioError(f"[[fault]] {i} ({action}): link keys belong to action = \"link\"")
+            raise ScenarioError(f'[[fault]] {i} ({action}): link keys belong to action = "link"')
         faults.append(Fault(at=at, action=action, hosts=names, link=changes))
     faults.sort(key=lambda f: f.at)
     scenario = Scenario(
-        name=top.text("name", default_name), duration=duration, congestion_control=cc,
-        start_timeout=top.number("start_timeout", 120.0), run=run, hosts=hosts, faults=faults,
-    )  # fmt: skip
+        name=top.text("name", default_name),
+        duration=duration,
+        congestion_control=cc,
+        start_timeout=top.number("start_timeout", 120.0),
+        run=run,
+        hosts=hosts,
+        faults=faults,
+    )
     check_schedule(scenario)
     return scenario
 
@@ -190,7 +201,9 @@ def check_schedule(s: Scenario) -> None:
     """Replay the schedule on host states and refuse what cannot happen: acting on a host before it
     joined, thawing what is not frozen, restarting what was not killed, two partitions at once."""
     state = {h.name: "absent" for h in s.hosts}
-    events = [(h.join_at, -1, "join", (h.name,)) for h in s.hosts] + [(f.at, i, f.action, f.hosts) for i, f in enumerate(s.faults)]
+    events = [(h.join_at, -1, "join", (h.name,)) for h in s.hosts] + [
+        (f.at, i, f.action, f.hosts) for i, f in enumerate(s.faults)
+    ]
     partitioned = False
     for at, i, action, names in sorted(events, key=lambda e: (e[0], e[1])):
         where = f"[[fault]] {i + 1} ({action} at {at} s)"
@@ -208,7 +221,9 @@ def check_schedule(s: Scenario) -> None:
             if not partitioned:
                 raise ScenarioError(f"{where}: nothing to heal, no partition then")
             partitioned = False
-        new = {"join": "running", "kill": "killed", "freeze": "frozen", "thaw": "running", "restart": "running"}.get(action)
+        new = {"join": "running", "kill": "killed", "freeze": "frozen", "thaw": "running", "restart": "running"}.get(
+            action
+        )
         for n in names if new else ():
             state[n] = new
 
@@ -220,10 +235,14 @@ def _past(action: str) -> str:
 def _run(t: "_Table") -> RunSpec:
     settings = t.table_of_scalars("settings")
     spec = RunSpec(
-        id=t.text("id", "lab"), task=t.text("task", "digits-mlp"), settings=settings,
-        min_peers=t.integer("min_peers", 0), max_steps=t.integer("max_steps", 0),
-        checkpoint_every=t.integer("checkpoint_every", 20), args=t.strings("args"),
-    )  # fmt: skip
+        id=t.text("id", "lab"),
+        task=t.text("task", "digits-mlp"),
+        settings=settings,
+        min_peers=t.integer("min_peers", 0),
+        max_steps=t.integer("max_steps", 0),
+        checkpoint_every=t.integer("checkpoint_every", 20),
+        args=t.strings("args"),
+    )
     for name in ("min_peers", "max_steps"):
         if getattr(spec, name) < 0:
             raise ScenarioError(f"[run] {name} must be >= 0")

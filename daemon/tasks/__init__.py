@@ -3,7 +3,17 @@
 See docs/tasks.md for the interface, the built-ins, and how a package registers its own task.
 """
 
-from daemon.tasks.base import MAX_BATCH_SIZE, Batch, EvalResult, Hparams, HparamsError, Task, evaluating, generator, seeded
+from daemon.tasks.base import (
+    MAX_BATCH_SIZE,
+    Batch,
+    EvalResult,
+    Hparams,
+    HparamsError,
+    Task,
+    evaluating,
+    generator,
+    seeded,
+)
 from daemon.tasks.baseline import train_single_process
 from daemon.tasks.registry import (
     ENTRY_POINT_GROUP,

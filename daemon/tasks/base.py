@@ -78,7 +78,9 @@ def _coerce(key: str, value: Any, expected: type) -> Any:
         str: isinstance(value, str),
     }.get(expected)
     if ok is None:
-        raise TypeError(f"hyper-parameter {key!r} is declared as {expected!r}; only int, float, bool and str are allowed")
+        raise TypeError(
+            f"hyper-parameter {key!r} is declared as {expected!r}; only int, float, bool and str are allowed"
+        )
     if not ok:
         raise HparamsError(f"hyper-parameter {key!r} must be {expected.__name__}, got {type(value).__name__} {value!r}")
     if expected is float:

@@ -51,7 +51,11 @@ class CharLMHparams(Hparams):
         self.require("n_layers", self.n_layers <= 48, "at most 48")
         self.require("n_heads", self.d_model % self.n_heads == 0, f"a divisor of d_model ({self.d_model})")
         self.require("weight_decay", self.weight_decay >= 0.0, ">= 0")
-        self.require("corpus_bytes", MIN_CORPUS_BYTES <= self.corpus_bytes <= MAX_CORPUS_BYTES, f"in [{MIN_CORPUS_BYTES}, {MAX_CORPUS_BYTES}]")
+        self.require(
+            "corpus_bytes",
+            MIN_CORPUS_BYTES <= self.corpus_bytes <= MAX_CORPUS_BYTES,
+            f"in [{MIN_CORPUS_BYTES}, {MAX_CORPUS_BYTES}]",
+        )
 
 
 @functools.cache
@@ -66,7 +70,9 @@ def load_corpus(max_bytes: int) -> torch.Tensor:
         chunks.append(chunk)
         total += len(chunk)
     if total < MIN_CORPUS_BYTES:
-        raise RuntimeError(f"only {total} bytes of Python sources under {root}; charlm needs at least {MIN_CORPUS_BYTES}")
+        raise RuntimeError(
+            f"only {total} bytes of Python sources under {root}; charlm needs at least {MIN_CORPUS_BYTES}"
+        )
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 

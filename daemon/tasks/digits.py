@@ -59,7 +59,9 @@ class DigitsMLP(Task):
         if hparams.optimizer == "adam":
             opt = torch.optim.Adam(model.parameters(), lr=hparams.lr, weight_decay=hparams.weight_decay)
         else:
-            opt = torch.optim.SGD(model.parameters(), lr=hparams.lr, momentum=hparams.momentum, weight_decay=hparams.weight_decay)
+            opt = torch.optim.SGD(
+                model.parameters(), lr=hparams.lr, momentum=hparams.momentum, weight_decay=hparams.weight_decay
+            )
         return model, opt
 
     def data(self, hparams: DigitsHparams, peer_seed: int) -> Iterator[Batch]:

@@ -30,10 +30,13 @@ from peers.collective.udp import UdpTransport
 from peers.lazy import attributes
 
 # The two rounds import torch: loaded on first use (peers/lazy.py).
-__getattr__ = attributes(__name__, {
-    "peers.collective.allreduce": ("GroupAllReduce",),
-    "peers.collective.lossy_allreduce": ("LossyAllReduce",),
-})  # fmt: skip
+__getattr__ = attributes(
+    __name__,
+    {
+        "peers.collective.allreduce": ("GroupAllReduce",),
+        "peers.collective.lossy_allreduce": ("LossyAllReduce",),
+    },
+)
 
 
 __all__ = [

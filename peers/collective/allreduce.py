@@ -75,9 +75,15 @@ class GroupAllReduce:
     messages be buffered)."""
 
     def __init__(
-        self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
-        events: PeerEvents | None = None, buffers: InboxBuffers | None = None,
-    ):  # fmt: skip
+        self,
+        group: Group,
+        transport: Transport,
+        numel: int,
+        *,
+        settings: AllReduceSettings | None = None,
+        events: PeerEvents | None = None,
+        buffers: InboxBuffers | None = None,
+    ):
         self.settings = settings or AllReduceSettings()
         block = Format(self.settings.payload).alignment
         if -(-numel // block) < group.size:
@@ -180,9 +186,14 @@ class GroupAllReduce:
             return
         start, end = self.inbox.chunks[me][c]
         h = self._header(
-            Kind.RESULT, st, shard=me, offset=start - self.inbox.bounds[me][0], count=end - start,
-            weight=st.result_weight[me][c], mask=st.result_mask[me][c],
-        )  # fmt: skip
+            Kind.RESULT,
+            st,
+            shard=me,
+            offset=start - self.inbox.bounds[me][0],
+            count=end - start,
+            weight=st.result_weight[me][c],
+            mask=st.result_mask[me][c],
+        )
         payload = self.inbox.wire_view(start, end) if self.inbox.coded else self.inbox.x_bytes[start * 4 : end * 4]
         for _, link in self._live_links():
             st.bytes_sent += link.send(h, payload)
@@ -192,15 +203,34 @@ class GroupAllReduce:
     def _header(
         self, kind: Kind, st: RoundState, *, shard: int, offset: int, count: int, weight: float, mask: int = 0
     ) -> Header:
-        return Header(kind=kind, run_tag=self.group.tag, round=st.number, sender=self.group.me, shard=shard,
-                      count=count, dtype=self.inbox.codec.dtype, offset=offset, weight=weight, mask=mask)
+        return Header(
+            kind=kind,
+            run_tag=self.group.tag,
+            round=st.number,
+            sender=self.group.me,
+            shard=shard,
+            count=count,
+            dtype=self.inbox.codec.dtype,
+            offset=offset,
+            weight=weight,
+            mask=mask,
+        )
 
     def _live_links(self) -> list[tuple[int, Link]]:
         return [(k, link) for k, link in self.links.items() if link is not None and not link.closed]
 
     def _broadcast(self, st: RoundState, v: Verdict) -> None:
-        h = Header(kind=Kind.VERDICT, run_tag=self.group.tag, round=st.number, sender=self.group.me,
-                   shard=self.group.me, count=DIGEST_SIZE, dtype=DType.BYTES, flags=int(v.ok), code=v.code)  # fmt: skip
+        h = Header(
+            kind=Kind.VERDICT,
+            run_tag=self.group.tag,
+            round=st.number,
+            sender=self.group.me,
+            shard=self.group.me,
+            count=DIGEST_SIZE,
+            dtype=DType.BYTES,
+            flags=int(v.ok),
+            code=v.code,
+        )
         for _, link in self._live_links():
             st.bytes_sent += link.send(h, memoryview(v.digest))
 

@@ -104,9 +104,22 @@ class DatagramCodec:
         code = h.code if h.kind is Kind.DONE or h.dtype is DType.FLOAT32 else int(h.dtype)
         end = pos + HEADER_SIZE + len(payload)
         HEADER.pack_into(
-            buf, pos, MAGIC, DGRAM_VERSION, h.kind, h.sender, h.run_tag, h.round, h.shard, code, count, offset,
-            h.weight, h.mask, self._nonce(),
-        )  # fmt: skip
+            buf,
+            pos,
+            MAGIC,
+            DGRAM_VERSION,
+            h.kind,
+            h.sender,
+            h.run_tag,
+            h.round,
+            h.shard,
+            code,
+            count,
+            offset,
+            h.weight,
+            h.mask,
+            self._nonce(),
+        )
         buf[pos + HEADER_SIZE : end] = payload
         buf[end : end + TAG_SIZE] = self._key(h.round).encrypt(buf[pos + 56 : pos + 68], b"", buf[pos:end])
         return end + TAG_SIZE - pos
@@ -116,7 +129,9 @@ class DatagramCodec:
         Raises DatagramError with the reason; nothing is derived from a datagram that fails."""
         if len(data) < OVERHEAD:
             raise DatagramError("dgram_truncated")
-        magic, version, kind, sender, tag, rnd, shard, code, count, offset, weight, mask, nonce = HEADER.unpack_from(data)
+        magic, version, kind, sender, tag, rnd, shard, code, count, offset, weight, mask, nonce = HEADER.unpack_from(
+            data
+        )
         if magic != MAGIC:
             raise DatagramError("dgram_bad_magic")
         if version != DGRAM_VERSION:

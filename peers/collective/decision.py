@@ -75,9 +75,13 @@ def decide(
 
 
 def result_digest(
-    tag: bytes, round_no: int, chunks: Sequence[Sequence[tuple[int, int]]], masks: Sequence[Sequence[int]],
-    weights: Sequence[Sequence[float]], sums: Sequence[Sequence[int]],
-) -> bytes:  # fmt: skip
+    tag: bytes,
+    round_no: int,
+    chunks: Sequence[Sequence[tuple[int, int]]],
+    masks: Sequence[Sequence[int]],
+    weights: Sequence[Sequence[float]],
+    sums: Sequence[Sequence[int]],
+) -> bytes:
     """A 16-byte fingerprint of a round's result: run, round, and for every chunk of every shard its
     contributors, their weight and a wrapping 64-bit sum of its bytes (`sum64`, as held here).
 

@@ -39,9 +39,17 @@ class FallbackTransport(Transport):
     """Listens on a TcpTransport at host:port and, given p2pd, on the libp2p handler tagged with the
     same port; dials by `mode`. Both deliver to the same sink. `auth` (secret runs) applies to both."""
 
-    def __init__(self, host: str, port: int = 0, *, p2p: P2P | None, mode: str = "reliable",
-                 auth: LinkAuth | None = None, events: PeerEvents | None = None,
-                 direct_timeout: float = DIRECT_TIMEOUT):  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        *,
+        p2p: P2P | None,
+        mode: str = "reliable",
+        auth: LinkAuth | None = None,
+        events: PeerEvents | None = None,
+        direct_timeout: float = DIRECT_TIMEOUT,
+    ):
         if mode not in MODES:
             raise ValueError(f"transport mode must be one of {', '.join(MODES)}, not {mode!r}")
         if p2p is None and mode != "tcp":

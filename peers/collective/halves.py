@@ -135,9 +135,14 @@ class Halves:
     delivers to this engine only). Calls must be made on the event loop; see the module docstring."""
 
     def __init__(
-        self, group: Group, transport: Transport, *, settings: HalvesSettings | None = None,
-        events: PeerEvents | None = None, pace: Callable[[int], float] | None = None,
-    ):  # fmt: skip
+        self,
+        group: Group,
+        transport: Transport,
+        *,
+        settings: HalvesSettings | None = None,
+        events: PeerEvents | None = None,
+        pace: Callable[[int], float] | None = None,
+    ):
         self.group, self.transport = group, transport
         self.settings = settings or HalvesSettings()
         self.events = events or PeerEvents()
@@ -313,8 +318,16 @@ class Halves:
             base, end = op.bounds[shard]
             for start in range(base, end, chunk):
                 count = min(chunk, end - start)
-                h = Header(kind=kind, run_tag=g.tag, round=op.number, sender=g.me, shard=shard,
-                           offset=start - base, count=count, weight=op.weight)  # fmt: skip
+                h = Header(
+                    kind=kind,
+                    run_tag=g.tag,
+                    round=op.number,
+                    sender=g.me,
+                    shard=shard,
+                    offset=start - base,
+                    count=count,
+                    weight=op.weight,
+                )
                 link.send(h, xb[start * 4 : (start + count) * 4])
 
     def _fold(self, op: HalfOp, slot: _Slot, k: int, start: int, end: int) -> None:

@@ -71,10 +71,11 @@ class InboxBuffers:
     def new(cls, numel: int, size: int, chunk: int) -> "InboxBuffers":
         longest = max(e - s for align in (1, INT8_BLOCK) for s, e in shard_bounds(numel, size, align))
         return cls(
-            key=(numel, size, chunk), backup=torch.zeros(numel, dtype=torch.float32),
+            key=(numel, size, chunk),
+            backup=torch.zeros(numel, dtype=torch.float32),
             parts=tuple(torch.zeros(longest, dtype=torch.float32) for _ in range(size - 1)),
             swap=np.zeros(min(chunk, longest), dtype=np.float32),
-        )  # fmt: skip
+        )
 
     def wire(self, codec: Codec) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """(the encoded vector, one staging buffer per other member, each for a chunk) in codec's format."""
@@ -82,7 +83,8 @@ class InboxBuffers:
             numel, size, chunk = self.key
             staging = codec.size(min(chunk, len(self.parts[0]) if self.parts else chunk))
             self.coded[codec.format] = (
-                np.zeros(codec.size(numel), np.uint8), tuple(np.zeros(staging, np.uint8) for _ in self.parts)
+                np.zeros(codec.size(numel), np.uint8),
+                tuple(np.zeros(staging, np.uint8) for _ in self.parts),
             )
         return self.coded[codec.format]
 

@@ -106,7 +106,9 @@ def masked_mean(
     return mask, total, refused
 
 
-def _accumulate(out: np.ndarray, parts: Sequence[Part], stride: int, scratch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _accumulate(
+    out: np.ndarray, parts: Sequence[Part], stride: int, scratch: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     npk = -(-len(out) // stride)
     mask, total = np.zeros(npk, np.uint64), np.zeros(npk, np.float64)
     out.fill(0.0)
@@ -137,9 +139,12 @@ def keep_missing(x: np.ndarray, result: np.ndarray, held: np.ndarray, stride: in
 
 
 def simulate_round(
-    grid: PacketGrid, xs: Sequence[np.ndarray], weights: Sequence[float],
-    contributed: Sequence[Sequence[np.ndarray]], received: Sequence[Sequence[np.ndarray]],
-) -> list[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    grid: PacketGrid,
+    xs: Sequence[np.ndarray],
+    weights: Sequence[float],
+    contributed: Sequence[Sequence[np.ndarray]],
+    received: Sequence[Sequence[np.ndarray]],
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """One loss-tolerant round of a whole group, in place on xs (one flat vector per member).
 
     contributed[k][j]: per packet of shard j, whether member k's contribution reached owner j;
@@ -151,8 +156,10 @@ def simulate_round(
         mask, total = np.zeros(grid.packets(j), np.uint64), np.zeros(grid.packets(j))
         for c, (a, b) in enumerate(chunk_bounds(0, e - s, grid.chunk)):
             p0, p1 = grid.chunk_packets(j, c)
-            parts = [(k, xs[k][s + a : s + b], weights[k],
-                      np.ones(p1 - p0, bool) if k == j else contributed[k][j][p0:p1]) for k in range(n)]  # fmt: skip
+            parts = [
+                (k, xs[k][s + a : s + b], weights[k], np.ones(p1 - p0, bool) if k == j else contributed[k][j][p0:p1])
+                for k in range(n)
+            ]
             mask[p0:p1], total[p0:p1], _ = masked_mean(result[a:b], parts, grid.stride)
         for m in range(n):
             held = mask != 0

@@ -62,9 +62,16 @@ class LossyAllReduce(GroupAllReduce):
     messages into packets of `packet_elements` elements (UdpTransport does, and says how many)."""
 
     def __init__(
-        self, group: Group, transport: Transport, numel: int, *, settings: AllReduceSettings | None = None,
-        events: PeerEvents | None = None, packet_elements: int | None = None, buffers: InboxBuffers | None = None,
-    ):  # fmt: skip
+        self,
+        group: Group,
+        transport: Transport,
+        numel: int,
+        *,
+        settings: AllReduceSettings | None = None,
+        events: PeerEvents | None = None,
+        packet_elements: int | None = None,
+        buffers: InboxBuffers | None = None,
+    ):
         self.packet_elements = packet_elements or transport.packet_elements
         payload = (settings or AllReduceSettings()).payload
         self.stride = packet_stride(self.packet_elements, Format(payload).dtype)  # the packet grid's
@@ -86,8 +93,14 @@ class LossyAllReduce(GroupAllReduce):
             for j, link in live:
                 if c < inbox.nchunks[j]:
                     start, end = inbox.chunks[j][c]
-                    h = self._header(Kind.CONTRIBUTION, st, shard=j, offset=start - inbox.bounds[j][0],
-                                     count=end - start, weight=weight)  # fmt: skip
+                    h = self._header(
+                        Kind.CONTRIBUTION,
+                        st,
+                        shard=j,
+                        offset=start - inbox.bounds[j][0],
+                        count=end - start,
+                        weight=weight,
+                    )
                     st.bytes_sent += link.send(h, inbox.payload(start, end))
         for j, link in live:
             st.bytes_sent += link.send(self._done(st, Kind.CONTRIBUTION, j, grid.packets(j)))
@@ -125,8 +138,9 @@ class LossyAllReduce(GroupAllReduce):
                 continue  # no usable contribution: not sent, members keep their own values
             first, last = p0 + a, p0 + b - 1
             offset, count = int(starts[first]), int(starts[last] + counts[last] - starts[first])
-            h = self._header(Kind.RESULT, st, shard=me, offset=offset, count=count, weight=float(total[a]),
-                             mask=int(mask[a]))  # fmt: skip
+            h = self._header(
+                Kind.RESULT, st, shard=me, offset=offset, count=count, weight=float(total[a]), mask=int(mask[a])
+            )
             if self.inbox.coded:
                 payload = self.inbox.wire_view(base + offset, base + offset + count)
             else:
@@ -135,8 +149,16 @@ class LossyAllReduce(GroupAllReduce):
                 st.bytes_sent += link.send(h, payload)
 
     def _done(self, st: PacketRound, phase: Kind, shard: int, packets: int) -> Header:
-        return Header(kind=Kind.DONE, run_tag=self.group.tag, round=st.number, sender=self.group.me, shard=shard,
-                      dtype=DType.BYTES, code=phase, offset=packets)  # fmt: skip
+        return Header(
+            kind=Kind.DONE,
+            run_tag=self.group.tag,
+            round=st.number,
+            sender=self.group.me,
+            shard=shard,
+            dtype=DType.BYTES,
+            code=phase,
+            offset=packets,
+        )
 
     def _report_coverage(self, st: PacketRound) -> None:
         counts = np.bincount(np.bitwise_count(st.rmask[self.group.me]), minlength=self.group.size + 1)
@@ -168,11 +190,17 @@ class LossyAllReduce(GroupAllReduce):
                 everywhere &= int(np.bitwise_and.reduce(st.rmask[j][have]))
         status = Status.ABORTED if not applied else Status.COMPLETED if digest else Status.PARTIAL
         return Outcome(
-            status=status, reason=reason, round=st.number,
+            status=status,
+            reason=reason,
+            round=st.number,
             members=tuple(m for k, m in enumerate(self.group.members) if applied and everywhere >> k & 1),
-            coverage=tuple(coverage), bytes_sent=st.bytes_sent, bytes_received=st.bytes_received,
-            duration=duration, digest=digest, held=tuple(held),
-        )  # fmt: skip
+            coverage=tuple(coverage),
+            bytes_sent=st.bytes_sent,
+            bytes_received=st.bytes_received,
+            duration=duration,
+            digest=digest,
+            held=tuple(held),
+        )
 
 
 class PacketReducer:
@@ -203,10 +231,12 @@ class PacketReducer:
         inbox.back_up(st, me, c)  # my own contribution is read from the backup: x is the output
         own = inbox.backup_np[start:end]
         parts = [  # in member order, as lossy.simulate_round adds them: the same sums, bit for bit
-            (me, own, self.weight, np.ones(p1 - p0, bool)) if k == me
+            (me, own, self.weight, np.ones(p1 - p0, bool))
+            if k == me
             else (k, inbox.inbox_np[k][start - base : end - base], st.weights[k], st.have[k][p0:p1])
-            for k in range(self.inbox.group.size) if k == me or k in st.weights
-        ]  # fmt: skip
+            for k in range(self.inbox.group.size)
+            if k == me or k in st.weights
+        ]
         out = self.x[start:end]
         mask, total, refused = masked_mean(out, parts, grid.stride, self.scratch)
         for _ in range(refused):

@@ -65,12 +65,17 @@ class PacketRound:
         n, mine = len(grid.bounds), grid.packets(me)
         others = [k for k in range(n) if k != me]
         return cls(
-            number=number, have={k: np.zeros(mine, bool) for k in others},
-            got={k: [0] * (len(grid.first[me]) - 1) for k in others}, front=dict.fromkeys(others, -1), weights={},
-            held=[np.zeros(grid.packets(j), bool) for j in range(n)], held_count=[0] * n,
+            number=number,
+            have={k: np.zeros(mine, bool) for k in others},
+            got={k: [0] * (len(grid.first[me]) - 1) for k in others},
+            front=dict.fromkeys(others, -1),
+            weights={},
+            held=[np.zeros(grid.packets(j), bool) for j in range(n)],
+            held_count=[0] * n,
             rmask=[np.zeros(grid.packets(j), np.uint64) for j in range(n)],
-            rweight=[np.zeros(grid.packets(j)) for j in range(n)], backed=[0] * n,
-        )  # fmt: skip
+            rweight=[np.zeros(grid.packets(j)) for j in range(n)],
+            backed=[0] * n,
+        )
 
 
 class LossyInbox(Inbox):
@@ -111,9 +116,7 @@ class LossyInbox(Inbox):
     def settled(self, st: PacketRound, c: int) -> bool:
         """Nothing more will come for chunk c of my shard (see the module docstring)."""
         want = self.want[c]
-        return all(
-            st.got[k][c] >= want or st.front[k] > c or k in st.told or st.lost >> k & 1 for k in self.others
-        )
+        return all(st.got[k][c] >= want or st.front[k] > c or k in st.told or st.lost >> k & 1 for k in self.others)
 
     def gathered(self, st: PacketRound) -> bool:
         """Nothing more will come of any other owner's result."""

@@ -48,11 +48,22 @@ class RoundState:
         """Nothing arrived yet, for member `mine` of a group whose shard j has chunks[j] chunks."""
         n = len(chunks)
         return cls(
-            number=number, contrib_next=[0] * n, contrib_have=[0] * n, contrib_gone=[0] * n, weights=[0.0] * n,
-            result_next=[0] * n, result_have=[0] * n, result_gone=[0] * n, result_mask=[[0] * c for c in chunks],
-            result_weight=[[0.0] * c for c in chunks], result_sum=[[0] * c for c in chunks], backed=[0] * n,
-            parked=[0] * n, acc_mask=[0] * chunks[mine], acc_weight=[0.0] * chunks[mine],
-        )  # fmt: skip
+            number=number,
+            contrib_next=[0] * n,
+            contrib_have=[0] * n,
+            contrib_gone=[0] * n,
+            weights=[0.0] * n,
+            result_next=[0] * n,
+            result_have=[0] * n,
+            result_gone=[0] * n,
+            result_mask=[[0] * c for c in chunks],
+            result_weight=[[0.0] * c for c in chunks],
+            result_sum=[[0] * c for c in chunks],
+            backed=[0] * n,
+            parked=[0] * n,
+            acc_mask=[0] * chunks[mine],
+            acc_weight=[0.0] * chunks[mine],
+        )
 
 
 def bits(mask: int) -> Iterator[int]:

@@ -74,12 +74,23 @@ class UdpTransport(Transport):
     the process may). Call start() before attach()."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None, session: bytes | str = b"",
-        control: Transport | None = None, auth: LinkAuth | None = None, max_datagram: int = DEFAULT_DATAGRAM,
-        rate_bps: float | None = None, socket_buffer: int = SOCKET_BUFFER, send_buffer: int = SEND_BUFFER,
-        gso: bool = False, events: PeerEvents | None = None, drop: Callable[[str, Header], bool] | None = None,
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: bytes | None = None,
+        session: bytes | str = b"",
+        control: Transport | None = None,
+        auth: LinkAuth | None = None,
+        max_datagram: int = DEFAULT_DATAGRAM,
+        rate_bps: float | None = None,
+        socket_buffer: int = SOCKET_BUFFER,
+        send_buffer: int = SEND_BUFFER,
+        gso: bool = False,
+        events: PeerEvents | None = None,
+        drop: Callable[[str, Header], bool] | None = None,
         datagrams: Callable[[str], bool] | None = None,
-    ):  # fmt: skip
+    ):
         if not MIN_DATAGRAM <= max_datagram <= MAX_DATAGRAM:
             raise ValueError(f"max_datagram must be {MIN_DATAGRAM} to {MAX_DATAGRAM} bytes, not {max_datagram}")
         self.host, self.port, self.max_datagram = host, port, max_datagram
@@ -87,8 +98,9 @@ class UdpTransport(Transport):
         self.socket_buffer, self.send_buffer = socket_buffer, send_buffer
         self.events = events or PeerEvents()
         self.codec = DatagramCodec(secret, session)
-        self.sender = PacedSender(self.codec, self.packet_elements, rate_bps=rate_bps, gso=gso, events=self.events,
-                                  drop=drop)  # fmt: skip
+        self.sender = PacedSender(
+            self.codec, self.packet_elements, rate_bps=rate_bps, gso=gso, events=self.events, drop=drop
+        )
         self._own_control, self.auth = control is None, auth
         self.datagrams = datagrams
         self.data_paths: dict[str, str] = {}  # member address -> "udp", or "stream" (its data over `control`)
@@ -141,8 +153,10 @@ class UdpTransport(Transport):
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_DGRAM)
         try:
             sock.setblocking(False)
-            for force, plain, size in ((SO_RCVBUFFORCE, socket.SO_RCVBUF, self.socket_buffer),
-                                       (SO_SNDBUFFORCE, socket.SO_SNDBUF, self.send_buffer)):  # fmt: skip
+            for force, plain, size in (
+                (SO_RCVBUFFORCE, socket.SO_RCVBUF, self.socket_buffer),
+                (SO_SNDBUFFORCE, socket.SO_SNDBUF, self.send_buffer),
+            ):
                 try:  # beyond net.core.rmem_max/wmem_max only with CAP_NET_ADMIN
                     sock.setsockopt(socket.SOL_SOCKET, force, size)
                 except OSError:

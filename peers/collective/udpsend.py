@@ -55,9 +55,15 @@ class PacedSender:
     """Sends what DatagramLinks queue on one socket (set by the transport once it is bound)."""
 
     def __init__(
-        self, codec: DatagramCodec, packet_elements: int, *, rate_bps: float | None, gso: bool,
-        events: PeerEvents, drop: Callable[[str, Header], bool] | None,
-    ):  # fmt: skip
+        self,
+        codec: DatagramCodec,
+        packet_elements: int,
+        *,
+        rate_bps: float | None,
+        gso: bool,
+        events: PeerEvents,
+        drop: Callable[[str, Header], bool] | None,
+    ):
         self.codec, self.packet_elements, self.rate_bps, self.gso = codec, packet_elements, rate_bps, gso
         self.events, self.drop = events, drop
         self.full_size = OVERHEAD + 4 * packet_elements  # every datagram of a message but its last

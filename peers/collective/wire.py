@@ -75,6 +75,7 @@ def payload_fit(dtype: DType, nbytes: int) -> int:
         return nbytes // (INT8_BLOCK + 4) * INT8_BLOCK
     return nbytes // DTYPE_SIZE[dtype]
 
+
 _KINDS = {k.value: k for k in Kind}
 _DTYPES = {d.value: d for d in DType}
 
@@ -119,9 +120,22 @@ class Header(NamedTuple):  # a tuple: built for every message, so it must be che
 
     def pack(self) -> bytes:
         return HEADER.pack(
-            MAGIC, WIRE_VERSION, self.kind, self.dtype, self.flags, self.run_tag, self.round,
-            self.sender, self.shard, self.code, self.length, self.count, self.offset, self.weight, self.mask,
-        )  # fmt: skip
+            MAGIC,
+            WIRE_VERSION,
+            self.kind,
+            self.dtype,
+            self.flags,
+            self.run_tag,
+            self.round,
+            self.sender,
+            self.shard,
+            self.code,
+            self.length,
+            self.count,
+            self.offset,
+            self.weight,
+            self.mask,
+        )
 
 
 def decode(data: bytes | bytearray | memoryview) -> Header:

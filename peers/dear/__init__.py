@@ -20,13 +20,16 @@ from peers.lazy import attributes
 
 # The rest imports torch: loaded on first use (peers/lazy.py). The daemon imports member.py, through
 # this package, whether or not it trains.
-__getattr__ = attributes(__name__, {
-    "peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
-    "peers.dear.collective": ("Collective", "CollectiveError", "Handle", "Kind"),
-    "peers.dear.engine": ("EngineCollective",),
-    "peers.dear.overlap": ("StepStats",),
-    "peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
-})  # fmt: skip
+__getattr__ = attributes(
+    __name__,
+    {
+        "peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
+        "peers.dear.collective": ("Collective", "CollectiveError", "Handle", "Kind"),
+        "peers.dear.engine": ("EngineCollective",),
+        "peers.dear.overlap": ("StepStats",),
+        "peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
+    },
+)
 
 
 __all__ = [

@@ -119,7 +119,9 @@ class CollectiveBase:
         if handle.kind is not Kind.REDUCE_SCATTER:
             raise ValueError("all_gather takes a reduce-scatter handle")
         if timeout is not None and not (self.per_op_timeout and math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"{type(self).__name__} takes no per-op timeout {timeout!r} (a positive number, where allowed)")
+            raise ValueError(
+                f"{type(self).__name__} takes no per-op timeout {timeout!r} (a positive number, where allowed)"
+            )
         return self._submit(Kind.ALL_GATHER, handle.flat, timeout)
 
     def _submit(self, kind: Kind, flat: torch.Tensor, timeout: float | None = None) -> Handle:

@@ -54,10 +54,18 @@ class EngineCollective(CollectiveBase):
     per_op_timeout = True  # all_gather(handle, timeout=...): Halves' per-op limit
 
     def __init__(
-        self, *, rank: int, world: int, timeout: float, host: str = "127.0.0.1", run_id: str = "dear",
-        settings: HalvesSettings | None = None, events: PeerEvents | None = None,
-        transport: Callable[[], Transport] | None = None, min_seconds: Callable[[int], float] | None = None,
-    ):  # fmt: skip
+        self,
+        *,
+        rank: int,
+        world: int,
+        timeout: float,
+        host: str = "127.0.0.1",
+        run_id: str = "dear",
+        settings: HalvesSettings | None = None,
+        events: PeerEvents | None = None,
+        transport: Callable[[], Transport] | None = None,
+        min_seconds: Callable[[int], float] | None = None,
+    ):
         super().__init__()
         self.rank, self.world, self.timeout, self.run_id = rank, world, timeout, run_id
         self.settings = dataclasses.replace(settings or HalvesSettings(), op_timeout=timeout)
@@ -99,7 +107,9 @@ class EngineCollective(CollectiveBase):
         while not handle.done.wait(limit):
             if time.monotonic() - self._progress > limit + STALL_GRACE or not self._thread.is_alive():
                 stall = limit + STALL_GRACE
-                raise CollectiveError(f"{handle.kind.value} #{handle.seq}: the engine's loop did nothing for {stall:.0f} s")
+                raise CollectiveError(
+                    f"{handle.kind.value} #{handle.seq}: the engine's loop did nothing for {stall:.0f} s"
+                )
         if handle.error:
             raise CollectiveError(f"{handle.kind.value} #{handle.seq} failed: {handle.error}")
 

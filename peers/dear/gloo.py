@@ -44,8 +44,12 @@ class GlooCollective(CollectiveBase):
     least min_seconds(b), the thread sleeping the rest (off the CPU, as a wire would be)."""
 
     def __init__(
-        self, *, timeout: float, group: dist.ProcessGroup | None = None, min_seconds: Callable[[int], float] | None = None,
-    ):  # fmt: skip
+        self,
+        *,
+        timeout: float,
+        group: dist.ProcessGroup | None = None,
+        min_seconds: Callable[[int], float] | None = None,
+    ):
         super().__init__()
         self.group, self.timeout, self.min_seconds = group, timeout, min_seconds
         self.world = dist.get_world_size(group)

@@ -75,7 +75,9 @@ def group_id(members: Sequence[str]) -> str:
     return hashlib.blake2b("\n".join(sorted(members)).encode(), digest_size=8).hexdigest()
 
 
-def lane_view(me: str, mine: Sequence[int], my_group: str, peers: Mapping[str, tuple[int, str]], lane: int) -> list[str]:
+def lane_view(
+    me: str, mine: Sequence[int], my_group: str, peers: Mapping[str, tuple[int, str]], lane: int
+) -> list[str]:
     """The sorted peer IDs that average `lane`: this daemon if `lane` is among `mine`, and every live
     peer (peer ID -> its announced (delegated mask, DeAR group ID)) except those that delegated the
     lane *to someone who averages it*: a live peer, or this daemon, announcing the same group and

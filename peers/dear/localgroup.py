@@ -79,11 +79,17 @@ class LocalGroups:
         return next((g for g in self.groups if peer in g), None)
 
 
-def local_groups(peers: Iterable[PeerSample], links: Iterable[LinkSample], rules: LocalGroupRules, now: float) -> LocalGroups:
+def local_groups(
+    peers: Iterable[PeerSample], links: Iterable[LinkSample], rules: LocalGroupRules, now: float
+) -> LocalGroups:
     """The local groups among `peers` at time `now` (module docstring)."""
     peers = sorted(peers, key=lambda p: p.peer)
     alive = [p for p in peers if now - p.last_seen <= rules.peer_timeout]
-    notes = [f"{p.peer} left out: unheard for {now - p.last_seen:.1f} s > {rules.peer_timeout:g} s" for p in peers if p not in alive]
+    notes = [
+        f"{p.peer} left out: unheard for {now - p.last_seen:.1f} s > {rules.peer_timeout:g} s"
+        for p in peers
+        if p not in alive
+    ]
     groups: list[tuple[str, ...]] = []
     solo: list[str] = []
 
@@ -103,7 +109,9 @@ def local_groups(peers: Iterable[PeerSample], links: Iterable[LinkSample], rules
                 notes.append(f"{chunk[0]} solo: the only live member of label {label!r}")
             else:
                 solo.append(chunk[0])
-                notes.append(f"{chunk[0]} solo: left over when label {label!r} was cut into groups of at most {rules.max_size}")
+                notes.append(
+                    f"{chunk[0]} solo: left over when label {label!r} was cut into groups of at most {rules.max_size}"
+                )
 
     unlabelled = [p.peer for p in alive if not p.label]
     close = _close_pairs(set(unlabelled), links, rules, now)
@@ -114,7 +122,9 @@ def local_groups(peers: Iterable[PeerSample], links: Iterable[LinkSample], rules
             built.append([peer])
         else:
             home.append(peer)
-    thresholds = f"rtt <= {rules.max_rtt * 1e3:g} ms, >= {rules.min_bandwidth * 8e-9:g} Gb/s, loss <= {rules.max_loss:.2%}"
+    thresholds = (
+        f"rtt <= {rules.max_rtt * 1e3:g} ms, >= {rules.min_bandwidth * 8e-9:g} Gb/s, loss <= {rules.max_loss:.2%}"
+    )
     for g in built:
         if len(g) > 1:
             groups.append(tuple(g))
@@ -128,7 +138,9 @@ def local_groups(peers: Iterable[PeerSample], links: Iterable[LinkSample], rules
     return LocalGroups(tuple(groups), tuple(solo), "; ".join(notes) or "no peers")
 
 
-def _close_pairs(peers: set[str], links: Iterable[LinkSample], rules: LocalGroupRules, now: float) -> set[tuple[str, str]]:
+def _close_pairs(
+    peers: set[str], links: Iterable[LinkSample], rules: LocalGroupRules, now: float
+) -> set[tuple[str, str]]:
     """Ordered pairs (both directions) whose fresh measurements all pass the thresholds."""
     verdicts: dict[frozenset, bool] = {}
     sides: dict[frozenset, set[str]] = defaultdict(set)
@@ -138,5 +150,11 @@ def _close_pairs(peers: set[str], links: Iterable[LinkSample], rules: LocalGroup
         key = frozenset((link.a, link.b))
         verdicts[key] = verdicts.get(key, True) and rules.close(link)
         sides[key].add(link.a)
-    return {(a, b) for key, ok in verdicts.items() if ok and (len(sides[key]) == 2 or not rules.both_directions)
-            for a in key for b in key if a != b}  # fmt: skip
+    return {
+        (a, b)
+        for key, ok in verdicts.items()
+        if ok and (len(sides[key]) == 2 or not rules.both_directions)
+        for a in key
+        for b in key
+        if a != b
+    }

@@ -80,7 +80,11 @@ def plan_group(
     known[me.peer] = me
     if me.label == AUTO:  # by links, among the peers that opted in (labelled AUTO): module docstring
         auto = [p for p in known.values() if p.label == AUTO]
-        links = [LinkSample(p.peer, r.peer_id, r.rtt, r.bandwidth, r.loss, p.timestamp - r.age) for p in auto for r in p.links]
+        links = [
+            LinkSample(p.peer, r.peer_id, r.rtt, r.bandwidth, r.loss, p.timestamp - r.age)
+            for p in auto
+            for r in p.links
+        ]
         decision = local_groups([PeerSample(p.peer, now) for p in auto], links, rules, now)
     else:
         decision = local_groups([PeerSample(p.peer, now, p.label) for p in known.values()], (), rules, now)
@@ -109,11 +113,20 @@ class LocalGroupMember:
     `size` and `rank` are plain attributes the event loop reads for heartbeats, status and metrics."""
 
     def __init__(
-        self, *, run_id: str, peer_id: str, label: str, host: str, peers: Callable[[], Sequence[GroupPeer]],
-        timeout: float = OP_TIMEOUT, rules: LocalGroupRules | None = None, events: PeerEvents | None = None,
-        clock: Callable[[], float] = dht_now, engine_key: bytes | None = None,
+        self,
+        *,
+        run_id: str,
+        peer_id: str,
+        label: str,
+        host: str,
+        peers: Callable[[], Sequence[GroupPeer]],
+        timeout: float = OP_TIMEOUT,
+        rules: LocalGroupRules | None = None,
+        events: PeerEvents | None = None,
+        clock: Callable[[], float] = dht_now,
+        engine_key: bytes | None = None,
         own_links: Callable[[], tuple[float, tuple[LinkReport, ...]]] = lambda: (0.0, ()),
-    ):  # fmt: skip
+    ):
         self.run_id, self.peer_id, self.label, self.host = run_id, peer_id, label, host
         # The daemon measures each link from one side per record: a pair needs both sides' reports.
         rules = rules or LocalGroupRules(both_directions=True)
@@ -139,9 +152,13 @@ class LocalGroupMember:
             from peers.dear.engine import EngineCollective
 
             self._engine = EngineCollective(
-                rank=0, world=1, timeout=self.timeout, run_id=self.run_id, events=self.events,
+                rank=0,
+                world=1,
+                timeout=self.timeout,
+                run_id=self.run_id,
+                events=self.events,
                 transport=lambda: TcpTransport(self.host, 0, events=self.events, auth=self._auth),
-            )  # fmt: skip
+            )
             self.address = self._engine.start()
 
     def try_form(self, round_members: Collection[str]) -> EngineCollective | None:
@@ -151,7 +168,10 @@ class LocalGroupMember:
         if not plan.form or self._engine is None:
             return None
         engine, self._engine = self._engine, None
-        engine.rank, engine.world = plan.rank, len(plan.members)  # read from join() on (start() used rank only to name its thread)
+        engine.rank, engine.world = (
+            plan.rank,
+            len(plan.members),
+        )  # read from join() on (start() used rank only to name its thread)
         try:
             engine.join(plan.addresses)
         except (ValueError, TimeoutError) as e:  # an address the engine refuses, or its loop stuck

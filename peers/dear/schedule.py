@@ -85,9 +85,14 @@ class DeAR:
     """Schedules one model's gradient all-reduce over a Collective; see the module docstring."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, collective: Collective,
-        settings: DeARSettings | None = None, *, tuner: FusionTuner | None = None,
-    ):  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        collective: Collective,
+        settings: DeARSettings | None = None,
+        *,
+        tuner: FusionTuner | None = None,
+    ):
         self.model, self.optimizer, self.collective = model, optimizer, collective
         self.settings = settings or DeARSettings()
         self.mode = self.settings.mode
@@ -111,7 +116,9 @@ class DeAR:
         self._check()
         missing = [b.names[0] for b in self.plan.buckets if self._arrived[b.index] < len(b.params)]
         if missing:
-            raise RuntimeError(f"no gradient this step for buckets starting at {missing}: every trainable parameter must get one")
+            raise RuntimeError(
+                f"no gradient this step for buckets starting at {missing}: every trainable parameter must get one"
+            )
         n = len(self.plan.buckets)
         if self.mode is Mode.AFTER_BACKWARD:
             for g in range(n):
@@ -190,7 +197,9 @@ class DeAR:
         self._views = [b.grad_views() for b in plan.buckets]
         for b in plan.buckets:
             for p, view in zip(b.params, self._views[b.index]):
-                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b.index, view)))
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b.index, view))
+                )
         if self.mode is Mode.DEAR:
             owned: dict[nn.Module, list[int]] = {}
             for b in plan.buckets:
@@ -207,16 +216,22 @@ class DeAR:
     def _on_grad(self, g: int, view: torch.Tensor, param: nn.Parameter) -> None:
         self._check()
         if self._pending[g]:
-            raise RuntimeError(f"bucket {g} got gradients before its update was applied: did its modules run in this forward?")
+            raise RuntimeError(
+                f"bucket {g} got gradients before its update was applied: did its modules run in this forward?"
+            )
         bucket = self.plan.buckets[g]
         if self._arrived[g] == len(bucket.params):
-            raise RuntimeError(f"a second gradient for {bucket.names[0]}'s bucket in one step: accumulation is not supported")
+            raise RuntimeError(
+                f"a second gradient for {bucket.names[0]}'s bucket in one step: accumulation is not supported"
+            )
         view.copy_(param.grad)
         param.grad = None
         self._arrived[g] += 1
         if self.mode is Mode.AFTER_BACKWARD:
             return
-        while self._next < len(self.plan.buckets) and self._arrived[self._next] == len(self.plan.buckets[self._next].params):
+        while self._next < len(self.plan.buckets) and self._arrived[self._next] == len(
+            self.plan.buckets[self._next].params
+        ):
             self._launch(self._next)
             self._next += 1
 

@@ -120,7 +120,9 @@ class FusionTuner:
             alpha = psy / pw
             beta = (sxy - alpha * sx) / sxx  # least squares through (0, alpha)
             if beta > 0:
-                return Fit(alpha, beta, w), f"alpha {alpha * 1e6:.0f} us (probes), {1e-6 / beta:.0f} MB/s over {w:.0f} observations"
+                return Fit(
+                    alpha, beta, w
+                ), f"alpha {alpha * 1e6:.0f} us (probes), {1e-6 / beta:.0f} MB/s over {w:.0f} observations"
             # Bucket transfers faster than the probes: a backend that receives an op's bytes before
             # the op starts (peerd's engine parks them) hides its latency within a step. Fit both.
         if w < self.settings.min_weight:
@@ -128,7 +130,10 @@ class FusionTuner:
         mean_x = sx / w
         var_x = max(0.0, sxx / w - mean_x * mean_x)
         if var_x < (self.settings.min_spread * mean_x) ** 2:
-            return None, f"bucket sizes too alike to separate latency from bandwidth (cv {math.sqrt(var_x) / mean_x:.3f})"
+            return (
+                None,
+                f"bucket sizes too alike to separate latency from bandwidth (cv {math.sqrt(var_x) / mean_x:.3f})",
+            )
         beta = (sxy / w - mean_x * sy / w) / var_x
         if beta <= 0:
             return None, f"fitted per-byte cost {beta:.3g} s/B is not positive"
@@ -153,7 +158,11 @@ class FusionTuner:
         if current > 0 and math.isfinite(current):
             change = max(agreed / current, current / agreed) - 1.0
             if change <= self.settings.hysteresis:
-                return Retune(current, False, f"agreed {agreed / KIB:.0f} KiB within {self.settings.hysteresis:.0%} of current {current / KIB:.0f} KiB")
+                return Retune(
+                    current,
+                    False,
+                    f"agreed {agreed / KIB:.0f} KiB within {self.settings.hysteresis:.0%} of current {current / KIB:.0f} KiB",
+                )
         return Retune(agreed, True, f"re-planning from {_kib(current)} to {agreed / KIB:.0f} KiB buckets")
 
 
