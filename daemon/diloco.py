@@ -11,16 +11,26 @@ The mean P̄ is applied identically on every member of a completed round:
     m ← μ·m + P̄ ;  θ ← θ − lr·(P̄ + μ·m)          (Nesterov SGD, as torch.optim.SGD(nesterov=True))
 
 Without overlap the phase waits for its round, then the inner parameters restart from θ (DiLoCo).
-With overlap (Streaming DiLoCo's overlapped communication, one outer step late) the round of phase
-k runs on the network while phase k+1 computes; at the end of phase k+1 its result is applied to θ
-and the inner parameters become θ − P_{k+1}: the shared outer parameters plus this member's own
-progress that no round has averaged yet. Compute waits only when a round takes longer than a phase.
+With overlap (Streaming DiLoCo's overlapped communication) the round of phase k runs on the
+network while phase k+1 computes, and its result *lands* as soon as the round ends: the trainer
+calls `land()` between two inner steps, which takes the outer step on θ and moves the inner
+parameters x to θ − (s − x), the new θ plus this member's progress since the phase began (its
+progress of phase k, now averaged, is replaced by the outer step); that progress is from then on
+counted from θ. A round that takes τ inner steps is τ steps stale, not a whole phase: landing at
+the next phase's end, as before, cost 13 % of charlm's quality at outer momentum 0.9 in simulation,
+landing 10 steps into a 50-step phase 1.2 % (docs/benchmarks.md). A round still running when the
+next phase ends is waited for and lands then; compute waits only when a round takes longer than a
+phase. An attached process (daemon/attached.py) calls only `end_phase`: its rounds land then.
 
 A lane that formed no group, or whose round aborted, leaves this member's own P there (the engine
-restores it): a member alone is DiLoCo with one worker. A PARTIAL round (UDP engine) gives the mean
-where its packets arrived and this member's own P elsewhere, so outer parameters may drift apart by
-lr·(P − P̄) on the lost packets; every `repair_every` outer steps, when the run uses the UDP engine
-or the grid has several groups, the round averages θ itself instead (docs/algorithms.md).
+restores it): a member alone is DiLoCo with one worker. A round the run's stop cancelled (a result
+with `cancelled`, daemon/runs.round_bridge) is not applied: θ and m stay the last shared outer
+state. Applied, a member's own P made the final charlm model 0.4-0.6 bits/char worse, and
+different on every host (docs/benchmarks.md, "Training over a WAN"). A PARTIAL round (UDP engine)
+gives the mean where its packets arrived and this member's own P elsewhere, so outer parameters may
+drift apart by lr·(P − P̄) on the lost packets; every `repair_every` outer steps, when the run uses
+the UDP engine or the grid has several groups, the round averages θ itself instead
+(docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -64,8 +74,9 @@ class OuterSettings:
 
 @dataclass(frozen=True, slots=True)
 class Applied:
-    """What the end of a phase did: the round whose result was applied (None: none yet, with
-    overlap), its results, and how long compute waited for it."""
+    """A round whose result landed (or, cancelled by the run's stop, was dropped): its number, its
+    results, and how long compute waited for it. round_t None: no round landed (with overlap: the
+    first phase, or the round landed between two inner steps and was reported by `land`)."""
 
     round_t: int | None
     results: list
@@ -73,11 +84,17 @@ class Applied:
     repaired: bool = False  # the round averaged θ itself
 
 
+def cancelled(results: list) -> bool:
+    """Whether the run's stop cancelled the round (daemon/runs.round_bridge): its result is not applied."""
+    return any(getattr(r, "cancelled", False) for r in results)
+
+
 class OuterLoop:
     """The outer state of one trainer and its rounds. `average(vector, weight, round_t, payload)` is
     the trainer's blocking round (daemon/runs.round_bridge): it averages `vector` in place, sent in
     `payload`'s format, and returns one RoundResult per lane; with overlap it runs on this loop's own
-    named thread, while the trainer thread computes."""
+    named thread, while the trainer thread computes. Every other method is called from the trainer
+    thread."""
 
     def __init__(self, params: list[torch.Tensor], settings: OuterSettings, average: Callable[..., list], name: str):
         self.params, self.settings, self.average = params, settings, average
@@ -85,7 +102,7 @@ class OuterLoop:
         self.n = n
         self.outer = torch.empty(2 * n)  # [θ; m]: served to peers, checkpointed
         self.theta, self.momentum = self.outer[:n], self.outer[n:]
-        self.start = torch.empty(n)  # the inner parameters at the start of the phase
+        self.start = torch.empty(n)  # s: the phase's progress is counted from here (P = s − y)
         self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
         self.payload = torch.empty(n)  # what the round averages, in place
         self.residual = torch.zeros(n)  # error feedback: quantization error carried to the next phase
@@ -124,23 +141,18 @@ class OuterLoop:
                 logger.debug("a dropped round failed", exc_info=True)
             self._pending = None
 
-    # -- one phase's end ----------------------------------------------------------------------
+    # -- rounds -------------------------------------------------------------------------------
 
     @torch.no_grad()
     def end_phase(self, round_t: int, weight: float, repair: bool = False) -> Applied:
         """The inner phase that ends now is averaged in round `round_t` (weight: its samples). With
-        overlap, the previous round's result is applied first (waiting for it if it is still
-        running) and this one is started in the background; without, this one runs and is applied.
-        `repair`: this round averages θ − P (float32) and adopts the mean as θ, instead of an outer
-        step on the mean P: the phase's progress is kept, the members' θ meet again."""
-        waited, applied_round, results, repaired = 0.0, None, [], False
-        if self.settings.overlap and self._pending is not None:
-            t0 = time.monotonic()
-            results = self._pending.result()
-            waited = time.monotonic() - t0
-            applied_round, repaired = self._pending_round
-            self._pending = None
-            self._apply(repaired)
+        overlap, a round still in flight lands first (waited for), and this one starts in the
+        background: the inner parameters stay where they are, the next phase's progress counted
+        from them until it lands. Without, this one runs and is applied, and the inner parameters
+        restart from θ. `repair`: this round averages θ − P (float32) and adopts the mean as θ,
+        instead of an outer step on the mean P: the phase's progress is kept, the members' θ meet
+        again."""
+        applied = self.land(wait=True) or Applied(None, [], 0.0)
         to_flat(self.params, self.scratch)  # y
         torch.sub(self.start, self.scratch, out=self.progress)  # P = s − y
         if repair:
@@ -154,17 +166,38 @@ class OuterLoop:
         if self.settings.overlap:
             self._pending_round = (round_t, repair)
             self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)
-            torch.sub(self.theta, self.progress, out=self.scratch)  # θ − P: own progress not yet averaged
-        else:
-            t0 = time.monotonic()
-            results = self.average(self.payload, weight, round_t, fmt)
-            waited = time.monotonic() - t0
-            applied_round, repaired = round_t, repair
+            self.start.copy_(self.scratch)  # the next phase starts at y, where the model is
+            return applied
+        t0 = time.monotonic()
+        results = self.average(self.payload, weight, round_t, fmt)
+        waited = time.monotonic() - t0
+        if not cancelled(results):
             self._apply(repair)
-            self.scratch.copy_(self.theta)
-        from_flat(self.scratch, self.params)
-        self.start.copy_(self.scratch)
-        return Applied(applied_round, results, waited, repaired)
+        from_flat(self.theta, self.params)
+        self.start.copy_(self.theta)
+        return Applied(round_t, results, waited, repair)
+
+    @torch.no_grad()
+    def land(self, wait: bool = False) -> Applied | None:
+        """With overlap, between two inner steps: if the round in flight has ended (or, with `wait`,
+        once it has), its result lands: the outer step on θ, and the inner parameters x move to
+        θ − (s − x), the new θ plus the progress since the phase began, now counted from θ. A
+        cancelled round changes neither θ nor the model. None when no round was in flight, or it
+        is still running and `wait` is false."""
+        if self._pending is None or not (wait or self._pending.done()):
+            return None
+        t0 = time.monotonic()
+        results = self._pending.result()
+        waited = time.monotonic() - t0
+        round_t, repair = self._pending_round
+        self._pending = None
+        if not cancelled(results):
+            self._apply(repair)
+            to_flat(self.params, self.scratch)  # x
+            self.scratch.sub_(self.start).add_(self.theta)  # θ − (s − x)
+            from_flat(self.scratch, self.params)
+            self.start.copy_(self.theta)
+        return Applied(round_t, results, waited, repair)
 
     def _apply(self, repaired: bool) -> None:
         """The round's result is in `payload` (its mean where it applied, this member's own values
@@ -179,18 +212,11 @@ class OuterLoop:
 
     @torch.no_grad()
     def finish(self) -> Applied | None:
-        """Training ends: apply the round still in flight (waiting for it; its bridge bounds it) and
-        leave the model at θ, the run's model. This peer's progress since the last boundary, which
+        """Training ends: the round still in flight lands (waited for; its bridge bounds it), and
+        the model is left at θ, the run's model. This peer's progress since the last boundary, which
         no round averaged, is not part of it (at most H steps of one peer's local progress; with
         AdamW it made the model worse: docs/benchmarks.md). None when no round was pending."""
-        applied = None
-        if self._pending is not None:
-            t0 = time.monotonic()
-            results = self._pending.result()
-            applied_round, repaired = self._pending_round
-            self._pending = None
-            self._apply(repaired)
-            applied = Applied(applied_round, results, time.monotonic() - t0, repaired)
+        applied = self.land(wait=True)
         from_flat(self.theta, self.params)
         self.start.copy_(self.theta)
         return applied

@@ -87,8 +87,10 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
     trainer: runs `run_round` (one round per lane; `lanes` None: every lane; the vector travels in
     `payload`'s format, peers/collective/codec.py) on the event loop and
     waits at most `timeout` (the run's round_timeout). Rounds that time out or are cancelled
-    (leave, drain) are cancelled on the loop and leave the vector as it was if `restore`, else
-    partly written (MoshpitAverager.average)."""
+    (leave, drain: `handle.round_future` cancelled; the result says `cancelled`) are cancelled on
+    the loop and leave the vector as it was if `restore`, else partly written
+    (MoshpitAverager.average); either way `average` returns once the round has stopped writing
+    into the vector, or after CANCEL_GRACE."""
     from peers.averaging import RoundResult
 
     def average(
@@ -98,12 +100,14 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
         handle.round_future = future
         try:
             return future.result(timeout)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
             future.cancel()
             # The engine restores the vector (or its own shard) when cancelled; wait for that before
-            # the thread reuses it.
+            # the thread reuses it (a cancelled future counts as done once its round has ended).
             concurrent.futures.wait([future], timeout=CANCEL_GRACE)
-            return [RoundResult(round_t, 1, None, "round timed out or was cancelled", interrupted=True)]
+            cancelled = isinstance(e, concurrent.futures.CancelledError)
+            reason = "round cancelled: the run stops" if cancelled else f"round timed out after {timeout:.0f} s"
+            return [RoundResult(round_t, 1, None, reason, interrupted=True, cancelled=cancelled)]
         finally:
             handle.round_future = None
 

@@ -381,6 +381,9 @@ class Trainer:
             elif not self.samples_per_second and elapsed >= 0.25:  # a first figure before the first window ends
                 self.samples_per_second = window_samples / elapsed
             if self._outer is not None and self.average is not None:
+                landed = self._outer.land()  # with overlap: the round in flight, once it has ended
+                if landed is not None:
+                    self._after_outer_round(landed)
                 if self._phase_over(phase_began):
                     self._flush()
                     if not self._catch_up():  # a round among peers far ahead would find nobody
@@ -617,21 +620,23 @@ class Trainer:
     @torch.no_grad()
     def _outer_round(self) -> None:
         """The end of an inner phase under DiLoCo: its pseudo-gradient goes to this boundary's round
-        and, with overlap, the previous round's result is applied (daemon/diloco.py)."""
+        and, with overlap, the previous round lands if it has not yet (daemon/diloco.py)."""
         outer, every = self._outer, self.average_every
         round_t, weight = self.global_step // every, float(self._samples_since_round)
-        sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
-        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
         repair = bool(self.repair_every and round_t % self.repair_every == 0)
         applied = outer.end_phase(round_t, weight, repair)
         self._samples_since_round = 0  # counted in this round, or (no group) in this member's own step
+        # After the phase's end: θ is then the same round's on every peer at this step (with overlap
+        # the previous round may have landed at any step of the phase, but by now it has).
+        sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
+        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
         self._after_outer_round(applied)
 
     def _after_outer_round(self, applied) -> None:
-        """Status, metrics and the snapshot peers download, once a round's result was applied."""
+        """Status, metrics and the snapshot peers download, once a round's result landed."""
         outer = self._outer
         self.train_wait_seconds += applied.waited
-        if applied.round_t is None:  # overlap: the first round is still on the network
+        if applied.round_t is None:  # overlap: no round landed at this phase's end
             return
         results, previous = applied.results, self.last_round
         self.last_round = results[0]

@@ -81,6 +81,9 @@ class RoundResult:
     # The round stopped without an outcome (an error, a timeout, a cancel) and may have written into
     # its lane; a result with no outcome and not interrupted (alone, no group) left the lane as it was.
     interrupted: bool = False
+    # The run stopped it (leave, drain: daemon/runs.round_bridge): its lane holds this member's own
+    # values, and an outer step must not apply them as the group's mean (daemon/diloco.py).
+    cancelled: bool = False
 
     @property
     def completed(self) -> bool:

@@ -49,17 +49,16 @@ class AveragingSettings:
     # diloco existed decode as "state").
     algorithm: str = "diloco"
     outer_lr: float = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7)
-    # Its Nesterov momentum (DiLoCo's 0.9). With overlap's result applied one outer step late, 0.9
-    # diverged on charlm in simulation (3.61 bits/char against 2.22 at 0.5): lower it with overlap.
-    outer_momentum: float = 0.9
+    outer_momentum: float = 0.9  # its Nesterov momentum (DiLoCo's 0.9)
     # How a pseudo-gradient travels: "int8" (8-bit values with a float32 scale per block of 64),
     # "fp16" or "fp32"; with error feedback, so quantization loses nothing over time
     # (peers/collective/codec.py). The engines' AllReduceSettings.payload.
     payload: str = "int8"
-    # Apply a round's result one outer step late, so that it runs on the network while the next inner
-    # steps compute (Streaming DiLoCo). Off by default: on charlm in the lab the overlapped run's
-    # model was worse than a host alone (2.72-2.82 against 2.17-2.24 bits/char; without overlap 2.10,
-    # docs/benchmarks.md). False: compute waits for each round, which costs its fixed cost per phase.
+    # A round runs on the network while the next inner steps compute, and its result lands as soon
+    # as it ends (Streaming DiLoCo; daemon/diloco.py): compute waits only for a round longer than a
+    # phase. Off by default: per step the model is about 1 % worse (simulation), a script's loop
+    # lands each round a whole phase late (13 % worse), and the lab has not shown it better than
+    # without (docs/benchmarks.md, "Training over a WAN"). False: compute waits for each round.
     overlap: bool = False
     # An inner phase ends after `average_every` steps or, when half of the other live peers have
     # reached the round boundary, after `inner_budget` times the time they took, whichever comes

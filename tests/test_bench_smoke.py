@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks (bench.attach_handoff, bench.daemon_costs, bench.dear,
+"""Smoke tests of benchmarks (bench.attach_handoff, bench.daemon_costs, bench.dear, bench.diloco_sim,
 bench.engine_allreduce, bench.engine_costs, bench.round_cost): each runs to the end and prints the
 promised JSON lines, the last one its headline. bench.round_cost needs the network lab (root,
 namespaces) and skips without.
@@ -147,3 +147,35 @@ def test_round_cost_quick_prints_a_line_per_rtt_and_the_headline_last():
     assert [r["added_rtt_ms"] for r in records] == [0, 50, 50]
     assert records[-1]["bench"] == "round_cost" and records[-1]["metric"] == "round fixed cost at 50 ms RTT"
     assert records[-1]["ours_rtts"] is not None and records[-1]["gloo_rtts"] is not None
+
+
+def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
+    """bench.diloco_sim on a tiny model: both setups with the real outer loop, then the headline."""
+    from bench import diloco_sim
+
+    argv = [
+        "--steps",
+        "6",
+        "--every",
+        "3",
+        "--land-after",
+        "1",
+        "--workers",
+        "2",
+        "--d-model",
+        "16",
+        "--n-layers",
+        "1",
+        "--context",
+        "8",
+        "--batch",
+        "4",
+        "--eval-every",
+        "1",
+    ]
+    assert diloco_sim.main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("setup") for r in records] == ["sync", "overlap", None]
+    assert REQUIRED <= records[-1].keys(), records[-1]
+    for r in records[:2]:
+        assert len(set(r["evals"])) == 1, r  # every worker ends with the same θ

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from types import SimpleNamespace
 
 import torch
 
@@ -76,7 +77,8 @@ def test_without_overlap_both_members_take_the_same_outer_step_and_restart_from_
     b.close()
 
 
-def test_with_overlap_a_result_lands_one_phase_late_and_own_progress_is_kept_until_then():
+def test_with_overlap_a_round_still_in_flight_lands_at_the_next_phase_end_and_own_progress_is_kept():
+    """As with a script's loop (daemon/attached.py), which calls only end_phase."""
     pair = Pair()
     pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
     a, b = pair.member(pa, True, "a"), pair.member(pb, True, "b")
@@ -128,3 +130,53 @@ def test_finish_applies_the_round_in_flight_and_leaves_the_model_at_theta():
     assert a.finish() is None  # nothing in flight any more
     a.close()
     b.close()
+
+
+def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_is_kept():
+    pair = Pair()
+    pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
+    a, b = pair.member(pa, True, "a"), pair.member(pb, True, "b")
+    pa[0] -= 1.0  # phase 1: P_a = 1, P_b = 3
+    pb[0] -= 3.0
+    together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 1.0))
+    pa[0] -= 0.5  # phase 2 begins while round 1 is on the network
+    pb[0] -= 0.5
+    assert [a.land(wait=True).round_t, b.land(wait=True).round_t] == [1, 1]  # as the trainer would, once ended
+    assert a.land() is None  # nothing in flight any more
+    # Round 1's mean P = 2: θ = 0 - 0.5*2 = -1; each model is θ plus its progress since the phase
+    # began (0.5), and that progress is now counted from θ.
+    assert a.theta.item() == b.theta.item() == -1.0
+    assert pa[0].item() == pb[0].item() == -1.5
+    pa[0] -= 0.5
+    pb[0] -= 0.5
+    second = together(lambda: a.end_phase(2, 1.0), lambda: b.end_phase(2, 1.0))
+    assert [d.round_t for d in second] == [None, None]  # round 1 landed already
+    together(a.finish, b.finish)
+    # Round 2 averaged each phase's whole progress, P = -1 - (-2) = 1: θ = -1 - 0.5*1.
+    assert a.theta.item() == b.theta.item() == -1.5
+    assert pa[0].item() == pb[0].item() == -1.5
+    a.close()
+    b.close()
+
+
+STOPPED = [SimpleNamespace(cancelled=True)]  # what daemon/runs.round_bridge returns for a round the stop cancelled
+
+
+def test_a_round_the_stop_cancelled_is_not_applied():
+    # Without overlap: θ and m stay, and the model goes back to θ (not to θ minus its own P).
+    p = [torch.tensor([1.0])]
+    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32"), lambda *args: STOPPED, "s")
+    p[0] -= 0.5
+    done = loop.end_phase(1, 1.0)
+    assert done.round_t == 1 and done.results == STOPPED
+    assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
+    loop.close()
+    # With overlap, the round in flight when training ends: the model is the last shared θ.
+    p = [torch.tensor([1.0])]
+    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32", overlap=True), lambda *args: STOPPED, "o")
+    p[0] -= 0.5
+    loop.end_phase(1, 1.0)
+    p[0] -= 0.25
+    assert loop.finish().results == STOPPED
+    assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
+    loop.close()

@@ -1,0 +1,280 @@
+"""DiLoCo with and without overlap, simulated in one process with the real outer loop: final model quality.
+
+    python -m bench.diloco_sim                                   # sync and overlap at momentum 0.9: about 3 minutes
+    python -m bench.diloco_sim --setups sync,overlap,alone,single --momentum 0.9,0.5
+    python -m bench.diloco_sim --setups overlap --land-after 50  # rounds land a whole phase late
+    python -m bench.diloco_sim --quick                           # 200 steps, H = 25: a smoke run
+
+N workers (default 3) each train their own copy of a `charlm` model (daemon/tasks/charlm.py, built
+with the same seed, each drawing its own batches) and each hold a real `daemon.diloco.OuterLoop`,
+driven as the trainer drives it (daemon/trainer.py): every H steps `end_phase(round_t, samples,
+repair)`, a repair round every `--repair-every` outer steps, `finish()` at the end. The network is
+emulated by the `average` callback: a barrier where the N members of the round meet and each
+payload becomes the exact weighted mean (float32, the members in a fixed order), then, for int8
+and fp16 payloads, the codec's encoding of that mean (the owner's encoding of the result, as the
+engines send it). Every round completes with every member: no loss, no stragglers, no timeouts.
+With overlap each loop's round runs on the loop's own thread, and lands `--land-after` inner steps
+into the next phase (`land(wait=True)` then: how long the round took, in steps; a daemon lands a
+round as soon as it ends). The workers take each step in turn on one torch thread, so a run is
+deterministic (same seeds, same numbers).
+
+Setups: `sync` (overlap off), `overlap` (on), each at every `--momentum`; `alone`: one worker, no
+rounds; `single`: one process trained on the run's total samples (steps of N x batch). The score is
+bits per character on charlm's held-out text (lower is better) of θ, the run's model, on every
+worker after `finish()` (the same on all of them). With overlap, also θ had the last round been
+cut short by a stop: dropped (`eval_last_round_dropped`, what a daemon does) or taken as each
+member's own outer step (`eval_last_round_own_p`, what daemons did before). JSON lines on stdout,
+one per setup with its curve (θ of worker 0 every `--eval-every` outer steps), the last the
+headline: overlap's final eval (ours) against sync's (baseline) at the first momentum listed.
+Nothing of the WAN is emulated: this measures the algorithm, not the daemons
+(bench/wan_training.py does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import functools
+import json
+import threading
+import time
+
+import torch
+
+from bench.common import emit, progress, result
+from daemon.diloco import OuterLoop, OuterSettings, outer_step
+from daemon.flat import from_flat
+from daemon.tasks.charlm import CharLM, CharLMHparams
+from peers.collective import codec
+
+BENCH = "diloco_sim"
+INIT_SEED = 1  # every worker builds the same model, as every peer of a run does (the run's seed), plus --seed
+PEER_SEED = 100  # worker i draws its batches from PEER_SEED + 10 x --seed + i
+ROUND_TIMEOUT = 600.0  # seconds a member waits at the barrier: a bug, not a slow round
+
+
+class Rounds:
+    """The emulated network: the i-th member's `average` waits for the other members of the same
+    round, then every payload becomes their weighted mean (and the codec's encoding of it)."""
+
+    def __init__(self, n: int):
+        self.entries: dict[int, tuple[torch.Tensor, float, int, str]] = {}
+        self.own: dict[int, torch.Tensor] = {}  # each member's payload of the latest round, before the mean
+        self.barrier = threading.Barrier(n, action=self._mean, timeout=ROUND_TIMEOUT)
+
+    def _mean(self) -> None:
+        entries = [self.entries[i] for i in sorted(self.entries)]
+        if len({(t, fmt) for _, _, t, fmt in entries}) != 1:
+            raise RuntimeError(f"members in different rounds: {[(t, fmt) for _, _, t, fmt in entries]}")
+        total = sum(w for _, w, _, _ in entries)
+        mean = torch.zeros_like(entries[0][0])
+        for vector, weight, _, _ in entries:
+            mean.add_(vector, alpha=weight / total)
+        fmt = entries[0][3]
+        if fmt != "fp32":
+            codec.Codec(fmt).roundtrip(mean.numpy())
+        for vector, _, _, _ in entries:
+            vector.copy_(mean)
+        self.entries.clear()
+
+    def member(self, i: int):
+        def average(vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+            self.entries[i] = (vector, weight, round_t, fmt)
+            self.own[i] = vector.clone()
+            self.barrier.wait()
+            return [round_t]
+
+        return average
+
+
+def together(calls: list) -> list:
+    """Run the members' calls at once (each may wait at the round's barrier), as N daemons would."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result(ROUND_TIMEOUT) for f in [pool.submit(c) for c in calls]]
+
+
+def hparams_of(args) -> CharLMHparams:
+    return CharLMHparams(
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        context=args.context,
+        batch_size=args.batch,
+        corpus_bytes=args.corpus_bytes,
+    )
+
+
+def score(task: CharLM, model: torch.nn.Module, hparams: CharLMHparams) -> float:
+    return round(task.evaluate(model, hparams).score, 4)
+
+
+def simulate(args, overlap: bool, momentum: float) -> dict:
+    """N workers with real OuterLoops for args.steps steps; θ's eval along the way and at the end."""
+    task, hparams = CharLM(), hparams_of(args)
+    built = [task.build(hparams, INIT_SEED + args.seed) for _ in range(args.workers)]
+    data = [task.data(hparams, PEER_SEED + 10 * args.seed + i) for i in range(args.workers)]
+    rounds = Rounds(args.workers)
+    settings = OuterSettings(
+        lr=args.outer_lr, momentum=momentum, payload=args.payload, overlap=overlap, repair_every=args.repair_every
+    )
+    loops = [OuterLoop(list(m.parameters()), settings, rounds.member(i), f"w{i}") for i, (m, _) in enumerate(built)]
+    curve = []
+    for step in range(1, args.steps + 1):
+        for (model, optimizer), batches in zip(built, data, strict=True):
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            task.loss(model, next(batches)).backward()
+            optimizer.step()
+        if step % args.every == args.land_after % args.every:  # the round took land_after inner steps
+            for loop in loops:
+                loop.land(wait=True)
+        if step % args.every:
+            continue  # a tail shorter than a phase has no round, as a daemon stopped mid-phase
+        round_t = step // args.every
+        repair = bool(args.repair_every and round_t % args.repair_every == 0)
+        weight = float(args.every * args.batch)
+        together([functools.partial(loop.end_phase, round_t, weight, repair) for loop in loops])
+        if args.eval_every and round_t % args.eval_every == 0:
+            with loops[0].outer_params():
+                curve.append((step, score(task, built[0][0], hparams)))
+    before = [loop.outer.clone() for loop in loops]  # [θ; m] before the round in flight lands
+    together([loop.finish for loop in loops])
+    evals = [score(task, model, hparams) for model, _ in built]
+    extra = {}
+    if overlap:  # a daemon stopped while its last round is in flight (see the module docstring)
+        extra["eval_last_round_dropped"] = dropped(task, hparams, built[0][0], loops[0], before[0])
+        extra["eval_last_round_own_p"] = [
+            own_p(task, hparams, m, loop, b, rounds.own[i])
+            for i, ((m, _), loop, b) in enumerate(zip(built, loops, before, strict=True))
+        ]
+    for loop in loops:
+        loop.close()
+    return {"eval": evals[0], "evals": evals, "curve": curve, **extra}
+
+
+@torch.no_grad()
+def own_p(task, hparams, model, loop: OuterLoop, before: torch.Tensor, own: torch.Tensor) -> float:
+    """θ if the last round's outer step took this member's own P (what a daemon stopped with that
+    round in flight did until the stop's cancelled rounds were dropped)."""
+    theta, momentum = before[: loop.n].clone(), before[loop.n :].clone()
+    outer_step(theta, momentum, own, loop.settings.lr, loop.settings.momentum, torch.empty_like(theta))
+    from_flat(theta, list(model.parameters()))
+    return score(task, model, hparams)
+
+
+@torch.no_grad()
+def dropped(task, hparams, model, loop: OuterLoop, before: torch.Tensor) -> float:
+    """θ when the round in flight at the end is not applied: the last shared θ (a daemon stopped
+    with that round in flight: the stop cancels it, daemon/diloco.py)."""
+    from_flat(before[: loop.n], list(model.parameters()))
+    return score(task, model, hparams)
+
+
+def alone(args) -> dict:
+    task, hparams = CharLM(), hparams_of(args)
+    model, optimizer = task.build(hparams, INIT_SEED + args.seed)
+    batches = task.data(hparams, PEER_SEED + 10 * args.seed)
+    model.train()
+    for _ in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        task.loss(model, next(batches)).backward()
+        optimizer.step()
+    return {"eval": score(task, model, hparams)}
+
+
+def single(args) -> dict:
+    from daemon.tasks import train_single_process
+
+    task, hparams = CharLM(), hparams_of(args)
+    return {
+        "eval": round(
+            train_single_process(task, hparams, args.steps, args.workers * args.batch, INIT_SEED + args.seed).score, 4
+        )
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--setups", default="sync,overlap", help="comma-separated: sync, overlap, alone, single")
+    p.add_argument("--momentum", default="0.9", help="outer momenta, comma-separated; the headline uses the first")
+    p.add_argument("--seed", type=int, default=0, help="changes the model's initialization and every worker's batches")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
+    p.add_argument("--every", type=int, default=50, help="H: inner steps per phase (averaging.average_every)")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--payload", default="int8", choices=["int8", "fp16", "fp32"])
+    p.add_argument("--repair-every", type=int, default=25)
+    p.add_argument(
+        "--land-after",
+        type=int,
+        default=10,
+        help="with overlap: inner steps into the next phase at which a round lands (how long it takes); "
+        "H: at the next phase's end, the whole phase late",
+    )
+    p.add_argument("--eval-every", type=int, default=2, help="outer steps between two points of the curve; 0: none")
+    p.add_argument("--d-model", type=int, default=64, help="charlm's width (its default is 128: 3x slower here)")
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--corpus-bytes", type=int, default=512 * 1024)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--quick", action="store_true", help="200 steps, H = 25")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.every = 200, 25
+    torch.set_num_threads(args.threads)
+    momenta = [float(m) for m in args.momentum.split(",")]
+    common = {
+        "seed": args.seed,
+        "workers": args.workers,
+        "steps": args.steps,
+        "every": args.every,
+        "outer_lr": args.outer_lr,
+        "payload": args.payload,
+        "repair_every": args.repair_every,
+        "land_after": args.land_after,
+        "d_model": args.d_model,
+        "batch": args.batch,
+        "corpus_bytes": args.corpus_bytes,
+    }
+    finals: dict[tuple[str, float], float] = {}
+    for setup in args.setups.split(","):
+        for momentum in momenta if setup in ("sync", "overlap") else [None]:
+            t0 = time.monotonic()
+            if setup in ("sync", "overlap"):
+                record = simulate(args, setup == "overlap", momentum)
+                finals[(setup, momentum)] = record["eval"]
+            elif setup == "alone":
+                record = alone(args)
+            elif setup == "single":
+                record = single(args)
+            else:
+                raise SystemExit(f"unknown setup {setup!r}")
+            line = {
+                "bench": BENCH,
+                "setup": setup,
+                "momentum": momentum,
+                **record,
+                **common,
+                "seconds": round(time.monotonic() - t0, 1),
+                "metric": "bits_per_char",
+            }
+            print(json.dumps(line), flush=True)
+            progress(BENCH, f"{setup} momentum {momentum}: {record['eval']} bits/char ({line['seconds']} s)")
+    m = momenta[0]
+    if ("overlap", m) in finals and ("sync", m) in finals:
+        emit(
+            result(
+                BENCH,
+                f"bits_per_char_overlap_vs_sync_momentum_{m:g}",
+                finals[("overlap", m)],
+                finals[("sync", m)],
+                "bits/char",
+                note="lower is better; θ after finish()",
+                **common,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
