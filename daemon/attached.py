@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from daemon.checkpoint import CheckpointStore
+from daemon.checkpoint import CheckpointStore, layout_digest
 from daemon.diloco import OuterLoop, OuterSettings
 from daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peers.averaging import RoundResult
@@ -151,16 +151,8 @@ def pid_alive(pid: int) -> bool:
 
 def layout_identity(run_id: str, layout: tuple[TensorSpec, ...]) -> dict:
     """The identity of this run's checkpoints (daemon/checkpoint.py): task "" and the model's layout."""
-    import hashlib
-    import json
-
-    text = json.dumps([(t.name, list(t.shape), t.dtype) for t in layout])
-    return {
-        "run_id": run_id,
-        "task": "",
-        "hparams": {},
-        "layout": hashlib.blake2b(text.encode(), digest_size=8).hexdigest(),
-    }
+    digest = layout_digest([(t.name, list(t.shape), t.dtype) for t in layout])
+    return {"run_id": run_id, "task": "", "hparams": {}, "layout": digest}
 
 
 class AttachedTrainer:

@@ -73,8 +73,12 @@ def identity_of(run_id: str, task: str, hparams: dict[str, str], model: torch.nn
 
 
 def layout_of(model_state: dict[str, Any]) -> str:
-    text = json.dumps([(k, list(v.shape), str(v.dtype)) for k, v in model_state.items() if torch.is_tensor(v)])
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return layout_digest([(k, list(v.shape), str(v.dtype)) for k, v in model_state.items() if torch.is_tensor(v)])
+
+
+def layout_digest(entries: list[tuple[str, list[int], str]]) -> str:
+    """The digest of a model's layout: (name, shape, dtype) per tensor, in order."""
+    return hashlib.blake2b(json.dumps(entries).encode(), digest_size=8).hexdigest()
 
 
 def mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
