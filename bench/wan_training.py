@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import threading
-import time
 
 import json
 
@@ -86,11 +85,10 @@ def _typed(settings: dict) -> dict:
     return out
 
 
-def _burn(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    x = 0
-    while time.monotonic() < end:
-        x += 1
+# A busy loop in a process of its own, exec'd (subprocess closes every other descriptor): a process
+# forked from this one while the lab's thread runs `ip` would keep that command's stdout pipe open,
+# and the lab would wait for its end until the command's timeout (what hung this setup before).
+_BURN = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass"
 
 
 def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> dict:
@@ -133,9 +131,8 @@ def _tasks(pid: int) -> list[int]:
 def _throttle(lab: "TrainingLab", slow: str, stop: threading.Event) -> None:
     """Host `slow` shares CPU 0 with two busy-looping neighbours, the others get CPU 1: the slow host
     computes at about 2/3 of their speed. Re-applied every second (threads come and go)."""
-    burners = [mp.Process(target=_burn, args=(3600,), daemon=True) for _ in range(2)]
+    burners = [subprocess.Popen([sys.executable, "-c", _BURN, "3600"]) for _ in range(2)]
     for b in burners:
-        b.start()
         os.sched_setaffinity(b.pid, {0})
     try:
         while not stop.wait(1.0):
@@ -149,7 +146,8 @@ def _throttle(lab: "TrainingLab", slow: str, stop: threading.Event) -> None:
                         pass
     finally:
         for b in burners:
-            b.terminate()
+            b.kill()
+            b.wait()
 
 
 def run_setup(name: str, data: dict, throttle: str = "") -> dict:
@@ -251,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = {}
     for name, data in [(n, d) for n, d in setups if n not in skip]:
         lines[name] = run_setup(name, data, throttle="h0" if name.endswith("throttled") else "")
+    if "a_diloco" not in lines or "c_alone" not in lines:
+        return 0  # no headline without both (a) and (c)
     a, c = lines["a_diloco"], lines["c_alone"]
     if args.single:
         from daemon.tasks import get_task, train_single_process
