@@ -14,7 +14,7 @@ ours may have to open libp2p connections between hosts that only know each other
 gloo's init opened all of its own), then --rounds measured rounds:
 (1) ours: a daemon's round, built from the daemon's own parts with their default settings: a
     PeerNode (p2pd + DHT) bound to the host's address, the run's membership (heartbeats, refreshes,
-    the table), the Matchmaker, and MoshpitAverager.average called through daemon/runs.round_bridge
+    the table), the Matchmaker, and MoshpitAverager.average called through daemon/joining.round_bridge
     from a trainer-like thread, with the daemon's rendezvous and the live table as the view. So a
     round is: the rendezvous (announce this step, read the run's records until every mate is at
     it), matchmaking directly between the view's mates (peers/matchmaking.py, no join window), and
@@ -69,7 +69,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
 
     from daemon import __version__
     from daemon.config import DiscoveryConfig, NetworkConfig
-    from daemon.runs import RunHandle, rendezvous_for, round_bridge
+    from daemon.joining import RunHandle, rendezvous_for, round_bridge
     from peers.averaging import MoshpitAverager
     from peers.collective.group import MAX_GROUP
     from peers.events import PeerEvents

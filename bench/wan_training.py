@@ -60,11 +60,11 @@ class TrainingLab(Lab):
         from daemon.checkpoint import CheckpointStore
         from daemon.tasks import get_task
 
-        task = get_task(self.s.run.task)
-        hparams = task.parse_hparams({k: v for k, v in _typed(self.s.run.settings).items() if "." not in k})
+        task = get_task(self.scenario.run.task)
+        hparams = task.parse_hparams({k: v for k, v in _typed(self.scenario.run.settings).items() if "." not in k})
         self.evaluations = {}
         for name in self.daemons:
-            ckpt = CheckpointStore(self._data_dir(name) / "runs" / self.s.run.id / "checkpoints").load_latest()
+            ckpt = CheckpointStore(self._data_dir(name) / "runs" / self.scenario.run.id / "checkpoints").load_latest()
             if ckpt is None:
                 continue
             model, _ = task.build(hparams, 0)

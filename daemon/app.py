@@ -22,8 +22,8 @@ from daemon.datadir import DataDir
 from daemon.lifecycle import ALLOWED, DaemonState
 from daemon.metrics import DaemonMetrics, MetricsServer
 from daemon.progress import ProgressLog
-from daemon import runs as run_setup
-from daemon.runs import RunHandle
+from daemon import joining as run_setup
+from daemon.joining import RunHandle
 from peers.collective.group import MAX_GROUP
 from peers.dear.member import AUTO, GroupPeer, LocalGroupMember
 from peers.linkprobe import LinkProber
@@ -31,7 +31,7 @@ from peers.matchmaking import Matchmaker, MatchmakingSettings
 from peers.membership import IDLE, TRAINER, DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
 from peers.clock import now as dht_now
-from peers.runs import RunSecret, validate_run_id
+from peers.run_ids import RunSecret, validate_run_id
 from peers.statesync import StateServer
 from protos import control_pb2
 
@@ -360,7 +360,7 @@ class Daemon:
     async def _train(self, handle: RunHandle, manifest, data: bytes) -> None:
         """Set up the run's rounds, state serving and trainer: the task's (daemon/trainer.py), or for a
         run trained by scripts, the attached half (daemon/attached.py) that waits for a process."""
-        # Imported here, as the trainer is (daemon/runs.py): the averager imports torch, which a
+        # Imported here, as the trainer is (daemon/joining.py): the averager imports torch, which a
         # daemon whose runs are discovery only never loads.
         from peers.averaging import MoshpitAverager
 

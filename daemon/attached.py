@@ -159,7 +159,7 @@ class AttachedTrainer:
     """The daemon's half of a script-trained run: the same status surface as daemon/trainer.Trainer
     (status, metrics and the membership read these attributes), with the steps taken elsewhere.
 
-    Callbacks as the Trainer's: `average` (the blocking round bridge, daemon/runs.round_bridge),
+    Callbacks as the Trainer's: `average` (the blocking round bridge, daemon/joining.round_bridge),
     `on_round`, `peer_steps`, `sync` (download [θ; m] from peers), `on_sync`; `on_role(active)`
     announces whether a process trains here. attach/end_phase/renew/detach block (a round, a
     download, a checkpoint): the control server calls them in worker threads; one lock orders them."""

@@ -120,8 +120,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     from daemon.app import Daemon
     from daemon.datadir import DataDirError
-    from daemon.runs import RunRefused
-    from peers.runs import InvalidSecret
+    from daemon.joining import RunRefused
+    from peers.run_ids import InvalidSecret
 
     async def serve() -> None:
         daemon = Daemon(config)

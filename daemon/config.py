@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from peers.runs import MAX_RECORD_TTL, InvalidRunId, validate_run_id
+from peers.run_ids import MAX_RECORD_TTL, InvalidRunId, validate_run_id
 
 MAX_PEER_TTL = MAX_RECORD_TTL / 2
 

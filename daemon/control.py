@@ -20,8 +20,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemon.runs import RunRefused
-from peers.runs import InvalidRunId, InvalidSecret
+from daemon.joining import RunRefused
+from peers.run_ids import InvalidRunId, InvalidSecret
 from protos import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:

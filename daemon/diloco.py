@@ -24,7 +24,7 @@ phase. An attached process (daemon/attached.py) calls only `end_phase`: its roun
 
 A lane that formed no group, or whose round aborted, leaves this member's own P there (the engine
 restores it): a member alone is DiLoCo with one worker. A round the run's stop cancelled (a result
-with `cancelled`, daemon/runs.round_bridge) is not applied: θ and m stay the last shared outer
+with `cancelled`, daemon/joining.round_bridge) is not applied: θ and m stay the last shared outer
 state. Applied, a member's own P made the final charlm model 0.4-0.6 bits/char worse, and
 different on every host (docs/benchmarks.md, "Training over a WAN"). A PARTIAL round (UDP engine)
 gives the mean where its packets arrived and this member's own P elsewhere, so outer parameters may
@@ -85,13 +85,13 @@ class Applied:
 
 
 def cancelled(results: list) -> bool:
-    """Whether the run's stop cancelled the round (daemon/runs.round_bridge): its result is not applied."""
+    """Whether the run's stop cancelled the round (daemon/joining.round_bridge): its result is not applied."""
     return any(getattr(r, "cancelled", False) for r in results)
 
 
 class OuterLoop:
     """The outer state of one trainer and its rounds. `average(vector, weight, round_t, payload)` is
-    the trainer's blocking round (daemon/runs.round_bridge): it averages `vector` in place, sent in
+    the trainer's blocking round (daemon/joining.round_bridge): it averages `vector` in place, sent in
     `payload`'s format, and returns one RoundResult per lane; with overlap it runs on this loop's own
     named thread, while the trainer thread computes. Every other method is called from the trainer
     thread."""

@@ -27,7 +27,7 @@ import torch
 from daemon.checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint, mismatch, step_of
 from daemon.datadir import write_atomic
 from daemon.flat import from_flat
-from daemon.runs import hparams_from_text
+from daemon.joining import hparams_from_text
 from daemon.tasks import InvalidTaskName, TaskLoadError, TaskNotFound, get_task
 
 

@@ -33,7 +33,7 @@ import torch
 from daemon.checkpoint import CheckpointStore, identity_of
 from daemon.diloco import OuterLoop, OuterSettings
 from daemon.flat import from_flat, to_flat
-from peers.dear.collective import CollectiveError
+from peers.dear.backend import CollectiveError
 from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peers.dear.schedule import DeAR, DeARSettings

@@ -57,7 +57,7 @@ from peers.dear.hierarchy import lane_bounds, lane_view
 from peers.events import PeerEvents
 from peers.matchmaking import Matchmaker, Member
 from peers.moshpit import grid_shape, group_key, view_coords
-from peers.runs import RunSecret, run_namespace
+from peers.run_ids import RunSecret, run_namespace
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class RoundResult:
     # The round stopped without an outcome (an error, a timeout, a cancel) and may have written into
     # its lane; a result with no outcome and not interrupted (alone, no group) left the lane as it was.
     interrupted: bool = False
-    # The run stopped it (leave, drain: daemon/runs.round_bridge): its lane holds this member's own
+    # The run stopped it (leave, drain: daemon/joining.round_bridge): its lane holds this member's own
     # values, and an outer step must not apply them as the group's mean (daemon/diloco.py).
     cancelled: bool = False
 

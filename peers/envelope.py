@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.message import DecodeError
 
 from peers.identity import Identity, peer_id_from_public_key, verify
-from peers.runs import RunSecret
+from peers.run_ids import RunSecret
 from protos import records_pb2
 
 FORMAT_VERSION = 1

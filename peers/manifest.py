@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
 from peers.clock import now
 from peers.identity import Identity
-from peers.runs import RunSecret, run_dht_key
+from peers.run_ids import RunSecret, run_dht_key
 from protos import records_pb2
 
 MANIFEST_FORMAT_VERSION = 1

@@ -22,7 +22,7 @@ Timeouts: `join_window` covers DHT propagation of everyone's entries before the 
 the join RPC; `join_timeout` covers a follower's whole wait for the leader's decision (it must
 exceed assemble_slack). A DHT store or get is bounded by NodeSettings.request_timeout.
 
-Contract: every member of a returned Group received the same members, order and leader. A peer
+Contract: every member of a returned MatchedGroup received the same members, order and leader. A peer
 gets no group (None with a reason) when it is alone, when the leader it elected is dead or slow,
 or when views differed (the callee was not the leader, or had already decided). Entries that
 fail their checks and joins from an unknown group or from a peer other than the entry's signer
@@ -46,7 +46,7 @@ from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
 from peers.events import PeerEvents
 from peers.node import P2PContext, PeerNode
 from peers.records import MAX_CLOCK_SKEW_SECONDS
-from peers.runs import RunSecret
+from peers.run_ids import RunSecret
 from protos import records_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ MAX_EARLY_JOINS = 64  # joins that may wait at once for this daemon's session of
 EARLY_JOIN_POLL = 0.02  # seconds between two looks for that session
 MAX_ADDR_CHARS = 256
 
-__all__ = ["Entry", "Group", "Matched", "Member", "Matchmaker", "MatchmakingSettings", "decide_group"]
+__all__ = ["Entry", "Matched", "MatchedGroup", "Member", "Matchmaker", "MatchmakingSettings", "decide_group"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,7 +96,7 @@ class Entry:
 
 
 @dataclass(frozen=True, slots=True)
-class Group:
+class MatchedGroup:
     """One round's group, identical at every member except `my_index`."""
 
     run: str  # the run namespace (run ID, or the opaque namespace of a secret run)
@@ -114,7 +114,7 @@ class Group:
 class Matched:
     """The outcome of form_group: a group, or None and why."""
 
-    group: Group | None
+    group: MatchedGroup | None
     reason: str
 
 
@@ -319,7 +319,7 @@ class Matchmaker:
         session.decision.set_result(members)
         if len(members) < 2:
             return Matched(None, f"alone: nobody joined ({reason})")
-        return Matched(Group(namespace, round_t, key, members, 0), f"leader: {reason}")
+        return Matched(MatchedGroup(namespace, round_t, key, members, 0), f"leader: {reason}")
 
     async def _follow(self, leader: str, envelope: bytes, namespace: str, round_t: int, key: str) -> Matched:
         request = pb.JoinGroupRequest(group_key=key, round=round_t, envelope=envelope)
@@ -337,7 +337,7 @@ class Matchmaker:
         if not ids or ids[0] != leader or self.node.peer_id not in ids or ids != sorted(set(ids)):
             self.events.rejected("join_bad_answer")
             return Matched(None, f"leader {leader} answered an inconsistent group")
-        return Matched(Group(namespace, round_t, key, members, ids.index(self.node.peer_id)), "follower")
+        return Matched(MatchedGroup(namespace, round_t, key, members, ids.index(self.node.peer_id)), "follower")
 
     async def _on_join(self, request: pb.JoinGroupRequest, context: P2PContext) -> pb.JoinGroupResponse:
         sk = (request.group_key, request.round)

@@ -27,7 +27,7 @@ from peers.events import PeerEvents
 from peers.clock import now
 from peers.node import P2PContext, PeerNode
 from peers.records import LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
-from peers.runs import RunSecret, run_dht_key
+from peers.run_ids import RunSecret, run_dht_key
 from peers.sketch import Divergence, ParamSketch, divergence
 from peers.table import PeerEntry, PeerTable
 from protos import records_pb2

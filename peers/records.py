@@ -15,7 +15,7 @@ import numpy as np
 from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal, verified
 from peers.identity import Identity
 from peers.linkprobe import LinkReport
-from peers.runs import RunSecret
+from peers.run_ids import RunSecret
 from peers.sketch import MAX_SKETCH_VALUES, ParamSketch
 from protos import records_pb2
 

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable
 
 from peers.events import PeerEvents
 from peers.node import P2PContext, PeerNode
-from peers.runs import RunSecret, run_dht_key
+from peers.run_ids import RunSecret, run_dht_key
 from protos import state_pb2 as pb
 
 if TYPE_CHECKING:  # torch is imported where a tensor is touched: a daemon that trains nothing never loads it

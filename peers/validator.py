@@ -13,7 +13,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from peers.events import PeerEvents
 from peers.records import RecordRejected, check_storable
 from peers.clock import now
-from peers.runs import MAX_RECORD_TTL
+from peers.run_ids import MAX_RECORD_TTL
 
 
 class PeerdRecordValidator(RecordValidatorBase):

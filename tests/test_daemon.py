@@ -21,7 +21,7 @@ from daemon.procs import LocalDaemon
 from peers.events import PeerEvents
 from peers.node import NodeSettings, PeerNode
 from peers.records import MemberRecord, MemberState, seal_record
-from peers.runs import RunSecret, run_dht_key
+from peers.run_ids import RunSecret, run_dht_key
 from peers.clock import now
 from protos import control_pb2
 from tests.conftest import CLUSTER_RUN

@@ -159,7 +159,7 @@ def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_
     b.close()
 
 
-STOPPED = [SimpleNamespace(cancelled=True)]  # what daemon/runs.round_bridge returns for a round the stop cancelled
+STOPPED = [SimpleNamespace(cancelled=True)]  # what daemon/joining.round_bridge returns for a round the stop cancelled
 
 
 def test_a_round_the_stop_cancelled_is_not_applied():

@@ -22,7 +22,7 @@ from torch import nn
 from daemon.checkpoint import CheckpointStore
 from daemon.cli import main
 from daemon.export import ExportError, Kind, export
-from daemon.runs import outer_settings
+from daemon.joining import outer_settings
 from daemon.tasks import Batch, EvalResult, Hparams, Task, generator, get_task, seeded
 from daemon.trainer import Trainer, TrainState
 from peers.averaging import RoundResult

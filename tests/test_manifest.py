@@ -4,7 +4,7 @@ from peers.envelope import RecordRejected
 from peers.identity import Identity
 from peers.manifest import AveragingSettings, RunManifest, choose, decode_manifest, encode_manifest
 from peers.records import MemberRecord, MemberState, seal_record
-from peers.runs import RunSecret
+from peers.run_ids import RunSecret
 
 
 @pytest.fixture(scope="module")

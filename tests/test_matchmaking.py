@@ -21,7 +21,7 @@ from peers.matchmaking import (
     decide_group,
 )
 from peers.node import NodeSettings, PeerNode
-from peers.runs import RunSecret
+from peers.run_ids import RunSecret
 from protos import records_pb2 as pb
 
 KEY, ROUND = "peerd/v1/run/mm/moshpit/4/0/*", 0

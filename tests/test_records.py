@@ -12,7 +12,7 @@ from peers.events import PeerEvents
 from peers.identity import Identity
 from peers.records import MAX_LINKS, LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
 from peers.sketch import MAX_SKETCH_VALUES, ParamSketch
-from peers.runs import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
+from peers.run_ids import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
 from peers.validator import PeerdRecordValidator
 from protos import records_pb2
 

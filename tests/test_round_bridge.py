@@ -1,4 +1,4 @@
-"""The trainer's blocking round (daemon/runs.round_bridge): a round the run's stop cancels, or one that
+"""The trainer's blocking round (daemon/joining.round_bridge): a round the run's stop cancels, or one that
 times out, returns only once the engine has stopped writing into the vector, and says which it was."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from daemon.runs import RunHandle, round_bridge
+from daemon.joining import RunHandle, round_bridge
 
 RESTORE_TIME = 0.05  # seconds the fake engine takes to put the vector back once cancelled
 

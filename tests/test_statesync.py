@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from peers.events import PeerEvents
-from peers.runs import RunSecret, run_dht_key
+from peers.run_ids import RunSecret, run_dht_key
 from peers.statesync import (
     CHUNK_HANDLER,
     INFO_HANDLER,

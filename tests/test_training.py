@@ -16,7 +16,7 @@ from peers.envelope import RecordKind, seal
 from peers.events import PeerEvents
 from peers.manifest import MANIFEST_FORMAT_VERSION
 from peers.node import NodeSettings, PeerNode
-from peers.runs import run_dht_key
+from peers.run_ids import run_dht_key
 from protos import records_pb2
 from tests.helpers import peerd, scrape, wait_for
 

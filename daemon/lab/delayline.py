@@ -76,7 +76,14 @@ class DelayLine:
         self.delay = read_delay(conf)
         self.queue: deque[tuple[float, str, bytes]] = deque()
         self.last = 0.0  # release time of the newest queued packet
-        self.c = {"packets": 0, "bytes": 0, "dropped_overflow": 0, "dropped_send": 0, "not_ipv4": 0, "max_queue": 0}
+        self.counts = {
+            "packets": 0,
+            "bytes": 0,
+            "dropped_overflow": 0,
+            "dropped_send": 0,
+            "not_ipv4": 0,
+            "max_queue": 0,
+        }
         self.addresses: dict[bytes, str] = {}
 
     def reload(self, *_) -> None:
@@ -89,7 +96,7 @@ class DelayLine:
     def write_stats(self) -> None:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         data = {
-            **self.c,
+            **self.counts,
             "queue": len(self.queue),
             "one_way_ms": self.delay * 1000,
             "cpu_s": round(ru.ru_utime + ru.ru_stime, 3),
@@ -101,7 +108,7 @@ class DelayLine:
         os.replace(tmp, self.stats_path)
 
     def run(self) -> None:
-        q, c, tun, raw = self.queue, self.c, self.tun, self.raw
+        q, c, tun, raw = self.queue, self.counts, self.tun, self.raw
         read, now_ = os.read, time.monotonic
         send = raw.sendto
         addresses = self.addresses

@@ -218,7 +218,7 @@ class Lab:
     """One scenario run. `run()` returns the Record; the network is gone when it returns or raises."""
 
     def __init__(self, scenario: Scenario, progress: Callable[[str], None] = lambda m: None, logs: Path | None = None):
-        self.s, self.progress, self.logs = scenario, progress, logs
+        self.scenario, self.progress, self.logs = scenario, progress, logs
         self.net = Network()
         self.record = Record(scenario, self.net.id)
         self.daemons: dict[str, LocalDaemon] = {}
@@ -231,19 +231,21 @@ class Lab:
         try:
             self._build()
             begin = time.monotonic()
-            for h in self.s.first_hosts:
-                self._start(h.name, min_peers=self.s.run.min_peers or len(self.s.first_hosts))
-            self._wait_training([h.name for h in self.s.first_hosts])
+            for h in self.scenario.first_hosts:
+                self._start(h.name, min_peers=self.scenario.run.min_peers or len(self.scenario.first_hosts))
+            self._wait_training([h.name for h in self.scenario.first_hosts])
             self.t0 = time.monotonic()
             self.record.started_at = self.t0 - begin
             self.progress(f"every first host trains after {self.record.started_at:.1f} s; schedule starts")
             collector = Collector(self.record, self._live, self.t0)
             collector.start()
-            joins = [Fault(at=h.join_at, action="join", hosts=(h.name,)) for h in self.s.hosts if h.join_at > 0]
-            for fault in sorted([*joins, *self.s.faults], key=lambda f: f.at):  # stable: joins first at equal times
+            joins = [Fault(at=h.join_at, action="join", hosts=(h.name,)) for h in self.scenario.hosts if h.join_at > 0]
+            for fault in sorted(
+                [*joins, *self.scenario.faults], key=lambda f: f.at
+            ):  # stable: joins first at equal times
                 self._sleep_until(fault.at)
                 self._apply(fault)
-            self._sleep_until(self.s.duration)
+            self._sleep_until(self.scenario.duration)
             collector.stop()
             collector.poll()  # the final state, at the end of the schedule
             self.record.peer_ids = {n: d.peer_id for n, d in self.daemons.items() if d.ready}  # kept across restarts
@@ -268,14 +270,18 @@ class Lab:
     # ---- building and starting --------------------------------------------------------------------
 
     def _build(self) -> None:
-        self.progress(f"building lab {self.net.name}: {len(self.s.hosts)} hosts, TCP {self.s.congestion_control}")
+        self.progress(
+            f"building lab {self.net.name}: {len(self.scenario.hosts)} hosts, TCP {self.scenario.congestion_control}"
+        )
         self.net.create()
-        for h in self.s.hosts:
-            host = self.net.add_host(h.name, h.link, self.s.congestion_control)
+        for h in self.scenario.hosts:
+            host = self.net.add_host(h.name, h.link, self.scenario.congestion_control)
             self.record.congestion_control[h.name] = self.net.congestion_control(host)
-        self.record.rtt = self._measure_rtt([h.name for h in self.s.hosts])
+        self.record.rtt = self._measure_rtt([h.name for h in self.scenario.hosts])
         delayed = {
-            n: m for n, m in self.record.rtt.items() if self.s.host(n).link.rtt_ms or self.s.host(m["to"]).link.rtt_ms
+            n: m
+            for n, m in self.record.rtt.items()
+            if self.scenario.host(n).link.rtt_ms or self.scenario.host(m["to"]).link.rtt_ms
         }
         if delayed:
             self.progress(
@@ -286,7 +292,7 @@ class Lab:
     def _measure_rtt(self, names: list[str]) -> dict[str, dict]:
         """Each named host's RTT to the next host of the scenario (a ring), measured now, with what
         the settings give: {host: {"to", "set_ms", "median_ms", "min_ms", "max_ms", "probes"}}."""
-        order = [h.name for h in self.s.hosts]
+        order = [h.name for h in self.scenario.hosts]
         if len(order) < 2:
             return {}
         pairs = [(n, order[(order.index(n) + 1) % len(order)]) for n in names]
@@ -298,37 +304,37 @@ class Lab:
         return self.net.dir / "hosts" / name
 
     def _start(self, name: str, min_peers: int = 1) -> LocalDaemon:
-        run = self.s.run
+        run = self.scenario.run
         args = ["--run", run.id, "--checkpoint-every", str(run.checkpoint_every), "--min-peers", str(min_peers)]
         if run.max_steps:
             args += ["--max-steps", str(run.max_steps)]
         seeds = [d.maddrs[0] for d in self._live().values()]
         if seeds:
             args += ["--initial-peers", *seeds]
-        if name == self.s.hosts[0].name:  # the creator of the run (a restart passes the same, harmlessly)
+        if name == self.scenario.hosts[0].name:  # the creator of the run (a restart passes the same, harmlessly)
             args += ["--task", run.task, *(a for k, v in run.settings.items() for a in ("--set", f"{k}={v}"))]
         d = spawn_in(self.net.hosts[name], self._data_dir(name), [*DAEMON_DEFAULTS, *args, *run.args])
         self.daemons[name] = d
         self.state[name] = "running"
         self.record.incarnations[name] = self.record.incarnations.get(name, 0) + 1
-        if name == self.s.hosts[0].name and not seeds:
+        if name == self.scenario.hosts[0].name and not seeds:
             d.wait_ready()  # the others bootstrap from it
         return d
 
     def _wait_training(self, names: list[str]) -> None:
-        deadline = time.monotonic() + self.s.start_timeout
+        deadline = time.monotonic() + self.scenario.start_timeout
         waiting = set(names)
         while waiting:
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"hosts {', '.join(sorted(waiting))} not training after {self.s.start_timeout:.0f} s"
+                    f"hosts {', '.join(sorted(waiting))} not training after {self.scenario.start_timeout:.0f} s"
                 )
             for name in names:
                 d = self.daemons[name]
                 if d.proc.poll() is not None:
                     raise DaemonFailed(f"host {name}: daemon exited with {d.proc.returncode}; log:\n{d.log_tail()}")
             for name, d in self._live().items():
-                sample = poll_daemon(name, d, self.s.run.id, 0.0)
+                sample = poll_daemon(name, d, self.scenario.run.id, 0.0)
                 if sample is not None and sample.step > 0:
                     waiting.discard(name)
             time.sleep(POLL_INTERVAL)
@@ -417,7 +423,7 @@ class Lab:
         from daemon.checkpoint import NAME, CheckpointStore, CorruptCheckpoint
 
         for name in self.daemons:
-            directory = self._data_dir(name) / "runs" / self.s.run.id / "checkpoints"
+            directory = self._data_dir(name) / "runs" / self.scenario.run.id / "checkpoints"
             steps, torn = [], []
             for path in sorted(directory.glob("*")) if directory.is_dir() else []:
                 if not NAME.fullmatch(path.name):

@@ -27,9 +27,9 @@ from peers.collective.tcp import TcpTransport
 from peers.collective.transport import FilteredTransport, Transport
 from peers.collective.udp import UdpTransport
 
-from peers.lazy import attributes
+from peers.torch_exports import attributes
 
-# The two rounds import torch: loaded on first use (peers/lazy.py).
+# The two rounds import torch: loaded on first use (peers/torch_exports.py).
 __getattr__ = attributes(
     __name__,
     {

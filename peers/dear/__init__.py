@@ -1,11 +1,11 @@
 """DeAR inside fast local groups: gradients all-reduced as reduce-scatter + all-gather, overlapped
 with backward and the next forward (Zhang et al., arXiv 2302.12445). docs/dear.md is the guide.
 
-    collective = GlooCollective(timeout=30.0)           # or EngineCollective, or any Collective (collective.py)
+    collective = GlooCollective(timeout=30.0)           # or EngineCollective, or any Collective (backend.py)
     dear = DeAR(model, optimizer, collective, DeARSettings(bucket_bytes=1 << 20))
     loss = task.loss(model, batch); loss.backward(); dear.step()   # per step; dear.flush() before reading params
 
-collective.py (the protocol a backend implements and its contract), gloo.py (torch.distributed
+backend.py (the protocol a backend implements and its contract), gloo.py (torch.distributed
 gloo backend), engine.py (peerd's own engine: peers/collective/halves.py), fake.py (in-process
 backend for tests), buckets.py (tensor fusion), schedule.py (the
 hooks and the three modes), overlap.py (overlap ratio from timestamps), tuner.py (online bucket
@@ -16,15 +16,15 @@ member.py (a daemon's labelled local group: when it forms, its engine; used by d
 from peers.dear.localgroup import LinkSample, LocalGroupRules, LocalGroups, PeerSample, local_groups
 from peers.dear.tuner import Fit, FusionTuner, Retune, TunerSettings
 
-from peers.lazy import attributes
+from peers.torch_exports import attributes
 
-# The rest imports torch: loaded on first use (peers/lazy.py). The daemon imports member.py, through
+# The rest imports torch: loaded on first use (peers/torch_exports.py). The daemon imports member.py, through
 # this package, whether or not it trains.
 __getattr__ = attributes(
     __name__,
     {
         "peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
-        "peers.dear.collective": ("Collective", "CollectiveError", "Handle", "Kind"),
+        "peers.dear.backend": ("Collective", "CollectiveError", "Handle", "Kind"),
         "peers.dear.engine": ("EngineCollective",),
         "peers.dear.overlap": ("StepStats",),
         "peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),

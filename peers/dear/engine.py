@@ -36,7 +36,7 @@ from peers.collective.group import Group
 from peers.collective.halves import HalfOp, Halves, HalvesSettings
 from peers.collective.tcp import TcpTransport
 from peers.collective.transport import Transport
-from peers.dear.collective import CollectiveBase, CollectiveError, Handle, Kind
+from peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind
 from peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)

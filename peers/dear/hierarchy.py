@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from peers.collective.group import shard_bounds
-from peers.dear.collective import Collective, CollectiveError
+from peers.dear.backend import Collective, CollectiveError
 
 
 def lane_bounds(n: int, lanes: int) -> list[tuple[int, int]]:

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from peers.dear.buckets import BucketPlan, plan_buckets
-from peers.dear.collective import Collective, CollectiveError, Handle
+from peers.dear.backend import Collective, CollectiveError, Handle
 from peers.dear.overlap import StepLedger, StepStats
 from peers.dear.tuner import KIB, FusionTuner, Retune
 

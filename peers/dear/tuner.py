@@ -94,25 +94,25 @@ class FusionTuner:
     def __init__(self, settings: TunerSettings | None = None):
         self.settings = settings or TunerSettings()
         self._decay = 0.5 ** (1.0 / self.settings.half_life)
-        self._s = [0.0] * 5  # weighted sums of 1, x, y, x*x, x*y (x: bytes, y: seconds)
+        self._sums = [0.0] * 5  # weighted sums of 1, x, y, x*x, x*y (x: bytes, y: seconds)
         self._probe_decay = 0.5 ** (1.0 / self.settings.probe_half_life)
-        self._p = [0.0, 0.0]  # weighted sums of 1 and y over latency probes
+        self._probe_sums = [0.0, 0.0]  # weighted sums of 1 and y over latency probes
 
     def observe(self, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or not math.isfinite(seconds) or seconds < 0:
             return
         x, y = float(nbytes), float(seconds)
-        self._s = [v * self._decay + d for v, d in zip(self._s, (1.0, x, y, x * x, x * y))]
+        self._sums = [v * self._decay + d for v, d in zip(self._sums, (1.0, x, y, x * x, x * y))]
 
     def observe_latency(self, seconds: float) -> None:
         """An op of a few bytes: its time is all startup latency."""
         if math.isfinite(seconds) and seconds >= 0:
-            self._p = [v * self._probe_decay + d for v, d in zip(self._p, (1.0, float(seconds)))]
+            self._probe_sums = [v * self._probe_decay + d for v, d in zip(self._probe_sums, (1.0, float(seconds)))]
 
     def fit(self) -> tuple[Fit | None, str]:
         """The current fit, or None and why not."""
-        w, sx, sy, sxx, sxy = self._s
-        pw, psy = self._p
+        w, sx, sy, sxx, sxy = self._sums
+        pw, psy = self._probe_sums
         probes = pw >= self.settings.min_probe_weight
         if w + (pw if probes else 0.0) < self.settings.min_weight or sxx <= 0:
             return None, f"{w:.1f} observations and {pw:.1f} probes, need {self.settings.min_weight:g}"

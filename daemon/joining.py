@@ -21,7 +21,7 @@ from peers.clock import now
 from peers.envelope import RecordRejected
 from peers.manifest import AveragingSettings, RunManifest, TensorSpec, layout_mismatch
 from peers.node import PeerNode
-from peers.runs import RunSecret
+from peers.run_ids import RunSecret
 from peers.statesync import FetchResult, fetch_state
 
 # Training code (torch, the tasks, the trainer, the averager) is imported by the functions that

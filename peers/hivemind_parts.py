@@ -19,7 +19,7 @@ as it is.
 
 This relies on hivemind (pinned ==1.1.12 in pyproject.toml) keeping to two habits: package
 `__init__.py` files that only re-export names, and submodules that import what they need.
-tests/test_hivemind_lazy.py checks both in a fresh interpreter and fails if an upgrade breaks them.
+tests/test_hivemind_parts.py checks both in a fresh interpreter and fails if an upgrade breaks them.
 """
 
 from __future__ import annotations

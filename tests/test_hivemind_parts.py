@@ -1,4 +1,4 @@
-"""peers/hivemind_lazy.py: peerd imports hivemind's parts without its packages' __init__.py files,
+"""peers/hivemind_parts.py: peerd imports hivemind's parts without its packages' __init__.py files,
 a later `import hivemind` in the same process still gets the whole package, and a daemon that
 trains nothing imports no torch (docs/benchmarks.md, "Daemon costs").
 
@@ -31,9 +31,9 @@ def test_peers_imports_what_it_needs_without_hivemind_init_then_import_hivemind_
         # and that it needs before a run trains.
         import daemon.app, daemon.cli
         import peers.node, peers.validator, peers.identity, peers.clock
-        from peers import hivemind_lazy
-        for package in hivemind_lazy.PACKAGES:
-            assert hivemind_lazy.is_lazy(package), f"something ran {{package}}/__init__.py while peerd was importing"
+        from peers import hivemind_parts
+        for package in hivemind_parts.PACKAGES:
+            assert hivemind_parts.is_lazy(package), f"something ran {{package}}/__init__.py while peerd was importing"
         loaded = [m for m in {SKIPPED!r} if m in sys.modules]
         assert not loaded, loaded
 
@@ -46,21 +46,21 @@ def test_peers_imports_what_it_needs_without_hivemind_init_then_import_hivemind_
         from hivemind.proto import crypto_pb2
         assert peers.node.P2P is P2P and peers.node.DHTNode is DHTNode
         import hivemind.utils
-        assert hivemind.utils.get_dht_time is get_dht_time and hivemind_lazy.is_lazy("hivemind.utils")
+        assert hivemind.utils.get_dht_time is get_dht_time and hivemind_parts.is_lazy("hivemind.utils")
         loaded = [m for m in {SKIPPED!r} if m in sys.modules]
         assert not loaded, loaded
 
         # Training code imports torch, and hivemind's packages stay lazy.
         import peers.averaging, peers.collective.p2p, peers.collective.fallback, daemon.trainer
-        assert "torch" in sys.modules and all(hivemind_lazy.is_lazy(p) for p in hivemind_lazy.PACKAGES)
+        assert "torch" in sys.modules and all(hivemind_parts.is_lazy(p) for p in hivemind_parts.PACKAGES)
 
         # Tools that probe dunders do not pull the package in.
         import hivemind
-        assert not hasattr(hivemind, "__wrapped__") and hivemind_lazy.is_lazy()  # inspect.unwrap probes it
+        assert not hasattr(hivemind, "__wrapped__") and hivemind_parts.is_lazy()  # inspect.unwrap probes it
 
         # The first name only __init__.py defines runs it, once, in the same package object.
         assert hivemind.__version__ == "1.1.12"
-        assert not hivemind_lazy.is_lazy()
+        assert not hivemind_parts.is_lazy()
         from hivemind import DHT, Optimizer, DecentralizedAverager
         assert hivemind.DHT is DHT and sys.modules["hivemind"] is hivemind
         assert hivemind.p2p.P2P is P2P, "the full package must reuse the submodules peerd loaded"
@@ -82,9 +82,9 @@ def test_install_leaves_an_imported_hivemind_alone():
         import hivemind
         full = sys.modules["hivemind"]
         import peers.node
-        from peers import hivemind_lazy
-        hivemind_lazy.install()
+        from peers import hivemind_parts
+        hivemind_parts.install()
         assert sys.modules["hivemind"] is full
-        assert not any(hivemind_lazy.is_lazy(package) for package in hivemind_lazy.PACKAGES)
+        assert not any(hivemind_parts.is_lazy(package) for package in hivemind_parts.PACKAGES)
         assert peers.node.P2P is hivemind.p2p.P2P
     """)

@@ -2,7 +2,7 @@
 
 A daemon that trains nothing imports peers.collective and peers.dear for their light modules
 (tcp.py, group.py, localgroup.py, member.py) and never loads torch (docs/benchmarks.md, "Daemon
-costs"); tests/test_hivemind_lazy.py checks that it stays so.
+costs"); tests/test_hivemind_parts.py checks that it stays so.
 """
 
 from __future__ import annotations
