@@ -9,12 +9,13 @@ Each setup is one `peerd lab` scenario (daemon/lab/runner.py: hosts in network n
 bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered to a host dropped,
 --rtt-ms added by the userspace delay line), run for --seconds of training:
 
-  (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, overlapped rounds
+  (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, rounds not overlapped
   (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
   (c) alone     the same hosts, the same run, no rounds (average_every = 100000): the compute ceiling
                 under the same CPU sharing, since all hosts share this machine's cores
-  extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) without overlap; throttled: (a) with host h0 on a core
-                it shares with two busy loops, the others on the other core (the straggler budget)
+  extras:       udp10: (a) with the UDP engine and 10 % loss; overlap: (a) with averaging.overlap=true;
+                throttled: (a) with host h0 on a core it shares with two busy loops, the others on the
+                other core (the straggler budget)
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
 sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import json
 
@@ -150,9 +152,9 @@ def _throttle(lab: "TrainingLab", slow: str, stop: threading.Event) -> None:
             b.wait()
 
 
-def run_setup(name: str, data: dict, throttle: str = "") -> dict:
+def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = None) -> dict:
     progress(f"{name}: {data['duration']:.0f} s of training on {len(data['host'])} hosts")
-    lab = TrainingLab(parse(data, name), progress=lambda m: progress(f"  {m}"))
+    lab = TrainingLab(parse(data, name), progress=lambda m: progress(f"  {m}"), logs=logs / name if logs else None)
     stop, pinning = threading.Event(), None
     if throttle:
         pinning = threading.Thread(target=_throttle, args=(lab, throttle, stop), name="throttle", daemon=True)
@@ -207,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
-    p.add_argument("--extra", default="", help="comma-separated: udp10, sync (no overlap), throttled")
+    p.add_argument("--extra", default="", help="comma-separated: udp10, overlap, throttled")
+    p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
     p.add_argument(
         "--single",
@@ -239,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                     scenario("a_diloco_udp10", args, {**diloco, "averaging.transport": "udp"}, loss=10.0),
                 )
             )
-        elif e == "sync":
-            setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
+        elif e == "overlap":
+            setups.append(
+                ("a_diloco_overlap", scenario("a_diloco_overlap", args, {**diloco, "averaging.overlap": "true"}))
+            )
         elif e == "throttled":
             setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))
         else:
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = {x for x in args.skip.split(",") if x}
     lines = {}
     for name, data in [(n, d) for n, d in setups if n not in skip]:
-        lines[name] = run_setup(name, data, throttle="h0" if name.endswith("throttled") else "")
+        lines[name] = run_setup(name, data, throttle="h0" if name.endswith("throttled") else "", logs=args.logs)
     if "a_diloco" not in lines or "c_alone" not in lines:
         return 0  # no headline without both (a) and (c)
     a, c = lines["a_diloco"], lines["c_alone"]
