@@ -75,7 +75,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
     from peers.events import PeerEvents
     from peers.manifest import AveragingSettings
     from peers.matchmaking import Matchmaker, MatchmakingSettings
-    from peers.membership import DiscoverySettings, RunMembership
+    from peers.membership import Announcement, DiscoverySettings, RunMembership
     from peers.node import NodeSettings, PeerNode
 
     class TimedMatchmaker(Matchmaker):
@@ -132,7 +132,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         events=events,
     )
     step = 0
-    membership.step_of = lambda: step
+    membership.announcement = lambda: Announcement(step=step)
     on_loop(membership.start(), SETUP_TIMEOUT)
 
     async def everyone_in_table() -> None:

@@ -28,7 +28,7 @@ from peers.collective.group import MAX_GROUP
 from peers.dear.member import AUTO, GroupPeer, LocalGroupMember
 from peers.linkprobe import LinkProber
 from peers.matchmaking import Matchmaker, MatchmakingSettings
-from peers.membership import IDLE, TRAINER, DiscoverySettings, Memberships
+from peers.membership import IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
 from peers.node import NodeSettings, PeerNode
 from peers.clock import now as dht_now
 from peers.run_ids import RunSecret, validate_run_id
@@ -45,6 +45,29 @@ PROBE_BATCH = 8  # links measured at once
 BANDWIDTH_INTERVAL = 30.0
 MANIFEST_POLL = 5.0  # seconds between two looks for the manifest of a run joined without one
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+
+
+@dataclass(slots=True)
+class RunTraining:
+    """What one run's heartbeat says of its training on this daemon (peers/membership.py asks at each
+    heartbeat): the trainer's step, sketches and delegation, its DeAR engine's address, and the link
+    reports peers decide an automatic local group from."""
+
+    trainer: object  # daemon.trainer.Trainer or daemon.attached.AttachedTrainer
+    local_group: LocalGroupMember | None = None
+    prober: LinkProber | None = None  # with --local-group auto
+
+    def announcement(self) -> Announcement:
+        sketches = self.trainer.sketches  # before the step: see Announcement
+        delegated, group = self.trainer.delegation  # one read: the trainer replaces the pair as a whole
+        return Announcement(
+            step=self.trainer.global_step,
+            sketches=sketches,
+            dear_address=self.local_group.address if self.local_group is not None else "",
+            delegated_lanes=delegated,
+            dear_group=group,
+            links=self.prober.reports() if self.prober is not None else (),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,10 +425,12 @@ class Daemon:
         sync = run_setup.sync_bridge(handle, loop, self.node, run_id, secret, membership, self.metrics.peer_events())
         if not manifest.task:
             handle.trainer = trainer = self._attached_trainer(manifest, membership, average, sync, loop)
+            training = RunTraining(trainer)
         else:
             handle.trainer = trainer = self._task_trainer(manifest, membership, average, sync, loop, secret)
-        membership.step_of = lambda: trainer.global_step
-        membership.sketches_of = lambda: trainer.sketches
+            auto = self.config.train.local_group == AUTO
+            training = RunTraining(trainer, trainer.local_group, self.prober if auto else None)
+        membership.announcement = training.announcement
         self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
         await asyncio.to_thread(trainer.load)  # status shows the restored step from its first answer
         trainer.start()
@@ -431,10 +456,6 @@ class Daemon:
                 events=self.metrics.peer_events(),
                 engine_key=secret.engine_key if secret is not None else None,
             )
-            membership.dear_address_of = lambda: local_group.address
-            membership.delegation_of = lambda: trainer.delegation
-            if self.config.train.local_group == AUTO and self.prober is not None:
-                membership.links_of = self.prober.reports  # peers decide the group from these
         trainer = run_setup.make_trainer(
             manifest,
             self.node,

@@ -47,6 +47,20 @@ REJOIN_MAX = 8  # timed-out peers re-dialed per round, the most recently lost fi
 RENDEZVOUS_POLL = 0.2  # seconds between two reads of the run's records while waiting for group mates
 
 
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    """What a member's heartbeat says of the training on its daemon (all empty while nothing trains).
+    Whoever builds one reads the sketches before the step: a trainer takes a sketch after reaching its
+    step, so the record's step is never below its sketch's (peers refuse such a record)."""
+
+    step: int = 0  # the global step
+    sketches: tuple[ParamSketch, ...] = ()  # parameter sketches of the latest rounds, oldest first
+    dear_address: str = ""  # its DeAR engine's address (a --local-group member)
+    delegated_lanes: int = 0  # lanes its DeAR group's other members average for it, as a bit mask
+    dear_group: str = ""  # that group's ID
+    links: tuple[LinkReport, ...] = ()  # its fresh link reports (--local-group auto)
+
+
 @dataclass(kw_only=True, slots=True)
 class DiscoverySettings:
     heartbeat_interval: float = 2.0
@@ -78,21 +92,15 @@ class RunMembership:
         self._tasks: list[asyncio.Task] = []
         self._maddrs: tuple[str, ...] = ()
         self._lost: dict[str, float] = {}  # peer ID -> when it timed out, until it is back or forgotten
-        self.step_of: Callable[[], int] = lambda: 0  # this daemon's global step, put into each heartbeat
         self.local_group = ""  # this daemon's --local-group label, put into each heartbeat
-        self.dear_address_of: Callable[[], str] = lambda: ""  # its DeAR engine's address, put into each heartbeat
         self.probe_address = ""  # where this daemon answers link probes, put into each heartbeat
-        # (lanes its DeAR group's other members average for it as a bit mask, that group's ID), ditto
-        self.delegation_of: Callable[[], tuple[int, str]] = lambda: (0, "")
-        self.links_of: Callable[[], tuple[LinkReport, ...]] = (
-            lambda: ()
-        )  # its fresh link reports, put into each heartbeat
+        # What the heartbeat says of this daemon's training, asked at each heartbeat (daemon/app.py's
+        # RunTraining once the run trains); the record leaves it out while the member is not ACTIVE.
+        self.announcement: Callable[[], Announcement] = Announcement
         self.published_links: tuple[float, tuple[LinkReport, ...]] = (
             0.0,
             (),
         )  # (timestamp, links) of the latest heartbeat
-        # Its parameter sketches of the latest rounds, oldest first: the newest goes into each heartbeat.
-        self.sketches_of: Callable[[], tuple[ParamSketch, ...]] = lambda: ()
         self._divergence: Divergence | None = None  # the newest step's figure found so far
 
     @property
@@ -204,16 +212,14 @@ class RunMembership:
         Kept until a figure of a newer step replaces it: right after a round each peer's new sketch
         reaches the others a heartbeat later, and meanwhile no step may have two."""
         peers = (e.sketch for e in self.table.entries() if e.sketch is not None)
-        found = divergence([*self.sketches_of(), *peers])
+        found = divergence([*self.announcement().sketches, *peers])
         if found is not None and (self._divergence is None or found.step >= self._divergence.step):
             self._divergence = found
         return self._divergence
 
     def _envelope(self, state: MemberState) -> bytes:
-        delegated, group = self.delegation_of()  # one read: the trainer replaces the pair as a whole
-        # Read before the step: the trainer takes a sketch after reaching its step, so the record's
-        # step is never below the sketch's (peers refuse such a record).
-        own = self.sketches_of() if state is MemberState.ACTIVE else ()
+        active = state is MemberState.ACTIVE
+        said = self.announcement() if active else Announcement()
         record = MemberRecord(
             run_id=self.run_id,
             peer_id=self.node.peer_id,
@@ -222,14 +228,14 @@ class RunMembership:
             role=self.role,
             state=state,
             timestamp=now(),
-            step=self.step_of() if state is MemberState.ACTIVE else 0,
+            step=said.step,
             local_group=self.local_group,
-            dear_address=self.dear_address_of() if state is MemberState.ACTIVE else "",
-            probe_address=self.probe_address if state is MemberState.ACTIVE else "",
-            delegated_lanes=delegated if state is MemberState.ACTIVE else 0,
-            dear_group=group if state is MemberState.ACTIVE else "",
-            links=self.links_of() if state is MemberState.ACTIVE else (),
-            sketch=own[-1] if own else None,
+            dear_address=said.dear_address,
+            probe_address=self.probe_address if active else "",
+            delegated_lanes=said.delegated_lanes,
+            dear_group=said.dear_group,
+            links=said.links,
+            sketch=said.sketches[-1] if said.sketches else None,
         )
         if state is MemberState.ACTIVE:  # what peers see of this daemon's links: the local group uses the same
             self.published_links = (record.timestamp, record.links)

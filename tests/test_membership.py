@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from peers.membership import DiscoverySettings, RunMembership
+from peers.membership import Announcement, DiscoverySettings, RunMembership
 from tests.helpers import peer_nodes
 
 EVERY = 10
@@ -30,7 +30,7 @@ def test_rendezvous_waits_for_a_mate_in_the_previous_round_until_it_arrives(tmp_
             try:
                 steps = {a: 20, b: 15, c: 3}  # b is in the previous round; c two rounds behind (downloads instead)
                 for m in members:
-                    m.step_of = lambda m=m: steps[m]
+                    m.announcement = lambda m=m: Announcement(step=steps[m])
                     await m.heartbeat()
                 await a.refresh()
                 assert {e.peer_id: e.step for e in a.peers()} == {b.node.peer_id: 15, c.node.peer_id: 3}
@@ -58,7 +58,7 @@ def test_rendezvous_gives_up_on_a_stuck_mate_after_its_patience(tmp_path):
         async with peer_nodes(2, tmp_path) as nodes:
             a, b = members = await _members(nodes)
             try:
-                a.step_of, b.step_of = (lambda: 30), (lambda: 25)
+                a.announcement, b.announcement = (lambda: Announcement(step=30)), (lambda: Announcement(step=25))
                 await b.heartbeat()
                 started = time.monotonic()
                 behind = await a.rendezvous([b.node.peer_id], 30, 20, timeout=1.5)
@@ -91,7 +91,7 @@ def test_sketches_travel_in_heartbeats_and_every_member_finds_the_same_divergenc
                     c: (ParamSketch(10, 2, (0.0, 90.0)),),
                 }
                 for m in members:
-                    m.step_of, m.sketches_of = (lambda m=m: sketches[m][-1].step), (lambda m=m: sketches[m])
+                    m.announcement = lambda m=m: Announcement(step=sketches[m][-1].step, sketches=sketches[m])
                     await m.heartbeat()
                 await asyncio.gather(*(m.refresh() for m in members))
                 views = [m.divergence() for m in members]
