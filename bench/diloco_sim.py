@@ -45,6 +45,7 @@ from bench.common import emit, progress, result
 from daemon.diloco import OuterLoop, OuterSettings, outer_step
 from daemon.flat import from_flat
 from daemon.tasks.charlm import CharLM, CharLMHparams
+from peers.averaging import RoundResult
 from peers.collective import codec
 
 BENCH = "diloco_sim"
@@ -82,7 +83,7 @@ class Rounds:
             self.entries[i] = (vector, weight, round_t, fmt)
             self.own[i] = vector.clone()
             self.barrier.wait()
-            return [round_t]
+            return [RoundResult(round_t, self.barrier.parties, None, "emulated: every member meets")]
 
         return average
 

@@ -43,7 +43,7 @@ import torch
 from daemon.checkpoint import CheckpointStore, layout_digest
 from daemon.diloco import OuterLoop, OuterSettings
 from daemon.trainer import CATCH_UP_PATIENCE, TrainState
-from peers.averaging import RoundResult
+from peers.averaging import Average, RoundResult
 from peers.manifest import TensorSpec
 from peers.sketch import HISTORY, SketchPlan
 from peers.statesync import Snapshot
@@ -184,7 +184,7 @@ class AttachedTrainer:
         round_timeout: float,
         checkpoint_every: int,
         shared_dir: Path,
-        average: Callable[..., list],
+        average: Average,
         on_round: Callable[[object], None] = lambda result: None,
         peer_steps: Callable[[], list[int]] = list,
         sync: Callable[[int, torch.Tensor], object] | None = None,

@@ -45,10 +45,15 @@ from dataclasses import dataclass
 import torch
 
 from daemon.flat import from_flat, to_flat
+from peers.averaging import RoundResult
 from peers.collective import codec
 from peers.dear.hierarchy import lane_bounds
 
 logger = logging.getLogger(__name__)
+
+# A phase's round: (vector, weight, round_t, payload format) -> one RoundResult per lane; the trainer's
+# `_round_in` over the run's peers.averaging.Average.
+PhaseRound = Callable[[torch.Tensor, float, int, str], list[RoundResult]]
 
 
 @torch.no_grad()
@@ -84,9 +89,9 @@ class Applied:
     repaired: bool = False  # the round averaged θ itself
 
 
-def cancelled(results: list) -> bool:
+def cancelled(results: list[RoundResult]) -> bool:
     """Whether the run's stop cancelled the round (daemon/joining.round_bridge): its result is not applied."""
-    return any(getattr(r, "cancelled", False) for r in results)
+    return any(r.cancelled for r in results)
 
 
 class OuterLoop:
@@ -96,7 +101,7 @@ class OuterLoop:
     named thread, while the trainer thread computes. Every other method is called from the trainer
     thread."""
 
-    def __init__(self, params: list[torch.Tensor], settings: OuterSettings, average: Callable[..., list], name: str):
+    def __init__(self, params: list[torch.Tensor], settings: OuterSettings, average: PhaseRound, name: str):
         self.params, self.settings, self.average = params, settings, average
         n = sum(p.numel() for p in params)
         self.n = n

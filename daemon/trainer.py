@@ -37,7 +37,7 @@ from peers.dear.backend import CollectiveError
 from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peers.dear.schedule import DeAR, DeARSettings
-from peers.averaging import RoundResult
+from peers.averaging import Average, RoundResult
 from peers.sketch import HISTORY, ParamSketch, SketchPlan
 from peers.statesync import Snapshot
 from daemon.tasks import EvalResult, Hparams, Task
@@ -152,7 +152,7 @@ class Trainer:
         average_every: int = 0,
         lanes: int = 1,
         round_timeout: float = 30.0,
-        average: Callable[..., list] | None = None,
+        average: Average | None = None,
         on_round: Callable[[object], None] | None = None,
         peer_steps: Callable[[], list[int]] | None = None,
         sync: Callable[[int, torch.Tensor], object] | None = None,
@@ -439,7 +439,7 @@ class Trainer:
         same state. (A group that holds is kept or dropped by its hierarchical round.)"""
         if self.local_group is None or self._dear is not None:
             return
-        if len(results) != self.lanes or not all(getattr(r, "completed", False) for r in results):
+        if len(results) != self.lanes or not all(r.completed for r in results):
             return
         round_members = set.intersection(*(set(r.outcome.members) for r in results))
         collective = self.local_group.try_form(round_members)
@@ -650,7 +650,7 @@ class Trainer:
     def _log_incomplete(self, results: list, previous, round_t: int) -> None:
         """Say why a round did not complete. A peer alone runs a round every few milliseconds: the
         reason is logged when it changes, not every time."""
-        if all(getattr(r, "completed", False) for r in results):
+        if all(r.completed for r in results):
             return
         reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
         same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason

@@ -41,6 +41,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Protocol
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,23 @@ class RoundResult:
         if self.delegated:
             return "delegated"
         return "no_group" if self.outcome is None else self.outcome.status.value
+
+
+class Average(Protocol):
+    """A trainer's blocking round (daemon/joining.round_bridge makes one per run): averages `vector`
+    in place with the round's group, one round per lane (`lanes` None: every lane), the vector
+    travelling in `payload`'s format (peers/collective/codec.py); `restore`: a round that stops
+    without an outcome leaves the lane as it was. One RoundResult per lane."""
+
+    def __call__(
+        self,
+        vector: torch.Tensor,
+        weight: float,
+        round_t: int,
+        lanes: Sequence[int] | None = None,
+        restore: bool = True,
+        payload: str = "fp32",
+    ) -> list[RoundResult]: ...
 
 
 class MoshpitAverager:

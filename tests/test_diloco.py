@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from daemon.diloco import OuterLoop, OuterSettings, outer_step
+from peers.averaging import RoundResult
 
 
 def test_the_outer_step_is_nesterov_sgd_with_exact_values():
@@ -48,7 +49,7 @@ class Pair:
             assert fmt == "fp32"
             self.entries.append((vector, weight))
             self.barrier.wait()
-            return [f"round {round_t}"]
+            return [RoundResult(round_t, 2, None, "emulated: every member meets")]
 
         settings = OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=overlap)
         return OuterLoop(params, settings, average, name)
