@@ -70,7 +70,7 @@ def outer_step(
 @dataclass(frozen=True, slots=True)
 class OuterSettings:
     lr: float = 0.7
-    momentum: float = 0.9
+    momentum: float = 0.5  # peers/manifest.py's default (why not DiLoCo's 0.9: docs/benchmarks.md)
     payload: str = "int8"  # how pseudo-gradients travel (peers/collective/codec.py)
     lanes: int = 1  # the run's lanes: error feedback is exact per lane, the vector each round averages
     overlap: bool = False
