@@ -9,13 +9,13 @@ Each setup is one `peerd lab` scenario (daemon/lab/runner.py: hosts in network n
 bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered to a host dropped,
 --rtt-ms added by the userspace delay line), run for --seconds of training:
 
-  (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, rounds not overlapped
+  (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, overlapped rounds
   (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
   (c) alone     the same hosts, the same run, no rounds (average_every = 100000): the compute ceiling
                 under the same CPU sharing, since all hosts share this machine's cores
-  extras:       udp10: (a) with the UDP engine and 10 % loss; overlap: (a) with averaging.overlap=true;
-                throttled: (a) with host h0 on a core it shares with two busy loops, the others on the
-                other core (the straggler budget)
+  extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
+                throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
+                the others' speed (the straggler budget; needs cgroup v1's cpu controller)
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
 sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
@@ -30,7 +30,6 @@ import argparse
 import math
 import os
 import statistics
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -87,12 +86,6 @@ def _typed(settings: dict) -> dict:
     return out
 
 
-# A busy loop in a process of its own, exec'd (subprocess closes every other descriptor): a process
-# forked from this one while the lab's thread runs `ip` would keep that command's stdout pipe open,
-# and the lab would wait for its end until the command's timeout (what hung this setup before).
-_BURN = "import time\nend = time.monotonic() + float(__import__('sys').argv[1])\nwhile time.monotonic() < end: pass"
-
-
 def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> dict:
     hosts = [{"name": f"h{i}"} for i in range(args.hosts)]
     data = {
@@ -130,26 +123,36 @@ def _tasks(pid: int) -> list[int]:
     return out
 
 
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (this lab machine's kernel mounts v1)
+THROTTLE_CPUS = 0.35  # of one core: the other two hosts share the rest of this 2-core machine, ~0.8 each
+
+
 def _throttle(lab: "TrainingLab", slow: str, stop: threading.Event) -> None:
-    """Host `slow` shares CPU 0 with two busy-looping neighbours, the others get CPU 1: the slow host
-    computes at about 2/3 of their speed. Re-applied every second (threads come and go)."""
-    burners = [subprocess.Popen([sys.executable, "-c", _BURN, "3600"]) for _ in range(2)]
-    for b in burners:
-        os.sched_setaffinity(b.pid, {0})
+    """Every thread of host `slow` (its daemon and p2pd) goes into a cgroup whose CPU quota is
+    THROTTLE_CPUS of one core: it computes at about half the speed of the others. Re-applied every
+    second (threads come and go). Busy-looping neighbours on its core, tried first, did not slow
+    it: the scheduler shares a core by threads, and a daemon has more runnable threads than two."""
+    group = CPU_CGROUP / f"peerd-throttle-{os.getpid()}"
+    group.mkdir()
     try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(THROTTLE_CPUS * 100000)))
         while not stop.wait(1.0):
-            for name, d in list(lab.daemons.items()):
-                if d.proc is None:
-                    continue
-                for tid in _tasks(d.proc.pid):
-                    try:
-                        os.sched_setaffinity(tid, {0} if name == slow else {1})
-                    except OSError:
-                        pass
+            d = lab.daemons.get(slow)
+            if d is None or d.proc is None:
+                continue
+            for tid in _tasks(d.proc.pid):
+                try:
+                    (group / "tasks").write_text(str(tid))
+                except OSError:  # gone meanwhile
+                    pass
     finally:
-        for b in burners:
-            b.kill()
-            b.wait()
+        for tid in (group / "tasks").read_text().split():  # back to the root group, or rmdir fails
+            try:
+                (CPU_CGROUP / "tasks").write_text(tid)
+            except OSError:
+                pass
+        group.rmdir()
 
 
 def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = None) -> dict:
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
-    p.add_argument("--extra", default="", help="comma-separated: udp10, overlap, throttled")
+    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled")
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
     p.add_argument(
@@ -242,10 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                     scenario("a_diloco_udp10", args, {**diloco, "averaging.transport": "udp"}, loss=10.0),
                 )
             )
-        elif e == "overlap":
-            setups.append(
-                ("a_diloco_overlap", scenario("a_diloco_overlap", args, {**diloco, "averaging.overlap": "true"}))
-            )
+        elif e == "sync":
+            setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
         elif e == "throttled":
             setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))
         else:

@@ -521,7 +521,7 @@ class Daemon:
         attach to a run with no manifest creates it with the process's model. Raises UnknownRun,
         RunRefused (another model, a task's run, other settings), AttachRefused (one process per
         run per daemon, or no state to start from), RuntimeError when not READY."""
-        from daemon.attached import AttachedTrainer, AttachRefused
+        from daemon.attached import SCRIPT_RUN_DEFAULTS, AttachedTrainer, AttachRefused
         from peers.manifest import check_layout
 
         self._require_ready()
@@ -533,8 +533,9 @@ class Daemon:
                     f"this daemon is not in run {run_id!r}: start it with --run {run_id} (or `peerd join {run_id}`)"
                 )
             if handle.manifest is None:
+                created = {**SCRIPT_RUN_DEFAULTS, **settings}
                 resolved = await run_setup.resolve(
-                    self.node, run_id, handle.secret, "", settings, self.reject, self.config.data_dir, model=layout
+                    self.node, run_id, handle.secret, "", created, self.reject, self.config.data_dir, model=layout
                 )
                 await self._train(handle, *resolved)
                 self.data_dir.write_ready(self.ready_info())

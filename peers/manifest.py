@@ -58,10 +58,11 @@ class AveragingSettings:
     payload: str = "int8"
     # A round runs on the network while the next inner steps compute, and its result lands as soon
     # as it ends (Streaming DiLoCo; daemon/diloco.py): compute waits only for a round longer than a
-    # phase. Off by default: per step the model is about 1 % worse (simulation), a script's loop
-    # lands each round a whole phase late (13 % worse), and the lab has not shown it better than
-    # without (docs/benchmarks.md, "Training over a WAN"). False: compute waits for each round.
-    overlap: bool = False
+    # phase. On by default: in the lab its model was better than without and than a host alone, in
+    # the same wall time (docs/benchmarks.md, "Training over a WAN", run 6), though per step it is
+    # about 1 % worse (simulation) and a script's loop lands each round a whole phase late (3.5 %
+    # worse per step at outer momentum 0.5). False: compute waits for each round (DiLoCo as published).
+    overlap: bool = True
     # An inner phase ends after `average_every` steps or, when half of the other live peers have
     # reached the round boundary, after `inner_budget` times the time they took, whichever comes
     # first: a slow peer contributes fewer samples instead of stalling its group (DropCompute). 0: off.

@@ -12,6 +12,17 @@ from tests.helpers import peer_ids, wait_for
 
 _started: list[LocalDaemon] = []
 
+# Tests that build a network lab (namespaces, a bridge, nftables tables) run one after another on one
+# pytest-xdist worker (`--dist loadgroup`, ./dev test): two labs built at once could pick the same
+# free subnet (daemon/lab/netns.py), and their timings assume no other lab shares the link.
+LAB_FILES = {"test_lab.py", "test_dear_lab.py", "test_linkprobe_lab.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in LAB_FILES or "round_cost" in item.name:
+            item.add_marker(pytest.mark.xdist_group("lab"))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _reap_daemons():

@@ -17,6 +17,7 @@ import torch
 import peerd
 import peerd.torch
 from daemon.client import ControlClient
+from peers.manifest import decode_manifest
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,9 @@ def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
     status = run_status(a, "loop")
     assert status.step == 120 and status.attached_pid == 0 and status.task == ""
+    # A run a script created waits for its rounds (daemon/attached.py, SCRIPT_RUN_DEFAULTS).
+    kept = (a.data_dir / "runs" / "loop" / "manifest").read_bytes()
+    assert decode_manifest(kept, run_id="loop", secret=None, subkey=None).averaging.overlap is False
     # The weights out: the daemon's checkpoint at detach holds θ, which is the scripts' model.
     exported = peerd.export("loop", daemon=a.data_dir, out=tmp_path / "export.pt")
     assert exported.step == 120
