@@ -659,6 +659,7 @@ class Daemon:
                 r.dear_buckets, r.dear_bucket_bytes, r.dear_steps = tr.dear_buckets, tr.dear_bucket_bytes, tr.dear_steps
                 r.dear_overlap_ratio, r.wan_share = tr.dear_overlap_ratio, tr.wan_share
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
+                r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device
             runs.append(r)

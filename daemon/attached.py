@@ -221,7 +221,7 @@ class AttachedTrainer:
         self._watcher: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state = TrainState.LOADING
-        self.global_step = self.local_step = self.resumed_from = 0
+        self.global_step = self.local_step = self.resumed_from = self.synced_from = 0
         self.samples = 0
         self._samples_since_round = 0.0
         self.loss = math.nan
@@ -423,6 +423,7 @@ class AttachedTrainer:
                     self._outer.adopt(self._flat)
                     self.snapshot = Snapshot(result.step, self._outer.outer.clone())
                     self.global_step = max(self.global_step, result.step)
+                    self.synced_from = result.step
                     self._samples_since_round, self._has_state = 0.0, True
                     logger.info(
                         "run %s: state downloaded (%s); now at step %d", self.run_id, result.reason, self.global_step
