@@ -127,40 +127,52 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (this lab 
 THROTTLE_CPUS = 0.35  # of one core: the other two hosts share the rest of this 2-core machine, ~0.8 each
 
 
-def _throttle(lab: "TrainingLab", slow: str, stop: threading.Event) -> None:
-    """Every thread of host `slow` (its daemon and p2pd) goes into a cgroup whose CPU quota is
+def _cpu_quota_group() -> Path:
+    """A new cgroup (v1 cpu controller) holding its threads to THROTTLE_CPUS of one core."""
+    if not (CPU_CGROUP / "tasks").exists():
+        raise SystemExit(f"the throttled setup needs cgroup v1's cpu controller at {CPU_CGROUP}")
+    group = CPU_CGROUP / f"peerd-throttle-{os.getpid()}"
+    group.mkdir()
+    (group / "cpu.cfs_period_us").write_text("100000")
+    (group / "cpu.cfs_quota_us").write_text(str(int(THROTTLE_CPUS * 100000)))
+    return group
+
+
+def _remove_group(group: Path) -> None:
+    for tid in (group / "tasks").read_text().split():  # back to the root group, or rmdir fails
+        try:
+            (CPU_CGROUP / "tasks").write_text(tid)
+        except OSError:  # gone meanwhile
+            pass
+    try:
+        group.rmdir()
+    except OSError as e:
+        progress(f"  could not remove {group}: {e}")
+
+
+def _throttle(lab: "TrainingLab", slow: str, group: Path, stop: threading.Event) -> None:
+    """Every thread of host `slow` (its daemon and p2pd) goes into `group`, whose CPU quota is
     THROTTLE_CPUS of one core: it computes at about half the speed of the others. Re-applied every
     second (threads come and go). Busy-looping neighbours on its core, tried first, did not slow
     it: the scheduler shares a core by threads, and a daemon has more runnable threads than two."""
-    group = CPU_CGROUP / f"peerd-throttle-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(int(THROTTLE_CPUS * 100000)))
-        while not stop.wait(1.0):
-            d = lab.daemons.get(slow)
-            if d is None or d.proc is None:
-                continue
-            for tid in _tasks(d.proc.pid):
-                try:
-                    (group / "tasks").write_text(str(tid))
-                except OSError:  # gone meanwhile
-                    pass
-    finally:
-        for tid in (group / "tasks").read_text().split():  # back to the root group, or rmdir fails
+    while not stop.wait(1.0):
+        d = lab.daemons.get(slow)
+        if d is None or d.proc is None:
+            continue
+        for tid in _tasks(d.proc.pid):
             try:
-                (CPU_CGROUP / "tasks").write_text(tid)
-            except OSError:
+                (group / "tasks").write_text(str(tid))
+            except OSError:  # gone meanwhile
                 pass
-        group.rmdir()
 
 
 def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = None) -> dict:
     progress(f"{name}: {data['duration']:.0f} s of training on {len(data['host'])} hosts")
     lab = TrainingLab(parse(data, name), progress=lambda m: progress(f"  {m}"), logs=logs / name if logs else None)
-    stop, pinning = threading.Event(), None
+    stop, pinning, group = threading.Event(), None, None
     if throttle:
-        pinning = threading.Thread(target=_throttle, args=(lab, throttle, stop), name="throttle", daemon=True)
+        group = _cpu_quota_group()
+        pinning = threading.Thread(target=_throttle, args=(lab, throttle, group, stop), name="throttle", daemon=True)
         pinning.start()
     try:
         record = lab.run()
@@ -168,6 +180,7 @@ def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = Non
         stop.set()
         if pinning is not None:
             pinning.join(10)
+            _remove_group(group)
     hosts = {}
     for host in (h["name"] for h in data["host"]):
         last = [s for s in record.samples if s.host == host]
