@@ -36,6 +36,8 @@ from pathlib import Path
 
 import json
 
+import psutil
+
 from bench.common import emit, progress as _progress, result
 from daemon.lab.runner import Lab
 from daemon.lab.scenario import parse
@@ -107,19 +109,17 @@ def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> d
 
 def _tasks(pid: int) -> list[int]:
     """Every thread of the process and of its descendants (the daemon, its p2pd)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in processes:
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
-        except FileNotFoundError:
-            continue
-        out += tids
-        for t in tids:
-            try:
-                todo += [int(c) for c in open(f"/proc/{p}/task/{t}/children").read().split()]
-            except FileNotFoundError:
-                pass
+            out += [t.id for t in p.threads()]
+        except psutil.NoSuchProcess:  # gone meanwhile
+            pass
     return out
 
 

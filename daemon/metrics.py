@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
+import psutil
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -201,14 +200,13 @@ class _TrainingCollector(Collector):
 
 
 def process_started() -> float:
-    """The time.monotonic() value at which this process started (Linux: its start time in
-    /proc/self/stat, in clock ticks since boot, against /proc/uptime); now where /proc is unreadable."""
+    """The time.monotonic() value at which this process started (psutil's create time, against the
+    wall clock now); now where the system does not say."""
     try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22
-        since_boot = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        created = psutil.Process().create_time()
+    except psutil.Error:
         return time.monotonic()
-    return time.monotonic() - (since_boot - start_ticks / os.sysconf("SC_CLK_TCK"))
+    return time.monotonic() - max(time.time() - created, 0.0)
 
 
 class DaemonMetrics:

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from daemon.client import ControlClient
@@ -23,36 +24,22 @@ EXIT_BOUND = 2.0  # seconds from Ctrl-C to a foreground daemon's exit (docs/oper
 
 
 def live_descendants(pid: int) -> set[int]:
-    """Live (non-zombie) processes under pid, from /proc: the daemons, their p2pd, anything else."""
-    parent, live = {}, set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(entry.name)] = int(fields[1])
-        if fields[0] != "Z":
-            live.add(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        p = todo.pop()
-        children = {c for c, pp in parent.items() if pp == p}
-        found |= children
-        todo += children
-    return found & live
+    """Live (non-zombie) processes under pid: the daemons, their p2pd, anything else."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    return alive({c.pid for c in children})
 
 
 def alive(pids: set[int]) -> set[int]:
     out = set()
     for p in pids:
         try:
-            state = (Path("/proc") / str(p) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(p)
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                out.add(p)
+        except psutil.NoSuchProcess:
+            pass
     return out
 
 

@@ -39,6 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 PREFIX = "pdlab-"
 LAB_ID = re.compile(r"pdlab-([0-9a-f]{4})(?![0-9a-f])")
 CMD_TIMEOUT = 20.0  # seconds for one ip/tc/nft/sysctl command
@@ -471,17 +473,20 @@ def _free_subnet() -> int:
     raise LabError("no free 10.77.K.0/24 subnet left in the root namespace (run `peerd lab clean`)")
 
 
-def _stat(pid: int, field: int, gone: str) -> str:
-    """One field of /proc/PID/stat after the command name (0: state, 19: start time), or `gone`."""
+def _running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[field]
-    except (OSError, IndexError):
-        return gone
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _owner(pid: int) -> str:
-    """pid:start time, the start in clock ticks since boot: with the pid, names one process for good."""
-    return f"{pid}:{_stat(pid, 19, 'gone')}"
+    """pid:start time (seconds since the epoch, psutil's): with the pid, names one process for good."""
+    try:
+        return f"{pid}:{psutil.Process(pid).create_time():.2f}"
+    except psutil.NoSuchProcess:
+        return f"{pid}:gone"
 
 
 def _alias(lab_id: str) -> list[str]:
@@ -525,7 +530,7 @@ def destroy(lab_id: str) -> list[str]:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + KILL_TIMEOUT
-    while any(_stat(pid, 0, "Z") != "Z" for pid in pids) and time.monotonic() < deadline:  # gone or a zombie
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:  # until each is gone or a zombie
         time.sleep(0.05)
     links = re.findall(rf"^\d+: ({re.escape(name)}(?:-\d+)?)[@:]", sh("ip", "-o", "link", "show"), re.M)
     for link in sorted(links, key=len, reverse=True):  # veths before the bridge
