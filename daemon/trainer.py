@@ -403,11 +403,15 @@ class Trainer:
                 self._checkpoint(model, optimizer)
         self._flush()
         self._leave_group("training ended", rearm=False)
+        landed = False
         if self._outer is not None:  # the round in flight lands; the model is left at θ
             applied = self._outer.finish()
             if applied is not None:
                 self._after_outer_round(applied)
-        if self.eval is None or self.global_step % self.eval_every:  # the model as it ends, all work in it
+                landed = applied.round_t is not None
+        # The model as it ends, all work in it: evaluated again when the last round landed after the
+        # loop's evaluation (with overlap, the round of the last phase lands here).
+        if self.eval is None or self.global_step % self.eval_every or landed:
             self.eval = self.task.evaluate(model, self.hparams)
         if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)

@@ -38,20 +38,25 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
     task = get_task("digits-mlp")
     h = task.parse_hparams({"optimizer": "sgd", "lr": 0.05})
     single = sum(train_single_process(task, h, steps=steps, batch_size=3 * batch, seed=s).score for s in range(3)) / 3
+    completed = []
     for d, r in zip(daemons, finals):
         print(
             f"{d.data_dir.name}: accuracy {r.eval_score:.4f}, single process {single:.4f}, last round "
             f"{r.last_round_outcome} of {r.group_size}"
         )
         assert r.step == steps, r
-        # Within 3 % of one process (the bound). Measured at H = 50: 0.9722 without overlap (the
-        # default), 0.9639 and 0.9750 with it, against 0.9676 (one test image is 0.28 points).
+        # Within 3 % of one process (the bound). Measured at H = 50: 0.9722 without overlap,
+        # 0.9639 and 0.9750 with it (now the default), against 0.9676 (one test image is 0.28 points).
         assert r.eval_score >= 0.97 * single, (r.eval_score, single)
         m = scrape(d.metrics_url)
-        assert m[("peerd_rounds_total", (("outcome", "completed"), ("run", "dl")))] >= steps // every // 2, m
+        completed.append(m[("peerd_rounds_total", (("outcome", "completed"), ("run", "dl")))])
+        assert completed[-1] >= steps // every // 2, m
         assert 0 < m[("peerd_train_compute_fraction", (("run", "dl"),))] <= 1
-    # The last round completed everywhere: every member ends at the same θ, hence the same score.
-    assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
+    # Every round completed on every member: every member ends at the same θ, hence the same score
+    # (the final evaluation is taken after the last round landed). A round that one member missed
+    # under load leaves it its own outer step until the next repair round (every 25 by default).
+    if completed == [steps // every] * len(daemons):
+        assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     for d in daemons:
         assert d.stop() == 0
 
