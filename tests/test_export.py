@@ -77,7 +77,9 @@ def alone(vector, weight, round_t, lanes=None, restore=True, payload="fp32") -> 
     return [RoundResult(round_t, 1, None, "no group: alone in the run")]
 
 
-def train(data_dir: Path, run: str, task: str, algorithm: str, max_steps: int, checkpoint_every: int) -> Trainer:
+def train(
+    data_dir: Path, run: str, task: str, algorithm: str, max_steps: int, checkpoint_every: int, eval_every: int = 10_000
+) -> Trainer:
     """A lone peer's trainer, run to max_steps; its checkpoints land where a daemon keeps them."""
     t = get_task(task)
     trainer = Trainer(
@@ -89,7 +91,7 @@ def train(data_dir: Path, run: str, task: str, algorithm: str, max_steps: int, c
         store=CheckpointStore(data_dir / "runs" / run / "checkpoints"),
         threads=1,
         checkpoint_every=checkpoint_every,
-        eval_every=10_000,
+        eval_every=eval_every,
         max_steps=max_steps,
         average_every=4,
         average=alone,
@@ -328,3 +330,15 @@ def test_export_while_the_trainer_writes_checkpoints(tmp_path):
     finally:
         trainer.stop()
     assert len(steps) >= 2 and steps == sorted(steps), steps
+
+
+def test_the_final_evaluation_includes_the_round_that_lands_after_the_last_step(tmp_path):
+    """With overlap (the default) the last phase's round lands in finish(), after the loop's own
+    evaluation at the last step: the evaluation status shows must be of that final θ, which is what
+    the checkpoint holds (a lone peer's round leaves its own pseudo-gradient: θ moves)."""
+    trainer = train(tmp_path, "final", "digits-mlp", "diloco", max_steps=40, checkpoint_every=10_000, eval_every=40)
+    t = get_task("digits-mlp")
+    h = t.parse_hparams({})
+    model, _ = t.build(h, 1)
+    model.load_state_dict(checkpoint_of(tmp_path, "final", 40).state["model"])
+    assert trainer.eval.loss == t.evaluate(model, h).loss
