@@ -187,7 +187,8 @@ class Daemon:
 
     async def _probe_links(self) -> None:
         """Measure the link to every peer of the runs that use it (_measured_runs; peers/linkprobe.py):
-        a new peer at the next tick, the others every PROBE_INTERVAL; PROBE_BATCH at a time, each
+        a new peer at the next tick, the others every PROBE_INTERVAL (a failed link sooner:
+        LinkProber.due); PROBE_BATCH at a time, each
         measurement bounded. Every daemon answers probes whatever its runs."""
         while True:
             await asyncio.sleep(PROBE_TICK)
@@ -202,11 +203,7 @@ class Daemon:
                 }
                 self.prober.forget(set(targets))
                 t = time.monotonic()
-                due = [
-                    (p, a)
-                    for p, a in targets.items()
-                    if p not in self.prober.stats or t - self.prober.stats[p].measured_at >= PROBE_INTERVAL
-                ]
+                due = [(p, a) for p, a in targets.items() if self.prober.due(p, a, PROBE_INTERVAL, t)]
                 for i in range(0, len(due), PROBE_BATCH):
                     await asyncio.gather(
                         *(self.prober.measure(p, a) for p, a in due[i : i + PROBE_BATCH]), return_exceptions=True

@@ -26,7 +26,10 @@ hold longer than the whole round trip is ignored); the hold is the peer's own cl
 after the last: the link's loss is the share never echoed, its RTT the median over the echoes. The
 UDP path *passes* when at least PASS_SHARE of the probes came back: UDP that a firewall or NAT
 drops (nothing returns) fails, a lossy path (even 20 % each way, 64 % back) passes, because the
-loss-tolerant engine is made for it. `LinkStats` keeps the latest measurement and a running loss
+loss-tolerant engine is made for it. One failed measurement does not fail a path that passed
+(FAIL_AFTER in a row do: a peer whose loop was busy for all of ECHO_WAIT answers late, and its
+rounds would leave datagrams for a while for nothing), and a failed one is repeated soon
+(`due`: RETRY_AFTER, doubling) rather than at the usual interval. `LinkStats` keeps the latest measurement and a running loss
 (an exponential average over measurements) for status and for the local-group rule.
 
 **Bandwidth** (`measure_bandwidth`, only for `--local-group auto`): packet trains of TRAIN_COUNT
@@ -94,6 +97,8 @@ PROBE_COUNT = 20  # probes per measurement: 1 lost probe = 5 % loss
 PROBE_GAP = 0.002  # seconds between two probes of one measurement
 ECHO_WAIT = 0.5  # seconds after the last probe before the unanswered ones count as lost
 PASS_SHARE = 0.25  # a UDP path passes when at least this share of the probes came back
+FAIL_AFTER = 2  # measurements in a row that must fail before a path that passed stops passing
+RETRY_AFTER = 2.0  # seconds before a failed measurement is repeated, doubled with each failure in a row
 LOSS_SMOOTHING = 0.3  # weight of the newest measurement in LinkStats.loss
 ECHO_RATE = 2000.0  # echoes per second this daemon sends at most (and a burst of as many)
 TRAIN_SIZE = 1200  # bytes of one train datagram: below every usual path MTU, no fragments
@@ -121,9 +126,10 @@ class LinkStats:
     rtt: float  # seconds, median over the latest measurement's echoes (nan when none came back)
     loss: float  # share of probes lost, averaged over measurements (LOSS_SMOOTHING)
     last_loss: float  # share lost in the latest measurement
-    passes: bool  # the latest measurement passed (PASS_SHARE)
+    passes: bool  # the path works: a measurement passed (PASS_SHARE) and FAIL_AFTER have not failed since
     measured_at: float  # time.monotonic() of the latest measurement
     measurements: int = 1
+    failures: int = 0  # measurements in a row that did not pass
     bandwidth: float = 0.0  # bytes per second, the latest train measurement (0: none, or unmeasurable)
     bandwidth_at: float = float("-inf")  # time.monotonic() of that measurement
     bandwidth_link_bound: bool = False  # the link spread that measurement's median train (else this host set its pace)
@@ -237,14 +243,18 @@ class LinkProber:
         rtt = statistics.median(rtts.values()) if rtts else float("nan")
         if rtts:
             self.events.link_rtt(rtt)
+        passed = answered >= PASS_SHARE * count
+        failures = 0 if passed else (old.failures + 1 if old is not None and old.address == address else 1)
+        held = old is not None and old.address == address and old.passes and failures < FAIL_AFTER
         stats = LinkStats(
             address,
             rtt,
             loss,
             last_loss,
-            answered >= PASS_SHARE * count,
+            passed or held,
             time.monotonic(),
             (old.measurements + 1) if old else 1,
+            failures,
         )
         if old is not None and old.address == address:
             stats.bandwidth, stats.bandwidth_at = old.bandwidth, old.bandwidth_at
@@ -330,6 +340,16 @@ class LinkProber:
                 fresh.append(LinkReport(peer_id, s.rtt, s.bandwidth, s.loss, age))
         fresh.sort(key=lambda r: r.age)
         return tuple(sorted(fresh[:limit], key=lambda r: r.peer_id))
+
+    def due(self, peer_id: str, address: str, interval: float, now: float | None = None) -> bool:
+        """Whether the link to `peer_id` at `address` needs a measurement: never measured (or at
+        another address), `interval` after the latest one, or sooner after a failed one (RETRY_AFTER,
+        doubled with each failure in a row, never beyond `interval`)."""
+        s = self.stats.get(peer_id)
+        if s is None or s.address != address:
+            return True
+        wait = interval if not s.failures else min(interval, RETRY_AFTER * 2 ** (s.failures - 1))
+        return (time.monotonic() if now is None else now) - s.measured_at >= wait
 
     def forget(self, keep: set[str]) -> None:
         """Drop the stats of peers not in `keep` (they left every run)."""

@@ -424,7 +424,9 @@ def test_added_rtt_is_real_carries_100_mbit_and_changes_mid_run(lab):
     lab.shape("b", LinkShape(rate_mbit=100, rtt_ms=0))
     rtt = lab.measure_rtt([("a", "b"), ("b", "c")], probes=5)
     assert 74.5 < rtt["a", "b"]["min_ms"] and rtt["a", "b"]["median_ms"] < 85, rtt
-    assert rtt["b", "c"]["median_ms"] < 2, rtt
+    # b's delay line stays in place with no delay: well under the 25 ms it held before (a loaded machine
+    # adds a few ms of scheduling to each pass through the userspace line; 3.3 ms seen in CI).
+    assert rtt["b", "c"]["median_ms"] < 10, rtt
 
 
 @needs_lab

@@ -13,10 +13,12 @@ import pytest
 from peers.events import PeerEvents
 from peers.linkprobe import (
     ECHO,
+    FAIL_AFTER,
     FORMAT,
     MAGIC,
     PAUSE,
     PROBE_COUNT,
+    RETRY_AFTER,
     SIZE,
     TRAIN_COUNT,
     TRAIN_SIZE,
@@ -58,6 +60,39 @@ def test_a_clean_link_passes_with_no_loss_and_a_closed_port_fails():
             assert not rejected
             with pytest.raises(ValueError, match="not host:port"):
                 await a.measure("d", "no-port-here")
+        finally:
+            a.close(), b.close()
+
+    asyncio.run(main())
+
+
+def test_a_path_that_passed_survives_one_failed_measurement_and_a_failed_one_is_retried_soon():
+    """A peer whose loop was busy through ECHO_WAIT answers nothing once: its path keeps passing
+    until FAIL_AFTER measurements in a row fail; a failed link is due again after RETRY_AFTER
+    (doubling), a passing one only after the interval."""
+
+    async def main():
+        a, b = LinkProber(), LinkProber()
+        await a.start(), await b.start()
+        original, deaf = b._received, False
+        b._received = lambda data, addr, at: None if deaf else original(data, addr, at)
+        try:
+            first = await a.measure("b", b.address, wait=0.2)
+            assert first.passes and first.failures == 0 and not a.due("b", b.address, 15.0, first.measured_at + 14)
+            deaf = True
+            held = await a.measure("b", b.address, wait=0.2)
+            assert held.last_loss == 1 and held.failures == 1 and a.passes("b"), held
+            assert not a.due("b", b.address, 15.0, held.measured_at + RETRY_AFTER - 0.1)
+            assert a.due("b", b.address, 15.0, held.measured_at + RETRY_AFTER)
+            for _ in range(FAIL_AFTER - 1):
+                failed = await a.measure("b", b.address, wait=0.2)
+            assert not a.passes("b") and failed.failures == FAIL_AFTER, failed
+            assert not a.due("b", b.address, 15.0, failed.measured_at + RETRY_AFTER * 2 ** (FAIL_AFTER - 1) - 0.1)
+            assert a.due("b", b.address, 15.0, failed.measured_at + 15.0)
+            assert a.due("b", "127.0.0.1:1", 15.0, failed.measured_at)  # a new address: at once
+            deaf = False
+            back = await a.measure("b", b.address, wait=0.2)
+            assert back.passes and back.failures == 0, back
         finally:
             a.close(), b.close()
 
