@@ -15,7 +15,7 @@ At 0 the RTT is what the veths give, under 1 ms.
    UdpTransport, 1,472-byte datagrams, paced to 95 % of the link rate, authenticated), peerd's
    reliable engine (GroupAllReduce over TcpTransport) and torch.distributed gloo all_reduce. One
    averaging round of `--mib` MiB of float32. A round's time is its slowest process's.
-2. Convergence. `--hosts` real daemons train digits-mlp with `averaging.transport=udp` for
+2. Convergence. `--hosts` real daemons train digits-mlp with `averaging.engine=loss-tolerant` for
    `--steps` steps each, once per loss rate (0, 10 and 20 %, reno), and the final evaluation of
    every host is compared (accuracy; and how far the hosts ended from each other).
 
@@ -171,7 +171,7 @@ def rounds_part(args, numel: int) -> list[dict]:
 
 
 def convergence_part(args) -> list[dict]:
-    """digits-mlp on `hosts` daemons with averaging.transport=udp, at each loss rate: final accuracy."""
+    """digits-mlp on `hosts` daemons with averaging.engine=loss-tolerant, at each loss rate: final accuracy."""
     from daemon.lab import report
     from daemon.lab.runner import Lab
     from daemon.lab.scenario import parse
@@ -190,11 +190,11 @@ def convergence_part(args) -> list[dict]:
                     "settings": {
                         "averaging.average_every": "10",
                         "averaging.algorithm": "state",
-                        "averaging.transport": "udp",
+                        "averaging.engine": "loss-tolerant",
                         "optimizer": "sgd",
                         "lr": "0.05",
                     },
-                    "args": ["--eval-every", str(args.steps), "--udp-rate", str(args.rate * PACE)],
+                    "args": ["--eval-every", str(args.steps), "--udp-rate-mbit", str(args.rate * PACE)],
                 },
                 "link": {"rate_mbit": args.rate},
                 "host": [{"name": f"h{i}"} for i in range(args.hosts)],

@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             setups.append(
                 (
                     "a_diloco_udp10",
-                    scenario("a_diloco_udp10", args, {**diloco, "averaging.transport": "udp"}, loss=10.0),
+                    scenario("a_diloco_udp10", args, {**diloco, "averaging.engine": "loss-tolerant"}, loss=10.0),
                 )
             )
         elif e == "sync":

@@ -93,7 +93,7 @@ class Daemon:
         self.runs: dict[str, RunHandle] = {}
         self._run_changes = asyncio.Lock()  # one join or leave at a time: max_runs holds, no half-left run
         self.metrics.set_state(self.state.value)
-        self.metrics_server = MetricsServer(self.metrics, config.metrics.host, config.metrics.port)
+        self.metrics_server = MetricsServer(self.metrics, config.metrics_host, config.metrics_port)
         self.progress = ProgressLog(lambda: self.status().runs, config.progress_interval)
         self.node: PeerNode | None = None
         self.memberships: Memberships | None = None
@@ -164,8 +164,8 @@ class Daemon:
             self.prober = LinkProber(cfg.network.host, 0, events=events)
             await self.prober.start()
             self._probing = asyncio.create_task(self._probe_links(), name="link-probes")
-            for run_id in cfg.runs:
-                await self._join(run_id, secret(run_id) if secret else None, cfg.train.task, cfg.train.hparams_dict())
+            for run_id in cfg.run:
+                await self._join(run_id, secret(run_id) if secret else None, cfg.train.task, cfg.train.set_dict())
             await self._start_control()
             self._set_state(DaemonState.READY)
             await self.control.set_serving(True)
@@ -182,7 +182,7 @@ class Daemon:
         return [
             run_id
             for run_id, h in self.runs.items()
-            if h.manifest is not None and (auto or h.manifest.averaging.transport == "udp")
+            if h.manifest is not None and (auto or h.manifest.averaging.loss_tolerant)
         ]
 
     async def _probe_links(self) -> None:
@@ -227,7 +227,7 @@ class Daemon:
     async def _start_control(self) -> None:
         if self.control_address.startswith("unix:"):
             Path(self.control_address[5:]).unlink(missing_ok=True)  # stale: we hold the data dir lock
-        self.control = ControlServer(self, self.control_address, self.config.control.max_request_bytes)
+        self.control = ControlServer(self, self.control_address, self.config.control_max_request_bytes)
         port = await self.control.start()
         if not self.control_address.startswith("unix:") and self.control_address.endswith(":0"):
             self.control_address = f"{self.control_address.rsplit(':', 1)[0]}:{port}"
@@ -399,8 +399,8 @@ class Daemon:
             transport_mode={"auto": "reliable"}.get(
                 self.config.network.reliable_links, self.config.network.reliable_links
             ),
-            loss_tolerant=manifest.averaging.transport == "udp",
-            data_path=self.config.network.transport,
+            loss_tolerant=manifest.averaging.loss_tolerant,
+            data_path=self.config.network.data_path,
             udp_path_ok=lambda peer_id: self.prober is not None and self.prober.passes(peer_id),
             datagram_bytes=manifest.averaging.datagram_bytes,
             udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,

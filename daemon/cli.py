@@ -25,18 +25,25 @@ import grpc
 
 from daemon import __version__
 from daemon.client import ControlClient, as_dict, control_address
-from daemon.config import OPTIONS, ConfigError, client_defaults, default_of, load_config
+from daemon.config import OPTIONS, RENAMED_FLAGS, ConfigError, client_defaults, default_of, load_config
 
 logger = logging.getLogger("peerd")
 
 _BOOL_PATHS = {"network.nat_port_map", "network.auto_nat"}
-_APPEND_PATHS = {"runs", "network.announce", "train.hparams"}
+_APPEND_PATHS = {"run", "network.announce", "train.set"}
 _EXTEND_PATHS = {"network.initial_peers"}
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2, as the docs promise
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Renamed(argparse.Action):
+    """A flag renamed after peerd 0.1.0 (daemon/config.py RENAMED_FLAGS): refused, naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is now {RENAMED_FLAGS[option_string]} (renamed)")
 
 
 def _fail(code: int, message: str):
@@ -67,6 +74,8 @@ def _add_start(sub) -> None:
             p.add_argument(o.flag, dest=o.path, action="extend", nargs="+", metavar=o.metavar, help=help_text)
         else:
             p.add_argument(o.flag, dest=o.path, metavar=o.metavar, help=help_text)
+    for old in RENAMED_FLAGS:
+        p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_start)
 
 
@@ -82,7 +91,7 @@ def _check_ports_free(config) -> None:
     start and split its incoming connections with the first. (A port 0 is always free.)"""
     ports = {
         "--port": (config.network.host, config.network.port),
-        "--metrics-port": (config.metrics.host, config.metrics.port),
+        "--metrics-port": (config.metrics_host, config.metrics_port),
     }
     for flag, (host, port) in ports.items():
         if port == 0:
@@ -107,7 +116,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         _check_ports_free(config)
     except ConfigError as e:
         return _fail(2, str(e))
-    if not config.runs and (config.train.task or config.train.hparams):  # they would go unused
+    if not config.run and (config.train.task or config.train.set):  # they would go unused
         return _fail(2, "--task and --set are for the runs joined at start: give --run RUN_ID too")
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

@@ -1,8 +1,10 @@
 """The daemon's one typed config tree, and the only place that reads PEERD_* variables.
 
 Precedence, highest first: command-line flag > PEERD_* environment variable > TOML file (--config)
-> default. Every setting is one row of OPTIONS: its place in the tree, its flag, its variable
-(PEERD_ + the flag's name in capitals) and its help text, so the four sources cannot drift apart.
+> default. Every setting is one row of OPTIONS: its place in the tree and its help text. Its flag is
+the leaf's name with dashes (network.data_path: --data-path) and its variable PEERD_ + the flag's
+name in capitals (PEERD_DATA_PATH), so leaves are unique across the tree and the four sources
+cannot drift apart.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class ConfigError(ValueError):
 
 
 # How a loss-tolerant run's data reaches each member (docs/loss-tolerance.md, "Per-link choice").
-TRANSPORT_MODES = ("auto", "reliable", "udp")
+DATA_PATHS = ("auto", "reliable", "udp")
 # How reliable links are made; "auto" is peers.collective.fallback's "reliable" mode (TCP, else libp2p).
 RELIABLE_LINK_MODES = ("auto", "tcp", "libp2p")
 
@@ -50,14 +52,14 @@ class NetworkConfig:
     auto_nat: bool = False  # libp2p AutoNAT: asks peers to dial back, so opt-in
     startup_timeout: float = 15.0  # starting p2pd and bootstrapping to initial_peers
     dht_timeout: float = 4.0  # one DHT get or store, all hops included
-    transport: str = "auto"  # loss-tolerant runs' data per link: auto (UDP where the probe passes), reliable, udp
+    data_path: str = "auto"  # loss-tolerant runs' data per link: auto (UDP where the probe passes), reliable, udp
     reliable_links: str = "auto"  # reliable links: auto (direct TCP, else libp2p streams), tcp, libp2p
     udp_rate_mbit: float = 0.0  # pace the UDP engine's sends to this rate (Mbit/s); 0 = unpaced
 
     def __post_init__(self) -> None:
         _check_ip("host", self.host)
-        if self.transport not in TRANSPORT_MODES:
-            raise ConfigError(f"transport: {self.transport!r} is not one of {', '.join(TRANSPORT_MODES)}")
+        if self.data_path not in DATA_PATHS:
+            raise ConfigError(f"data_path: {self.data_path!r} is not one of {', '.join(DATA_PATHS)}")
         if self.reliable_links not in RELIABLE_LINK_MODES:
             raise ConfigError(f"reliable_links: {self.reliable_links!r} is not one of {', '.join(RELIABLE_LINK_MODES)}")
         _check_port("port", self.port)
@@ -98,33 +100,10 @@ class DiscoveryConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ControlConfig:
-    address: str = ""  # gRPC address: "unix:/path" or "HOST:PORT"; empty = unix socket in the data dir
-    max_request_bytes: int = 64 * 1024  # larger control requests are refused (RESOURCE_EXHAUSTED)
-
-    def __post_init__(self) -> None:
-        _check_control_address(self.address)
-        if not 1024 <= self.max_request_bytes <= 1024 * 1024:
-            raise ConfigError(
-                f"max_request_bytes must be in 1024..1048576 (gRPC's hard limit), got {self.max_request_bytes}"
-            )
-
-
-@dataclass(kw_only=True, slots=True)
-class MetricsConfig:
-    host: str = "0.0.0.0"  # where /metrics listens; Prometheus usually scrapes from another machine
-    port: int = 9400  # 0 lets the OS choose; the chosen URL is in ready.json
-
-    def __post_init__(self) -> None:
-        _check_ip("metrics_host", self.host)
-        _check_port("metrics_port", self.port)
-
-
-@dataclass(kw_only=True, slots=True)
 class TrainConfig:
     task: str = ""  # task of the runs created at start (a new run needs one; an existing run names its own)
-    hparams: list[str] = field(default_factory=list)  # "key=value" for a new run; "averaging.KEY=value" sets averaging
-    threads: int = 1  # torch intra-op threads of the trainer; several daemons on one machine want 1 each
+    set: list[str] = field(default_factory=list)  # "key=value" for a new run; "averaging.KEY=value" sets averaging
+    torch_threads: int = 1  # torch intra-op threads of the trainer; several daemons on one machine want 1 each
     checkpoint_every: int = 100  # optimizer steps between two checkpoints in the data dir
     eval_every: int = 50  # optimizer steps between two evaluations (peerd_eval_score)
     max_steps: int = 0  # stop training a run after this many local steps; 0 = never (demos, tests)
@@ -135,11 +114,11 @@ class TrainConfig:
     local_group: str = ""
 
     def __post_init__(self) -> None:
-        for item in self.hparams:
+        for item in self.set:
             if "=" not in item or not item.split("=", 1)[0]:
                 raise ConfigError(f"set: {item!r} is not KEY=VALUE")
-        if not 1 <= self.threads <= 256:
-            raise ConfigError(f"torch_threads must be in 1..256, got {self.threads}")
+        if not 1 <= self.torch_threads <= 256:
+            raise ConfigError(f"torch_threads must be in 1..256, got {self.torch_threads}")
         for name in ("checkpoint_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -155,43 +134,54 @@ class TrainConfig:
             except InvalidRunId as e:
                 raise ConfigError(f"local_group: {e}") from None
 
-    def hparams_dict(self) -> dict[str, str]:
-        return dict(item.split("=", 1) for item in self.hparams)
+    def set_dict(self) -> dict[str, str]:
+        """`set` as a mapping: hyper-parameters and averaging.* settings of the runs created at start."""
+        return dict(item.split("=", 1) for item in self.set)
 
 
 @dataclass(kw_only=True, slots=True)
 class DaemonConfig:
     data_dir: Path = field(default_factory=default_data_dir)  # identity key, control socket, ready.json, lock
-    runs: list[str] = field(default_factory=list)  # runs to join at start
+    run: list[str] = field(default_factory=list)  # runs to join at start
     # Most runs held at once: each costs heartbeats, DHT reads and memory; a join beyond it is refused.
     max_runs: int = 16
     run_secret_file: str = ""  # secret for the runs joined at start; empty = open runs
     log_level: str = "INFO"
     drain_timeout: float = 10.0  # SIGTERM to exit: leave runs, stop servers, stop p2pd
     progress_interval: float = 30.0  # seconds between two progress lines per training run in the log; 0 = none
+    control: str = ""  # control API's gRPC address: "unix:/path" or "HOST:PORT"; empty = unix socket in the data dir
+    control_max_request_bytes: int = 64 * 1024  # larger control requests are refused (RESOURCE_EXHAUSTED)
+    metrics_host: str = "0.0.0.0"  # where /metrics listens; Prometheus usually scrapes from another machine
+    metrics_port: int = 9400  # 0 lets the OS choose; the chosen URL is in ready.json
     network: NetworkConfig = field(default_factory=NetworkConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
-    control: ControlConfig = field(default_factory=ControlConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser().absolute()
-        for run_id in self.runs:
+        for run_id in self.run:
             try:
                 validate_run_id(run_id)
             except InvalidRunId as e:
                 raise ConfigError(f"run: {e}") from None
         if not 1 <= self.max_runs <= MAX_RUNS_LIMIT:
             raise ConfigError(f"max_runs must be in 1..{MAX_RUNS_LIMIT}, got {self.max_runs}")
-        if len(set(self.runs)) > self.max_runs:
-            raise ConfigError(f"run: {len(set(self.runs))} runs to join at start, more than max_runs ({self.max_runs})")
+        if len(set(self.run)) > self.max_runs:
+            raise ConfigError(f"run: {len(set(self.run))} runs to join at start, more than max_runs ({self.max_runs})")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ConfigError(f"log_level: {self.log_level!r} is not one of DEBUG, INFO, WARNING, ERROR")
         self.log_level = self.log_level.upper()
         _check_positive("drain_timeout", self.drain_timeout)
         if not 0 <= self.progress_interval < math.inf:
             raise ConfigError(f"progress_interval: must be 0 (none) or more seconds, got {self.progress_interval}")
+        _check_control_address(self.control)
+        if not 1024 <= self.control_max_request_bytes <= 1024 * 1024:
+            raise ConfigError(
+                "control_max_request_bytes must be in 1024..1048576 (gRPC's hard limit), "
+                f"got {self.control_max_request_bytes}"
+            )
+        _check_ip("metrics_host", self.metrics_host)
+        _check_port("metrics_port", self.metrics_port)
         socket_path = self.control_address.removeprefix("unix:")
         if socket_path != self.control_address and len(os.fsencode(socket_path)) > UNIX_PATH_MAX:
             raise ConfigError(
@@ -215,15 +205,18 @@ class DaemonConfig:
 
     @property
     def control_address(self) -> str:
-        return self.control.address or f"unix:{self.data_dir / 'control.sock'}"
+        return self.control or f"unix:{self.data_dir / 'control.sock'}"
 
 
 @dataclass(frozen=True, slots=True)
 class Option:
-    path: str  # place in the tree, e.g. "network.host"
-    flag: str  # command-line flag; the variable is PEERD_ + its name in capitals
+    path: str  # place in the tree, e.g. "network.host"; its leaf names the flag and the variable
     help: str
     metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.path.rpartition(".")[2].replace("_", "-")
 
     @property
     def env(self) -> str:
@@ -231,94 +224,95 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("data_dir", "--data-dir", "directory for the identity key, control socket, ready.json and lock", "DIR"),
-    Option("runs", "--run", "join this run at start (repeatable)", "RUN_ID"),
-    Option("max_runs", "--max-runs", "most runs the daemon holds at once; a join beyond it is refused", "N"),
+    Option("data_dir", "directory for the identity key, control socket, ready.json and lock", "DIR"),
+    Option("run", "join this run at start (repeatable)", "RUN_ID"),
+    Option("max_runs", "most runs the daemon holds at once; a join beyond it is refused", "N"),
+    Option("run_secret_file", "file holding the secret of the runs joined at start; none: open runs", "FILE"),
+    Option("log_level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
+    Option("drain_timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
+    Option("progress_interval", "seconds between progress lines per run (0: none)", "SECONDS"),
+    Option("control", "control API address: unix:/path or HOST:PORT; none: the unix socket in the data dir", "ADDR"),
+    Option("control_max_request_bytes", "larger control requests are refused", "BYTES"),
+    Option("metrics_host", "address /metrics listens on", "ADDR"),
+    Option("metrics_port", "port of /metrics (0: any free port)", "PORT"),
+    Option("network.host", "libp2p listen address", "ADDR"),
+    Option("network.port", "libp2p listen port (0: any free port)", "PORT"),
+    Option("network.announce", "public multiaddr to announce (repeatable)", "MADDR"),
+    Option("network.initial_peers", "multiaddrs of peers to bootstrap from", "MADDR"),
+    Option("network.nat_port_map", "UPnP/NAT-PMP port mapping (multicasts on the LAN, so opt-in)"),
+    Option("network.auto_nat", "libp2p AutoNAT (asks peers to dial back, so opt-in)"),
+    Option("network.startup_timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"),
+    Option("network.dht_timeout", "seconds for one DHT request", "SECONDS"),
     Option(
-        "run_secret_file",
-        "--run-secret-file",
-        "file holding the secret of the runs joined at start; none: open runs",
-        "FILE",
-    ),
-    Option("log_level", "--log-level", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
-    Option("drain_timeout", "--drain-timeout", "seconds allowed for a clean exit after SIGTERM", "SECONDS"),
-    Option("progress_interval", "--progress-interval", "seconds between progress lines per run (0: none)", "SECONDS"),
-    Option("network.host", "--host", "libp2p listen address", "ADDR"),
-    Option("network.port", "--port", "libp2p listen port (0: any free port)", "PORT"),
-    Option("network.announce", "--announce", "public multiaddr to announce (repeatable)", "MADDR"),
-    Option("network.initial_peers", "--initial-peers", "multiaddrs of peers to bootstrap from", "MADDR"),
-    Option("network.nat_port_map", "--nat-port-map", "UPnP/NAT-PMP port mapping (multicasts on the LAN, so opt-in)"),
-    Option("network.auto_nat", "--auto-nat", "libp2p AutoNAT (asks peers to dial back, so opt-in)"),
-    Option(
-        "network.startup_timeout", "--startup-timeout", "seconds to start p2pd and reach the initial peers", "SECONDS"
-    ),
-    Option("network.dht_timeout", "--dht-timeout", "seconds for one DHT request", "SECONDS"),
-    Option(
-        "network.transport",
-        "--transport",
-        "data of loss-tolerant runs (averaging.transport=udp), per link: auto (UDP where the link probe passes, else the reliable link), reliable, or udp",
+        "network.data_path",
+        "data of runs with the loss-tolerant engine (averaging.engine=loss-tolerant), per link: auto (UDP "
+        "where the link probe passes, else the reliable link), reliable, or udp",
         "MODE",
     ),
     Option(
         "network.reliable_links",
-        "--reliable-links",
         "reliable averaging links: auto (direct TCP, else libp2p streams), tcp or libp2p",
         "MODE",
     ),
     Option(
         "network.udp_rate_mbit",
-        "--udp-rate",
-        "pace UDP averaging sends to this many Mbit/s (runs with averaging.transport=udp; 0: unpaced)",
+        "pace UDP averaging sends to this many Mbit/s (runs with averaging.engine=loss-tolerant; 0: unpaced)",
         "MBIT",
     ),
-    Option(
-        "discovery.heartbeat_interval", "--heartbeat-interval", "seconds between announcements in each run", "SECONDS"
-    ),
-    Option("discovery.refresh_interval", "--refresh-interval", "seconds between reads of each run's peers", "SECONDS"),
+    Option("discovery.heartbeat_interval", "seconds between announcements in each run", "SECONDS"),
+    Option("discovery.refresh_interval", "seconds between reads of each run's peers", "SECONDS"),
     Option(
         "discovery.peer_ttl",
-        "--peer-ttl",
         "seconds of silence after which a peer is dropped; a killed peer leaves the tables within --peer-ttl + --refresh-interval + --dht-timeout",
         "SECONDS",
     ),
+    Option("discovery.goodbye_timeout", "seconds allowed for telling a run's peers we leave", "SECONDS"),
+    Option("train.task", "task of a run created at start (e.g. digits-mlp, charlm)", "NAME"),
     Option(
-        "discovery.goodbye_timeout",
-        "--goodbye-timeout",
-        "seconds allowed for telling a run's peers we leave",
-        "SECONDS",
+        "train.set",
+        "hyper-parameter of a run created at start, KEY=VALUE, or averaging.SETTING=VALUE (repeatable)",
+        "KEY=VALUE",
     ),
-    Option(
-        "control.address",
-        "--control",
-        "control API address: unix:/path or HOST:PORT; none: the unix socket in the data dir",
-        "ADDR",
-    ),
-    Option("control.max_request_bytes", "--control-max-request-bytes", "larger control requests are refused", "BYTES"),
-    Option("metrics.host", "--metrics-host", "address /metrics listens on", "ADDR"),
-    Option("metrics.port", "--metrics-port", "port of /metrics (0: any free port)", "PORT"),
-    Option("train.task", "--task", "task of a run created at start (e.g. digits-mlp, charlm)", "NAME"),
-    Option("train.hparams", "--set", "hyper-parameter of a run created at start, KEY=VALUE (repeatable)", "KEY=VALUE"),
-    Option("train.threads", "--torch-threads", "torch threads of the trainer", "N"),
-    Option("train.checkpoint_every", "--checkpoint-every", "steps between checkpoints", "STEPS"),
-    Option("train.eval_every", "--eval-every", "steps between evaluations", "STEPS"),
-    Option("train.max_steps", "--max-steps", "stop training after this many local steps (0: never)", "STEPS"),
-    Option("train.min_peers", "--min-peers", "live peers (this daemon included) to wait for before training", "N"),
-    Option("train.min_peers_timeout", "--min-peers-timeout", "longest wait for --min-peers", "SECONDS"),
+    Option("train.torch_threads", "torch threads of the trainer", "N"),
+    Option("train.checkpoint_every", "steps between checkpoints", "STEPS"),
+    Option("train.eval_every", "steps between evaluations", "STEPS"),
+    Option("train.max_steps", "stop training after this many local steps (0: never)", "STEPS"),
+    Option("train.min_peers", "live peers (this daemon included) to wait for before training", "N"),
+    Option("train.min_peers_timeout", "longest wait for --min-peers", "SECONDS"),
     Option(
         "train.local_group",
-        "--local-group",
         "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md)",
         "NAME",
     ),
 )
 
-_SECTIONS = {
-    "network": NetworkConfig,
-    "discovery": DiscoveryConfig,
-    "control": ControlConfig,
-    "metrics": MetricsConfig,
-    "train": TrainConfig,
+# Settings renamed after peerd 0.1.0 (one name per concept; a flag is its leaf in the tree). The old
+# flag, variable or TOML key stops `peerd start` with one line naming the new one, rather than being
+# ignored or quietly meaning something else.
+RENAMED: dict[str, str] = {  # old path in the tree: new path
+    "runs": "run",
+    "control.address": "control",
+    "control.max_request_bytes": "control_max_request_bytes",
+    "metrics.host": "metrics_host",
+    "metrics.port": "metrics_port",
+    "network.transport": "network.data_path",
+    "train.hparams": "train.set",
+    "train.threads": "train.torch_threads",
 }
+RENAMED_FLAGS: dict[str, str] = {"--transport": "--data-path", "--udp-rate": "--udp-rate-mbit"}
+RENAMED_ENV: dict[str, str] = {
+    "PEERD_" + old.lstrip("-").replace("-", "_").upper(): "PEERD_" + new.lstrip("-").replace("-", "_").upper()
+    for old, new in RENAMED_FLAGS.items()
+}
+
+
+def toml_key(path: str) -> str:
+    """A setting as it is written in the TOML file: "network.port" -> "[network] port"."""
+    section, _, leaf = path.rpartition(".")
+    return f"[{section}] {leaf}" if section else leaf
+
+
+_SECTIONS = {"network": NetworkConfig, "discovery": DiscoveryConfig, "train": TrainConfig}
 # Every settable leaf of the tree ("network.host", "data_dir", ...) and its declared type.
 _LEAF_TYPES: dict[str, str] = {
     **{f.name: f.type for f in dataclasses.fields(DaemonConfig) if f.name not in _SECTIONS},
@@ -377,13 +371,15 @@ def _flatten_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: {e}") from None
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key in _SECTIONS:
-            if not isinstance(value, dict):
-                raise ConfigError(f"config file {path}: [{key}] must be a table")
+        if key in _SECTIONS and not isinstance(value, dict):
+            raise ConfigError(f"config file {path}: [{key}] must be a table")
+        if isinstance(value, dict):  # a section (or a table that used to be one: [control], [metrics])
             for sub, subvalue in value.items():
                 flat[f"{key}.{sub}"] = subvalue
         else:
             flat[key] = value
+    for old in sorted(set(flat) & set(RENAMED)):
+        raise ConfigError(f"config file {path}: {toml_key(old)} is now {toml_key(RENAMED[old])} (renamed)")
     unknown = sorted(set(flat) - set(_LEAF_TYPES))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
@@ -399,6 +395,9 @@ def load_config(
     config_file = config_file or environ.get("PEERD_CONFIG")
     if config_file:
         values.update(_flatten_file(Path(config_file)))
+    for old, new in RENAMED_ENV.items():
+        if old in environ:
+            raise ConfigError(f"{old} is now {new} (renamed)")
     for option in OPTIONS:
         if option.env in environ:
             values[option.path] = _coerce(option.path, environ[option.env], option.env)

@@ -299,7 +299,7 @@ def _check_asked(
 
 def check_attach(manifest: RunManifest, model: tuple[TensorSpec, ...], settings: dict[str, str]) -> None:
     """Refuse (RunRefused) a script whose model or averaging settings differ from the run's."""
-    _check_asked(manifest, "", settings, "", model)
+    _check_asked(manifest, "", manifests.upgrade_legacy_settings(settings), "", model)
 
 
 def _differs(
@@ -331,6 +331,7 @@ async def resolve(
     cannot be trained here as asked: another task, settings that differ from the manifest's, or
     --set without --task for a run that has no manifest."""
     path = manifest_path(data_dir, run_id)
+    settings = manifests.upgrade_legacy_settings(settings)
     try:
         found = await manifests.fetch(node, run_id, secret, on_rejected)
     except manifests.InvalidManifests as e:
@@ -424,7 +425,7 @@ def make_trainer(
             on_corrupt=lambda path, why: count("checkpoint_corrupt"),
             on_foreign=lambda path, why: count("checkpoint_foreign"),
         ),
-        threads=train.threads,
+        threads=train.torch_threads,
         checkpoint_every=train.checkpoint_every,
         eval_every=train.eval_every,
         max_steps=train.max_steps,

@@ -14,8 +14,8 @@ Round t of a run with live peers P (this daemon included):
    whose address goes into the matchmaking entry: a transport holds incoming bytes unread until its
    round's engine attaches, so a fast member cannot reach a slow one's previous round. The run's
    manifest picks the engine: the reliable GroupAllReduce (links by `--reliable-links`: direct TCP,
-   else libp2p streams) or, with `averaging.transport=udp`, the loss-tolerant LossyAllReduce, whose
-   data goes per link (`--transport`, `data_path`) as UDP datagrams where the link probe to that
+   else libp2p streams) or, with `averaging.engine=loss-tolerant`, the loss-tolerant LossyAllReduce, whose
+   data goes per link (`--data-path`) as UDP datagrams where the link probe to that
    member passes (peers/linkprobe.py) and as packets over the reliable link where it does not. The Outcome says whether every member of the group holds the same result
    (COMPLETED), the result where its packets arrived and its own values elsewhere (PARTIAL, UDP
    only), or its own unchanged vector (ABORTED).

@@ -34,10 +34,12 @@ class AveragingSettings:
     average_every: int = 50  # local (inner) optimizer steps between two averaging rounds: DiLoCo's H
     max_group_size: int = 16  # largest Moshpit group; sizes the virtual grid
     round_timeout: float = 30.0  # seconds a round may take before members abort it
-    # How rounds move data: "reliable" (GroupAllReduce over TCP, else libp2p streams: exact, all or
-    # nothing) or "udp" (LossyAllReduce: datagrams, nothing retransmitted, docs/loss-tolerance.md).
-    # A run-wide choice: the two engines speak different protocols, so every member must use the same.
-    transport: str = "reliable"
+    # Which collective engine the run's rounds use: "reliable" (GroupAllReduce over TCP, else libp2p
+    # streams: exact, all or nothing) or "loss-tolerant" (LossyAllReduce: UDP datagrams where a link
+    # passes its probe, nothing retransmitted, docs/loss-tolerance.md). A run-wide choice: the two
+    # engines speak different protocols, so every member must use the same. (How each link carries a
+    # loss-tolerant run's data is a daemon's own setting, --data-path.)
+    engine: str = "reliable"
     datagram_bytes: int = 1472  # UDP datagram size: a 1500-byte path MTU minus IP and UDP headers
     # Slices of the state vector ("lanes"), each averaged in Moshpit rounds of its own, so that the
     # members of a local group can share the WAN averaging of their common state: member r of a
@@ -85,8 +87,8 @@ class AveragingSettings:
             raise ValueError(f"inner_budget must be 0 (off) or in 1..100, got {self.inner_budget}")
         if not 0 <= self.repair_every <= 100_000:
             raise ValueError(f"repair_every must be in 0..100000, got {self.repair_every}")
-        if self.transport not in ("reliable", "udp"):
-            raise ValueError(f"transport must be reliable or udp, got {self.transport!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be {' or '.join(ENGINES)}, got {self.engine!r}")
         if not 512 <= self.datagram_bytes <= 65507:
             raise ValueError(f"datagram_bytes must be in 512..65507, got {self.datagram_bytes}")
         if not 1 <= self.average_every <= 100_000:
@@ -97,6 +99,29 @@ class AveragingSettings:
             raise ValueError(f"lanes must be in 1..{MAX_LANES}, got {self.lanes}")
         if not 0.1 <= self.round_timeout <= 3600:
             raise ValueError(f"round_timeout must be in 0.1..3600 s, got {self.round_timeout}")
+
+    @property
+    def loss_tolerant(self) -> bool:
+        return self.engine == "loss-tolerant"
+
+
+ENGINES = ("reliable", "loss-tolerant")
+
+# peerd 0.1.0 named the engine `averaging.transport`, with values "reliable" and "udp": manifests it
+# signed (in the DHT, and kept in data dirs) carry "udp" in the same protobuf field, and its users
+# typed `--set averaging.transport=udp`. Both are read as the new name here, and only here.
+_LEGACY_ENGINE = {"udp": "loss-tolerant"}
+
+
+def upgrade_legacy_settings(settings: dict[str, str]) -> dict[str, str]:
+    """`settings` (the KEY=VALUE text of --set, "averaging." keys included) with peerd 0.1.0's
+    `averaging.transport` read as `averaging.engine`."""
+    if "averaging.transport" not in settings:
+        return settings
+    out = {k: v for k, v in settings.items() if k != "averaging.transport"}
+    legacy = settings["averaging.transport"]
+    out.setdefault("averaging.engine", _LEGACY_ENGINE.get(legacy, legacy))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +211,7 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
             average_every=a.average_every,
             max_group_size=a.max_group_size,
             round_timeout=a.round_timeout,
-            transport=a.transport,
+            engine=a.engine,
             datagram_bytes=a.datagram_bytes,
             lanes=a.lanes,
             algorithm=a.algorithm,
@@ -223,7 +248,7 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
                 average_every=body.averaging.average_every,
                 max_group_size=body.averaging.max_group_size,
                 round_timeout=body.averaging.round_timeout,
-                transport=body.averaging.transport or "reliable",
+                engine=_LEGACY_ENGINE.get(body.averaging.engine, body.averaging.engine or "reliable"),
                 datagram_bytes=body.averaging.datagram_bytes or 1472,
                 lanes=body.averaging.lanes or 1,
                 # A manifest without an algorithm was made before diloco: its run averages the state.

@@ -14,15 +14,15 @@ from tests.helpers import ROOT, peerd
 def test_precedence_cli_over_env_over_file_over_default(tmp_path):
     f = tmp_path / "peerd.toml"
     f.write_text(
-        'log_level = "debug"\n[network]\nport = 1111\nhost = "127.0.0.1"\n[metrics]\nport = 2222\n[discovery]\npeer_ttl = 12.0\n'
+        'log_level = "debug"\nmetrics_port = 2222\n[network]\nport = 1111\nhost = "127.0.0.1"\n[discovery]\npeer_ttl = 12.0\n'
     )
     env = {"PEERD_PORT": "3333", "PEERD_METRICS_PORT": "4444", "PEERD_RUN": "x,y"}
     c = load_config({"network.port": "5555"}, config_file=str(f), environ=env)
     assert c.network.port == 5555  # CLI beats env and file
-    assert c.metrics.port == 4444  # env beats file
+    assert c.metrics_port == 4444  # env beats file
     assert c.network.host == "127.0.0.1" and c.discovery.peer_ttl == 12.0  # file beats default
     assert c.log_level == "DEBUG"
-    assert c.runs == ["x", "y"]
+    assert c.run == ["x", "y"]
     assert c.discovery.heartbeat_interval == 2.0  # default
 
 
@@ -31,11 +31,11 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path):
     [
         ({"network.port": "70000"}, "not a TCP port"),
         ({"network.port": "abc"}, "expected an integer"),
-        ({"runs": ["bad run"]}, "run ID"),
+        ({"run": ["bad run"]}, "run ID"),
         ({"discovery.peer_ttl": "1"}, "at least twice"),
         ({"network.host": "example.com"}, "not an IP address"),
         ({"network.initial_peers": ["127.0.0.1:4000"]}, "not a multiaddr"),
-        ({"network.transport": "carrier-pigeon"}, "not one of auto, reliable, udp"),
+        ({"network.data_path": "carrier-pigeon"}, "not one of auto, reliable, udp"),
         ({"network.reliable_links": "reliable"}, "not one of auto, tcp, libp2p"),
         ({"discovery.peer_ttl": "4"}, "at most half of peer_ttl"),
     ],
@@ -90,7 +90,7 @@ def test_help_lists_every_subcommand():
 @pytest.mark.parametrize("address", ["nonsense", "127.0.0.1:http", "127.0.0.1:70000", ":9000", "unix:"])
 def test_malformed_control_address(address):
     with pytest.raises(ConfigError, match="neither unix:PATH nor HOST:PORT"):
-        load_config({"control.address": address}, environ={})
+        load_config({"control": address}, environ={})
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "directory", "control", "long-socket"])
@@ -149,4 +149,36 @@ def test_the_complete_file_in_the_docs_is_complete_and_loads(tmp_path):
     f = tmp_path / "peerd.toml"
     f.write_text(example)
     c = load_config({}, config_file=str(f), environ={})
-    assert c.runs == ["demo"] and c.train.checkpoint_every == 100
+    assert c.run == ["demo"] and c.train.checkpoint_every == 100
+
+
+def test_every_flag_is_its_leaf_in_the_tree():
+    for o in OPTIONS:
+        assert o.flag == "--" + o.path.rpartition(".")[2].replace("_", "-"), o
+    assert len({o.flag for o in OPTIONS}) == len(OPTIONS)
+
+
+@pytest.mark.parametrize(
+    "where,message",
+    [
+        ({"PEERD_TRANSPORT": "udp"}, "PEERD_TRANSPORT is now PEERD_DATA_PATH"),
+        ({"PEERD_UDP_RATE": "10"}, "PEERD_UDP_RATE is now PEERD_UDP_RATE_MBIT"),
+        ("[network]\ntransport = 'udp'\n", r"\[network\] transport is now \[network\] data_path"),
+        ("[metrics]\nport = 9400\n", r"\[metrics\] port is now metrics_port"),
+        ("runs = ['a']\n", "runs is now run"),
+        ("[train]\nthreads = 2\n", r"\[train\] threads is now \[train\] torch_threads"),
+    ],
+)
+def test_a_renamed_setting_is_refused_naming_the_new_one(where, message, tmp_path):
+    """Settings renamed after peerd 0.1.0 (variables and TOML keys): one line naming the new name."""
+    f = tmp_path / "c.toml"
+    f.write_text(where if isinstance(where, str) else "")
+    with pytest.raises(ConfigError, match=message):
+        load_config({}, config_file=str(f), environ=where if isinstance(where, dict) else {})
+
+
+@pytest.mark.parametrize("old,new", [("--transport", "--data-path"), ("--udp-rate", "--udp-rate-mbit")])
+def test_a_renamed_flag_is_one_line_naming_the_new_one(old, new, tmp_path):
+    r = peerd("start", "--data-dir", str(tmp_path / "d"), old, "1")
+    assert r.returncode == 2 and f"{old} is now {new}" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()

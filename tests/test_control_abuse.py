@@ -86,7 +86,7 @@ def test_leave_twice_succeeds_and_says_so(spawn):
 def test_max_runs_is_a_setting_with_bounds():
     assert load_config({}, environ={}).max_runs == 16
     assert load_config({}, environ={"PEERD_MAX_RUNS": "4"}).max_runs == 4
-    assert load_config({"max_runs": "2", "runs": ["a", "b"]}, environ={}).max_runs == 2
-    for bad in ({"max_runs": "0"}, {"max_runs": "2", "runs": ["a", "b", "c"]}):
+    assert load_config({"max_runs": "2", "run": ["a", "b"]}, environ={}).max_runs == 2
+    for bad in ({"max_runs": "0"}, {"max_runs": "2", "run": ["a", "b", "c"]}):
         with pytest.raises(ConfigError, match="max_runs"):
             load_config(bad, environ={})

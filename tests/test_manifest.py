@@ -2,7 +2,16 @@ import pytest
 
 from peers.envelope import RecordRejected
 from peers.identity import Identity
-from peers.manifest import AveragingSettings, RunManifest, choose, decode_manifest, encode_manifest
+from peers.envelope import RecordKind, seal
+from peers.manifest import (
+    AveragingSettings,
+    RunManifest,
+    choose,
+    decode_manifest,
+    encode_manifest,
+    upgrade_legacy_settings,
+)
+from protos import records_pb2
 from peers.records import MemberRecord, MemberState, seal_record
 from peers.run_ids import RunSecret
 
@@ -21,13 +30,36 @@ def manifest(creator: Identity, **kw) -> RunManifest:
 
 def test_round_trip_open_and_sealed(ids):
     a, _ = ids
-    m = manifest(a, averaging=AveragingSettings(average_every=5, transport="udp", datagram_bytes=8972))
+    m = manifest(a, averaging=AveragingSettings(average_every=5, engine="loss-tolerant", datagram_bytes=8972))
     assert decode_manifest(encode_manifest(m, a, None), run_id="r", secret=None, subkey=a.peer_id) == m
     s = RunSecret.from_bytes(b"x" * 16, "r")
     assert decode_manifest(encode_manifest(m, a, s), run_id="r", secret=s, subkey=a.peer_id) == m
     with pytest.raises(RecordRejected) as e:
         decode_manifest(encode_manifest(m, a, s), run_id="r", secret=RunSecret.from_bytes(b"y" * 16, "r"), subkey=None)
     assert e.value.reason == "record_auth"
+
+
+def test_a_manifest_of_peerd_0_1_0_loads_with_its_engine(ids):
+    """peerd 0.1.0 signed `transport = "udp"` into the same protobuf field: it reads as the loss-tolerant
+    engine, and its --set spelling averaging.transport=udp as averaging.engine=loss-tolerant."""
+    a, _ = ids
+    for legacy, engine in (("udp", "loss-tolerant"), ("reliable", "reliable"), ("", "reliable")):
+        body = records_pb2.RunManifest(
+            format_version=1,
+            run_id="r",
+            task="digits-mlp",
+            averaging=records_pb2.AveragingSettings(
+                average_every=5, max_group_size=16, round_timeout=30.0, engine=legacy
+            ),
+            creator=a.peer_id,
+            created_at=100.0,
+        ).SerializeToString()
+        data = seal(RecordKind.MANIFEST, body, a, None, "r")
+        assert decode_manifest(data, run_id="r", secret=None, subkey=None).averaging.engine == engine
+    assert upgrade_legacy_settings({"averaging.transport": "udp", "lr": "1"}) == {
+        "averaging.engine": "loss-tolerant",
+        "lr": "1",
+    }
 
 
 def test_only_the_creator_can_sign(ids):
@@ -67,8 +99,10 @@ def test_invalid_manifests(ids, kw):
             RunManifest(run_id="r", creator=a.peer_id, created_at=1.0, **{"task": "t", **kw})
 
 
-@pytest.mark.parametrize("kw", [{"transport": "carrier-pigeon"}, {"datagram_bytes": 100}, {"datagram_bytes": 70000}])
-def test_invalid_averaging_transports(kw):
+@pytest.mark.parametrize(
+    "kw", [{"engine": "carrier-pigeon"}, {"engine": "udp"}, {"datagram_bytes": 100}, {"datagram_bytes": 70000}]
+)
+def test_invalid_averaging_engines(kw):
     with pytest.raises(ValueError):
         AveragingSettings(**kw)
 

@@ -1,6 +1,6 @@
 """A run whose manifest picks the loss-tolerant UDP engine trains, while a sprayer attacks it.
 
-Three real daemons train digits-mlp with `averaging.transport=udp` in a secret run. Each round
+Three real daemons train digits-mlp with `averaging.engine=loss-tolerant` in a secret run. Each round
 listens on fresh UDP ports; the sprayer finds them from /proc (the sockets the daemon process
 holds), and sends them garbage, datagrams with our magic and a forged tag, and (as root, where a
 packet socket can capture loopback traffic) real datagrams captured from earlier rounds. The run
@@ -133,7 +133,7 @@ def test_a_udp_run_trains_to_one_result_through_garbage_forgeries_and_replays(sp
         "--set",
         "averaging.algorithm=state",
         "--set",
-        "averaging.transport=udp",
+        "averaging.engine=loss-tolerant",
         "--set",
         "optimizer=sgd",
         "--set",
@@ -208,9 +208,9 @@ def _nft(script: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("nft") is None, reason="needs root and nft to block UDP to one loopback address"
 )
-def test_transport_auto_sends_data_over_the_reliable_link_where_udp_is_blocked(spawn):
+def test_data_path_auto_sends_data_over_the_reliable_link_where_udp_is_blocked(spawn):
     """c listens on 127.0.0.2, and an nftables rule drops every UDP datagram to or from that address
-    (TCP passes): as behind a firewall that admits no UDP. With `--transport auto` (the default) the
+    (TCP passes): as behind a firewall that admits no UDP. With `--data-path auto` (the default) the
     link probes find c's UDP path dead, so a and b send their data to c as packets over the reliable
     link while keeping UDP between themselves, and c does the same; c takes part in every group."""
     table = f"peerd_test_{os.getpid()}"
@@ -230,7 +230,7 @@ add rule inet {table} input ip saddr 127.0.0.2 meta l4proto udp counter drop
             "--set",
             "averaging.algorithm=state",
             "--set",
-            "averaging.transport=udp",
+            "averaging.engine=loss-tolerant",
             "--set",
             "optimizer=sgd",
             "--set",
