@@ -61,10 +61,11 @@ class TrainingLab(Lab):
     def _check_checkpoints(self) -> None:
         super()._check_checkpoints()
         from daemon.checkpoint import CheckpointStore
+        from daemon.joining import hparams_from_text
         from daemon.tasks import get_task
 
         task = get_task(self.scenario.run.task)
-        hparams = task.parse_hparams({k: v for k, v in _typed(self.scenario.run.settings).items() if "." not in k})
+        hparams = hparams_from_text(task, {k: v for k, v in self.scenario.run.settings.items() if "." not in k})
         self.evaluations = {}
         for name in self.daemons:
             ckpt = CheckpointStore(self._data_dir(name) / "runs" / self.scenario.run.id / "checkpoints").load_latest()
@@ -73,19 +74,6 @@ class TrainingLab(Lab):
             model, _ = task.build(hparams, 0)
             model.load_state_dict(ckpt.state["model"])
             self.evaluations[name] = task.evaluate(model, hparams).score
-
-
-def _typed(settings: dict) -> dict:
-    out = {}
-    for k, v in settings.items():
-        try:
-            out[k] = int(v)
-        except ValueError:
-            try:
-                out[k] = float(v)
-            except ValueError:
-                out[k] = v
-    return out
 
 
 def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> dict:

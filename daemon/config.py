@@ -5,6 +5,14 @@ Precedence, highest first: command-line flag > PEERD_* environment variable > TO
 the leaf's name with dashes (network.data_path: --data-path) and its variable PEERD_ + the flag's
 name in capitals (PEERD_DATA_PATH), so leaves are unique across the tree and the four sources
 cannot drift apart.
+
+Values are typed by pydantic (daemon/typed.py, the coercion every settings reader in peerd uses);
+the precedence is the 20 lines of load_config. Not pydantic-settings, whose sources name a nested
+setting by its path (PEERD_NETWORK__PORT, --network.port, lists as JSON) where peerd names it by
+its leaf (PEERD_PORT, --port, PEERD_RUN=a,b), and which merges the sources before validating, so
+that an error can no longer say whether the bad value came from the flag, the variable or the
+file; the `peerd start` parser (subcommands, --no-X, --initial-peers A B, one-line errors) stays
+argparse either way.
 """
 
 from __future__ import annotations
@@ -14,10 +22,12 @@ import ipaddress
 import math
 import os
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from daemon.typed import Mismatch, coerce
 from peers.run_ids import MAX_RECORD_TTL, InvalidRunId, validate_run_id
 
 MAX_PEER_TTL = MAX_RECORD_TTL / 2
@@ -314,10 +324,11 @@ def toml_key(path: str) -> str:
 
 _SECTIONS = {"network": NetworkConfig, "discovery": DiscoveryConfig, "train": TrainConfig}
 # Every settable leaf of the tree ("network.host", "data_dir", ...) and its declared type.
-_LEAF_TYPES: dict[str, str] = {
-    **{f.name: f.type for f in dataclasses.fields(DaemonConfig) if f.name not in _SECTIONS},
-    **{f"{s}.{f.name}": f.type for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)},
+_LEAF_TYPES: dict[str, Any] = {
+    **{k: v for k, v in typing.get_type_hints(DaemonConfig).items() if k not in _SECTIONS},
+    **{f"{s}.{k}": v for s, cls in _SECTIONS.items() for k, v in typing.get_type_hints(cls).items()},
 }
+_OPTION = {o.path: o for o in OPTIONS}
 
 
 def default_of(path: str) -> Any:
@@ -327,38 +338,13 @@ def default_of(path: str) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-def _leaf_type(path: str) -> str:
-    return _LEAF_TYPES[path]
-
-
-def _coerce(path: str, value: Any, source: str) -> Any:
-    """Turn a value from a file, the environment or argv into the type the tree declares."""
-    kind = _leaf_type(path)
-    where = f"{path} (from {source})"
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    if kind == "list[str]":
-        if isinstance(value, str):
-            return [part for part in value.replace(",", " ").split() if part]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return list(value)
-        raise ConfigError(f"{where}: expected a list of strings, got {value!r}")
-    if kind in ("int", "float"):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        try:
-            return int(value) if kind == "int" else float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"{where}: expected {'an integer' if kind == 'int' else 'a number'}, got {value!r}"
-            ) from None
-    if not isinstance(value, (str, Path)):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    return value
+def _coerce(path: str, value: Any, where: str) -> Any:
+    """`value` as the type the tree declares for `path` (daemon/typed.py); `where` names the setting
+    as the user typed it (a flag, a variable, a key of the file)."""
+    try:
+        return coerce(value, _LEAF_TYPES[path], text=True)
+    except Mismatch as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _flatten_file(path: Path) -> dict[str, Any]:
@@ -383,7 +369,7 @@ def _flatten_file(path: Path) -> dict[str, Any]:
     unknown = sorted(set(flat) - set(_LEAF_TYPES))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
-    return {k: _coerce(k, v, str(path)) for k, v in flat.items()}
+    return {k: _coerce(k, v, f"config file {path}: {toml_key(k)}") for k, v in flat.items()}
 
 
 def load_config(
@@ -402,7 +388,7 @@ def load_config(
         if option.env in environ:
             values[option.path] = _coerce(option.path, environ[option.env], option.env)
     for path, value in cli.items():
-        values[path] = _coerce(path, value, "command line")
+        values[path] = _coerce(path, value, _OPTION[path].flag if path in _OPTION else path)
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     top: dict[str, Any] = {}
     for path, value in values.items():

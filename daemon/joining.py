@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import logging
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from daemon.config import TrainConfig
 from daemon.datadir import write_atomic
+from daemon.typed import Mismatch, coerce
 from peers import manifest as manifests
 from peers.clock import now
 from peers.envelope import RecordRejected
@@ -167,49 +168,36 @@ def sync_bridge(
 
 
 def hparams_from_text(task: Task, text: dict[str, str]):
-    """Typed hyper-parameters from KEY=VALUE text, by the types the task declares."""
+    """Typed hyper-parameters from KEY=VALUE text, by the types the task declares (daemon/typed.py)."""
     from daemon.tasks import HparamsError
 
-    types = {f.name: f.type for f in dataclasses.fields(task.hparams_type)}
+    types = typing.get_type_hints(task.hparams_type)
     values: dict[str, object] = {}
     for key, raw in text.items():
-        kind = types.get(key)
-        kind = getattr(kind, "__name__", kind)
-        try:
-            if kind in ("int",):
-                values[key] = int(raw)
-            elif kind in ("float",):
-                values[key] = float(raw)
-            elif kind in ("bool",):
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(raw)
-                values[key] = raw.lower() in ("true", "1")
-            else:
-                values[key] = raw  # str, or an unknown key that parse_hparams reports by name
-        except ValueError:
-            raise HparamsError(f"{task.name}: hyper-parameter {key!r}: {raw!r} is not a {kind}") from None
+        try:  # an unknown key goes as it is: parse_hparams names it with the known ones
+            values[key] = coerce(raw, types[key], text=True) if key in types else raw
+        except Mismatch as e:
+            raise HparamsError(f"{task.name}: hyper-parameter {key!r}: {e}") from None
     return task.parse_hparams(values)
 
 
 def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSettings]:
     hparams = {k: v for k, v in text.items() if not k.startswith("averaging.")}
     averaging = {k.removeprefix("averaging."): v for k, v in text.items() if k.startswith("averaging.")}
-    fields = {f.name: f.type for f in dataclasses.fields(AveragingSettings)}
-    unknown = sorted(set(averaging) - set(fields))
+    types = typing.get_type_hints(AveragingSettings)
+    unknown = sorted(set(averaging) - set(types))
     if unknown:
-        raise RunRefused(f"unknown averaging setting(s): {', '.join(unknown)} (known: {', '.join(fields)})")
+        raise RunRefused(f"unknown averaging setting(s): {', '.join(unknown)} (known: {', '.join(types)})")
+    typed = {}
+    for key, raw in averaging.items():
+        try:
+            typed[key] = coerce(raw, types[key], text=True)
+        except Mismatch as e:
+            raise RunRefused(f"averaging.{key}: {e}") from None
     try:
-        cast = {"int": int, "float": float, "str": str, "bool": _boolean}
-        typed = {k: cast[fields[k]](v) for k, v in averaging.items()}
         return hparams, AveragingSettings(**typed)
     except ValueError as e:
         raise RunRefused(f"averaging: {e}") from None
-
-
-def _boolean(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(f"{text!r} is not true or false")
-    return text.lower() in ("true", "1")
 
 
 def _installed(name: str) -> Task:

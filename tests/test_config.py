@@ -182,3 +182,16 @@ def test_a_renamed_flag_is_one_line_naming_the_new_one(old, new, tmp_path):
     r = peerd("start", "--data-dir", str(tmp_path / "d"), old, "1")
     assert r.returncode == 2 and f"{old} is now {new}" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+
+
+def test_a_bad_value_is_named_as_the_user_typed_it(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[network]\nport = true\n")
+    cases = [
+        ({"cli": {"network.port": "abc"}}, "--port: expected an integer, got 'abc'"),
+        ({"environ": {"PEERD_UDP_RATE_MBIT": "fast"}}, "PEERD_UDP_RATE_MBIT: expected a number, got 'fast'"),
+        ({"config_file": str(f)}, r"c.toml: \[network\] port: expected an integer, got True"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load_config(kw.get("cli", {}), config_file=kw.get("config_file"), environ=kw.get("environ", {}))

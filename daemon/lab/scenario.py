@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.lab.netns import PROTOCOLS, LinkShape
+from daemon.typed import Mismatch, coerce
 
 ACTIONS = ("kill", "freeze", "thaw", "restart", "partition", "heal", "link")
 HOST_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,15}")
@@ -287,45 +288,42 @@ class _Table:
             raise ScenarioError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(known)})")
         self.where, self.data = where, data
 
-    def _get(self, key: str, default, required: bool, kinds, what: str):
+    def _get(self, key: str, default, required: bool, kind, what: str | None = None):
+        """The key's value as type `kind` (daemon/typed.py, exact: TOML's own types; an int is a
+        float), or `default` when it is absent."""
         if key not in self.data:
             if required:
                 raise ScenarioError(f"{self.where}: {key} is required")
             return default
         value = self.data[key]
-        if not isinstance(value, kinds) or isinstance(value, bool):
-            raise ScenarioError(f"{self.where}: {key} must be {what}, not {value!r}")
-        return value
+        try:
+            return coerce(value, kind, text=False)
+        except Mismatch as e:
+            raise ScenarioError(f"{self.where}: {key} must be {what or e.expected}, not {value!r}") from None
 
     def number(self, key: str, default: float = 0.0, required: bool = False) -> float:
-        value = float(self._get(key, default, required, (int, float), "a number"))
+        value = self._get(key, default, required, float)
         if not math.isfinite(value):
             raise ScenarioError(f"{self.where}: {key} must be a finite number")
         return value
 
     def integer(self, key: str, default: int) -> int:
-        return self._get(key, default, False, int, "an integer")
+        return self._get(key, default, False, int)
 
     def text(self, key: str, default: str = "", required: bool = False) -> str:
-        return self._get(key, default, required, str, "a string")
+        return self._get(key, default, required, str)
 
     def table(self, key: str) -> dict:
-        return self._get(key, {}, False, dict, "a table")
+        return self._get(key, {}, False, dict)
 
     def array(self, key: str) -> list:
         return self._get(key, [], False, list, f"an array of tables ([[{key}]])")
 
     def strings(self, key: str) -> list[str]:
-        values = self._get(key, [], False, list, "a list of strings")
-        if not all(isinstance(v, str) for v in values):
-            raise ScenarioError(f"{self.where}: {key} must be a list of strings")
-        return values
+        return self._get(key, [], False, list[str])
 
     def integers(self, key: str, default: list[int]) -> list[int]:
-        values = self._get(key, default, False, list, "a list of integers")
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise ScenarioError(f"{self.where}: {key} must be a list of integers")
-        return values
+        return self._get(key, default, False, list[int])
 
     def table_of_scalars(self, key: str) -> dict[str, str]:
         values = self.table(key)

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 import torch
 
+from daemon.typed import Mismatch, coerce
+
 MAX_BATCH_SIZE = 65536  # a manifest asking for more is a mistake or an attempt to exhaust memory
 
 
@@ -71,22 +73,20 @@ class Hparams:
 
 
 def _coerce(key: str, value: Any, expected: type) -> Any:
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
-    }.get(expected)
-    if ok is None:
+    """A manifest's value as the declared type (daemon/typed.py, exact: an int is a float, nothing else
+    converts); floats must be finite."""
+    if expected not in (bool, int, float, str):
         raise TypeError(
             f"hyper-parameter {key!r} is declared as {expected!r}; only int, float, bool and str are allowed"
         )
-    if not ok:
-        raise HparamsError(f"hyper-parameter {key!r} must be {expected.__name__}, got {type(value).__name__} {value!r}")
-    if expected is float:
-        value = float(value)
-        if not math.isfinite(value):
-            raise HparamsError(f"hyper-parameter {key!r} must be finite, got {value!r}")
+    try:
+        value = coerce(value, expected, text=False)
+    except Mismatch:
+        raise HparamsError(
+            f"hyper-parameter {key!r} must be {expected.__name__}, got {type(value).__name__} {value!r}"
+        ) from None
+    if expected is float and not math.isfinite(value):
+        raise HparamsError(f"hyper-parameter {key!r} must be finite, got {value!r}")
     return value
 
 
