@@ -15,11 +15,11 @@ import mmap
 import os
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import tenacity
 import torch
 
 from peerd import PeerdError
@@ -93,19 +93,24 @@ class Attachment:
 
     def attach(self, step: int) -> Attached:
         """Attach, waiting for a daemon that is away for at most reconnect_timeout seconds."""
-        deadline = time.monotonic() + self.reconnect_timeout
-        while True:
-            try:
-                return self._attach_once(step)
-            except grpc.RpcError as e:  # NOT_FOUND here is "not in that run": an answer, not an absence
-                if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
-                    raise self._error(e) from None
-                logger.info(
-                    "peerd: daemon not reachable (%s); retrying for %.0f s more",
-                    e.code().name,
-                    deadline - time.monotonic(),
-                )
-            time.sleep(RETRY_EVERY)
+        retrying = tenacity.Retrying(
+            # NOT_FOUND here is "not in that run": an answer, not an absence; only UNAVAILABLE is retried.
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, grpc.RpcError) and e.code() is grpc.StatusCode.UNAVAILABLE
+            ),
+            stop=tenacity.stop_after_delay(self.reconnect_timeout),
+            wait=tenacity.wait_fixed(RETRY_EVERY),
+            before_sleep=lambda state: logger.info(
+                "peerd: daemon not reachable (%s); retrying for %.0f s more",
+                state.outcome.exception().code().name,
+                self.reconnect_timeout - state.seconds_since_start,
+            ),
+            reraise=True,
+        )
+        try:
+            return retrying(self._attach_once, step)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
 
     def _attach_once(self, step: int) -> Attached:
         self._connect()

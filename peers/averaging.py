@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 from dataclasses import dataclass, field
 
+import tenacity
 import torch
 
 from hivemind.p2p import P2P
@@ -308,15 +309,19 @@ class MoshpitAverager:
     async def _listen(self, key: str) -> tuple[FallbackTransport | UdpTransport, str]:
         """A started listener for this round and its address. The UDP engine needs one port free for
         both TCP and UDP, which the OS does not promise: a clash is retried on a fresh port."""
-        for attempt in range(START_ATTEMPTS):
-            transport = self._transport(key)
-            try:
-                return transport, await transport.start()
-            except OSError as e:
-                await transport.close()
-                if e.errno != errno.EADDRINUSE or attempt + 1 == START_ATTEMPTS:
+        async for attempt in tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, OSError) and e.errno == errno.EADDRINUSE),
+            stop=tenacity.stop_after_attempt(START_ATTEMPTS),
+            reraise=True,
+        ):
+            with attempt:
+                transport = self._transport(key)
+                try:
+                    return transport, await transport.start()
+                except OSError:
+                    await transport.close()
                     raise
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable")  # tenacity returns or raises from inside the loop
 
     def _transport(self, key: str) -> FallbackTransport | UdpTransport:
         """This round's listener. Reliable links (all data, or the UDP engine's few control messages)
