@@ -230,7 +230,12 @@ class Option:
 
     @property
     def env(self) -> str:
-        return "PEERD_" + self.flag.lstrip("-").replace("-", "_").upper()
+        return env_of(self.flag)
+
+
+def env_of(flag: str) -> str:
+    """A flag's variable: "--data-path" -> "PEERD_DATA_PATH"."""
+    return "PEERD_" + flag.lstrip("-").replace("-", "_").upper()
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -310,10 +315,7 @@ RENAMED: dict[str, str] = {  # old path in the tree: new path
     "train.threads": "train.torch_threads",
 }
 RENAMED_FLAGS: dict[str, str] = {"--transport": "--data-path", "--udp-rate": "--udp-rate-mbit"}
-RENAMED_ENV: dict[str, str] = {
-    "PEERD_" + old.lstrip("-").replace("-", "_").upper(): "PEERD_" + new.lstrip("-").replace("-", "_").upper()
-    for old, new in RENAMED_FLAGS.items()
-}
+RENAMED_ENV: dict[str, str] = {env_of(old): env_of(new) for old, new in RENAMED_FLAGS.items()}
 
 
 def toml_key(path: str) -> str:
