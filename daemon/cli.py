@@ -26,6 +26,7 @@ import grpc
 from daemon import __version__
 from daemon.client import ControlClient, as_dict, control_address
 from daemon.config import OPTIONS, RENAMED_FLAGS, ConfigError, client_defaults, default_of, load_config
+from daemon.tables import columns
 
 logger = logging.getLogger("peerd")
 
@@ -496,12 +497,7 @@ def _lab():
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], empty: str) -> None:
-    if not rows:
-        print(empty)
-        return
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    for row in (header, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+    print("\n".join(columns(header, rows)) if rows else empty)
 
 
 def build_parser() -> argparse.ArgumentParser:

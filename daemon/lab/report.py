@@ -23,6 +23,7 @@ import statistics
 from typing import Any
 
 from daemon.lab.runner import Event, Record, Sample
+from daemon.tables import columns
 
 DELAY_LINE = "userspace TUN delay line"
 
@@ -242,7 +243,7 @@ def table(report: dict[str, Any]) -> str:
         "TCP RETRANS",
         "RTT MS (SET)",
     )
-    lines += _columns(header, rows)
+    lines += columns(header, rows)
     if report["faults"]:
         lines.append("")
         rows = [
@@ -255,7 +256,7 @@ def table(report: dict[str, Any]) -> str:
             )
             for f in report["faults"]
         ]
-        lines += _columns(("AT S", "EVENT", "READY AFTER", "NOTICED AFTER", "TRAINING WENT ON AFTER"), rows)
+        lines += columns(("AT S", "EVENT", "READY AFTER", "NOTICED AFTER", "TRAINING WENT ON AFTER"), rows)
     d = report["max_param_divergence"]
     lines.append("")
     lines.append(
@@ -290,8 +291,3 @@ def _v(value, fmt: str = "{}", none: str = "-") -> str:
 
 def _mb(n) -> str:
     return "-" if n is None else f"{n / 1e6:.1f}"
-
-
-def _columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    return ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip() for row in (header, *rows)]
