@@ -21,8 +21,6 @@ import functools
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
-from pydantic import TypeAdapter, ValidationError
-
 
 class Mismatch(ValueError):
     """A value that is not of (and, for text, does not parse as) the declared type."""
@@ -39,6 +37,8 @@ def coerce(value: Any, kind: Any, *, text: bool) -> Any:
         value = [part for part in value.replace(",", " ").split() if part]
     # Lax validation parses strings; strict validation takes only the declared type (int for float).
     lax = text and isinstance(value, str)
+    from pydantic import ValidationError  # imported on first use: `peerd status` and friends never coerce
+
     try:
         return _adapter(kind).validate_python(value, strict=not lax)
     except ValidationError:
@@ -57,5 +57,7 @@ def describe(kind: Any) -> str:
 
 
 @functools.cache
-def _adapter(kind: Any) -> TypeAdapter:
+def _adapter(kind: Any):
+    from pydantic import TypeAdapter
+
     return TypeAdapter(kind)

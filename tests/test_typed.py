@@ -57,3 +57,14 @@ def test_exact_takes_an_int_for_a_float():
     assert coerce(3, float, text=False) == 3.0 and isinstance(coerce(3, float, text=False), float)
     assert coerce({"a": 1}, dict, text=False) == {"a": 1}
     assert coerce([1, 2], list[int], text=False) == [1, 2]
+
+
+def test_the_client_commands_import_neither_pydantic_nor_torch():
+    """`peerd status` and the other client commands start fast: the CLI module loads pydantic only
+    when a value is coerced (`peerd start`), and torch never."""
+    import subprocess
+    import sys
+
+    code = "import sys, daemon.cli; print(sorted(m for m in ('pydantic', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out
