@@ -30,9 +30,13 @@ def progress_line(run) -> str:
     return line + (f"; error: {run.error}" if run.error else "")
 
 
+MIN_GAP = 0.6  # of the interval: the shortest time between two progress lines
+
+
 class ProgressLog:
     """Logs progress_line for every run with a task, every `interval` seconds (0: never), from
-    start() to stop(). Ticks keep to a fixed schedule; ticks missed while the loop was busy are skipped."""
+    start() to stop(). Ticks keep to a fixed schedule; ticks missed while the loop was busy are skipped,
+    and a late one delays the next to at least MIN_GAP intervals after it."""
 
     def __init__(self, runs: Callable[[], Iterable], interval: float):
         self.runs, self.interval = runs, interval
@@ -53,7 +57,9 @@ class ProgressLog:
         due = loop.time() + self.interval
         while True:
             await asyncio.sleep(max(due - loop.time(), 0.0))
-            due = max(due + self.interval, loop.time())
+            # The next tick on the schedule, but never sooner than MIN_GAP intervals after this one:
+            # a tick the busy loop ran late is not followed by another a moment later.
+            due = max(due + self.interval, loop.time() + MIN_GAP * self.interval)
             try:
                 for run in self.runs():
                     if run.task:
