@@ -82,13 +82,17 @@ class RunMembership:
         version: str,
         role: str = TRAINER,
         events: PeerEvents | None = None,
+        clock: Callable[[], float] = now,
     ):
+        """`clock`: DHT time (wall-clock seconds, peers/clock.py), what records are stamped and
+        aged with; a test hands in its own to move time on without waiting."""
         self.node, self.run_id, self.secret, self.settings = node, run_id, secret, settings
+        self.clock = clock
         self.version, self.role = version, role
         self.events = events or PeerEvents()
         self.key = run_dht_key(run_id, secret)
         self.table = PeerTable(node.peer_id, settings.peer_ttl)
-        self.joined_at = now()
+        self.joined_at = self.clock()
         self._tasks: list[asyncio.Task] = []
         self._maddrs: tuple[str, ...] = ()
         self._lost: dict[str, float] = {}  # peer ID -> when it timed out, until it is back or forgotten
@@ -132,7 +136,7 @@ class RunMembership:
             self.node.call(e.peer_id, GOODBYE_HANDLER, request, records_pb2.GoodbyeResponse, timeout)
             for e in self.table.entries()
         ]
-        store = self.node.store(self.key, self.node.peer_id, envelope, now() + self.settings.peer_ttl)
+        store = self.node.store(self.key, self.node.peer_id, envelope, self.clock() + self.settings.peer_ttl)
         try:
             # One bound for the whole goodbye: if p2pd is already gone (Ctrl-C in a terminal
             # signals it too), the drain must not wait out every DHT timeout.
@@ -147,13 +151,13 @@ class RunMembership:
 
     async def heartbeat(self) -> None:
         ok = await self.node.store(
-            self.key, self.node.peer_id, self._envelope(MemberState.ACTIVE), now() + self.settings.peer_ttl
+            self.key, self.node.peer_id, self._envelope(MemberState.ACTIVE), self.clock() + self.settings.peer_ttl
         )
         self.events.heartbeat("ok" if ok else "error")
 
     async def refresh(self) -> None:
         records = await self.node.get(self.key)
-        t = now()
+        t = self.clock()
         for subkey, (value, _expiration) in records.items():
             self.accept(value, subkey=subkey, at=t)
         for peer_id in self.table.expire(t):
@@ -162,7 +166,7 @@ class RunMembership:
 
     async def rejoin(self) -> None:
         """Ping the peers that timed out recently and are still missing (see the module docstring)."""
-        t, live = now(), {e.peer_id for e in self.table.entries()}
+        t, live = self.clock(), {e.peer_id for e in self.table.entries()}
         self._lost = {p: at for p, at in self._lost.items() if p not in live and t - at < LOST_MEMORY}
         targets = sorted(self._lost, key=self._lost.__getitem__, reverse=True)[:REJOIN_MAX]
         if targets:
@@ -227,7 +231,7 @@ class RunMembership:
             version=self.version,
             role=self.role,
             state=state,
-            timestamp=now(),
+            timestamp=self.clock(),
             step=said.step,
             local_group=self.local_group,
             dear_address=said.dear_address,
@@ -294,7 +298,7 @@ class Memberships:
             self.events.rejected("goodbye_unknown_run")
         else:
             # The envelope must be signed by the peer that sent it: nobody can say goodbye for another.
-            verdict = target.accept(request.envelope, subkey=context.remote_id.to_base58(), at=now())
+            verdict = target.accept(request.envelope, subkey=context.remote_id.to_base58(), at=target.clock())
             if verdict not in (None, "left", "stale"):
                 self.events.rejected("goodbye_not_left")
         return records_pb2.GoodbyeResponse()

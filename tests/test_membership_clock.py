@@ -1,0 +1,75 @@
+"""RunMembership's decisions on a made-up clock: a silent peer leaves the table after peer_ttl, is
+re-dialed while LOST_MEMORY lasts, then forgotten. A fake DHT node (a dict) stands in for hivemind;
+tests/test_membership.py and tests/test_daemon.py run the same code over real DHT nodes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from peers.identity import Identity
+from peers.membership import LOST_MEMORY, DiscoverySettings, RunMembership
+
+
+class FakeNode:
+    """The part of PeerNode that membership uses, over one shared dict; `answering`: who answers a ping."""
+
+    def __init__(self, identity: Identity, store: dict, answering: set[str]):
+        self.identity, self._store, self.answering, self.pinged = identity, store, answering, []
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    async def visible_maddrs(self) -> list[str]:
+        return [f"/ip4/127.0.0.1/tcp/1/p2p/{self.peer_id}"]
+
+    async def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
+        self._store.setdefault(key, {})[subkey] = (value, expiration)
+        return True
+
+    async def get(self, key: str) -> dict:
+        return dict(self._store.get(key, {}))
+
+    async def ping(self, peer_id: str) -> bool:
+        self.pinged.append(peer_id)
+        return peer_id in self.answering
+
+
+def test_a_silent_peer_times_out_on_the_clock_is_redialed_and_then_forgotten(tmp_path):
+    t = [1_000_000.0]
+    clock = lambda: t[0]  # noqa: E731
+    settings = DiscoverySettings(heartbeat_interval=2.0, refresh_interval=1.0, peer_ttl=10.0)
+    dht: dict = {}
+    a_id, b_id = (Identity.load_or_create(tmp_path / f"{n}.key") for n in "ab")
+    a_node, b_node = FakeNode(a_id, dht, set()), FakeNode(b_id, dht, set())
+    a = RunMembership(a_node, "clocked", None, settings, version="test", clock=clock)
+    b = RunMembership(b_node, "clocked", None, settings, version="test", clock=clock)
+
+    async def main():
+        for m in (a, b):
+            m._maddrs = tuple(await m.node.visible_maddrs())
+            await m.heartbeat()
+        await a.refresh()
+        assert [e.peer_id for e in a.peers()] == [b_id.peer_id]
+        # b stops heartbeating (frozen): still in the table just before peer_ttl, gone just after.
+        t[0] += 9.0
+        await a.heartbeat()
+        await a.refresh()
+        assert [e.peer_id for e in a.peers()] == [b_id.peer_id]
+        t[0] += 1.5
+        await a.heartbeat()
+        await a.refresh()
+        assert a.peers() == []
+        # Re-dialed (it does not answer) while LOST_MEMORY lasts, then forgotten.
+        await a.rejoin()
+        assert a_node.pinged == [b_id.peer_id]
+        t[0] += LOST_MEMORY + 1
+        await a.rejoin()
+        assert a_node.pinged == [b_id.peer_id] and a._lost == {}
+        # b's heartbeat resumes: it is back at the next refresh.
+        await a.heartbeat()
+        await b.heartbeat()
+        await a.refresh()
+        assert [e.peer_id for e in a.peers()] == [b_id.peer_id]
+
+    asyncio.run(main())
