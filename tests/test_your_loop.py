@@ -224,3 +224,40 @@ def test_a_slow_script_ends_its_phases_at_the_straggler_budget_and_evaluations_s
     assert scrape(a.metrics_url)[("peerd_eval_score", (("run", "budget"),))] == pytest.approx(status.eval_score)
     fast.send_signal(signal.SIGKILL)
     fast.wait()
+
+
+def test_a_built_in_task_trains_through_the_public_api_in_a_process_of_its_own(spawn, tmp_path):
+    a = spawn("taskproc", ["--run", "tp"])
+    state = tmp_path / "inner.pt"
+
+    def child(max_steps: int) -> str:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "daemon.taskproc",
+                "--run",
+                "tp",
+                "--task",
+                "digits-mlp",
+                "--daemon",
+                str(a.data_dir),
+            ]
+            + ["--max-steps", str(max_steps), "--average-every", "50", "--eval-every", "100", "--state", str(state)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr
+
+    child(200)
+    status = run_status(a, "tp")
+    assert status.step == 200 and status.attached_pid == 0
+    assert status.eval_metric == "accuracy" and status.eval_score >= 0.85, status  # reported by the process
+    assert torch.load(state, weights_only=False)["peerd"]["run_step"] == 200  # the inner optimizer's own file
+    # Again: the run's parameters from the daemon, the inner optimizer's state from its file.
+    log = child(250)
+    assert "attached to run tp at step 200" in log and "inner optimizer resumed" in log, log
+    assert run_status(a, "tp").step == 250
