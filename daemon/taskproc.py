@@ -19,6 +19,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -103,6 +104,11 @@ def report(task, hparams, model: torch.nn.Module, opt) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from daemon.supervisor import die_with_parent
+
+    die_with_parent()  # started by a daemon (daemon/supervisor.py): it goes when the daemon goes
+    # The supervisor's stop: leave through `finally` (Detach: the daemon checkpoints at once).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     return train(parse_args(argv))
 
