@@ -10,9 +10,8 @@ Messages are for people: they never name a gRPC code.
 from __future__ import annotations
 
 import asyncio
-import math
-
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
