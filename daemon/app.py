@@ -511,6 +511,7 @@ class Daemon:
             sync=sync,
             on_sync=lambda result: self.metrics.observe_sync(run_id, result),
             on_role=on_role,
+            inner_budget=manifest.averaging.inner_budget,
         )
 
     async def attach(self, run_id: str, pid: int, device: str, layout: tuple, settings: dict[str, str], step: int):

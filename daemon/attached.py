@@ -42,6 +42,8 @@ import torch
 
 from daemon.checkpoint import CheckpointStore, layout_digest
 from daemon.diloco import OuterLoop, OuterSettings
+from daemon.straggler import StragglerBudget
+from daemon.tasks import EvalResult
 from daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peers.averaging import Average, RoundResult
 from peers.manifest import TensorSpec
@@ -55,6 +57,12 @@ LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pi
 ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
 HEADER = struct.Struct("<8sIQ")  # magic, format version, numel; padded to HEADER_BYTES
 HEADER_BYTES = 64
+# In the header, written by the daemon only: the boundary step of the phase the straggler budget
+# ends now (0: none). The process compares it with its own phase's boundary at each step, so a value
+# left from an earlier phase never matches. (A process of an older release does not read it; an older
+# daemon leaves it 0.)
+END_AT = struct.Struct("<Q")
+END_AT_OFFSET = 24
 MAGIC = b"PEERDSHM"
 SHARED_PREFIX = "peerd-"
 
@@ -62,8 +70,10 @@ SHARED_PREFIX = "peerd-"
 # Settings of a run that a script's first attach creates, unless the script gives its own: a
 # script's loop lands an overlapped round only at its next phase's end, a whole phase late (3.5 %
 # worse per step at outer momentum 0.5 in simulation, 13 % at 0.9: docs/algorithms.md), so its
-# rounds are waited for.
-SCRIPT_RUN_DEFAULTS = {"averaging.overlap": "false"}
+# rounds are waited for. The straggler budget (DropCompute) is the script's to ask for: an early
+# phase end moves the run's step further than the loop's own count, which a loop that evaluates or
+# stops every so many of its steps would not expect.
+SCRIPT_RUN_DEFAULTS = {"averaging.overlap": "false", "averaging.inner_budget": "0"}
 
 
 class AttachRefused(Exception):
@@ -119,6 +129,11 @@ class SharedVector:
             os.close(fd)
         self._map[: HEADER.size] = HEADER.pack(MAGIC, 1, numel)
         self.tensor = torch.frombuffer(self._map, dtype=torch.float32, offset=HEADER_BYTES, count=numel)
+
+    def end_phase_at(self, boundary: int) -> None:
+        """Ask the process to end the phase whose boundary is `boundary` at its next step."""
+        if not self._map.closed:  # closed: the daemon stops
+            END_AT.pack_into(self._map, END_AT_OFFSET, boundary)
 
     def close(self) -> None:
         self.tensor = None
@@ -177,7 +192,6 @@ class AttachedTrainer:
     wan_share = 1.0
     dear_steps = dear_buckets = dear_bucket_bytes = 0
     dear_overlap_ratio = math.nan
-    eval = None
 
     def __init__(
         self,
@@ -198,6 +212,7 @@ class AttachedTrainer:
         on_sync: Callable[[object], None] = lambda result: None,
         on_role: Callable[[bool], None] = lambda active: None,
         lease_seconds: float = LEASE_SECONDS,
+        inner_budget: float = 0.0,
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
         self.average_every, self.round_timeout, self.checkpoint_every = average_every, round_timeout, checkpoint_every
@@ -233,6 +248,11 @@ class AttachedTrainer:
         self.sketches: tuple = ()
         self.snapshot: Snapshot | None = None
         self._checkpointed = 0
+        self.eval: EvalResult | None = None  # the latest evaluation the process reported (ReportEval)
+        # DropCompute (daemon/straggler.py): the lease watch ends a slow process's phase through the
+        # shared file's header; the phase begins when its attach or previous EndPhase answers.
+        self._budget = StragglerBudget(inner_budget)
+        self._phase_began = time.monotonic()
 
     # -- the surface the daemon uses ----------------------------------------------------------
 
@@ -314,6 +334,7 @@ class AttachedTrainer:
             )
             self.state = TrainState.TRAINING
             self.error = ""
+        self._phase_began = time.monotonic()
         self.on_role(True)
         logger.info(
             "run %s: process %d attached (%s) at step %d%s",
@@ -375,11 +396,17 @@ class AttachedTrainer:
                 end = self._outer_round()
             if self.global_step - self._checkpointed >= self.checkpoint_every:
                 self._checkpoint()
-        wall = time.monotonic() - began
+        self._phase_began = time.monotonic()
+        wall = self._phase_began - began
         self.compute_seconds += compute_seconds
         self.train_wait_seconds += wall
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
         return end
+
+    def report_eval(self, token: str, result: EvalResult) -> None:
+        """The process evaluated the run's model: status and peerd_eval_score show it."""
+        self.renew(token)
+        self.eval = result
 
     # -- rounds, downloads, checkpoints (under the lock) --------------------------------------
 
@@ -466,6 +493,23 @@ class AttachedTrainer:
             if lapsed or (s.pid and not pid_alive(s.pid)):
                 why = "its lease lapsed" if lapsed else f"process {s.pid} exited"
                 await asyncio.to_thread(self._expire, s.token, why)
+            else:
+                self._check_budget()
+
+    def _check_budget(self) -> None:
+        """End the attached process's phase now where the straggler budget says so (a phase that is
+        ending already, under the lock, is left alone)."""
+        if not self._budget.factor or not self._has_state or self._lock.locked():
+            return
+        every = self.average_every
+        boundary = (self.global_step // every + 1) * every
+        if self._budget.over(time.monotonic(), self._phase_began, self.peer_steps(), boundary):
+            self._shared.end_phase_at(boundary)
+            logger.info(
+                "run %s: the process's phase ends before step %d: its peers are at the boundary (straggler budget)",
+                self.run_id,
+                boundary,
+            )
 
     def _expire(self, token: str, why: str) -> None:
         with self._lock:

@@ -10,8 +10,8 @@ Messages are for people: they never name a gRPC code.
 from __future__ import annotations
 
 import asyncio
-
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -209,6 +209,25 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.EndPhaseResponse(
             step=end.step, round=end.round_t, outcome=end.outcome, waited_seconds=end.waited, downloaded=end.downloaded
         )
+
+    async def ReportEval(self, request, context):
+        from daemon.attached import SessionLost
+        from daemon.tasks import EvalResult
+
+        await self._check(request, context)
+        if not 0 < len(request.metric) <= 64 or not math.isfinite(request.score):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "an evaluation needs a metric name (at most 64 characters) and a finite score",
+            )
+        trainer = await self._session_trainer(request.session, context)
+        try:
+            trainer.report_eval(
+                request.session, EvalResult(request.score, request.metric, request.higher_is_better, request.loss)
+            )
+        except SessionLost as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return control_pb2.ReportEvalResponse()
 
     async def Renew(self, request, context):
         from daemon.attached import SessionLost

@@ -33,6 +33,7 @@ import torch
 from daemon.checkpoint import CheckpointStore, identity_of
 from daemon.diloco import OuterLoop, OuterSettings
 from daemon.flat import from_flat, to_flat
+from daemon.straggler import StragglerBudget
 from peers.dear.backend import CollectiveError
 from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peers.dear.member import RETUNE_EVERY, LocalGroupMember
@@ -169,7 +170,7 @@ class Trainer:
         self.outer_settings, self.inner_budget = outer, inner_budget
         self._outer: OuterLoop | None = None
         self.repair_every = outer.repair_every if outer is not None else 0
-        self._budget_checked, self._others_done = 0.0, math.nan
+        self._budget_checked, self._budget = 0.0, StragglerBudget(inner_budget)
         self.compute_seconds = 0.0  # forward, backward and optimizer time since training began
         self.train_seconds = 0.0  # wall time since training began (TRAINING state)
         self.train_wait_seconds = 0.0  # time compute waited for averaging rounds
@@ -597,19 +598,11 @@ class Trainer:
         boundary = (self.global_step // self.average_every + 1) * self.average_every
         if self.global_step % self.average_every == 0:
             return True
-        if not self.inner_budget:
-            return False
         now = time.monotonic()
-        if now < self._budget_checked + BUDGET_CHECK:
+        if not self.inner_budget or now < self._budget_checked + BUDGET_CHECK:
             return False
         self._budget_checked = now
-        steps = self.peer_steps()
-        if not steps or 2 * sum(s >= boundary for s in steps) < len(steps):
-            self._others_done = math.nan
-            return False
-        if math.isnan(self._others_done):
-            self._others_done = now  # when this trainer first saw half of its peers at the boundary
-        if now - began < self.inner_budget * (self._others_done - began):
+        if not self._budget.over(now, began, self.peer_steps(), boundary):
             return False
         logger.info(
             "run %s: phase ends at step %d of %d: its peers are at the boundary (straggler budget)",
@@ -618,7 +611,6 @@ class Trainer:
             self.average_every,
         )
         self.global_step = boundary
-        self._others_done = math.nan
         return True
 
     @torch.no_grad()

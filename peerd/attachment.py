@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<8sIQ")  # as daemon/attached.py writes it
 HEADER_BYTES = 64
+END_AT = struct.Struct("<Q")  # the boundary step of a phase the daemon ends early (daemon/attached.py)
+END_AT_OFFSET = 24
 MAGIC = b"PEERDSHM"
 RENEW_TIMEOUT = 5.0  # seconds for one Renew
 RETRY_EVERY = 1.0  # seconds between two tries to reach a daemon that is away
@@ -165,6 +167,11 @@ class Attachment:
 
     # -- phases --------------------------------------------------------------------------------
 
+    def phase_ends_at(self) -> int:
+        """The boundary step of the phase the daemon asks to end now (the straggler budget); 0: none.
+        A read from the shared file's header: cheap enough for every step."""
+        return END_AT.unpack_from(self._map, END_AT_OFFSET)[0] if self._map is not None else 0
+
     def end_phase(
         self, steps: int, samples: float, loss: float, compute_seconds: float
     ) -> control_pb2.EndPhaseResponse:
@@ -176,6 +183,21 @@ class Attachment:
         )
         try:
             return self._stub.EndPhase(request, timeout=a.phase_timeout)
+        except grpc.RpcError as e:
+            if e.code() in AWAY:
+                self.lost.set()
+                raise Lost(e.details()) from None
+            raise self._error(e) from None
+
+    def report_eval(self, metric: str, score: float, higher_is_better: bool, loss: float) -> None:
+        """An evaluation of the run's model, shown by the daemon's status and metrics. Raises Lost
+        when the attachment ended, PeerdError for anything else (a bad metric or score)."""
+        a = self.current
+        request = control_pb2.ReportEvalRequest(
+            session=a.session, metric=metric, score=score, higher_is_better=higher_is_better, loss=loss
+        )
+        try:
+            self._stub.ReportEval(request, timeout=RENEW_TIMEOUT)
         except grpc.RpcError as e:
             if e.code() in AWAY:
                 self.lost.set()

@@ -84,6 +84,7 @@ class Optimizer(torch.optim.Optimizer):
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
         self._phase_began = time.monotonic()
+        self._boundary = 0
         self._vector: torch.Tensor | None = None
         self._pinned = 0  # the page-locked address of the shared vector (CUDA models); 0: pageable
         self._attach()
@@ -126,7 +127,8 @@ class Optimizer(torch.optim.Optimizer):
         if loss is not None:
             self._loss_sum = self._loss_sum + (loss.detach() if torch.is_tensor(loss) else float(loss))
             self._loss_count += 1
-        if self._phase_steps >= self._attached.average_every:
+        # At H steps, or earlier where the daemon's straggler budget (DropCompute) ends this phase.
+        if self._phase_steps >= self._attached.average_every or self._attachment.phase_ends_at() == self._boundary:
             self._end_phase()
         return result
 
@@ -151,7 +153,21 @@ class Optimizer(torch.optim.Optimizer):
 
     def _new_phase(self) -> None:
         self._phase_steps, self._phase_samples, self._loss_sum, self._loss_count = 0, 0.0, 0.0, 0
+        every = self._attached.average_every
+        self._boundary = (self.run_step // every + 1) * every  # the run's step at this phase's end
         self._phase_began = time.monotonic()
+
+    def report_eval(self, metric: str, score: float, *, higher_is_better: bool = True, loss: float = math.nan) -> None:
+        """Report an evaluation of the run's model (e.g. after a phase's end, when the model holds
+        the run's parameters): `peerd status` and `peerd_eval_score{run}` show it until the next.
+        One call to the daemon; with the attachment lost (the daemon restarts), the evaluation is
+        dropped and the next step attaches again."""
+        if self._attachment.lost.is_set():
+            return
+        try:
+            self._attachment.report_eval(metric, float(score), higher_is_better, float(loss))
+        except Lost:
+            logger.info("peerd: run %s: the daemon went away; this evaluation is not reported", self.run)
 
     # -- attach, and the copies -----------------------------------------------------------------
 

@@ -262,6 +262,24 @@ class EndPhaseResponse(_message.Message):
     downloaded: bool
     def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., outcome: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., downloaded: _Optional[bool] = ...) -> None: ...
 
+class ReportEvalRequest(_message.Message):
+    __slots__ = ("session", "metric", "score", "higher_is_better", "loss")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    HIGHER_IS_BETTER_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    metric: str
+    score: float
+    higher_is_better: bool
+    loss: float
+    def __init__(self, session: _Optional[str] = ..., metric: _Optional[str] = ..., score: _Optional[float] = ..., higher_is_better: _Optional[bool] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class ReportEvalResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class RenewRequest(_message.Message):
     __slots__ = ("session",)
     SESSION_FIELD_NUMBER: _ClassVar[int]

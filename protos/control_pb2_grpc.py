@@ -69,6 +69,11 @@ class ControlStub:
                 request_serializer=protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
                 response_deserializer=protos_dot_control__pb2.EndPhaseResponse.FromString,
                 _registered_method=True)
+        self.ReportEval = channel.unary_unary(
+                '/peerd.control.v1.Control/ReportEval',
+                request_serializer=protos_dot_control__pb2.ReportEvalRequest.SerializeToString,
+                response_deserializer=protos_dot_control__pb2.ReportEvalResponse.FromString,
+                _registered_method=True)
         self.Renew = channel.unary_unary(
                 '/peerd.control.v1.Control/Renew',
                 request_serializer=protos_dot_control__pb2.RenewRequest.SerializeToString,
@@ -136,6 +141,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEval(self, request, context):
+        """The attached process evaluated the run's model: status (eval_metric, eval_score) and
+        peerd_eval_score show it until the next one. Renews the lease; NOT_FOUND once it has lapsed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Renew(self, request, context):
         """Keeps the attachment's lease; NOT_FOUND once it has lapsed (attach again).
         """
@@ -187,6 +200,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.EndPhase,
                     request_deserializer=protos_dot_control__pb2.EndPhaseRequest.FromString,
                     response_serializer=protos_dot_control__pb2.EndPhaseResponse.SerializeToString,
+            ),
+            'ReportEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEval,
+                    request_deserializer=protos_dot_control__pb2.ReportEvalRequest.FromString,
+                    response_serializer=protos_dot_control__pb2.ReportEvalResponse.SerializeToString,
             ),
             'Renew': grpc.unary_unary_rpc_method_handler(
                     servicer.Renew,
@@ -388,6 +406,33 @@ class Control:
             '/peerd.control.v1.Control/EndPhase',
             protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
             protos_dot_control__pb2.EndPhaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.control.v1.Control/ReportEval',
+            protos_dot_control__pb2.ReportEvalRequest.SerializeToString,
+            protos_dot_control__pb2.ReportEvalResponse.FromString,
             options,
             channel_credentials,
             insecure,

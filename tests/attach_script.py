@@ -17,6 +17,8 @@ p.add_argument("--every", type=int, default=10)
 p.add_argument("--sleep", type=float, default=0.0, help="seconds per step: a slow loop that spans an event")
 p.add_argument("--dim", type=int, default=8)
 p.add_argument("--reconnect-timeout", type=float, default=60.0)
+p.add_argument("--budget", type=float, default=None, help="the run's averaging.inner_budget (DropCompute)")
+p.add_argument("--eval", action="store_true", help="report the loss as an evaluation at each phase's end")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -26,17 +28,24 @@ opt = peerd.torch.Optimizer(
     run=args.run,
     daemon=args.daemon,
     model=model,
-    settings={"average_every": args.every},
+    settings={"average_every": args.every, **({"inner_budget": args.budget} if args.budget is not None else {})},
     reconnect_timeout=args.reconnect_timeout,
 )
 print(json.dumps({"attached": opt.run_step}), flush=True)
 target = torch.arange(args.dim, dtype=torch.float32) / args.dim
+phases = []  # steps of each phase this loop ended (the run's step moves at a phase's end only)
+phase_began, run_step = opt.local_step, opt.run_step
 for i in range(args.steps):
     x = torch.randn(16, args.dim)
     loss = ((model(x).squeeze(-1) - x @ target) ** 2).mean()
     loss.backward()
     opt.step(samples=16, loss=loss)
     opt.zero_grad()
+    if opt.run_step != run_step:
+        phases.append(opt.local_step - phase_began)
+        phase_began, run_step = opt.local_step, opt.run_step
+        if args.eval:
+            opt.report_eval("loss", loss.item(), higher_is_better=False)
     if (i + 1) % args.every == 0:
         print(
             json.dumps({"step": i + 1, "run_step": opt.run_step, "outcome": opt.last_outcome, "loss": loss.item()}),
@@ -44,4 +53,4 @@ for i in range(args.steps):
         )
     time.sleep(args.sleep)
 opt.close()
-print(json.dumps({"done": opt.run_step, "local_step": opt.local_step}), flush=True)
+print(json.dumps({"done": opt.run_step, "local_step": opt.local_step, "phases": phases}), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import peerd
 import peerd.torch
 from daemon.client import ControlClient
 from peers.manifest import decode_manifest
-from tests.helpers import wait_for
+from tests.helpers import scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +29,15 @@ EXAMPLE = ROOT / "examples" / "your_loop.py"
 
 
 def script(*args, path=SCRIPT) -> subprocess.Popen:
+    # PYTHONPATH: a script run by its path imports peerd from this checkout, not from wherever the
+    # environment installed it.
     return subprocess.Popen(
         [sys.executable, str(path), *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
 
 
@@ -196,3 +200,64 @@ def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
         stub.Detach(control_pb2.DetachRequest(session="nope"), timeout=30)  # idempotent
     status = run_status(a, "junk")
     assert status.task == "" and status.train_state == ""  # still discovery only: no run was created
+
+
+def test_a_slow_script_ends_its_phases_at_the_straggler_budget_and_evaluations_show_in_status(spawn):
+    a = spawn("budget-a", ["--run", "budget"])
+    b = spawn("budget-b", ["--run", "budget", "--initial-peers", a.maddrs[0]])
+    common = ["--run", "budget", "--every", 20, "--budget", 1.2]
+    # The creator (its settings are the run's), fast, until it is killed: the slow one has a peer
+    # at every boundary.
+    fast = script(*common, "--daemon", a.data_dir, "--steps", 100_000, "--sleep", 0.01, "--eval")
+    assert json.loads(fast.stdout.readline()) == {"attached": 0}
+    slow = script(*common, "--daemon", b.data_dir, "--steps", 40, "--sleep", 0.4)
+    out = lines(finish(slow, 240))[-1]
+    # A whole phase takes the slow loop 8 s; the fast peer reaches each boundary at once and waits
+    # in the round. The slow daemon sees it there with the heartbeats (a few seconds) and ends the
+    # phase through the shared file after 1.2 times that (daemon/straggler.py): the run's step
+    # jumps to the boundary.
+    assert out["phases"] and min(out["phases"]) < 20, out
+    assert out["done"] > out["local_step"], out
+    # The fast script reported its loss as an evaluation at each phase's end (ReportEval).
+    status = run_status(a, "budget")
+    assert status.eval_metric == "loss" and status.eval_score >= 0
+    assert scrape(a.metrics_url)[("peerd_eval_score", (("run", "budget"),))] == pytest.approx(status.eval_score)
+    fast.send_signal(signal.SIGKILL)
+    fast.wait()
+
+
+def test_a_built_in_task_trains_through_the_public_api_in_a_process_of_its_own(spawn, tmp_path):
+    a = spawn("taskproc", ["--run", "tp"])
+    state = tmp_path / "inner.pt"
+
+    def child(max_steps: int) -> str:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "daemon.taskproc",
+                "--run",
+                "tp",
+                "--task",
+                "digits-mlp",
+                "--daemon",
+                str(a.data_dir),
+            ]
+            + ["--max-steps", str(max_steps), "--average-every", "50", "--eval-every", "100", "--state", str(state)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr
+
+    child(200)
+    status = run_status(a, "tp")
+    assert status.step == 200 and status.attached_pid == 0
+    assert status.eval_metric == "accuracy" and status.eval_score >= 0.85, status  # reported by the process
+    assert torch.load(state, weights_only=False)["peerd"]["run_step"] == 200  # the inner optimizer's own file
+    # Again: the run's parameters from the daemon, the inner optimizer's state from its file.
+    log = child(250)
+    assert "attached to run tp at step 200" in log and "inner optimizer resumed" in log, log
+    assert run_status(a, "tp").step == 250

@@ -1,0 +1,140 @@
+"""A child process the daemon starts, reaps and restarts a bounded number of times: the training
+process of a `--task` run (python -m daemon.taskproc; DESIGN.md, "Processes"). Not wired to
+`--task` runs yet (docs/your-loop.md, "Not yet").
+
+The child dies with the daemon: it is started with PEERD_PARENT_PID, and die_with_parent() (called
+first thing in the child) asks Linux to kill it when its parent goes (PR_SET_PDEATHSIG), closing
+the race with a parent that died before the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+from collections import deque
+from enum import Enum
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE = 30.0  # seconds a child has after SIGTERM (it detaches: the daemon checkpoints) before SIGKILL
+PARENT_ENV = "PEERD_PARENT_PID"
+PR_SET_PDEATHSIG = 1
+TAIL_LINES = 20  # lines of the child's stderr kept for the error a failure shows
+
+
+class ChildState(Enum):
+    STARTING = "STARTING"  # spawned, not yet exited
+    RESTARTING = "RESTARTING"  # it exited with an error; started again after the back-off
+    EXITED = "EXITED"  # it exited with status 0: its work is done
+    FAILED = "FAILED"  # it failed more often than the bound allows; see `error`
+    STOPPED = "STOPPED"  # stopped by the daemon
+
+
+def after_exit(returncode: int, failures: int, max_restarts: int) -> tuple[ChildState, str]:
+    """What follows a child's exit: `failures` counts this one. Pure: the supervisor and its tests
+    call it alike."""
+    if returncode == 0:
+        return ChildState.EXITED, "exited with status 0"
+    how = f"killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited with status {returncode}"
+    if failures > max_restarts:
+        return ChildState.FAILED, f"{how}; failed {failures} times, more than the {max_restarts} restarts allowed"
+    return ChildState.RESTARTING, f"{how}; restart {failures} of {max_restarts}"
+
+
+class Supervisor:
+    """Runs `argv` until it exits with status 0, restarting it after a failure (back-off doubling
+    from `backoff` seconds) at most `max_restarts` times. `state`, `failures`, `pid` and `error` are
+    for status and metrics; start() and stop() are called from the daemon's event loop."""
+
+    def __init__(
+        self, name: str, argv: list[str], *, cwd: Path | None = None, max_restarts: int = 3, backoff: float = 1.0
+    ):
+        self.name, self.argv, self.cwd = name, argv, cwd
+        self.max_restarts, self.backoff = max_restarts, backoff
+        self.state = ChildState.STARTING
+        self.failures = 0
+        self.pid = 0
+        self.error = ""
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # the child's latest stderr lines
+        self._proc: asyncio.subprocess.Process | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"child:{self.name}")
+
+    async def stop(self, grace: float = STOP_GRACE) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; the child is reaped before this returns."""
+        self._stopping = True
+        if self._task is not None:  # first: no restart may follow (it only waits on the child meanwhile)
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(grace):
+                    await proc.wait()
+            except TimeoutError:
+                logger.warning("%s: pid %d did not stop within %.0f s; killing it", self.name, proc.pid, grace)
+                proc.kill()
+                await proc.wait()
+        if self.state not in (ChildState.EXITED, ChildState.FAILED):
+            self.state = ChildState.STOPPED
+
+    async def _run(self) -> None:
+        delay = self.backoff
+        while not self._stopping:
+            self.state = ChildState.STARTING
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                cwd=self.cwd,
+                env={**os.environ, PARENT_ENV: str(os.getpid())},
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            self.pid = self._proc.pid
+            logger.info("%s: started (pid %d)", self.name, self.pid)
+            async for line in self._proc.stderr:  # until the child closes it: it exits
+                self.tail.append(line.decode(errors="replace").rstrip())
+            returncode = await self._proc.wait()
+            if self._stopping:
+                return
+            failures = self.failures + (returncode != 0)
+            state, reason = after_exit(returncode, failures, self.max_restarts)
+            self.failures = failures
+            if state is ChildState.EXITED:
+                self.state = state
+                logger.info("%s: %s", self.name, reason)
+                return
+            last = self.tail[-1] if self.tail else ""
+            self.error = f"{reason}: {last}" if last else reason
+            logger.warning("%s: pid %d %s", self.name, self.pid, self.error)
+            if state is ChildState.FAILED:
+                self.state = state
+                return
+            self.state = state
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 30.0)
+
+
+def die_with_parent() -> None:
+    """In the child: be killed when the daemon that started it dies (Linux; elsewhere a no-op).
+    Exits at once if the parent is already gone."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != int(parent):  # the parent died before prctl: nobody will send the signal
+        os._exit(1)

@@ -1,0 +1,117 @@
+"""A built-in or plug-in task trained in a process of its own, as a client of the public API
+(peerd.torch.Optimizer): the training process DESIGN.md ("Processes") asks the daemon to start and
+supervise for `--task` runs.
+
+    python -m daemon.taskproc --run R --task digits-mlp --daemon DATA_DIR [--set lr=0.01] [--max-steps N]
+
+Today it attaches like any script (the run is a script's run: created by this attach, or joined
+with the model's layout); the daemon does not start it for `--task` runs yet (docs/your-loop.md,
+"Not yet"). What it does is what the daemon's trainer thread (daemon/trainer.py) does for such a
+run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in
+the daemon, an evaluation of the run's parameters every `--eval-every` run steps (at a phase's end,
+when the model holds them) reported to the daemon (ReportEval), and the inner optimizer's state
+saved next to the daemon's checkpoints (`--state`), so that a restarted process resumes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m daemon.taskproc", description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", required=True)
+    p.add_argument("--task", required=True, help="an installed task (peerd tasks)")
+    p.add_argument("--daemon", required=True, type=Path, help="the daemon's --data-dir")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a task hyper-parameter")
+    p.add_argument("--average-every", type=int, default=50, help="H of a run this process creates")
+    p.add_argument("--max-steps", type=int, default=0, help="stop at this run step (0: never)")
+    p.add_argument("--eval-every", type=int, default=50, help="run steps between two evaluations")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="run steps between two saves of --state")
+    p.add_argument("--state", type=Path, default=None, help="the inner optimizer's state file (resumed if present)")
+    p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="the model's initialization (a run this process creates)")
+    return p.parse_args(argv)
+
+
+def save_state(opt, path: Path) -> None:
+    """opt.state_dict(), written atomically (a crash leaves the previous file)."""
+    partial = path.with_name(path.name + ".partial")
+    torch.save(opt.state_dict(), partial)
+    os.replace(partial, path)
+
+
+def train(args: argparse.Namespace) -> int:
+    import peerd.torch
+    from daemon.joining import hparams_from_text
+    from daemon.tasks import get_task
+    from daemon.trainer import seed_from
+
+    torch.set_num_threads(args.torch_threads)
+    task = get_task(args.task)
+    hparams = hparams_from_text(task, dict(kv.split("=", 1) for kv in args.set))
+    model, inner = task.build(hparams, args.seed)
+    opt = peerd.torch.Optimizer(
+        inner, run=args.run, daemon=args.daemon, model=model, settings={"average_every": args.average_every}
+    )
+    if args.state is not None and args.state.exists():
+        opt.load_state_dict(torch.load(args.state, weights_only=False))
+        logger.info("run %s: inner optimizer resumed from %s", args.run, args.state)
+    # Each daemon its own stream of samples (as the trainer thread), a new one after a restart.
+    data = task.data(hparams, seed_from(args.run, str(args.daemon.resolve()), str(opt.run_step)))
+    evaluated = saved = phase_step = opt.run_step
+    try:
+        while not args.max_steps or opt.run_step < args.max_steps:
+            batch = next(data)
+            model.train()
+            loss = task.loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step(samples=batch.samples, loss=loss)
+            if opt.run_step == phase_step:  # within a phase: the model holds this process's own progress
+                continue
+            phase_step = opt.run_step  # a phase ended: the model holds the run's parameters
+            if opt.run_step - evaluated >= args.eval_every:
+                report(task, hparams, model, opt)
+                evaluated = opt.run_step
+            if args.state is not None and opt.run_step - saved >= args.checkpoint_every:
+                save_state(opt, args.state)
+                saved = opt.run_step
+        if evaluated != opt.run_step:
+            report(task, hparams, model, opt)
+        if args.state is not None:
+            save_state(opt, args.state)
+    finally:
+        opt.close()
+    return 0
+
+
+def report(task, hparams, model: torch.nn.Module, opt) -> None:
+    result = task.evaluate(model, hparams)
+    loss = result.loss if math.isfinite(result.loss) else math.nan
+    opt.report_eval(result.metric, result.score, higher_is_better=result.higher_is_better, loss=loss)
+    logger.info("run %s: step %d: %s %.4f", opt.run, opt.run_step, result.metric, result.score)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from daemon.supervisor import die_with_parent
+
+    die_with_parent()  # started by a daemon (daemon/supervisor.py): it goes when the daemon goes
+    # The supervisor's stop: leave through `finally` (Detach: the daemon checkpoints at once).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The supervisor of a training process (daemon/supervisor.py): bounded restarts with the real
+child (python -m daemon.taskproc) against a real daemon, and the decision alone."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.client import ControlClient
+from daemon.supervisor import ChildState, Supervisor, after_exit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_after_an_exit_the_child_is_done_restarted_or_failed():
+    assert after_exit(0, 0, 3)[0] is ChildState.EXITED
+    state, reason = after_exit(-signal.SIGKILL, 1, 3)
+    assert state is ChildState.RESTARTING and reason == "killed by SIGKILL; restart 1 of 3"
+    state, reason = after_exit(2, 4, 3)
+    assert state is ChildState.FAILED and reason.startswith("exited with status 2; failed 4 times")
+
+
+def run_status(daemon, run: str):
+    with ControlClient(daemon.control) as c:
+        return next(r for r in c.status().runs if r.run_id == run)
+
+
+def child(daemon, task: str, max_steps: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "daemon.taskproc",
+        "--run",
+        "sv",
+        "--task",
+        task,
+        "--daemon",
+        str(daemon.data_dir),
+    ] + ["--max-steps", str(max_steps), "--average-every", "20", "--eval-every", "100"]
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_a_killed_child_is_restarted_and_training_goes_on_from_the_runs_step(spawn):
+    a = spawn("sv", ["--run", "sv"])
+
+    async def scenario() -> None:
+        sup = Supervisor("task sv", child(a, "digits-mlp", 2000), cwd=ROOT, max_restarts=2, backoff=0.1)
+        sup.start()
+        await until(lambda: run_status(a, "sv").step >= 100, 120, "100 steps")
+        first = sup.pid
+        assert run_status(a, "sv").attached_pid == first
+        os.kill(first, signal.SIGKILL)
+        await until(lambda: sup.pid != first and run_status(a, "sv").attached_pid == sup.pid, 120, "restarted")
+        before = run_status(a, "sv").step
+        assert before >= 100  # the daemon kept the run's step: the new child attaches there
+        await until(lambda: sup.state is ChildState.EXITED, 180, "2000 steps")
+        assert sup.failures == 1 and "killed by SIGKILL" in sup.error
+        status = run_status(a, "sv")
+        assert status.step == 2000 and status.eval_metric == "accuracy" and status.eval_score >= 0.85
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_child_that_always_fails_ends_failed_after_the_bound_and_the_daemon_answers(spawn):
+    a = spawn("sv-fail", ["--run", "sv"])
+
+    async def scenario() -> None:
+        sup = Supervisor("task sv", child(a, "no-such-task", 100), cwd=ROOT, max_restarts=2, backoff=0.1)
+        sup.start()
+        await until(lambda: sup.state is ChildState.FAILED, 120, "FAILED")
+        assert sup.failures == 3 and "failed 3 times" in sup.error and "no-such-task" in sup.error, sup.error
+        await sup.stop()
+        assert sup.state is ChildState.FAILED
+
+    asyncio.run(scenario())
+    with ControlClient(a.control) as c:
+        assert c.status().state == "READY"
+
+
+@pytest.mark.slow
+def test_a_stopped_child_detaches_and_is_reaped(spawn):
+    a = spawn("sv-stop", ["--run", "sv"])
+
+    async def scenario() -> None:
+        sup = Supervisor("task sv", child(a, "digits-mlp", 0), cwd=ROOT, max_restarts=2, backoff=0.1)
+        sup.start()
+        await until(lambda: run_status(a, "sv").step >= 40, 120, "two phases")
+        pid = sup.pid
+        await sup.stop(grace=20)
+        assert sup.state is ChildState.STOPPED and sup.failures == 0
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped
+        status = run_status(a, "sv")
+        assert status.attached_pid == 0 and status.train_state == "STOPPED"  # it detached on SIGTERM
+
+    asyncio.run(scenario())
