@@ -123,6 +123,9 @@ def _cmd_start(args: argparse.Namespace) -> int:
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
+    from daemon.supervisor import die_with_parent
+
+    die_with_parent(signal.SIGTERM)  # started by a test, demo or benchmark (daemon/procs.py): go with it
     for noisy in ("hivemind", "p2pclient"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLevelName(config.log_level)))
 

@@ -10,10 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from daemon.supervisor import PARENT_ENV
 
 READY_TIMEOUT = 30.0  # seconds from spawn to ready.json: p2pd start plus DHT bootstrap, with margin
 STOP_TIMEOUT = 20.0  # seconds from SIGTERM to exit; above the daemon's default drain_timeout
@@ -57,6 +60,12 @@ class LocalDaemon:
             *self.args,
         ]
         env = {**os.environ, **(self.env or {})}
+        env.pop(PARENT_ENV, None)
+        if threading.current_thread() is threading.main_thread():
+            # The daemon goes (SIGTERM) when this process goes, even killed (a test run's worker, a
+            # demo): none is left training in the background. Linux ties it to the starting thread,
+            # so only the main thread asks for it.
+            env[PARENT_ENV] = str(os.getpid())
         with open(self.log_path, "ab") as log:
             # A new session, so that a test can reap the daemon and p2pd as one process group.
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

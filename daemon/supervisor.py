@@ -126,14 +126,16 @@ class Supervisor:
             delay = min(2 * delay, 30.0)
 
 
-def die_with_parent() -> None:
-    """In the child: be killed when the daemon that started it dies (Linux; elsewhere a no-op).
-    Exits at once if the parent is already gone."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child started with PARENT_ENV: get `sig` when the process that started it dies (Linux;
+    elsewhere a no-op): a training child when its daemon goes, a daemon (SIGTERM: it drains) when
+    the test, demo or benchmark that started it goes (daemon/procs.py). Exits at once if the parent
+    is already gone."""
     parent = os.environ.get(PARENT_ENV)
     if not parent:
         return
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):  # not Linux
         return
     if os.getppid() != int(parent):  # the parent died before prctl: nobody will send the signal

@@ -167,3 +167,31 @@ def test_demo_rows_show_a_dash_for_what_has_not_happened_yet():
     row = progress_line("", "peer1", after)
     assert row.split() == ["peer1", "TRAINING", "20", "1.2346", "850", "2", "completed", "(3)", "accuracy", "0.812"]
     assert len(HEADER.split()) == 9 and row.index("1.2346") < HEADER.index("SAMPLES/S"), (HEADER, row)
+
+
+def test_a_daemon_goes_when_the_process_that_started_it_is_killed(tmp_path):
+    """A test run's worker or a demo killed with SIGKILL runs no clean-up: the daemons it started
+    (daemon/procs.py) still go (SIGTERM from Linux, PR_SET_PDEATHSIG), p2pd with them."""
+    launcher = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from daemon.procs import LocalDaemon\n"
+        "d = LocalDaemon(Path(sys.argv[1]), [])\n"
+        "d.start(wait=True)\n"
+        "print(d.proc.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", launcher, str(tmp_path / "orphan")], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        pid = int(p.stdout.readline())
+        family = {pid, *live_descendants(pid)}
+        assert len(family) >= 2, family  # the daemon and its p2pd
+        p.kill()
+        p.wait(10)
+        wait_for(lambda: not alive(family), timeout=30, what=f"the orphaned daemon {pid} and its p2pd to exit")
+    finally:
+        p.kill()
+        for q in alive({*locals().get("family", set())}):
+            os.kill(q, signal.SIGKILL)
