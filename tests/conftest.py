@@ -10,7 +10,8 @@ import pytest
 from daemon.procs import LocalDaemon
 from tests.helpers import peer_ids, wait_for
 
-_started: list[LocalDaemon] = []
+_started: list[LocalDaemon] = []  # every daemon of the session, reaped at its end
+_this_test: list[LocalDaemon] = []  # started by the running test itself, reaped when it ends
 
 # Tests that build a network lab (namespaces, a bridge, nftables tables) run one after another on one
 # pytest-xdist worker (`--dist loadgroup`, ./dev test): two labs built at once could pick the same
@@ -32,6 +33,18 @@ def _reap_daemons():
         d.kill_group()
 
 
+@pytest.fixture(autouse=True)
+def _reap_the_tests_daemons():
+    """Kill the daemons a test started once it ends, passed or failed: a failed test's daemons would
+    otherwise train on until the session ends and slow every test after it. Daemons of session and
+    module fixtures (the cluster) are set up before this fixture and are not the test's."""
+    _this_test.clear()
+    yield
+    for d in _this_test:
+        d.kill_group()
+    _this_test.clear()
+
+
 @pytest.fixture(scope="session")
 def spawn(tmp_path_factory):
     """spawn(name, args, wait=True) -> LocalDaemon: a real `peerd start` in a fresh data dir."""
@@ -39,6 +52,7 @@ def spawn(tmp_path_factory):
     def _spawn(name: str, args=(), *, wait: bool = True, data_dir=None) -> LocalDaemon:
         d = LocalDaemon(data_dir or tmp_path_factory.mktemp("d") / name, list(args))
         _started.append(d)
+        _this_test.append(d)
         return d.start(wait=wait)
 
     return _spawn
