@@ -208,8 +208,6 @@ class PacketReducer:
 
     def __init__(self, inbox: LossyInbox, me: int, events: PeerEvents):
         self.inbox, self.me, self.events = inbox, me, events
-        start, end = inbox.bounds[me]
-        self.scratch = np.empty(min(inbox.chunk, end - start), np.float32)
         self.x: np.ndarray | None = None
         self.weight = 0.0
 
@@ -238,7 +236,7 @@ class PacketReducer:
             if k == me or k in st.weights
         ]
         out = self.x[start:end]
-        mask, total, refused = masked_mean(out, parts, grid.stride, self.scratch)
+        mask, total, refused = masked_mean(out, parts, grid.stride)
         for _ in range(refused):
             self.events.packet_rejected("contribution_nonfinite")
         if inbox.coded:  # encoded once for the all-gather; this owner holds what members receive
