@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import functools
 import math
 import time
@@ -68,6 +67,7 @@ from peers.collective.allreduce import drain_links, open_links
 from peers.collective.group import Group, shard_bounds
 from peers.collective.inbox import as_bytes
 from peers.collective.reduction import all_finite, divide, fold
+from peers.collective.rounds import Half
 from peers.collective.transport import Action, Inbound, Link, Transport
 from peers.collective.wire import DType, Header, Kind
 from peers.events import PeerEvents
@@ -88,11 +88,6 @@ class HalvesSettings:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
         if self.chunk_elements < 1 or self.max_parked < 1:
             raise ValueError("chunk_elements and max_parked must be at least 1")
-
-
-class Half(enum.Enum):
-    REDUCE_SCATTER = "reduce_scatter"  # the owner's shard becomes the weighted mean of every member's slice
-    ALL_GATHER = "all_gather"  # every shard becomes its owner's bytes
 
 
 _WIRE = {Half.REDUCE_SCATTER: Kind.CONTRIBUTION, Half.ALL_GATHER: Kind.RESULT}
