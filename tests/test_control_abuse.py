@@ -8,7 +8,7 @@ import pytest
 
 from daemon.client import ControlClient
 from daemon.config import ConfigError, load_config
-from tests.helpers import peerd, scrape
+from tests.helpers import peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +26,8 @@ def _log_lines(d) -> list[str]:
 
 def test_garbage_requests_are_invalid_argument_counted_and_not_logged_each(spawn):
     d = spawn("garbage")
+    # The ready printout reaches the log just after ready.json (its last line names that file).
+    wait_for(lambda: any("ready file:" in line for line in _log_lines(d)), timeout=10, what="the ready printout")
     before = len(_log_lines(d))
     sent = 0
     with grpc.insecure_channel(d.control) as channel:
