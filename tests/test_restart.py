@@ -104,7 +104,9 @@ def test_a_checkpoint_of_another_model_is_kept_and_named_in_status(spawn):
     r = wait_for(lambda: (s := run_status(d, "other")).step > old_step + 30 and s, timeout=60, what="new run trains")
     assert r.train_state == "TRAINING" and f"{old[-1]} (and 1 more) not loaded" in r.error, r.error
     assert "hidden=128 (now 64)" in r.error and "kept on disk" in r.error
-    assert set(old) < set(checkpoints(d, "other")) and len(checkpoints(d, "other")) == 4
+    # The old run's files stay beside the new run's (2 kept, a third for the moment between a write
+    # and its pruning).
+    assert set(old) < set(checkpoints(d, "other")) and 4 <= len(checkpoints(d, "other")) <= 5
     shown = peerd("status", "--control", d.control).stdout
     assert f"other: checkpoint {old[-1]}" in shown and "training failed" not in shown, shown
     assert scrape(d.metrics_url)[("peerd_rejected_total", (("reason", "checkpoint_foreign"),))] == 2
