@@ -24,7 +24,7 @@ __getattr__ = attributes(
     __name__,
     {
         "peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
-        "peers.dear.backend": ("Collective", "CollectiveError", "Handle", "Half"),
+        "peers.dear.backend": ("Collective", "CollectiveError", "Handle", "Kind"),
         "peers.dear.engine": ("EngineCollective",),
         "peers.dear.overlap": ("StepStats",),
         "peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
@@ -42,8 +42,8 @@ __all__ = [
     "EngineCollective",
     "Fit",
     "FusionTuner",
-    "Half",
     "Handle",
+    "Kind",
     "LinkSample",
     "LocalGroupRules",
     "LocalGroups",
