@@ -71,6 +71,7 @@ BENCH = "dear"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CLONE_NEWNET = 0x40000000  # linux/sched.h
 CALIBRATION_BATCH = 64
+END_GRACE = 1.0  # seconds a rank that is not waited for may take to end once the waited-for ranks reported
 EMULATED_SLOWDOWN = 5  # the emulated link's all-reduce takes this many times loopback's
 MODES = ("dear", "after_backward", "ddp25", "dear_nofusion", "torch_ddp", "compute_only", "comm_only")
 BACKENDS = ("gloo", "peerd")
@@ -98,7 +99,7 @@ def run_group(
     shaped links (`lab_hosts` below builds them); make_collective then listens on the host's address. Returns,
     once every rank in `wait_for` (default: all) reported or ended, per rank ("ok", value),
     ("error", traceback), ("exited", exit code) for a process that ended without reporting, or
-    ("killed", None) for one still running then. Raises TimeoutError after `timeout` seconds.
+    ("killed", None) for one still running END_GRACE seconds after that. Raises TimeoutError after `timeout` seconds.
     Every process is killed on return."""
     ctx = mp.get_context("spawn")
     scratch = tempfile.mkdtemp(prefix="dear-")
@@ -139,6 +140,13 @@ def run_group(
                     results[rank] = pipe.recv()
                 except EOFError:
                     procs[rank].join(5.0)
+                    results[rank] = ("exited", procs[rank].exitcode)
+        for rank in set(range(world)) - set(results):  # one that ended as the others reported ended, not killed
+            procs[rank].join(END_GRACE)
+            if procs[rank].exitcode is not None:
+                try:
+                    results[rank] = pipes[rank].recv() if pipes[rank].poll() else ("exited", procs[rank].exitcode)
+                except EOFError:
                     results[rank] = ("exited", procs[rank].exitcode)
         return [results.get(r, ("killed", None)) for r in range(world)]
     finally:
