@@ -423,6 +423,9 @@ class Daemon:
         if not manifest.task:
             handle.trainer = trainer = self._attached_trainer(manifest, membership, average, sync, loop)
             training = RunTraining(trainer)
+        elif self._in_child(manifest):
+            handle.trainer = trainer = await self._task_child(manifest, membership, average, sync, loop)
+            training = RunTraining(trainer)
         else:
             handle.trainer = trainer = self._task_trainer(manifest, membership, average, sync, loop, secret)
             auto = self.config.train.local_group == AUTO
@@ -470,8 +473,45 @@ class Daemon:
         )
         return trainer
 
-    def _attached_trainer(self, manifest, membership, average, sync, loop):
-        """The daemon's half of a run trained by an attached process (docs/your-loop.md)."""
+    def _in_child(self, manifest) -> bool:
+        """Whether this task's run trains in a child process (--train-process): under DiLoCo only,
+        the one algorithm the API of an attached process carries (--local-group is refused with it)."""
+        if not self.config.train.train_process:
+            return False
+        if manifest.averaging.algorithm != "diloco":
+            logger.warning(
+                "run %s: --train-process does not apply to averaging.algorithm=%s (it averages the inner "
+                "optimizer's state, which a child process keeps to itself): it trains in a thread of the daemon",
+                manifest.run_id,
+                manifest.averaging.algorithm,
+            )
+            return False
+        return True
+
+    async def _task_child(self, manifest, membership, average, sync, loop):
+        """The daemon's half of a task's run trained by its child process (daemon/taskchild.py)."""
+        from daemon.taskchild import TaskChild, child_argv, task_model
+
+        seed = run_setup.init_seed(manifest)
+        layout, identity = await asyncio.to_thread(task_model, manifest, seed)  # builds the model once
+        train = self.config.train
+        argv = child_argv(manifest, self.config.data_dir, train, seed)
+        return self._attached_trainer(
+            manifest,
+            membership,
+            average,
+            sync,
+            loop,
+            TaskChild,
+            layout=layout,
+            identity=identity,
+            argv=argv,
+            max_steps=train.max_steps,
+        )
+
+    def _attached_trainer(self, manifest, membership, average, sync, loop, cls=None, **kwargs):
+        """The daemon's half of a run trained by an attached process (docs/your-loop.md): a script's
+        (AttachedTrainer), or with `cls` and its arguments, the task's child (TaskChild)."""
         from daemon.attached import AttachedTrainer, remove_stale, shared_directory
         from daemon.checkpoint import CheckpointStore
 
@@ -491,10 +531,11 @@ class Daemon:
             membership.role = TRAINER if active else IDLE
             self._announce_soon(membership, loop)
 
-        return AttachedTrainer(
+        if cls is None:  # a script's run
+            cls, kwargs = AttachedTrainer, {"layout": manifest.model, "creator": manifest.creator == self.node.peer_id}
+        return cls(
+            **kwargs,
             run_id=run_id,
-            layout=manifest.model,
-            creator=manifest.creator == self.node.peer_id,
             store=CheckpointStore(
                 run_dir / "checkpoints",
                 on_corrupt=lambda path, why: self.reject("checkpoint_corrupt"),
@@ -520,6 +561,7 @@ class Daemon:
         RunRefused (another model, a task's run, other settings), AttachRefused (one process per
         run per daemon, or no state to start from), RuntimeError when not READY."""
         from daemon.attached import SCRIPT_RUN_DEFAULTS, AttachedTrainer, AttachRefused
+        from daemon.taskchild import TaskChild
         from peers.manifest import check_layout
 
         self._require_ready()
@@ -537,6 +579,8 @@ class Daemon:
                 )
                 await self._train(handle, *resolved)
                 self.data_dir.write_ready(self.ready_info())
+            elif isinstance(handle.trainer, TaskChild):  # a task's run: only its own child attaches
+                handle.trainer.check_child(pid, layout)
             else:
                 run_setup.check_attach(handle.manifest, layout, settings)
         trainer = handle.trainer
@@ -545,8 +589,13 @@ class Daemon:
         return await asyncio.to_thread(trainer.attach, pid, device, step)
 
     def attached_trainers(self) -> list:
-        """The AttachedTrainers of this daemon's runs (daemon/attached.py)."""
-        return [h.trainer for h in self.runs.values() if h.trainer is not None and h.manifest and not h.manifest.task]
+        """The AttachedTrainers of this daemon's runs (daemon/attached.py; a task's child's too)."""
+        trainers = [h.trainer for h in self.runs.values() if h.trainer is not None]
+        if not trainers:
+            return []
+        from daemon.attached import AttachedTrainer  # loaded already: a trainer exists
+
+        return [t for t in trainers if isinstance(t, AttachedTrainer)]
 
     @staticmethod
     def _announce_soon(membership, loop: asyncio.AbstractEventLoop) -> None:
@@ -660,6 +709,8 @@ class Daemon:
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device
+                if (child := getattr(tr, "child", None)) is not None:  # daemon/taskchild.py
+                    r.train_process_state, r.train_process_restarts = child.state.value, child.restarts
             runs.append(r)
         return control_pb2.StatusResponse(
             state=self.state.value,

@@ -213,6 +213,7 @@ class AttachedTrainer:
         on_role: Callable[[bool], None] = lambda active: None,
         lease_seconds: float = LEASE_SECONDS,
         inner_budget: float = 0.0,
+        identity: dict | None = None,
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
         self.average_every, self.round_timeout, self.checkpoint_every = average_every, round_timeout, checkpoint_every
@@ -225,7 +226,9 @@ class AttachedTrainer:
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
         self.numel = sum(t.numel for t in layout)
-        self._identity = layout_identity(run_id, layout)
+        # What this run's checkpoints hold (daemon/checkpoint.py): a script's model, or a task's (its
+        # own child's, daemon/taskchild.py: the identity the trainer thread's checkpoints have too).
+        self._identity = identity if identity is not None else layout_identity(run_id, layout)
         self._shared = SharedVector(shared_dir, self.numel)
         self._outer = OuterLoop([self._shared.tensor], outer, self._round_in, run_id)
         self._flat = torch.empty(2 * self.numel)  # where downloads land
@@ -420,14 +423,18 @@ class AttachedTrainer:
         self._samples_since_round = 0.0
         if applied.round_t is None:  # overlap: the first round is still on the network
             return PhaseEnd(self.global_step, -1, "", applied.waited, False)
+        self._landed(applied)
+        return PhaseEnd(self.global_step, applied.round_t, applied.results[0].outcome_name, applied.waited, False)
+
+    def _landed(self, applied) -> None:
+        """Status, metrics and the snapshot peers download, once a round's result landed."""
         results = applied.results
         self.last_round = results[0]
         if any(getattr(r, "applied", False) for r in results):
-            self.param_distance_to_group_mean = outer.distance
-        self.snapshot = Snapshot(self.global_step, outer.outer.clone())
+            self.param_distance_to_group_mean = self._outer.distance
+        self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
         for result in results:
             self.on_round(result)
-        return PhaseEnd(self.global_step, applied.round_t, results[0].outcome_name, applied.waited, False)
 
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
@@ -476,7 +483,13 @@ class AttachedTrainer:
         s, self.session = self.session, None
         if s is None:
             return
-        if self._has_state and self.global_step > self._checkpointed:
+        # With overlap, the round of the last phase is still on the network: it lands now (as the
+        # trainer thread's does when it stops), so that the checkpoint holds the run's progress.
+        applied = self._outer.finish() if self._has_state else None
+        landed = applied is not None and applied.round_t is not None
+        if landed:
+            self._landed(applied)
+        if self._has_state and (self.global_step > self._checkpointed or landed):
             self._checkpoint()
         self.state = TrainState.STOPPED
         logger.info("run %s: process %d detached (%s) at step %d", self.run_id, s.pid, why, self.global_step)
