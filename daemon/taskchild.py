@@ -9,8 +9,8 @@ state peers download stay here), with three differences:
 - every daemon of the run may start it from the manifest's seed (the parameters the trainer thread
   would start from), so a joiner with no peer to download from is not refused;
 - checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one the
-  trainer thread writes: a run trained by the thread resumes in the child. (Not back: the child's
-  checkpoints hold the outer state, not the thread's "model" and "optimizer".)
+  trainer thread writes: a restart that switches --train-process on or off resumes the run (the
+  child's hold the outer state alone; the thread then starts its inner optimizer anew).
 
 The inner optimizer's state is the child's, in the run's data dir (STATE_FILE). Status: the child's
 state and restarts (RunStatus.train_process_*); a child that failed more often than the bound makes
