@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from daemon import __version__
@@ -496,6 +496,10 @@ class Daemon:
         layout, identity = await asyncio.to_thread(task_model, manifest, seed)  # builds the model once
         train = self.config.train
         argv = child_argv(manifest, self.config.data_dir, train, seed)
+        # Its rounds are waited for, as a script's (SCRIPT_RUN_DEFAULTS): a process lands an overlapped
+        # round only at its next phase's end, a whole phase late, where the thread lands it as soon as
+        # it ends. Every member still applies the same rounds to θ: overlap is each member's own pace.
+        outer = replace(run_setup.outer_settings(manifest.averaging), overlap=False)
         return self._attached_trainer(
             manifest,
             membership,
@@ -506,7 +510,10 @@ class Daemon:
             layout=layout,
             identity=identity,
             argv=argv,
+            outer=outer,
             max_steps=train.max_steps,
+            ready=lambda: len(membership.table) + 1 >= train.min_peers,
+            ready_timeout=train.min_peers_timeout,
         )
 
     def _attached_trainer(self, manifest, membership, average, sync, loop, cls=None, **kwargs):
@@ -533,8 +540,7 @@ class Daemon:
 
         if cls is None:  # a script's run
             cls, kwargs = AttachedTrainer, {"layout": manifest.model, "creator": manifest.creator == self.node.peer_id}
-        return cls(
-            **kwargs,
+        settings = dict(
             run_id=run_id,
             store=CheckpointStore(
                 run_dir / "checkpoints",
@@ -554,6 +560,7 @@ class Daemon:
             on_role=on_role,
             inner_budget=manifest.averaging.inner_budget,
         )
+        return cls(**{**settings, **kwargs})
 
     async def attach(self, run_id: str, pid: int, device: str, layout: tuple, settings: dict[str, str], step: int):
         """A training process attaches to a run this daemon is in (docs/your-loop.md). The first

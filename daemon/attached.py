@@ -423,18 +423,14 @@ class AttachedTrainer:
         self._samples_since_round = 0.0
         if applied.round_t is None:  # overlap: the first round is still on the network
             return PhaseEnd(self.global_step, -1, "", applied.waited, False)
-        self._landed(applied)
-        return PhaseEnd(self.global_step, applied.round_t, applied.results[0].outcome_name, applied.waited, False)
-
-    def _landed(self, applied) -> None:
-        """Status, metrics and the snapshot peers download, once a round's result landed."""
         results = applied.results
         self.last_round = results[0]
         if any(getattr(r, "applied", False) for r in results):
-            self.param_distance_to_group_mean = self._outer.distance
-        self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
+            self.param_distance_to_group_mean = outer.distance
+        self.snapshot = Snapshot(self.global_step, outer.outer.clone())
         for result in results:
             self.on_round(result)
+        return PhaseEnd(self.global_step, applied.round_t, results[0].outcome_name, applied.waited, False)
 
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
@@ -483,13 +479,7 @@ class AttachedTrainer:
         s, self.session = self.session, None
         if s is None:
             return
-        # With overlap, the round of the last phase is still on the network: it lands now (as the
-        # trainer thread's does when it stops), so that the checkpoint holds the run's progress.
-        applied = self._outer.finish() if self._has_state else None
-        landed = applied is not None and applied.round_t is not None
-        if landed:
-            self._landed(applied)
-        if self._has_state and (self.global_step > self._checkpointed or landed):
+        if self._has_state and self.global_step > self._checkpointed:
             self._checkpoint()
         self.state = TrainState.STOPPED
         logger.info("run %s: process %d detached (%s) at step %d", self.run_id, s.pid, why, self.global_step)

@@ -6,6 +6,8 @@ The child attaches like a script (daemon/attached.py: the outer state, rounds, c
 state peers download stay here), with three differences:
 - its model is the task's, built from the run's manifest: the daemon builds it once to know its
   layout, and accepts an attach only from its own child with exactly that layout;
+- its rounds are waited for, whatever the run's averaging.overlap (as a script's: a process lands
+  an overlapped round only at its next phase's end, a whole phase late; the daemon passes `outer`);
 - every daemon of the run may start it from the manifest's seed (the parameters the trainer thread
   would start from), so a joiner with no peer to download from is not refused;
 - checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one the
@@ -23,7 +25,9 @@ import asyncio
 import concurrent.futures
 import logging
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 from daemon.attached import AttachedTrainer
 from daemon.joining import RunRefused
@@ -75,8 +79,19 @@ class TaskChild(AttachedTrainer):
     to the attachment's: LOADING until it attaches (and while it restarts), FINISHED once it exited
     at --max-steps, FAILED once it failed more often than `max_restarts` allows."""
 
-    def __init__(self, *, argv: list[str], max_steps: int, max_restarts: int = MAX_RESTARTS, **attached):
+    def __init__(
+        self,
+        *,
+        argv: list[str],
+        max_steps: int,
+        ready: Callable[[], bool] = lambda: True,
+        ready_timeout: float = 0.0,
+        max_restarts: int = MAX_RESTARTS,
+        **attached,
+    ):
         self.max_steps = max_steps
+        self.ready, self.ready_timeout = ready, ready_timeout  # --min-peers, as the thread waits for them
+        self._starter: asyncio.Task | None = None
         self.child = Supervisor(
             f"run {attached['run_id']}: training process", argv, cwd=SOURCE_ROOT, max_restarts=max_restarts
         )
@@ -109,15 +124,27 @@ class TaskChild(AttachedTrainer):
         self._error = value
 
     def start(self) -> None:
-        """Watch the lease and start the child (on the daemon's loop)."""
+        """Watch the lease and start the child once `ready` (on the daemon's loop)."""
         super().start()
+        self._starter = self._loop.create_task(self._start_child(), name=f"start-child:{self.run_id}")
+
+    async def _start_child(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while not self.ready() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         self.child.start()
+
+    async def _stop_child(self) -> None:
+        if self._starter is not None:
+            self._starter.cancel()  # no start after the stop
+            await asyncio.gather(self._starter, return_exceptions=True)
+        await self.child.stop(CHILD_STOP_GRACE)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the child (SIGTERM, SIGKILL after CHILD_STOP_GRACE), then the attachment. Blocking:
         from a worker thread, as the daemon stops its trainers."""
         if self._loop is not None and not self._loop.is_closed():
-            future = asyncio.run_coroutine_threadsafe(self.child.stop(CHILD_STOP_GRACE), self._loop)
+            future = asyncio.run_coroutine_threadsafe(self._stop_child(), self._loop)
             try:
                 future.result(CHILD_STOP_GRACE + 5.0)
             except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
