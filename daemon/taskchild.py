@@ -3,7 +3,7 @@
 this daemon starts it, reaps it and restarts it a bounded number of times (daemon/supervisor.py).
 
 The child attaches like a script (daemon/attached.py: the outer state, rounds, checkpoints and the
-state peers download stay here), with three differences:
+state peers download stay here), except that:
 - its model is the task's, built from the run's manifest: the daemon builds it once to know its
   layout, and accepts an attach only from its own child with exactly that layout;
 - its rounds are waited for, whatever the run's averaging.overlap (as a script's: a process lands
