@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from daemon.typed import Mismatch, coerce
-from peers.run_ids import MAX_RECORD_TTL, InvalidRunId, validate_run_id
+from peerd.daemon.typed import Mismatch, coerce
+from peerd.peers.run_ids import MAX_RECORD_TTL, InvalidRunId, validate_run_id
 
 MAX_PEER_TTL = MAX_RECORD_TTL / 2
 
@@ -43,7 +43,7 @@ class ConfigError(ValueError):
 
 # How a loss-tolerant run's data reaches each member (docs/loss-tolerance.md, "Per-link choice").
 DATA_PATHS = ("auto", "reliable", "udp")
-# How reliable links are made; "auto" is peers.collective.fallback's "reliable" mode (TCP, else libp2p).
+# How reliable links are made; "auto" is peerd.peers.collective.fallback's "reliable" mode (TCP, else libp2p).
 RELIABLE_LINK_MODES = ("auto", "tcp", "libp2p")
 
 
@@ -122,7 +122,7 @@ class TrainConfig:
     # Operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none.
     # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
     local_group: str = ""
-    # Train each --task run in a child process of the daemon (python -m daemon.taskproc, supervised,
+    # Train each --task run in a child process of the daemon (python -m peerd.daemon.taskproc, supervised,
     # attached like a script; docs/your-loop.md) instead of a thread of the daemon. Runs under
     # averaging.algorithm=state keep the thread; so does every run with a local group (refused here).
     train_process: bool = False

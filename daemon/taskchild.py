@@ -1,5 +1,5 @@
 """The daemon's half of a `--task` run trained by a child process (--train-process; DESIGN.md,
-"Processes"): `python -m daemon.taskproc` trains the task as a client of peerd.torch.Optimizer, and
+"Processes"): `python -m peerd.daemon.taskproc` trains the task as a client of peerd.torch.Optimizer, and
 this daemon starts it, reaps it and restarts it a bounded number of times (daemon/supervisor.py).
 
 The child attaches like a script (daemon/attached.py: the outer state, rounds, checkpoints and the
@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from daemon.attached import AttachedTrainer
-from daemon.joining import RunRefused
-from daemon.supervisor import ChildState, Supervisor
-from daemon.trainer import TrainState
-from peers.manifest import RunManifest, TensorSpec, layout_mismatch
+from peerd.daemon.attached import AttachedTrainer
+from peerd.daemon.joining import RunRefused
+from peerd.daemon.supervisor import ChildState, Supervisor
+from peerd.daemon.trainer import TrainState
+from peerd.peers.manifest import RunManifest, TensorSpec, layout_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the child runs the daemo
 def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec, ...], dict]:
     """The layout of the run's task's model as the child's Optimizer sends it, and the identity of
     the run's checkpoints (the trainer thread's). Builds the model once (blocking)."""
-    from daemon.checkpoint import identity_of
-    from daemon.joining import hparams_from_text
-    from daemon.tasks import get_task
+    from peerd.daemon.checkpoint import identity_of
+    from peerd.daemon.joining import hparams_from_text
+    from peerd.daemon.tasks import get_task
     from peerd.torch import model_layout
 
     task = get_task(manifest.task)
@@ -63,7 +63,7 @@ def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec,
 
 def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> list[str]:
     """The child's command line: the run's task, hyper-parameters and seed, this daemon's limits."""
-    argv = [sys.executable, "-m", "daemon.taskproc", "--run", manifest.run_id, "--task", manifest.task]
+    argv = [sys.executable, "-m", "peerd.daemon.taskproc", "--run", manifest.run_id, "--task", manifest.task]
     argv += ["--daemon", str(data_dir), "--seed", str(init_seed)]
     argv += ["--average-every", str(manifest.averaging.average_every), "--max-steps", str(train.max_steps)]
     argv += ["--eval-every", str(train.eval_every), "--checkpoint-every", str(train.checkpoint_every)]

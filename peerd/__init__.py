@@ -13,7 +13,7 @@ docs/your-loop.md says what happens at attach, at an outer step and on failures.
 imports torch; this module does not.
 """
 
-from daemon import __version__
+from peerd.daemon import __version__
 
 
 class PeerdError(RuntimeError):
@@ -23,10 +23,10 @@ class PeerdError(RuntimeError):
 def export(run: str, *, daemon, out, step: int | None = None):
     """Write run `run`'s weights, from the newest checkpoint in the daemon's data dir `daemon`, to
     `out` as a plain state_dict (`torch.load(out, weights_only=True)` reads it); as `peerd export`.
-    Returns daemon.export.ExportResult; raises daemon.export.ExportError (a ValueError)."""
+    Returns peerd.daemon.export.ExportResult; raises peerd.daemon.export.ExportError (a ValueError)."""
     from pathlib import Path
 
-    from daemon.export import export as export_run
+    from peerd.daemon.export import export as export_run
 
     return export_run(Path(daemon), run, Path(out), step)
 

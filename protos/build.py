@@ -1,7 +1,7 @@
 """Generate the Python modules of protos/*.proto, or check that the committed ones are current.
 
-    python -m protos.build          # regenerate protos/*_pb2*.py in place
-    python -m protos.build --check  # exit 1 if any generated file differs from a fresh build
+    python -m peerd.protos.build          # regenerate protos/*_pb2*.py in place
+    python -m peerd.protos.build --check  # exit 1 if any generated file differs from a fresh build
 
 The generated files are committed so that a plain `pip install .` works without grpcio-tools; the
 check (run by tests/test_protos.py) keeps them from going stale. Never edit them by hand.
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 orphan.unlink()
     if args.check and stale:
         names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
-        print(f"stale generated code: {names}; run `python -m protos.build`", file=sys.stderr)
+        print(f"stale generated code: {names}; run `python -m peerd.protos.build`", file=sys.stderr)
         return 1
     return 0
 

@@ -10,10 +10,10 @@ import signal
 
 import pytest
 
-from daemon.client import ControlClient
-from daemon.procs import LocalDaemon
-from daemon.taskchild import MAX_RESTARTS
-from daemon.tasks import get_task
+from peerd.daemon.client import ControlClient
+from peerd.daemon.procs import LocalDaemon
+from peerd.daemon.taskchild import MAX_RESTARTS
+from peerd.daemon.tasks import get_task
 from peerd import PeerdError
 from peerd.torch import Optimizer
 from tests.failing_task import MESSAGE, NAME, plugin_env
