@@ -47,7 +47,14 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
     import torch.distributed as dist
     import uvloop
 
-    from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, TcpTransport, UdpTransport
+    from peerd.peers.collective import (
+        AllReduceSettings,
+        Group,
+        GroupAllReduce,
+        LossyAllReduce,
+        TcpTransport,
+        UdpTransport,
+    )
 
     rate = float(os.environ["PEERD_BENCH_RATE_MBIT"]) * 1e6 * PACE
     loop = uvloop.new_event_loop()

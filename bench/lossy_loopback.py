@@ -68,7 +68,14 @@ def _serve(rank: int, n: int, numel: int, conn, datagram: int, gso: bool) -> Non
     import torch
     import uvloop
 
-    from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, TcpTransport, UdpTransport
+    from peerd.peers.collective import (
+        AllReduceSettings,
+        Group,
+        GroupAllReduce,
+        LossyAllReduce,
+        TcpTransport,
+        UdpTransport,
+    )
     from peerd.peers.events import PeerEvents
 
     torch.set_num_threads(1)

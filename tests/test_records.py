@@ -10,7 +10,15 @@ from hivemind.utils.serializer import MSGPackSerializer
 from peerd.peers.envelope import RecordKind, seal
 from peerd.peers.events import PeerEvents
 from peerd.peers.identity import Identity
-from peerd.peers.records import MAX_LINKS, LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
+from peerd.peers.records import (
+    MAX_LINKS,
+    LinkReport,
+    MemberRecord,
+    MemberState,
+    RecordRejected,
+    open_envelope,
+    seal_record,
+)
 from peerd.peers.sketch import MAX_SKETCH_VALUES, ParamSketch
 from peerd.peers.run_ids import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
 from peerd.peers.validator import PeerdRecordValidator
