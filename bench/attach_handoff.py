@@ -10,7 +10,7 @@ One hand-over is four copies of the whole float32 vector (4·params bytes each):
     daemon  write   the daemon's buffer -> the shared vector    from_flat in OuterLoop.end_phase
     script  read    the shared vector -> the model's tensors    peerd.torch.Optimizer._read
 
-(a) The script's side: a real `peerd start --run` (daemon.procs.LocalDaemon, loopback, a temp data
+(a) The script's side: a real `peerd start --run` (peerd.daemon.procs.LocalDaemon, loopback, a temp data
 dir) and a real attached peerd.torch.Optimizer over a GPT-2-shaped model (148 tensors) with a
 parameter-free inner SGD and average_every 1, so that every step() ends a phase; _write, _read and
 the EndPhase call are timed around the real calls. EndPhase's latency (the daemon alone in its
@@ -54,8 +54,8 @@ import torch
 
 import peerd.torch
 from bench.common import emit, progress, result
-from daemon.flat import from_flat, to_flat
-from daemon.procs import LocalDaemon
+from peerd.daemon.flat import from_flat, to_flat
+from peerd.daemon.procs import LocalDaemon
 
 BENCH = "attach_handoff"
 RUN_ID = "handoff"
@@ -149,9 +149,9 @@ def daemon_side(params: int, phases: int, directory: str, conn) -> None:
     them, `phases` phase ends; sends back the timings of to_flat (read) and from_flat (write) inside
     end_phase, of end_phase itself, of two plain copies of the same bytes before each phase (this
     process's baseline), and this process's peak RSS."""
-    import daemon.diloco as diloco
-    from daemon.attached import SharedVector
-    from peers.averaging import RoundResult
+    import peerd.daemon.diloco as diloco
+    from peerd.daemon.attached import SharedVector
+    from peerd.peers.averaging import RoundResult
 
     timings: dict[str, list[tuple[float, int]]] = {"read": [], "write": [], "end_phase": [], "plain": []}
 
@@ -354,7 +354,7 @@ def measure(args, base: Path) -> list[dict]:
         _median(timings["write"]),
         _faults(timings["write"]),
         "peerd.torch.Optimizer._write, model -> shared vector, per phase; baseline: one Tensor.copy_ of the same "
-        "bytes; per_tensor_private_s: the same tensor-by-tensor copies into a private buffer (daemon.flat.to_flat)",
+        "bytes; per_tensor_private_s: the same tensor-by-tensor copies into a private buffer (peerd.daemon.flat.to_flat)",
         per_tensor_private_s=round(_median(private["write"]), 5),
     )
     line(
@@ -378,7 +378,7 @@ def measure(args, base: Path) -> list[dict]:
         _median(timings["read"]),
         _faults(timings["read"]),
         "peerd.torch.Optimizer._read, shared vector -> model, per phase; per_tensor_private_s: the same "
-        "tensor-by-tensor copies from a private buffer (daemon.flat.from_flat)",
+        "tensor-by-tensor copies from a private buffer (peerd.daemon.flat.from_flat)",
         per_tensor_private_s=round(_median(private["read"]), 5),
     )
     records.append(

@@ -2,7 +2,7 @@
 
     python -m bench.daemon_costs [--quick]
 
-Real `peerd start` subprocesses (daemon.procs.LocalDaemon) on loopback, data dirs in a temp dir.
+Real `peerd start` subprocesses (peerd.daemon.procs.LocalDaemon) on loopback, data dirs in a temp dir.
 Baselines come from the same run: a bare hivemind.DHT on loopback, for start time its constructor in
 this process, for memory a Python process holding one (with the DHT's child process, p2pd and
 torch_shm_manager). Nothing is emulated. The figures and what they mean are in
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from bench.common import emit, median, progress, result
-from daemon.client import ControlClient
-from daemon.procs import READY_TIMEOUT, LocalDaemon
+from peerd.daemon.client import ControlClient
+from peerd.daemon.procs import READY_TIMEOUT, LocalDaemon
 
 BENCH = "daemon_costs"
 RUN_ID = "bench"
@@ -268,7 +268,7 @@ class Bench:
             meets_target=max(fresh) <= START_TARGET,
             ok=True,
             note=f"median seconds from spawn to ready.json, fresh data dir; lower is better; {excludes} "
-            "(imports_s: a Python that only imports daemon.app)",
+            "(imports_s: a Python that only imports peerd.daemon.app)",
         )
         others = [
             result(
@@ -436,7 +436,7 @@ def _import_time() -> float:
     """Seconds from spawning a Python to its having imported what `peerd start` imports (its exit not included)."""
     t0 = time.time()  # wall clock, to compare with the child's
     out = subprocess.run(
-        [sys.executable, "-c", "import time, daemon.app; print(time.time())"],
+        [sys.executable, "-c", "import time, peerd.daemon.app; print(time.time())"],
         check=True,
         capture_output=True,
         text=True,

@@ -187,10 +187,10 @@ def make_collective(backend: str, timeout: float, min_seconds: Callable[[int], f
     import torch.distributed as dist
 
     if backend == "gloo":
-        from peers.dear.gloo import GlooCollective
+        from peerd.peers.dear.gloo import GlooCollective
 
         return GlooCollective(timeout=timeout, min_seconds=min_seconds)
-    from peers.dear.engine import EngineCollective
+    from peerd.peers.dear.engine import EngineCollective
 
     host = _eth0_address() if os.environ.get("GLOO_SOCKET_IFNAME") == "eth0" else "127.0.0.1"
     collective = EngineCollective(
@@ -219,7 +219,7 @@ def lab_hosts(world: int, rate_mbit: float) -> Iterator[Any]:
     rate-limited to `rate_mbit` by tbf at both ends; yields the Network (`.hosts`, `.shape(name,
     LinkShape)`). Destroyed on exit however the block ends (processes in its namespaces killed
     first); a lab left by a SIGKILL of this process is removed by `peerd lab clean`."""
-    from daemon.lab import netns
+    from peerd.daemon.lab import netns
 
     problem = netns.environment_problem()
     if problem:
@@ -236,7 +236,7 @@ def lab_hosts(world: int, rate_mbit: float) -> Iterator[Any]:
 
 def reshape_all(net: Any, rate_mbit: float) -> None:
     """Every host's link to `rate_mbit` (both ends), through the lab's public API."""
-    from daemon.lab import netns
+    from peerd.daemon.lab import netns
 
     for name in list(net.hosts):
         net.shape(name, netns.LinkShape(rate_mbit=rate_mbit))
@@ -299,7 +299,7 @@ def _bench_rank(
     from torch import nn
     from torch.nn import functional as F
 
-    from peers.dear import DeAR, DeARSettings, FusionTuner, Mode
+    from peerd.peers.dear import DeAR, DeARSettings, FusionTuner, Mode
 
     model = _mlp(width, depth)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from bench.common import emit, progress, result
 from bench.dear import _mlp, _slowest, lab_hosts, make_collective, reshape_all, run_group
-from peers.dear.tuner import TunerSettings
+from peerd.peers.dear.tuner import TunerSettings
 
 BENCH = "dear_tuner"
 KIB = 1024  # as tuner.KIB
@@ -85,7 +85,7 @@ def _tuner_rank(rank: int, world: int, cfg: dict, sync: str) -> dict:
     import torch.distributed as dist
     from torch.nn import functional as F
 
-    from peers.dear import DeAR, DeARSettings, FusionTuner, TunerSettings
+    from peerd.peers.dear import DeAR, DeARSettings, FusionTuner, TunerSettings
 
     model = _mlp(cfg["width"], cfg["depth"])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)

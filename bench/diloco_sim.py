@@ -6,7 +6,7 @@
     python -m bench.diloco_sim --quick                           # 200 steps, H = 25: a smoke run
 
 N workers (default 3) each train their own copy of a `charlm` model (daemon/tasks/charlm.py, built
-with the same seed, each drawing its own batches) and each hold a real `daemon.diloco.OuterLoop`,
+with the same seed, each drawing its own batches) and each hold a real `peerd.daemon.diloco.OuterLoop`,
 driven as the trainer drives it (daemon/trainer.py): every H steps `end_phase(round_t, samples,
 repair)`, a repair round every `--repair-every` outer steps, `finish()` at the end. The network is
 emulated by the `average` callback: a barrier where the N members of the round meet and each
@@ -42,11 +42,11 @@ import time
 import torch
 
 from bench.common import emit, progress, result
-from daemon.diloco import OuterLoop, OuterSettings, outer_step
-from daemon.flat import from_flat
-from daemon.tasks.charlm import CharLM, CharLMHparams
-from peers.averaging import RoundResult
-from peers.collective import codec
+from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
+from peerd.daemon.flat import from_flat
+from peerd.daemon.tasks.charlm import CharLM, CharLMHparams
+from peerd.peers.averaging import RoundResult
+from peerd.peers.collective import codec
 
 BENCH = "diloco_sim"
 INIT_SEED = 1  # every worker builds the same model, as every peer of a run does (the run's seed), plus --seed
@@ -183,7 +183,7 @@ def alone(args) -> dict:
 
 
 def single(args) -> dict:
-    from daemon.tasks import train_single_process
+    from peerd.daemon.tasks import train_single_process
 
     task, hparams = CharLM(), hparams_of(args)
     return {

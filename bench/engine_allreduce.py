@@ -2,7 +2,7 @@
 
     python -m bench.engine_allreduce [--quick] [--mib 64] [--peers 4] [--rounds 21] [--skip-hivemind]
 
-(1) peerd: peers.collective.GroupAllReduce over TcpTransport on a uvloop loop, a weighted mean,
+(1) peerd: peerd.peers.collective.GroupAllReduce over TcpTransport on a uvloop loop, a weighted mean,
     with restore=False as the daemon's trainer calls it (it keeps no backup of other shards; the
     complete-or-abort verdict and digest are unchanged), and
 (2) torch.distributed gloo all_reduce (a sum; rendezvous through a FileStore in a temp dir) run in
@@ -84,7 +84,7 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, chunk) -> dict:
     import torch.distributed as dist
     import uvloop
 
-    from peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
+    from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
 
     loop = uvloop.new_event_loop()
     transport = TcpTransport("127.0.0.1", 0)

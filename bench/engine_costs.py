@@ -44,7 +44,7 @@ PARTS = ("none", "digest_sums", "own_backup", "nonfinite_check", "contract", "ba
 @contextlib.contextmanager
 def switched_off(part: str):
     """Patch the engine so that `part` does nothing, for the duration of one B round."""
-    from peers.collective import inbox, reduction
+    from peerd.peers.collective import inbox, reduction
 
     parts = {
         "none": (),
@@ -99,7 +99,7 @@ def pair(part, rank, n, numel, rounds, conn, barrier, scratch, chunk) -> dict:
     """Engines A and B in this worker process (bench.engine_allreduce._worker runs it)."""
     import uvloop
 
-    from peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
+    from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
 
     loop = uvloop.new_event_loop()
     settings = AllReduceSettings(contribute_timeout=20.0, gather_timeout=40.0, verdict_timeout=5.0)

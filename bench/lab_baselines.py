@@ -12,7 +12,7 @@ a userspace TUN device; this kernel has no netem) holds what it sends for rtt/2,
 any two hosts is the setting; it is measured (TCP SYN/RST round trips between neighbour hosts) in
 every cell, and both are in the JSON. Without it (0, the default) the RTT is under 1 ms.
 For each (rtt, cc, loss), one process per host joins its host's namespace, then:
-(1) peerd: peers.collective.GroupAllReduce over TcpTransport bound to the host's address, and
+(1) peerd: peerd.peers.collective.GroupAllReduce over TcpTransport bound to the host's address, and
 (2) torch.distributed gloo all_reduce (GLOO_SOCKET_IFNAME=eth0), in the same processes, one round
     of each in turn (which goes first alternates), as bench/engine_allreduce does on loopback;
 (3) hivemind DecentralizedAverager.step() in other processes afterwards (DHT bound to the host's
@@ -129,7 +129,7 @@ def _duel(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> dict:
     import torch.distributed as dist
     import uvloop
 
-    from peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
+    from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
 
     loop = uvloop.new_event_loop()
     transport = TcpTransport(ip, 0)
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     rtts = rtt_settings(parser, args.rtt_ms)
     args.hivemind_losses = None if args.hivemind_loss is None else {float(x) for x in args.hivemind_loss.split(",")}
 
-    from daemon.lab.netns import LinkShape, Network, environment_problem
+    from peerd.daemon.lab.netns import LinkShape, Network, environment_problem
 
     problem = environment_problem()
     if problem:

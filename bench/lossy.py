@@ -47,7 +47,14 @@ def _trio(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
     import torch.distributed as dist
     import uvloop
 
-    from peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, TcpTransport, UdpTransport
+    from peerd.peers.collective import (
+        AllReduceSettings,
+        Group,
+        GroupAllReduce,
+        LossyAllReduce,
+        TcpTransport,
+        UdpTransport,
+    )
 
     rate = float(os.environ["PEERD_BENCH_RATE_MBIT"]) * 1e6 * PACE
     loop = uvloop.new_event_loop()
@@ -150,7 +157,7 @@ def measure_rounds(args, net, hosts, numel: int, cc: str, loss: float, rtt: floa
 
 
 def rounds_part(args, numel: int) -> list[dict]:
-    from daemon.lab.netns import LinkShape, Network
+    from peerd.daemon.lab.netns import LinkShape, Network
 
     os.environ["PEERD_BENCH_RATE_MBIT"] = str(args.rate)  # read by the spawned workers
     net, records = Network(), []
@@ -172,9 +179,9 @@ def rounds_part(args, numel: int) -> list[dict]:
 
 def convergence_part(args) -> list[dict]:
     """digits-mlp on `hosts` daemons with averaging.engine=loss-tolerant, at each loss rate: final accuracy."""
-    from daemon.lab import report
-    from daemon.lab.runner import Lab
-    from daemon.lab.scenario import parse
+    from peerd.daemon.lab import report
+    from peerd.daemon.lab.runner import Lab
+    from peerd.daemon.lab.scenario import parse
 
     out = []
     for loss in (0.0, 10.0, 20.0):
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         args.mib, args.loss, args.cc, args.steps, args.converge_seconds = 4.0, "0,5", "reno", 60, 90.0
     args.rtts = rtt_settings(parser, args.rtt_ms)
 
-    from daemon.lab.netns import environment_problem
+    from peerd.daemon.lab.netns import environment_problem
 
     problem = environment_problem()
     if problem:

@@ -68,8 +68,15 @@ def _serve(rank: int, n: int, numel: int, conn, datagram: int, gso: bool) -> Non
     import torch
     import uvloop
 
-    from peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, TcpTransport, UdpTransport
-    from peers.events import PeerEvents
+    from peerd.peers.collective import (
+        AllReduceSettings,
+        Group,
+        GroupAllReduce,
+        LossyAllReduce,
+        TcpTransport,
+        UdpTransport,
+    )
+    from peerd.peers.events import PeerEvents
 
     torch.set_num_threads(1)
     tally = {"sent": 0, "lost": 0}

@@ -10,7 +10,7 @@ p means that in every round each peer independently sits the round out with prob
 neither sends nor receives, keeps its value, and is back the next round. Every group averages its
 live members exactly: no network, no loss, no time; only who meets whom is compared.
 
-* moshpit (ours): `peers.moshpit` with the shape `grid_shape(1024)` = 32x32 and view-based
+* moshpit (ours): `peerd.peers.moshpit` with the shape `grid_shape(1024)` = 32x32 and view-based
   coordinates all peers agree on, fixed over the rounds;
 * random groups of 32 (baseline): the live peers are shuffled and cut into groups of 32 every round;
 * gossip: the live peers are paired at random every round; each pair averages.
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from bench.common import emit, progress, result
-from peers.moshpit import Coords, GridShape, grid_shape, group_members, hash_coords, view_coords
+from peerd.peers.moshpit import Coords, GridShape, grid_shape, group_members, hash_coords, view_coords
 
 BENCH = "moshpit_sim"
 N = 1024
@@ -66,7 +66,7 @@ def average_in_groups(x: np.ndarray, labels: np.ndarray, live: np.ndarray) -> np
 
 
 def moshpit_grouping(coords: dict[str, Coords], shape: GridShape) -> Grouping:
-    """Groups exactly as peers.moshpit.group_members assembles them. Coordinates stay fixed and the
+    """Groups exactly as peerd.peers.moshpit.group_members assembles them. Coordinates stay fixed and the
     key of round t differs from that of round t mod d only in t, so one labelling per dimension."""
     position = {p: i for i, p in enumerate(sorted(coords))}
     by_dim = []

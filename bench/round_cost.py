@@ -67,16 +67,16 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
     import torch.distributed as dist
     import uvloop
 
-    from daemon import __version__
-    from daemon.config import DiscoveryConfig, NetworkConfig
-    from daemon.joining import RunHandle, rendezvous_for, round_bridge
-    from peers.averaging import MoshpitAverager
-    from peers.collective.group import MAX_GROUP
-    from peers.events import PeerEvents
-    from peers.manifest import AveragingSettings
-    from peers.matchmaking import Matchmaker, MatchmakingSettings
-    from peers.membership import Announcement, DiscoverySettings, RunMembership
-    from peers.node import NodeSettings, PeerNode
+    from peerd.daemon import __version__
+    from peerd.daemon.config import DiscoveryConfig, NetworkConfig
+    from peerd.daemon.joining import RunHandle, rendezvous_for, round_bridge
+    from peerd.peers.averaging import MoshpitAverager
+    from peerd.peers.collective.group import MAX_GROUP
+    from peerd.peers.events import PeerEvents
+    from peerd.peers.manifest import AveragingSettings
+    from peerd.peers.matchmaking import Matchmaker, MatchmakingSettings
+    from peerd.peers.membership import Announcement, DiscoverySettings, RunMembership
+    from peerd.peers.node import NodeSettings, PeerNode
 
     class TimedMatchmaker(Matchmaker):
         """The daemon's Matchmaker, timing its last form_group."""
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts < 2 or args.numel < args.hosts or args.rounds < 1:
         parser.error("--hosts must be at least 2, --numel at least --hosts, --rounds at least 1")
 
-    from daemon.lab.netns import LinkShape, Network, environment_problem
+    from peerd.daemon.lab.netns import LinkShape, Network, environment_problem
 
     problem = environment_problem()
     if problem:

@@ -39,8 +39,8 @@ import json
 import psutil
 
 from bench.common import emit, progress as _progress, result
-from daemon.lab.runner import Lab
-from daemon.lab.scenario import parse
+from peerd.daemon.lab.runner import Lab
+from peerd.daemon.lab.scenario import parse
 
 BENCH = "wan_training"
 
@@ -60,9 +60,9 @@ class TrainingLab(Lab):
 
     def _check_checkpoints(self) -> None:
         super()._check_checkpoints()
-        from daemon.checkpoint import CheckpointStore
-        from daemon.joining import hparams_from_text
-        from daemon.tasks import get_task
+        from peerd.daemon.checkpoint import CheckpointStore
+        from peerd.daemon.joining import hparams_from_text
+        from peerd.daemon.tasks import get_task
 
         task = get_task(self.scenario.run.task)
         hparams = hparams_from_text(task, {k: v for k, v in self.scenario.run.settings.items() if "." not in k})
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # no headline without both (a) and (c)
     a, c = lines["a_diloco"], lines["c_alone"]
     if args.single:
-        from daemon.tasks import get_task, train_single_process
+        from peerd.daemon.tasks import get_task, train_single_process
 
         task = get_task(args.task)
         h = task.parse_hparams({})

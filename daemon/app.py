@@ -15,25 +15,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon import __version__
-from daemon.config import DaemonConfig
-from daemon.control import ControlServer, TooManyRuns, UnknownRun
-from daemon.datadir import DataDir
-from daemon.lifecycle import ALLOWED, DaemonState
-from daemon.metrics import DaemonMetrics, MetricsServer
-from daemon.progress import ProgressLog
-from daemon import joining as run_setup
-from daemon.joining import RunHandle
-from peers.collective.group import MAX_GROUP
-from peers.dear.member import AUTO, GroupPeer, LocalGroupMember
-from peers.linkprobe import LinkProber
-from peers.matchmaking import Matchmaker, MatchmakingSettings
-from peers.membership import IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
-from peers.node import NodeSettings, PeerNode
-from peers.clock import now as dht_now
-from peers.run_ids import RunSecret, validate_run_id
-from peers.statesync import StateServer
-from protos import control_pb2
+from peerd.daemon import __version__
+from peerd.daemon.config import DaemonConfig
+from peerd.daemon.control import ControlServer, TooManyRuns, UnknownRun
+from peerd.daemon.datadir import DataDir
+from peerd.daemon.lifecycle import ALLOWED, DaemonState
+from peerd.daemon.metrics import DaemonMetrics, MetricsServer
+from peerd.daemon.progress import ProgressLog
+from peerd.daemon import joining as run_setup
+from peerd.daemon.joining import RunHandle
+from peerd.peers.collective.group import MAX_GROUP
+from peerd.peers.dear.member import AUTO, GroupPeer, LocalGroupMember
+from peerd.peers.linkprobe import LinkProber
+from peerd.peers.matchmaking import Matchmaker, MatchmakingSettings
+from peerd.peers.membership import IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
+from peerd.peers.node import NodeSettings, PeerNode
+from peerd.peers.clock import now as dht_now
+from peerd.peers.run_ids import RunSecret, validate_run_id
+from peerd.peers.statesync import StateServer
+from peerd.protos import control_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class RunTraining:
     heartbeat): the trainer's step, sketches and delegation, its DeAR engine's address, and the link
     reports peers decide an automatic local group from."""
 
-    trainer: object  # daemon.trainer.Trainer or daemon.attached.AttachedTrainer
+    trainer: object  # peerd.daemon.trainer.Trainer or peerd.daemon.attached.AttachedTrainer
     local_group: LocalGroupMember | None = None
     prober: LinkProber | None = None  # with --local-group auto
 
@@ -382,7 +382,7 @@ class Daemon:
         run trained by scripts, the attached half (daemon/attached.py) that waits for a process."""
         # Imported here, as the trainer is (daemon/joining.py): the averager imports torch, which a
         # daemon whose runs are discovery only never loads.
-        from peers.averaging import MoshpitAverager
+        from peerd.peers.averaging import MoshpitAverager
 
         run_id, secret = handle.run_id, handle.secret
         handle.manifest = manifest
@@ -472,8 +472,8 @@ class Daemon:
 
     def _attached_trainer(self, manifest, membership, average, sync, loop):
         """The daemon's half of a run trained by an attached process (docs/your-loop.md)."""
-        from daemon.attached import AttachedTrainer, remove_stale, shared_directory
-        from daemon.checkpoint import CheckpointStore
+        from peerd.daemon.attached import AttachedTrainer, remove_stale, shared_directory
+        from peerd.daemon.checkpoint import CheckpointStore
 
         run_id, train = manifest.run_id, self.config.train
         run_dir = self.config.data_dir / "runs" / run_id
@@ -519,8 +519,8 @@ class Daemon:
         attach to a run with no manifest creates it with the process's model. Raises UnknownRun,
         RunRefused (another model, a task's run, other settings), AttachRefused (one process per
         run per daemon, or no state to start from), RuntimeError when not READY."""
-        from daemon.attached import SCRIPT_RUN_DEFAULTS, AttachedTrainer, AttachRefused
-        from peers.manifest import check_layout
+        from peerd.daemon.attached import SCRIPT_RUN_DEFAULTS, AttachedTrainer, AttachRefused
+        from peerd.peers.manifest import check_layout
 
         self._require_ready()
         check_layout(layout)  # ValueError: nothing changes

@@ -40,15 +40,15 @@ from typing import Callable
 
 import torch
 
-from daemon.checkpoint import CheckpointStore, layout_digest
-from daemon.diloco import OuterLoop, OuterSettings
-from daemon.straggler import StragglerBudget
-from daemon.tasks import EvalResult
-from daemon.trainer import CATCH_UP_PATIENCE, TrainState
-from peers.averaging import Average, RoundResult
-from peers.manifest import TensorSpec
-from peers.sketch import HISTORY, SketchPlan
-from peers.statesync import Snapshot
+from peerd.daemon.checkpoint import CheckpointStore, layout_digest
+from peerd.daemon.diloco import OuterLoop, OuterSettings
+from peerd.daemon.straggler import StragglerBudget
+from peerd.daemon.tasks import EvalResult
+from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
+from peerd.peers.averaging import Average, RoundResult
+from peerd.peers.manifest import TensorSpec
+from peerd.peers.sketch import HISTORY, SketchPlan
+from peerd.peers.statesync import Snapshot
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from daemon.datadir import write_atomic
+from peerd.daemon.datadir import write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import grpc
 
-from daemon import __version__
-from daemon.client import ControlClient, as_dict, control_address
-from daemon.config import OPTIONS, RENAMED_FLAGS, ConfigError, client_defaults, default_of, load_config
-from daemon.tables import columns
+from peerd.daemon import __version__
+from peerd.daemon.client import ControlClient, as_dict, control_address
+from peerd.daemon.config import OPTIONS, RENAMED_FLAGS, ConfigError, client_defaults, default_of, load_config
+from peerd.daemon.tables import columns
 
 logger = logging.getLogger("peerd")
 
@@ -123,7 +123,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to stderr
-    from daemon.supervisor import die_with_parent
+    from peerd.daemon.supervisor import die_with_parent
 
     die_with_parent(signal.SIGTERM)  # started by a test, demo or benchmark (daemon/procs.py): go with it
     for noisy in ("hivemind", "p2pclient"):
@@ -131,10 +131,10 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from daemon.app import Daemon
-    from daemon.datadir import DataDirError
-    from daemon.joining import RunRefused
-    from peers.run_ids import InvalidSecret
+    from peerd.daemon.app import Daemon
+    from peerd.daemon.datadir import DataDirError
+    from peerd.daemon.joining import RunRefused
+    from peerd.peers.run_ids import InvalidSecret
 
     async def serve() -> None:
         daemon = Daemon(config)
@@ -439,7 +439,7 @@ def _add_export(sub) -> None:
 
 
 def _cmd_export(args) -> int:
-    from daemon.export import ExportError, export  # imports torch: only for this command
+    from peerd.daemon.export import ExportError, export  # imports torch: only for this command
 
     try:
         r = export(args.data_dir, args.run_id, args.out, args.step)
@@ -494,7 +494,7 @@ def _add_lab(sub) -> None:
 
 
 def _lab():
-    from daemon.lab import cli
+    from peerd.daemon.lab import cli
 
     return cli
 

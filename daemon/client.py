@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemon.datadir import read_ready
-from protos import control_pb2, control_pb2_grpc
+from peerd.daemon.datadir import read_ready
+from peerd.protos import control_pb2, control_pb2_grpc
 
 CALL_TIMEOUT = 15.0  # seconds for one control call; JoinRun includes a first DHT round trip
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from daemon.typed import Mismatch, coerce
-from peers.run_ids import MAX_RECORD_TTL, InvalidRunId, validate_run_id
+from peerd.daemon.typed import Mismatch, coerce
+from peerd.peers.run_ids import MAX_RECORD_TTL, InvalidRunId, validate_run_id
 
 MAX_PEER_TTL = MAX_RECORD_TTL / 2
 
@@ -43,7 +43,7 @@ class ConfigError(ValueError):
 
 # How a loss-tolerant run's data reaches each member (docs/loss-tolerance.md, "Per-link choice").
 DATA_PATHS = ("auto", "reliable", "udp")
-# How reliable links are made; "auto" is peers.collective.fallback's "reliable" mode (TCP, else libp2p).
+# How reliable links are made; "auto" is peerd.peers.collective.fallback's "reliable" mode (TCP, else libp2p).
 RELIABLE_LINK_MODES = ("auto", "tcp", "libp2p")
 
 

@@ -20,12 +20,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemon.joining import RunRefused
-from peers.run_ids import InvalidRunId, InvalidSecret
-from protos import control_pb2, control_pb2_grpc
+from peerd.daemon.joining import RunRefused
+from peerd.peers.run_ids import InvalidRunId, InvalidSecret
+from peerd.protos import control_pb2, control_pb2_grpc
 
 if TYPE_CHECKING:
-    from daemon.app import Daemon
+    from peerd.daemon.app import Daemon
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +160,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.ShutdownResponse()
 
     async def Attach(self, request, context):
-        from daemon.attached import AttachRefused
-        from peers.manifest import TensorSpec
+        from peerd.daemon.attached import AttachRefused
+        from peerd.peers.manifest import TensorSpec
 
         await self._check(request, context)
         run_id = await self._run_id(request.run_id, context)
@@ -191,7 +191,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         )
 
     async def EndPhase(self, request, context):
-        from daemon.attached import SessionLost
+        from peerd.daemon.attached import SessionLost
 
         await self._check(request, context)
         trainer = await self._session_trainer(request.session, context)
@@ -211,8 +211,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         )
 
     async def ReportEval(self, request, context):
-        from daemon.attached import SessionLost
-        from daemon.tasks import EvalResult
+        from peerd.daemon.attached import SessionLost
+        from peerd.daemon.tasks import EvalResult
 
         await self._check(request, context)
         if not 0 < len(request.metric) <= 64 or not math.isfinite(request.score):
@@ -230,7 +230,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         return control_pb2.ReportEvalResponse()
 
     async def Renew(self, request, context):
-        from daemon.attached import SessionLost
+        from peerd.daemon.attached import SessionLost
 
         await self._check(request, context)
         trainer = await self._session_trainer(request.session, context)

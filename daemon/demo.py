@@ -1,6 +1,6 @@
 """The README's first command: three daemons on loopback train one run together, with metrics.
 
-    python -m daemon.demo [--daemons 3] [--task digits-mlp] [--steps N] [--duration SECONDS] [--dir DIR]
+    python -m peerd.daemon.demo [--daemons 3] [--task digits-mlp] [--steps N] [--duration SECONDS] [--dir DIR]
 
 The first daemon creates run "demo" for the task; the others join it. Every few seconds the demo
 prints a line per daemon (step, loss, samples/s, last averaging round, evaluation), so the loss can
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import grpc
 
-from daemon.client import ControlClient
-from daemon.procs import READY_TIMEOUT, DaemonFailed, LocalDaemon, stop_all
+from peerd.daemon.client import ControlClient
+from peerd.daemon.procs import READY_TIMEOUT, DaemonFailed, LocalDaemon, stop_all
 
 RUN_ID = "demo"
 STATUS_TIMEOUT = 2.0  # seconds for one daemon's status RPC; a daemon that does not answer shows as such
@@ -95,7 +95,7 @@ def _cli() -> str:
     """How to call the CLI from here: the `peerd` script beside this Python (the venv's), else -m."""
     script = Path(sys.executable).parent / "peerd"
     if not script.exists():
-        return f"{sys.executable} -m daemon.cli"
+        return f"{sys.executable} -m peerd.daemon.cli"
     try:
         return str(script.relative_to(Path.cwd()))  # e.g. .venv/bin/peerd
     except ValueError:

@@ -44,15 +44,15 @@ from dataclasses import dataclass
 
 import torch
 
-from daemon.flat import from_flat, to_flat
-from peers.averaging import RoundResult
-from peers.collective import codec
-from peers.dear.hierarchy import lane_bounds
+from peerd.daemon.flat import from_flat, to_flat
+from peerd.peers.averaging import RoundResult
+from peerd.peers.collective import codec
+from peerd.peers.dear.hierarchy import lane_bounds
 
 logger = logging.getLogger(__name__)
 
 # A phase's round: (vector, weight, round_t, payload format) -> one RoundResult per lane; the trainer's
-# `_round_in` over the run's peers.averaging.Average.
+# `_round_in` over the run's peerd.peers.averaging.Average.
 PhaseRound = Callable[[torch.Tensor, float, int, str], list[RoundResult]]
 
 

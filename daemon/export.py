@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from daemon.checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint, mismatch, step_of
-from daemon.datadir import write_atomic
-from daemon.flat import from_flat
-from daemon.joining import hparams_from_text
-from daemon.tasks import InvalidTaskName, TaskLoadError, TaskNotFound, get_task
+from peerd.daemon.checkpoint import Checkpoint, CheckpointStore, CorruptCheckpoint, mismatch, step_of
+from peerd.daemon.datadir import write_atomic
+from peerd.daemon.flat import from_flat
+from peerd.daemon.joining import hparams_from_text
+from peerd.daemon.tasks import InvalidTaskName, TaskLoadError, TaskNotFound, get_task
 
 
 class ExportError(ValueError):

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from daemon.config import TrainConfig
-from daemon.datadir import write_atomic
-from daemon.typed import Mismatch, coerce
-from peers import manifest as manifests
-from peers.clock import now
-from peers.envelope import RecordRejected
-from peers.manifest import AveragingSettings, RunManifest, TensorSpec, layout_mismatch
-from peers.node import PeerNode
-from peers.run_ids import RunSecret
-from peers.statesync import FetchResult, fetch_state
+from peerd.daemon.config import TrainConfig
+from peerd.daemon.datadir import write_atomic
+from peerd.daemon.typed import Mismatch, coerce
+from peerd.peers import manifest as manifests
+from peerd.peers.clock import now
+from peerd.peers.envelope import RecordRejected
+from peerd.peers.manifest import AveragingSettings, RunManifest, TensorSpec, layout_mismatch
+from peerd.peers.node import PeerNode
+from peerd.peers.run_ids import RunSecret
+from peerd.peers.statesync import FetchResult, fetch_state
 
 # Training code (torch, the tasks, the trainer, the averager) is imported by the functions that
 # set up training: a daemon whose runs are discovery only never loads torch, about 210 MiB
@@ -31,9 +31,9 @@ from peers.statesync import FetchResult, fetch_state
 if TYPE_CHECKING:
     import torch
 
-    from daemon.tasks import Task
-    from daemon.trainer import Trainer
-    from peers.averaging import RoundResult
+    from peerd.daemon.tasks import Task
+    from peerd.daemon.trainer import Trainer
+    from peerd.peers.averaging import RoundResult
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
     the loop and leave the vector as it was if `restore`, else partly written
     (MoshpitAverager.average); either way `average` returns once the round has stopped writing
     into the vector, or after CANCEL_GRACE."""
-    from peers.averaging import RoundResult
+    from peerd.peers.averaging import RoundResult
 
     def average(
         vector, weight: float, round_t: int, lanes=None, restore: bool = True, payload: str = "fp32"
@@ -169,7 +169,7 @@ def sync_bridge(
 
 def hparams_from_text(task: Task, text: dict[str, str]):
     """Typed hyper-parameters from KEY=VALUE text, by the types the task declares (daemon/typed.py)."""
-    from daemon.tasks import HparamsError
+    from peerd.daemon.tasks import HparamsError
 
     types = typing.get_type_hints(task.hparams_type)
     values: dict[str, object] = {}
@@ -201,7 +201,7 @@ def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSett
 
 
 def _installed(name: str) -> Task:
-    from daemon.tasks import TaskLoadError, TaskNotFound, get_task
+    from peerd.daemon.tasks import TaskLoadError, TaskNotFound, get_task
 
     try:
         return get_task(name)
@@ -390,8 +390,8 @@ def make_trainer(
 ) -> Trainer:
     """The run's trainer. `on_rejected(reason)` counts the checkpoints it cannot load: `checkpoint_corrupt`
     (does not verify), `checkpoint_foreign` (of another run, task, hyper-parameters or model)."""
-    from daemon.checkpoint import CheckpointStore
-    from daemon.trainer import Trainer, seed_from
+    from peerd.daemon.checkpoint import CheckpointStore
+    from peerd.daemon.trainer import Trainer, seed_from
 
     count = on_rejected or (lambda reason: None)
     task = _installed(manifest.task)
@@ -436,7 +436,7 @@ def make_trainer(
 
 def outer_settings(a: AveragingSettings):
     """The DiLoCo settings of a run, None when its rounds average the state."""
-    from daemon.diloco import OuterSettings
+    from peerd.daemon.diloco import OuterSettings
 
     if a.algorithm != "diloco":
         return None

@@ -29,7 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from peers.events import PeerEvents
+from peerd.peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ disable_created_metrics()  # the *_created series double every counter for no us
 
 REQUEST_HEAD_LIMIT = 8192  # bytes of request line + headers we read before giving up
 REQUEST_READ_TIMEOUT = 5.0  # seconds a client may take to send its request head
-# daemon.trainer.TrainState's values, named here so that metrics never import torch
+# peerd.daemon.trainer.TrainState's values, named here so that metrics never import torch
 # (tests/test_health.py checks that the two agree).
 TRAIN_STATES = ("LOADING", "TRAINING", "FINISHED", "STOPPED", "FAILED")
 

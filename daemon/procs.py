@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.supervisor import PARENT_ENV
+from peerd.daemon.supervisor import PARENT_ENV
 
 READY_TIMEOUT = 30.0  # seconds from spawn to ready.json: p2pd start plus DHT bootstrap, with margin
 STOP_TIMEOUT = 20.0  # seconds from SIGTERM to exit; above the daemon's default drain_timeout
@@ -45,7 +45,7 @@ class LocalDaemon:
         cmd = [
             sys.executable,
             "-m",
-            "daemon.cli",
+            "peerd.daemon.cli",
             "start",
             "--data-dir",
             str(self.data_dir),

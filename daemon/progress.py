@@ -1,7 +1,7 @@
 """A short progress line per training run in the daemon's log, every `progress_interval` seconds.
 
 For a person watching a foreground daemon or its journal; scripts read `peerd status --json` or
-/metrics instead. Lines go to the `daemon.progress` logger at INFO; `--progress-interval 0` turns
+/metrics instead. Lines go to the `peerd.daemon.progress` logger at INFO; `--progress-interval 0` turns
 them off.
 """
 

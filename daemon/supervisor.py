@@ -1,5 +1,5 @@
 """A child process the daemon starts, reaps and restarts a bounded number of times: the training
-process of a `--task` run (python -m daemon.taskproc; DESIGN.md, "Processes"). Not wired to
+process of a `--task` run (python -m peerd.daemon.taskproc; DESIGN.md, "Processes"). Not wired to
 `--task` runs yet (docs/your-loop.md, "Not yet").
 
 The child dies with the daemon: it is started with PEERD_PARENT_PID, and die_with_parent() (called

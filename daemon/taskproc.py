@@ -2,7 +2,7 @@
 (peerd.torch.Optimizer): the training process DESIGN.md ("Processes") asks the daemon to start and
 supervise for `--task` runs.
 
-    python -m daemon.taskproc --run R --task digits-mlp --daemon DATA_DIR [--set lr=0.01] [--max-steps N]
+    python -m peerd.daemon.taskproc --run R --task digits-mlp --daemon DATA_DIR [--set lr=0.01] [--max-steps N]
 
 Today it attaches like any script (the run is a script's run: created by this attach, or joined
 with the model's layout); the daemon does not start it for `--task` runs yet (docs/your-loop.md,
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m daemon.taskproc", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m peerd.daemon.taskproc", description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True)
     p.add_argument("--task", required=True, help="an installed task (peerd tasks)")
     p.add_argument("--daemon", required=True, type=Path, help="the daemon's --data-dir")
@@ -53,9 +53,9 @@ def save_state(opt, path: Path) -> None:
 
 def train(args: argparse.Namespace) -> int:
     import peerd.torch
-    from daemon.joining import hparams_from_text
-    from daemon.tasks import get_task
-    from daemon.trainer import seed_from
+    from peerd.daemon.joining import hparams_from_text
+    from peerd.daemon.tasks import get_task
+    from peerd.daemon.trainer import seed_from
 
     torch.set_num_threads(args.torch_threads)
     task = get_task(args.task)
@@ -104,7 +104,7 @@ def report(task, hparams, model: torch.nn.Module, opt) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from daemon.supervisor import die_with_parent
+    from peerd.daemon.supervisor import die_with_parent
 
     die_with_parent()  # started by a daemon (daemon/supervisor.py): it goes when the daemon goes
     # The supervisor's stop: leave through `finally` (Detach: the daemon checkpoints at once).

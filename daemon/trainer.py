@@ -30,18 +30,18 @@ from typing import Callable
 
 import torch
 
-from daemon.checkpoint import CheckpointStore, identity_of
-from daemon.diloco import OuterLoop, OuterSettings
-from daemon.flat import from_flat, to_flat
-from daemon.straggler import StragglerBudget
-from peers.dear.backend import CollectiveError
-from peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
-from peers.dear.member import RETUNE_EVERY, LocalGroupMember
-from peers.dear.schedule import DeAR, DeARSettings
-from peers.averaging import Average, RoundResult
-from peers.sketch import HISTORY, ParamSketch, SketchPlan
-from peers.statesync import Snapshot
-from daemon.tasks import EvalResult, Hparams, Task
+from peerd.daemon.checkpoint import CheckpointStore, identity_of
+from peerd.daemon.diloco import OuterLoop, OuterSettings
+from peerd.daemon.flat import from_flat, to_flat
+from peerd.daemon.straggler import StragglerBudget
+from peerd.peers.dear.backend import CollectiveError
+from peerd.peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
+from peerd.peers.dear.member import RETUNE_EVERY, LocalGroupMember
+from peerd.peers.dear.schedule import DeAR, DeARSettings
+from peerd.peers.averaging import Average, RoundResult
+from peerd.peers.sketch import HISTORY, ParamSketch, SketchPlan
+from peerd.peers.statesync import Snapshot
+from peerd.daemon.tasks import EvalResult, Hparams, Task
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import tenacity
 import torch
 
 from peerd import PeerdError
-from protos import control_pb2, control_pb2_grpc
+from peerd.protos import control_pb2, control_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def control_address(daemon: str | os.PathLike | None, control: str | None) -> st
     """`control` as given, else the address in the data dir's ready.json, else its unix socket."""
     if control:
         return control
-    from daemon.client import control_address as from_data_dir
+    from peerd.daemon.client import control_address as from_data_dir
 
     if daemon is None:
         raise PeerdError("say which daemon: daemon=its --data-dir, or control=its control address")

@@ -21,7 +21,7 @@ import torch
 
 from peerd import PeerdError
 from peerd.attachment import Attachment, Lost
-from protos import control_pb2
+from peerd.protos import control_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,6 @@ Nothing here imports daemon/: the daemon hands plain values and callbacks in (se
 # Before any module here imports a hivemind submodule: skip what hivemind's package __init__.py
 # files import and peerd does not use (averaging with scipy, moe, optim, and torch through
 # hivemind.utils); hivemind_parts.py says why and how.
-from peers import hivemind_parts as _hivemind_parts
+from peerd.peers import hivemind_parts as _hivemind_parts
 
 _hivemind_parts.install()

@@ -49,17 +49,17 @@ import torch
 
 from hivemind.p2p import P2P
 
-from peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, Outcome, UdpTransport
-from peers.collective.codec import Format
-from peers.collective.fallback import FallbackTransport, member_address
-from peers.collective.inbox import BufferPool, InboxBuffers
-from peers.collective.linkauth import LinkAuth
-from peers.collective.tcp import split_address
-from peers.dear.hierarchy import lane_bounds, lane_view
-from peers.events import PeerEvents
-from peers.matchmaking import Matchmaker, Member
-from peers.moshpit import grid_shape, group_key, view_coords
-from peers.run_ids import RunSecret, run_namespace
+from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, Outcome, UdpTransport
+from peerd.peers.collective.codec import Format
+from peerd.peers.collective.fallback import FallbackTransport, member_address
+from peerd.peers.collective.inbox import BufferPool, InboxBuffers
+from peerd.peers.collective.linkauth import LinkAuth
+from peerd.peers.collective.tcp import split_address
+from peerd.peers.dear.hierarchy import lane_bounds, lane_view
+from peerd.peers.events import PeerEvents
+from peerd.peers.matchmaking import Matchmaker, Member
+from peerd.peers.moshpit import grid_shape, group_key, view_coords
+from peerd.peers.run_ids import RunSecret, run_namespace
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from google.protobuf.message import DecodeError
 
-from peers.identity import Identity, peer_id_from_public_key, verify
-from peers.run_ids import RunSecret
-from protos import records_pb2
+from peerd.peers.identity import Identity, peer_id_from_public_key, verify
+from peerd.peers.run_ids import RunSecret
+from peerd.protos import records_pb2
 
 FORMAT_VERSION = 1
 MAX_ENVELOPE_BYTES = 16 * 1024  # a record is about 1 KiB; anything far larger is hostile

@@ -85,7 +85,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from peers.events import PeerEvents
+from peerd.peers.events import PeerEvents
 
 MAGIC = b"PDLP"
 VERSION = 1

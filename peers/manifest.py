@@ -12,11 +12,11 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
-from peers.clock import now
-from peers.identity import Identity
-from peers.run_ids import RunSecret, run_dht_key
-from protos import records_pb2
+from peerd.peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
+from peerd.peers.clock import now
+from peerd.peers.identity import Identity
+from peerd.peers.run_ids import RunSecret, run_dht_key
+from peerd.protos import records_pb2
 
 MANIFEST_FORMAT_VERSION = 1
 TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -41,13 +41,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from peers.clock import now
-from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
-from peers.events import PeerEvents
-from peers.node import P2PContext, PeerNode
-from peers.records import MAX_CLOCK_SKEW_SECONDS
-from peers.run_ids import RunSecret
-from protos import records_pb2 as pb
+from peerd.peers.clock import now
+from peerd.peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
+from peerd.peers.events import PeerEvents
+from peerd.peers.node import P2PContext, PeerNode
+from peerd.peers.records import MAX_CLOCK_SKEW_SECONDS
+from peerd.peers.run_ids import RunSecret
+from peerd.protos import records_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

@@ -23,14 +23,14 @@ import logging
 from dataclasses import dataclass
 from typing import Callable
 
-from peers.events import PeerEvents
-from peers.clock import now
-from peers.node import P2PContext, PeerNode
-from peers.records import LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
-from peers.run_ids import RunSecret, run_dht_key
-from peers.sketch import Divergence, ParamSketch, divergence
-from peers.table import PeerEntry, PeerTable
-from protos import records_pb2
+from peerd.peers.events import PeerEvents
+from peerd.peers.clock import now
+from peerd.peers.node import P2PContext, PeerNode
+from peerd.peers.records import LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
+from peerd.peers.run_ids import RunSecret, run_dht_key
+from peerd.peers.sketch import Divergence, ParamSketch, divergence
+from peerd.peers.table import PeerEntry, PeerTable
+from peerd.protos import records_pb2
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ from typing import Any
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID
 
-from peers import dht_traverse, late_answers
-from peers.events import PeerEvents
-from peers.identity import Identity
-from peers.validator import PeerdRecordValidator
+from peerd.peers import dht_traverse, late_answers
+from peerd.peers.events import PeerEvents
+from peerd.peers.identity import Identity
+from peerd.peers.validator import PeerdRecordValidator
 
 logger = logging.getLogger(__name__)
 

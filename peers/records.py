@@ -12,12 +12,12 @@ from enum import Enum
 
 import numpy as np
 
-from peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal, verified
-from peers.identity import Identity
-from peers.linkprobe import LinkReport
-from peers.run_ids import RunSecret
-from peers.sketch import MAX_SKETCH_VALUES, ParamSketch
-from protos import records_pb2
+from peerd.peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal, verified
+from peerd.peers.identity import Identity
+from peerd.peers.linkprobe import LinkReport
+from peerd.peers.run_ids import RunSecret
+from peerd.peers.sketch import MAX_SKETCH_VALUES, ParamSketch
+from peerd.protos import records_pb2
 
 RECORD_FORMAT_VERSION = 1
 MAX_MADDRS = 32

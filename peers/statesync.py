@@ -51,10 +51,10 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from peers.events import PeerEvents
-from peers.node import P2PContext, PeerNode
-from peers.run_ids import RunSecret, run_dht_key
-from protos import state_pb2 as pb
+from peerd.peers.events import PeerEvents
+from peerd.peers.node import P2PContext, PeerNode
+from peerd.peers.run_ids import RunSecret, run_dht_key
+from peerd.protos import state_pb2 as pb
 
 if TYPE_CHECKING:  # torch is imported where a tensor is touched: a daemon that trains nothing never loads it
     import torch

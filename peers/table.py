@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from peers.records import LinkReport, MemberRecord, MemberState, ParamSketch
+from peerd.peers.records import LinkReport, MemberRecord, MemberState, ParamSketch
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Package attributes loaded on first use (PEP 562), for the parts of peers/ that import torch.
 
-A daemon that trains nothing imports peers.collective and peers.dear for their light modules
+A daemon that trains nothing imports peerd.peers.collective and peerd.peers.dear for their light modules
 (tcp.py, group.py, localgroup.py, member.py) and never loads torch (docs/benchmarks.md, "Daemon
 costs"); tests/test_hivemind_parts.py checks that it stays so.
 """

@@ -10,10 +10,10 @@ from __future__ import annotations
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peers.events import PeerEvents
-from peers.records import RecordRejected, check_storable
-from peers.clock import now
-from peers.run_ids import MAX_RECORD_TTL
+from peerd.peers.events import PeerEvents
+from peerd.peers.records import RecordRejected, check_storable
+from peerd.peers.clock import now
+from peerd.peers.run_ids import MAX_RECORD_TTL
 
 
 class PeerdRecordValidator(RecordValidatorBase):

@@ -7,7 +7,7 @@ import secrets
 
 import pytest
 
-from daemon.procs import LocalDaemon
+from peerd.daemon.procs import LocalDaemon
 from tests.helpers import peer_ids, wait_for
 
 _started: list[LocalDaemon] = []  # every daemon of the session, reaped at its end

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from daemon.tasks import Batch, EvalResult, Hparams, Task, seeded
+from peerd.daemon.tasks import Batch, EvalResult, Hparams, Task, seeded
 
 NAME = "fail-on-step"
 MESSAGE = "loss raised on purpose (tests/failing_task.py)"

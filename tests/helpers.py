@@ -53,13 +53,13 @@ def families(url: str) -> dict[str, tuple[str, frozenset[str] | None]]:
 
 def peerd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [sys.executable, "-m", "peerd.daemon.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
 
 
 def peer_ids(daemon, run: str) -> list[str]:
     """The run's peer table over the control API, in-process (fast enough to poll)."""
-    from daemon.client import ControlClient
+    from peerd.daemon.client import ControlClient
 
     with ControlClient(daemon.control) as c:
         return sorted(p.peer_id for p in c.list_peers(run).peers)
@@ -76,8 +76,8 @@ def peers_json(daemon, run: str) -> list[str]:
 async def peer_nodes(n: int, tmp_path, events=None):
     """n real PeerNodes (p2pd + DHT) on loopback, node 0 first and the others bootstrapped to it;
     all shut down on exit."""
-    from peers.events import PeerEvents
-    from peers.node import NodeSettings, PeerNode
+    from peerd.peers.events import PeerEvents
+    from peerd.peers.node import NodeSettings, PeerNode
 
     def settings(i: int, initial: list[str]) -> NodeSettings:
         # Each start spawns p2pd twice (hivemind first checks that the identity is free): 15 s, the

@@ -113,7 +113,7 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
     import argparse
 
     from bench.wan_training import scenario
-    from daemon.lab.scenario import parse
+    from peerd.daemon.lab.scenario import parse
 
     args = argparse.Namespace(hosts=3, seconds=120.0, rate=100.0, rtt_ms=50.0, loss=1.0, task="charlm")
     for name, settings in (
@@ -129,7 +129,7 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
 def test_round_cost_quick_prints_a_line_per_rtt_and_the_headline_last():
     """bench.round_cost --quick: 3 lab hosts, each a PeerNode, membership and averager, at 0 and 50 ms
     RTT, 3 rounds of each system (about a minute); some round of ours completed in each cell (exit 1 otherwise)."""
-    from daemon.lab.netns import environment_problem
+    from peerd.daemon.lab.netns import environment_problem
 
     problem = environment_problem() if sys.platform == "linux" else "not Linux"
     if problem:

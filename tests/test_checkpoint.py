@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from daemon.checkpoint import CheckpointStore, CorruptCheckpoint
+from peerd.daemon.checkpoint import CheckpointStore, CorruptCheckpoint
 
 
 def state(step: int) -> dict:
@@ -89,7 +89,7 @@ def test_a_first_format_checkpoint_loads_when_the_model_layout_matches(tmp_path)
     import io
     import struct
 
-    from daemon.checkpoint import layout_of
+    from peerd.daemon.checkpoint import layout_of
 
     buffer = io.BytesIO()
     torch.save(state(7), buffer)
@@ -107,7 +107,7 @@ def test_a_first_format_checkpoint_loads_when_the_model_layout_matches(tmp_path)
 
 
 def test_temp_files_of_interrupted_writes_are_removed_when_the_data_dir_is_opened(tmp_path):
-    from daemon.datadir import DataDir
+    from peerd.daemon.datadir import DataDir
 
     ckpts = tmp_path / "runs" / "r" / "checkpoints"
     ckpts.mkdir(parents=True)

@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from daemon.client import ControlClient
-from daemon.tasks import get_task, train_single_process
-from peers.collective import AllReduceSettings
+from peerd.daemon.client import ControlClient
+from peerd.daemon.tasks import get_task, train_single_process
+from peerd.peers.collective import AllReduceSettings
 from tests.helpers import peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow
@@ -271,7 +271,7 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secre
 
 
 def test_the_readme_demo_trains_and_the_loss_falls(tmp_path):
-    """`./dev demo` runs `python -m daemon.demo`; here in a short mode that ends by itself."""
+    """`./dev demo` runs `python -m peerd.daemon.demo`; here in a short mode that ends by itself."""
     import re
     import subprocess
     import sys
@@ -282,7 +282,7 @@ def test_the_readme_demo_trains_and_the_loss_falls(tmp_path):
         [
             sys.executable,
             "-m",
-            "daemon.demo",
+            "peerd.daemon.demo",
             "--steps",
             "600",
             "--interval",

@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from peers.collective.codec import FP16_MAX, MAX_SCALE, Codec, Format, with_feedback
-from peers.collective.wire import INT8_BLOCK, WireError
+from peerd.peers.collective.codec import FP16_MAX, MAX_SCALE, Codec, Format, with_feedback
+from peerd.peers.collective.wire import INT8_BLOCK, WireError
 
 B = INT8_BLOCK
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 import uvloop
 
-from peers.collective import (
+from peerd.peers.collective import (
     AllReduceSettings,
     FilteredTransport,
     Group,
@@ -35,10 +35,10 @@ from peers.collective import (
     TcpTransport,
     shard_bounds,
 )
-from peers.collective.decision import Decision, Verdict, decide
-from peers.collective.inbox import BufferPool
-from peers.collective.wire import HEADER, HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
-from peers.events import PeerEvents
+from peerd.peers.collective.decision import Decision, Verdict, decide
+from peerd.peers.collective.inbox import BufferPool
+from peerd.peers.collective.wire import HEADER, HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
+from peerd.peers.events import PeerEvents
 from tests.helpers import ROOT
 from tests.test_codec import mean_bound
 

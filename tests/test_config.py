@@ -6,8 +6,8 @@ import tomllib
 
 import pytest
 
-from daemon.cli import build_parser
-from daemon.config import OPTIONS, ConfigError, load_config
+from peerd.daemon.cli import build_parser
+from peerd.daemon.config import OPTIONS, ConfigError, load_config
 from tests.helpers import ROOT, peerd
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from daemon.client import ControlClient
-from daemon.config import ConfigError, load_config
+from peerd.daemon.client import ControlClient
+from peerd.daemon.config import ConfigError, load_config
 from tests.helpers import peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow

@@ -15,15 +15,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from daemon.client import ControlClient
-from daemon.config import DaemonConfig, DiscoveryConfig
-from daemon.procs import LocalDaemon
-from peers.events import PeerEvents
-from peers.node import NodeSettings, PeerNode
-from peers.records import MemberRecord, MemberState, seal_record
-from peers.run_ids import RunSecret, run_dht_key
-from peers.clock import now
-from protos import control_pb2
+from peerd.daemon.client import ControlClient
+from peerd.daemon.config import DaemonConfig, DiscoveryConfig
+from peerd.daemon.procs import LocalDaemon
+from peerd.peers.events import PeerEvents
+from peerd.peers.node import NodeSettings, PeerNode
+from peerd.peers.records import MemberRecord, MemberState, seal_record
+from peerd.peers.run_ids import RunSecret, run_dht_key
+from peerd.peers.clock import now
+from peerd.protos import control_pb2
 from tests.conftest import CLUSTER_RUN
 from tests.helpers import ROOT, families, peer_ids, peerd, peers_json, scrape, wait_for
 
@@ -319,7 +319,7 @@ def test_upnp_and_autonat_are_on_when_asked_for(tmp_path):
         'ip link set lo up && exec "$0" "$@"',
         sys.executable,
         "-m",
-        "daemon.cli",
+        "peerd.daemon.cli",
         "start",
         "--data-dir",
         str(d.data_dir),

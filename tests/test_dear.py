@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from bench.dear import make_collective, run_group
-from peers.dear import (
+from peerd.peers.dear import (
     CollectiveError,
     DeAR,
     DeARSettings,
@@ -34,9 +34,9 @@ from peers.dear import (
     local_groups,
     plan_buckets,
 )
-from peers.dear.fake import FakeFabric
-from peers.dear.overlap import StepStats, union_seconds
-from peers.dear.tuner import KIB
+from peerd.peers.dear.fake import FakeFabric
+from peerd.peers.dear.overlap import StepStats, union_seconds
+from peerd.peers.dear.tuner import KIB
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -370,7 +370,7 @@ def _equality_rank(rank: int, world: int, backend: str = "gloo") -> dict:
     all_reduce); the digits MLP. `backend`: the collective under DeAR (bench.dear.make_collective)."""
     import torch.distributed as dist
 
-    from daemon.tasks.digits import DigitsMLP
+    from peerd.daemon.tasks.digits import DigitsMLP
 
     task = DigitsMLP()
     sgd = task.parse_hparams(

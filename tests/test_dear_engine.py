@@ -20,10 +20,10 @@ import torch
 import uvloop
 
 from bench.dear import run_group
-from peers.collective import Group, TcpTransport, shard_bounds
-from peers.collective.fallback import FallbackTransport
-from peers.collective.halves import Halves, HalvesSettings
-from peers.events import PeerEvents
+from peerd.peers.collective import Group, TcpTransport, shard_bounds
+from peerd.peers.collective.fallback import FallbackTransport
+from peerd.peers.collective.halves import Halves, HalvesSettings
+from peerd.peers.events import PeerEvents
 from tests.test_dear import OP_TIMEOUT, _equality_rank, _failure_rank
 
 TIMEOUT = 0.5  # seconds one op may take in the in-process tests

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from daemon.lab import netns
+from peerd.daemon.lab import netns
 
 PROBLEM = netns.environment_problem() if sys.platform == "linux" else "not Linux"
 needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=f"network lab unavailable: {PROBLEM}")

@@ -11,7 +11,7 @@ import os
 import signal
 import time
 
-from peers.events import PeerEvents
+from peerd.peers.events import PeerEvents
 from tests.helpers import peer_nodes
 
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import torch
 
-from daemon.diloco import OuterLoop, OuterSettings, outer_step
-from peers.averaging import RoundResult
+from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
+from peerd.peers.averaging import RoundResult
 
 
 def test_the_outer_step_is_nesterov_sgd_with_exact_values():

@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from daemon.client import ControlClient
-from daemon.tasks import get_task, train_single_process
+from peerd.daemon.client import ControlClient
+from peerd.daemon.tasks import get_task, train_single_process
 from tests.helpers import scrape, wait_for
 
 pytestmark = pytest.mark.slow

@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from daemon.checkpoint import CheckpointStore
-from daemon.cli import main
-from daemon.export import ExportError, Kind, export
-from daemon.joining import outer_settings
-from daemon.tasks import Batch, EvalResult, Hparams, Task, generator, get_task, seeded
-from daemon.trainer import Trainer, TrainState
-from peers.averaging import RoundResult
-from peers.manifest import AveragingSettings
+from peerd.daemon.checkpoint import CheckpointStore
+from peerd.daemon.cli import main
+from peerd.daemon.export import ExportError, Kind, export
+from peerd.daemon.joining import outer_settings
+from peerd.daemon.tasks import Batch, EvalResult, Hparams, Task, generator, get_task, seeded
+from peerd.daemon.trainer import Trainer, TrainState
+from peerd.peers.averaging import RoundResult
+from peerd.peers.manifest import AveragingSettings
 from tests.helpers import wait_for
 
 BN_TASK = "export-bn"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from daemon.metrics import TRAIN_STATES
-from daemon.procs import LocalDaemon
+from peerd.daemon.metrics import TRAIN_STATES
+from peerd.daemon.procs import LocalDaemon
 from tests.failing_task import MESSAGE, NAME, plugin_env
 from tests.helpers import peerd, scrape, wait_for
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_train_states_match_the_trainer():
-    from daemon.trainer import TrainState
+    from peerd.daemon.trainer import TrainState
 
     assert TRAIN_STATES == tuple(s.value for s in TrainState)
 

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from peers.dear.engine import EngineCollective
-from peers.dear.hierarchy import (
+from peerd.peers.dear.engine import EngineCollective
+from peerd.peers.dear.hierarchy import (
     LaneExchange,
     delegated_mask,
     group_id,
@@ -178,7 +178,7 @@ def test_a_member_that_dies_during_the_wan_rounds_breaks_the_group_and_the_other
 
 
 def test_a_per_op_timeout_is_refused_where_the_backend_cannot_honour_it():
-    from peers.dear.fake import FakeFabric  # noqa: PLC0415 - only this test needs the fake
+    from peerd.peers.dear.fake import FakeFabric  # noqa: PLC0415 - only this test needs the fake
 
     fake = FakeFabric(world=2).endpoint(0)
     rs = fake.reduce_scatter(torch.zeros(4))
@@ -194,8 +194,8 @@ def test_a_lane_whose_round_fails_is_a_result_not_an_error_and_the_other_lanes_g
     1 finds nobody (a solo round), and the vector is untouched."""
     import asyncio  # noqa: PLC0415 - only this test runs a loop
 
-    from peers.averaging import MoshpitAverager  # noqa: PLC0415
-    from peers.matchmaking import Matched  # noqa: PLC0415
+    from peerd.peers.averaging import MoshpitAverager  # noqa: PLC0415
+    from peerd.peers.matchmaking import Matched  # noqa: PLC0415
 
     class Matchmaker:
         async def form_group(self, namespace, secret, round_t, key, me, mates=()):

@@ -29,9 +29,9 @@ def test_peers_imports_what_it_needs_without_hivemind_init_then_import_hivemind_
         import sys
         # The daemon as `peerd start` imports it, with every module of peers/ that imports hivemind
         # and that it needs before a run trains.
-        import daemon.app, daemon.cli
-        import peers.node, peers.validator, peers.identity, peers.clock
-        from peers import hivemind_parts
+        import peerd.daemon.app, peerd.daemon.cli
+        import peerd.peers.node, peerd.peers.validator, peerd.peers.identity, peerd.peers.clock
+        from peerd.peers import hivemind_parts
         for package in hivemind_parts.PACKAGES:
             assert hivemind_parts.is_lazy(package), f"something ran {{package}}/__init__.py while peerd was importing"
         loaded = [m for m in {SKIPPED!r} if m in sys.modules]
@@ -44,14 +44,14 @@ def test_peers_imports_what_it_needs_without_hivemind_init_then_import_hivemind_
         from hivemind.utils import get_dht_time
         from hivemind.utils.serializer import MSGPackSerializer
         from hivemind.proto import crypto_pb2
-        assert peers.node.P2P is P2P and peers.node.DHTNode is DHTNode
+        assert peerd.peers.node.P2P is P2P and peerd.peers.node.DHTNode is DHTNode
         import hivemind.utils
         assert hivemind.utils.get_dht_time is get_dht_time and hivemind_parts.is_lazy("hivemind.utils")
         loaded = [m for m in {SKIPPED!r} if m in sys.modules]
         assert not loaded, loaded
 
         # Training code imports torch, and hivemind's packages stay lazy.
-        import peers.averaging, peers.collective.p2p, peers.collective.fallback, daemon.trainer
+        import peerd.peers.averaging, peerd.peers.collective.p2p, peerd.peers.collective.fallback, peerd.daemon.trainer
         assert "torch" in sys.modules and all(hivemind_parts.is_lazy(p) for p in hivemind_parts.PACKAGES)
 
         # Tools that probe dunders do not pull the package in.
@@ -81,10 +81,10 @@ def test_install_leaves_an_imported_hivemind_alone():
         import sys
         import hivemind
         full = sys.modules["hivemind"]
-        import peers.node
-        from peers import hivemind_parts
+        import peerd.peers.node
+        from peerd.peers import hivemind_parts
         hivemind_parts.install()
         assert sys.modules["hivemind"] is full
         assert not any(hivemind_parts.is_lazy(package) for package in hivemind_parts.PACKAGES)
-        assert peers.node.P2P is hivemind.p2p.P2P
+        assert peerd.peers.node.P2P is hivemind.p2p.P2P
     """)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.lab import netns
-from daemon.lab.netns import Host, LinkShape, render_rules
-from daemon.lab.scenario import ScenarioError, load, parse
+from peerd.daemon.lab import netns
+from peerd.daemon.lab.netns import Host, LinkShape, render_rules
+from peerd.daemon.lab.scenario import ScenarioError, load, parse
 from tests.helpers import ROOT, peerd, wait_for
 
 # ---- scenario validation: no root needed ---------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_load_names_the_file(tmp_path):
 
 
 def test_without_root_it_refuses_with_one_line(monkeypatch, capsys, tmp_path):
-    from daemon.lab.cli import run_command
+    from peerd.daemon.lab.cli import run_command
 
     path = tmp_path / "ok.toml"
     path.write_text('duration = 10\n[[host]]\nname = "a"\n')
@@ -187,8 +187,8 @@ def test_rules_cut_between_sides_and_drop_on_the_receiving_port():
 
 def test_report_times_faults_from_made_up_samples():
     """The report's arithmetic on a made-up record: no daemons, no clock."""
-    from daemon.lab.report import build, table
-    from daemon.lab.runner import Event, Record, Sample
+    from peerd.daemon.lab.report import build, table
+    from peerd.daemon.lab.runner import Event, Record, Sample
 
     s = scenario(
         host=[{"name": "a"}, {"name": "b"}, {"name": "c"}], fault=[{"at": 10, "action": "kill", "hosts": ["c"]}]
@@ -237,8 +237,8 @@ def test_report_times_faults_from_made_up_samples():
 
 
 def test_report_states_the_rtt_as_set_and_as_measured():
-    from daemon.lab.report import added_rtt, build, table
-    from daemon.lab.runner import Record
+    from peerd.daemon.lab.report import added_rtt, build, table
+    from peerd.daemon.lab.runner import Record
 
     s = scenario(link={"rtt_ms": 50})
     record = Record(s, "abcd", final_state={"a": "running", "b": "running"})
@@ -436,9 +436,9 @@ def test_a_lab_measures_the_rtt_of_its_scenario_and_after_a_change():
     link fault that sets rtt_ms; the report states both."""
     import time
 
-    from daemon.lab.report import build, table
-    from daemon.lab.runner import Lab
-    from daemon.lab.scenario import Fault
+    from peerd.daemon.lab.report import build, table
+    from peerd.daemon.lab.runner import Lab
+    from peerd.daemon.lab.scenario import Fault
 
     s = parse(
         {"duration": 5, "link": {"rtt_ms": 40}, "host": [{"name": "a"}, {"name": "b", "rtt_ms": 0}, {"name": "c"}]}
@@ -470,7 +470,7 @@ def test_a_lab_measures_the_rtt_of_its_scenario_and_after_a_change():
 @needs_lab
 @pytest.mark.timeout(60)
 def test_nothing_remains_after_an_exception_half_way_through_a_build():
-    from daemon.lab.runner import Lab
+    from peerd.daemon.lab.runner import Lab
 
     s = parse({"duration": 5, "congestion_control": "cubic", "host": [{"name": "a"}, {"name": "b"}]})
     lab = Lab(s)
@@ -489,7 +489,7 @@ def start_lab(tmp_path, text: str) -> tuple[subprocess.Popen, str]:
     path.write_text(text)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "lab", "run", str(path)],
+        [sys.executable, "-m", "peerd.daemon.cli", "lab", "run", str(path)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -536,7 +536,7 @@ def test_sigkill_then_peerd_lab_clean_removes_everything(tmp_path):
     proc.kill()
     proc.wait(10)
     pids = netns.sh("ip", "netns", "pids", ns, check=False).split()
-    assert any(b"daemon.lab.delayline" in Path(f"/proc/{p}/cmdline").read_bytes() for p in pids), pids
+    assert any(b"peerd.daemon.lab.delayline" in Path(f"/proc/{p}/cmdline").read_bytes() for p in pids), pids
     assert leftovers(lab_id, tmp_path), "the daemon and the delay line outlive a SIGKILLed lab until `peerd lab clean`"
     r = peerd("lab", "clean", timeout=60)
     assert r.returncode == 0, r.stderr

@@ -11,7 +11,7 @@ import uuid
 from hivemind.p2p.p2p_daemon_bindings import control
 from hivemind.proto import p2pd_pb2 as p2pd_pb
 
-from peers import late_answers
+from peerd.peers import late_answers
 
 
 def framed(call_id: uuid.UUID) -> bytes:

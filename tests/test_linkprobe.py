@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from peers.events import PeerEvents
-from peers.linkprobe import (
+from peerd.peers.events import PeerEvents
+from peerd.peers.linkprobe import (
     ECHO,
     FAIL_AFTER,
     FORMAT,

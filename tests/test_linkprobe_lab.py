@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from daemon.lab import netns
-from peers.dear.localgroup import LocalGroupRules
+from peerd.daemon.lab import netns
+from peerd.peers.dear.localgroup import LocalGroupRules
 
 PROBLEM = netns.environment_problem() if sys.platform == "linux" else "not Linux"
 needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=f"network lab unavailable: {PROBLEM}")
@@ -36,9 +36,9 @@ WITHIN = 30.0  # seconds of measurements of one link at most (a few hundred ms e
 # outcomes] per measurement as JSON, keep answering until stdin closes.
 _PROBER = """
 import asyncio, json, sys
-from peers.dear.localgroup import LocalGroupRules
-from peers.events import PeerEvents
-from peers.linkprobe import LinkProber
+from peerd.peers.dear.localgroup import LocalGroupRules
+from peerd.peers.events import PeerEvents
+from peerd.peers.linkprobe import LinkProber
 
 async def main():
     trains = []

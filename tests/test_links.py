@@ -12,12 +12,12 @@ import socket
 
 import torch
 
-from peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
-from peers.collective.fallback import FallbackTransport, member_address
-from peers.collective.linkauth import HELLO_SIZE, LinkAuth
-from peers.collective.p2p import P2PTransport
-from peers.collective.wire import HEADER_SIZE, Header, Kind, run_tag
-from peers.events import PeerEvents
+from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, TcpTransport
+from peerd.peers.collective.fallback import FallbackTransport, member_address
+from peerd.peers.collective.linkauth import HELLO_SIZE, LinkAuth
+from peerd.peers.collective.p2p import P2PTransport
+from peerd.peers.collective.wire import HEADER_SIZE, Header, Kind, run_tag
+from peerd.peers.events import PeerEvents
 from tests.helpers import peer_nodes
 
 RUN = "fallback-test"

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from daemon.client import ControlClient
-from daemon.tasks import get_task, train_single_process
-from peers.dear.localgroup import LocalGroupRules
-from peers.dear.member import OP_TIMEOUT, GroupPeer, plan_group
+from peerd.daemon.client import ControlClient
+from peerd.daemon.tasks import get_task, train_single_process
+from peerd.peers.dear.localgroup import LocalGroupRules
+from peerd.peers.dear.member import OP_TIMEOUT, GroupPeer, plan_group
 from tests.helpers import peerd, scrape, wait_for
 
 RULES = LocalGroupRules()

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from peers.dear.localgroup import LocalGroupRules
-from peers.dear.member import AUTO, GroupPeer, plan_group
-from peers.linkprobe import LinkReport
+from peerd.peers.dear.localgroup import LocalGroupRules
+from peerd.peers.dear.member import AUTO, GroupPeer, plan_group
+from peerd.peers.linkprobe import LinkReport
 from tests.helpers import scrape
 from tests.test_local_group import FAST_DISCOVERY, RUN_ARGS, wait_group
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from peers.collective import shard_bounds
-from peers.collective.lossy import PacketGrid, keep_missing, masked_mean, packet_views, simulate_round
+from peerd.peers.collective import shard_bounds
+from peerd.peers.collective.lossy import PacketGrid, keep_missing, masked_mean, packet_views, simulate_round
 
 
 def expand(per_packet: np.ndarray, length: int, stride: int) -> np.ndarray:

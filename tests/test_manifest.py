@@ -1,9 +1,9 @@
 import pytest
 
-from peers.envelope import RecordRejected
-from peers.identity import Identity
-from peers.envelope import RecordKind, seal
-from peers.manifest import (
+from peerd.peers.envelope import RecordRejected
+from peerd.peers.identity import Identity
+from peerd.peers.envelope import RecordKind, seal
+from peerd.peers.manifest import (
     AveragingSettings,
     RunManifest,
     choose,
@@ -11,9 +11,9 @@ from peers.manifest import (
     encode_manifest,
     upgrade_legacy_settings,
 )
-from protos import records_pb2
-from peers.records import MemberRecord, MemberState, seal_record
-from peers.run_ids import RunSecret
+from peerd.protos import records_pb2
+from peerd.peers.records import MemberRecord, MemberState, seal_record
+from peerd.peers.run_ids import RunSecret
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_choose_the_earliest(ids):
 
 
 def test_a_script_run_carries_its_model_and_names_the_first_mismatch(ids):
-    from peers.manifest import TensorSpec, layout_mismatch
+    from peerd.peers.manifest import TensorSpec, layout_mismatch
 
     a, _ = ids
     model = (TensorSpec("w", (3, 4), "torch.float32"), TensorSpec("b", (3,), "torch.bfloat16"))

@@ -8,10 +8,10 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from peers.clock import now
-from peers.envelope import RecordKind, seal
-from peers.events import PeerEvents
-from peers.matchmaking import (
+from peerd.peers.clock import now
+from peerd.peers.envelope import RecordKind, seal
+from peerd.peers.events import PeerEvents
+from peerd.peers.matchmaking import (
     ENTRY_FORMAT_VERSION,
     JOIN_HANDLER,
     Entry,
@@ -20,9 +20,9 @@ from peers.matchmaking import (
     Member,
     decide_group,
 )
-from peers.node import NodeSettings, PeerNode
-from peers.run_ids import RunSecret
-from protos import records_pb2 as pb
+from peerd.peers.node import NodeSettings, PeerNode
+from peerd.peers.run_ids import RunSecret
+from peerd.protos import records_pb2 as pb
 
 KEY, ROUND = "peerd/v1/run/mm/moshpit/4/0/*", 0
 FAST = MatchmakingSettings(join_window=0.5, assemble_slack=0.5, join_timeout=3.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from peers.membership import Announcement, DiscoverySettings, RunMembership
+from peerd.peers.membership import Announcement, DiscoverySettings, RunMembership
 from tests.helpers import peer_nodes
 
 EVERY = 10
@@ -79,7 +79,7 @@ def test_sketches_travel_in_heartbeats_and_every_member_finds_the_same_divergenc
     sketch is of an older step is left out of the comparison, but reports the same figure from the
     others'. A figure holds until one of a newer step replaces it; a member compares a peer's
     latest sketch with its own of the same step, even when it has taken newer ones since."""
-    from peers.sketch import ParamSketch
+    from peerd.peers.sketch import ParamSketch
 
     async def scenario():
         async with peer_nodes(3, tmp_path) as nodes:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from peers.identity import Identity
-from peers.membership import LOST_MEMORY, DiscoverySettings, RunMembership
+from peerd.peers.identity import Identity
+from peerd.peers.membership import LOST_MEMORY, DiscoverySettings, RunMembership
 
 
 class FakeNode:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.moshpit_sim import average_in_groups, moshpit_grouping, peer_ids, random_grouping, rounds_to_target
-from peers.moshpit import (
+from peerd.peers.moshpit import (
     GridShape,
     grid_shape,
     group_key,

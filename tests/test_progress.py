@@ -7,15 +7,15 @@ from datetime import datetime
 
 import pytest
 
-from daemon.client import ControlClient
-from daemon.procs import LocalDaemon
+from peerd.daemon.client import ControlClient
+from peerd.daemon.procs import LocalDaemon
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 
 INTERVAL = 1.0
 LINE = re.compile(
-    r"^(\S+ \S+) INFO daemon\.progress: run (\S+): (\w+) step (\d+) \(local \d+\), loss \S+, \d+ samples/s, "
+    r"^(\S+ \S+) INFO peerd\.daemon\.progress: run (\S+): (\w+) step (\d+) \(local \d+\), loss \S+, \d+ samples/s, "
     r"(last round \d+ \w+ \(group \d+\)|no round yet)$",
     re.M,
 )
@@ -56,7 +56,7 @@ def test_progress_lines_come_at_the_interval_and_not_when_off(tmp_path):
 
 @pytest.mark.parametrize("value", ["-1", "inf", "nan"])
 def test_a_bad_interval_is_refused(value):
-    from daemon.config import ConfigError, load_config
+    from peerd.daemon.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="progress_interval"):
         load_config({"progress_interval": value}, environ={})

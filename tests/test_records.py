@@ -7,14 +7,22 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from peers.envelope import RecordKind, seal
-from peers.events import PeerEvents
-from peers.identity import Identity
-from peers.records import MAX_LINKS, LinkReport, MemberRecord, MemberState, RecordRejected, open_envelope, seal_record
-from peers.sketch import MAX_SKETCH_VALUES, ParamSketch
-from peers.run_ids import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
-from peers.validator import PeerdRecordValidator
-from protos import records_pb2
+from peerd.peers.envelope import RecordKind, seal
+from peerd.peers.events import PeerEvents
+from peerd.peers.identity import Identity
+from peerd.peers.records import (
+    MAX_LINKS,
+    LinkReport,
+    MemberRecord,
+    MemberState,
+    RecordRejected,
+    open_envelope,
+    seal_record,
+)
+from peerd.peers.sketch import MAX_SKETCH_VALUES, ParamSketch
+from peerd.peers.run_ids import InvalidRunId, InvalidSecret, RunSecret, run_dht_key, validate_run_id
+from peerd.peers.validator import PeerdRecordValidator
+from peerd.protos import records_pb2
 
 NOW = 1_800_000_000.0
 
@@ -111,7 +119,7 @@ def test_validator_refuses_what_a_storing_node_can_check(alice, mallory):
     sealed = seal_record(record(alice, ts=NOW), alice, RunSecret.from_bytes(b"k" * 16, "r1"))
 
     def dht_record(value, subkey, ttl=10.0):
-        from peers.clock import now
+        from peerd.peers.clock import now
 
         return DHTRecord(b"key", MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), now() + ttl)
 

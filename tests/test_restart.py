@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.client import ControlClient
+from peerd.daemon.client import ControlClient
 from tests.helpers import peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow

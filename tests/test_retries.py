@@ -10,7 +10,7 @@ import pytest
 import peerd.attachment
 from peerd import PeerdError
 from peerd.attachment import Attachment
-from peers.averaging import START_ATTEMPTS, MoshpitAverager
+from peerd.peers.averaging import START_ATTEMPTS, MoshpitAverager
 
 
 class _Rpc(grpc.RpcError):

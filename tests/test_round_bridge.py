@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from daemon.joining import RunHandle, round_bridge
+from peerd.daemon.joining import RunHandle, round_bridge
 
 RESTORE_TIME = 0.05  # seconds the fake engine takes to put the vector back once cancelled
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from peers.sketch import SKETCH_SIZE, ParamSketch, SketchPlan, divergence, estimate
+from peerd.peers.sketch import SKETCH_SIZE, ParamSketch, SketchPlan, divergence, estimate
 
 
 def test_small_vectors_are_sketched_whole_and_the_estimate_is_exact():

@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
-from peers.events import PeerEvents
-from peers.run_ids import RunSecret, run_dht_key
-from peers.statesync import (
+from peerd.peers.events import PeerEvents
+from peerd.peers.run_ids import RunSecret, run_dht_key
+from peerd.peers.statesync import (
     CHUNK_HANDLER,
     INFO_HANDLER,
     Snapshot,
@@ -24,7 +24,7 @@ from peers.statesync import (
     fetch_state,
     state_tag,
 )
-from protos import state_pb2 as pb
+from peerd.protos import state_pb2 as pb
 from tests.helpers import peer_nodes as started
 
 RUN = "sync"

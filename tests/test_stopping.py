@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon.client import ControlClient
+from peerd.daemon.client import ControlClient
 from tests.helpers import ROOT, wait_for
 
 pytestmark = pytest.mark.slow
@@ -81,10 +81,10 @@ def test_signal_to_the_whole_group_stops_a_training_daemon_at_once(spawn, tmp_pa
 
 
 def start_demo(tmp_path: Path) -> tuple[subprocess.Popen, Path, set[int]]:
-    """`python -m daemon.demo` with two daemons in a process group of its own (a terminal's job),
+    """`python -m peerd.daemon.demo` with two daemons in a process group of its own (a terminal's job),
     once both daemons are ready; returns it, its output file and every process it started."""
     out = tmp_path / "demo.out"
-    cmd = [sys.executable, "-m", "daemon.demo", "--daemons", "2", "--duration", "120", "--interval", "1"]
+    cmd = [sys.executable, "-m", "peerd.daemon.demo", "--daemons", "2", "--duration", "120", "--interval", "1"]
     with open(out, "wb") as f:
         demo = subprocess.Popen(
             [*cmd, "--dir", str(tmp_path / "demo")], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, process_group=0
@@ -146,8 +146,8 @@ def test_demo_stops_every_daemon_on_a_double_ctrl_c(tmp_path):
 
 
 def test_demo_rows_show_a_dash_for_what_has_not_happened_yet():
-    from daemon.demo import HEADER, progress_line
-    from protos import control_pb2
+    from peerd.daemon.demo import HEADER, progress_line
+    from peerd.protos import control_pb2
 
     before = control_pb2.RunStatus(run_id="demo", train_state="LOADING", loss=float("nan"))
     after = control_pb2.RunStatus(
@@ -175,7 +175,7 @@ def test_a_daemon_goes_when_the_process_that_started_it_is_killed(tmp_path):
     launcher = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from daemon.procs import LocalDaemon\n"
+        "from peerd.daemon.procs import LocalDaemon\n"
         "d = LocalDaemon(Path(sys.argv[1]), [])\n"
         "d.start(wait=True)\n"
         "print(d.proc.pid, flush=True)\n"

@@ -3,8 +3,8 @@ file's header through which the daemon ends an attached process's phase."""
 
 from __future__ import annotations
 
-from daemon.attached import SharedVector
-from daemon.straggler import StragglerBudget
+from peerd.daemon.attached import SharedVector
+from peerd.daemon.straggler import StragglerBudget
 from peerd.attachment import Attachment
 
 

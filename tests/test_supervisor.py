@@ -1,5 +1,5 @@
 """The supervisor of a training process (daemon/supervisor.py): bounded restarts with the real
-child (python -m daemon.taskproc) against a real daemon, and the decision alone."""
+child (python -m peerd.daemon.taskproc) against a real daemon, and the decision alone."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.client import ControlClient
-from daemon.supervisor import ChildState, Supervisor, after_exit
+from peerd.daemon.client import ControlClient
+from peerd.daemon.supervisor import ChildState, Supervisor, after_exit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def child(daemon, task: str, max_steps: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "daemon.taskproc",
+        "peerd.daemon.taskproc",
         "--run",
         "sv",
         "--task",

@@ -1,7 +1,7 @@
 """PeerTable with a made-up clock."""
 
-from peers.records import MemberRecord, MemberState
-from peers.table import PeerTable
+from peerd.peers.records import MemberRecord, MemberState
+from peerd.peers.table import PeerTable
 
 
 def rec(peer: str, ts: float, state=MemberState.ACTIVE) -> MemberRecord:

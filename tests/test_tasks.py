@@ -11,7 +11,7 @@ from importlib.metadata import EntryPoint
 import pytest
 import torch
 
-from daemon.tasks import (
+from peerd.daemon.tasks import (
     ENTRY_POINT_GROUP,
     Batch,
     EvalResult,
@@ -28,7 +28,7 @@ from daemon.tasks import (
     seeded,
     train_single_process,
 )
-from daemon.tasks import registry
+from peerd.daemon.tasks import registry
 
 
 @pytest.fixture(autouse=True)
@@ -233,7 +233,7 @@ def test_entry_point_cannot_take_a_builtin_name(monkeypatch):
     "value,message",
     [
         ("no_such_package_xyz.tasks:Task", r"failed to load: ModuleNotFoundError"),
-        (f"{__name__}:NotATask", r"is not a subclass of daemon\.tasks\.Task"),
+        (f"{__name__}:NotATask", r"is not a subclass of peerd\.daemon\.tasks\.Task"),
         (f"{__name__}:Task", r"declares the name None"),
     ],
 )
@@ -253,7 +253,7 @@ def test_entry_point_registered_twice_is_refused(monkeypatch):
 def test_the_trainer_gathers_all_of_the_state_vector_or_one_slice():
     """The trainer's rounds run without the engine's backup (restore=False) and copy back from the
     model any lane that applied no result: to_flat(start, end) must write that slice and nothing else."""
-    from daemon.flat import from_flat, to_flat
+    from peerd.daemon.flat import from_flat, to_flat
 
     tensors = [torch.arange(5.0).view(5, 1), torch.arange(10.0, 17.0), torch.tensor(99.0)]
     flat = torch.empty(13)
@@ -272,9 +272,9 @@ def test_the_trainer_puts_back_only_lanes_a_round_may_have_written():
     """After a round with restore=False, the trainer copies back from its model the lanes that ran
     the engine without applying a result, were interrupted, or got no result; a lane alone or without
     a group was not touched and costs no copy."""
-    from daemon.trainer import lanes_to_put_back
-    from peers.averaging import RoundResult
-    from peers.collective import Outcome, Status
+    from peerd.daemon.trainer import lanes_to_put_back
+    from peerd.peers.averaging import RoundResult
+    from peerd.peers.collective import Outcome, Status
 
     def outcome(status):
         return Outcome(status, "", 1, (), (), 0, 0, 0.0, b"")

@@ -7,9 +7,9 @@ import asyncio
 
 import uvloop
 
-from peers.collective import TcpTransport
-from peers.collective.transport import FilteredTransport
-from peers.collective.wire import Header, Kind, run_tag
+from peerd.peers.collective import TcpTransport
+from peerd.peers.collective.transport import FilteredTransport
+from peerd.peers.collective.wire import Header, Kind, run_tag
 
 TAG = run_tag("tcp-links-test")
 

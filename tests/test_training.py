@@ -10,14 +10,14 @@ import json
 
 import pytest
 
-from daemon.client import ControlClient
-from peers.clock import now
-from peers.envelope import RecordKind, seal
-from peers.events import PeerEvents
-from peers.manifest import MANIFEST_FORMAT_VERSION
-from peers.node import NodeSettings, PeerNode
-from peers.run_ids import run_dht_key
-from protos import records_pb2
+from peerd.daemon.client import ControlClient
+from peerd.peers.clock import now
+from peerd.peers.envelope import RecordKind, seal
+from peerd.peers.events import PeerEvents
+from peerd.peers.manifest import MANIFEST_FORMAT_VERSION
+from peerd.peers.node import NodeSettings, PeerNode
+from peerd.peers.run_ids import run_dht_key
+from peerd.protos import records_pb2
 from tests.helpers import peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.typed import Mismatch, coerce
+from peerd.daemon.typed import Mismatch, coerce
 
 
 @pytest.mark.parametrize(
@@ -65,6 +65,6 @@ def test_the_client_commands_import_neither_pydantic_nor_torch():
     import subprocess
     import sys
 
-    code = "import sys, daemon.cli; print(sorted(m for m in ('pydantic', 'torch') if m in sys.modules))"
+    code = "import sys, peerd.daemon.cli; print(sorted(m for m in ('pydantic', 'torch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out

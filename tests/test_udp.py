@@ -25,11 +25,11 @@ import pytest
 import torch
 import uvloop
 
-from peers.collective import AllReduceSettings, Group, LossyAllReduce, Status, UdpTransport
-from peers.collective.datagram import HEADER, DatagramCodec, DatagramError
-from peers.collective.lossy import simulate_round
-from peers.collective.wire import DType, Header, Kind, run_tag
-from peers.events import PeerEvents
+from peerd.peers.collective import AllReduceSettings, Group, LossyAllReduce, Status, UdpTransport
+from peerd.peers.collective.datagram import HEADER, DatagramCodec, DatagramError
+from peerd.peers.collective.lossy import simulate_round
+from peerd.peers.collective.wire import DType, Header, Kind, run_tag
+from peerd.peers.events import PeerEvents
 from tests.test_codec import mean_bound
 
 RUN, SECRET, SESSION = "udp-test", b"engine key for the udp tests 32b", "group-key/round-7"

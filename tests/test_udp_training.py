@@ -21,8 +21,8 @@ import time
 
 import pytest
 
-from daemon.client import ControlClient
-from peers.collective.datagram import HEADER, MAGIC, OVERHEAD
+from peerd.daemon.client import ControlClient
+from peerd.peers.collective.datagram import HEADER, MAGIC, OVERHEAD
 from tests.helpers import scrape, wait_for
 
 pytestmark = pytest.mark.slow

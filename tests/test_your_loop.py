@@ -17,8 +17,8 @@ import torch
 
 import peerd
 import peerd.torch
-from daemon.client import ControlClient
-from peers.manifest import decode_manifest
+from peerd.daemon.client import ControlClient
+from peerd.peers.manifest import decode_manifest
 from tests.helpers import scrape, wait_for
 
 pytestmark = pytest.mark.slow
@@ -172,7 +172,7 @@ def test_a_model_that_does_not_match_the_run_is_refused_naming_the_first_mismatc
 
 
 def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
-    from protos import control_pb2, control_pb2_grpc
+    from peerd.protos import control_pb2, control_pb2_grpc
 
     a = spawn("garbage", ["--run", "junk"])
     with grpc.insecure_channel(a.control) as channel:
@@ -235,7 +235,7 @@ def test_a_built_in_task_trains_through_the_public_api_in_a_process_of_its_own(s
             [
                 sys.executable,
                 "-m",
-                "daemon.taskproc",
+                "peerd.daemon.taskproc",
                 "--run",
                 "tp",
                 "--task",

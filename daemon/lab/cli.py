@@ -23,8 +23,8 @@ def _fail(code: int, message: str) -> int:
 
 
 def run_command(scenario_path: str, json_out: str | None, logs: str | None) -> int:
-    from daemon.lab.netns import LabError, environment_problem
-    from daemon.lab.scenario import ScenarioError, load
+    from peerd.daemon.lab.netns import LabError, environment_problem
+    from peerd.daemon.lab.scenario import ScenarioError, load
 
     try:
         scenario = load(scenario_path)
@@ -34,9 +34,9 @@ def run_command(scenario_path: str, json_out: str | None, logs: str | None) -> i
     if problem:
         return _fail(2, problem)
 
-    from daemon.lab import report
-    from daemon.lab.runner import Lab
-    from daemon.procs import DaemonFailed
+    from peerd.daemon.lab import report
+    from peerd.daemon.lab.runner import Lab
+    from peerd.daemon.procs import DaemonFailed
 
     def interrupt(signum, frame):  # SIGTERM too: the finally blocks tear the lab down,
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # and a second Ctrl-C must not cut that short
@@ -64,7 +64,7 @@ def run_command(scenario_path: str, json_out: str | None, logs: str | None) -> i
 
 
 def clean_command(force: bool) -> int:
-    from daemon.lab.netns import clean, environment_problem
+    from peerd.daemon.lab.netns import clean, environment_problem
 
     problem = environment_problem()
     if problem:

@@ -1,6 +1,6 @@
 """A userspace delay line: added latency for one lab host, without netem.
 
-    python -m daemon.lab.delayline --conf FILE --stats FILE [--dev dl0] [--limit 50000]
+    python -m peerd.daemon.lab.delayline --conf FILE --stats FILE [--dev dl0] [--limit 50000]
 
 Run inside a host's network namespace (netns.Network starts it there, then routes the lab subnet
 through it; see docs/lab.md). It opens a TUN device (IFF_TUN | IFF_NO_PI: every read is one IPv4

@@ -272,7 +272,7 @@ class Network:
                 *h.exec_prefix(),
                 sys.executable,
                 "-m",
-                "daemon.lab.delayline",
+                "peerd.daemon.lab.delayline",
                 "--dev",
                 DELAY_DEV,
                 "--conf",
@@ -443,7 +443,7 @@ print(json.dumps(times))
 
 
 def _delay_mark() -> int:
-    from daemon.lab.delayline import MARK
+    from peerd.daemon.lab.delayline import MARK
 
     return MARK
 

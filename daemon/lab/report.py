@@ -22,8 +22,8 @@ import math
 import statistics
 from typing import Any
 
-from daemon.lab.runner import Event, Record, Sample
-from daemon.tables import columns
+from peerd.daemon.lab.runner import Event, Record, Sample
+from peerd.daemon.tables import columns
 
 DELAY_LINE = "userspace TUN delay line"
 

@@ -25,10 +25,10 @@ from typing import Callable
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.client import ControlClient
-from daemon.lab.netns import Host, Network
-from daemon.lab.scenario import Fault, Scenario
-from daemon.procs import DaemonFailed, LocalDaemon
+from peerd.daemon.client import ControlClient
+from peerd.daemon.lab.netns import Host, Network
+from peerd.daemon.lab.scenario import Fault, Scenario
+from peerd.daemon.procs import DaemonFailed, LocalDaemon
 
 POLL_INTERVAL = 0.5  # seconds between two polls of every live daemon; the resolution of fault timings
 POLL_TIMEOUT = 2.0  # seconds for one status, peers or /metrics request to a live daemon
@@ -114,7 +114,7 @@ def spawn_in(host: Host, data_dir: Path, args: list[str]) -> LocalDaemon:
         *host.exec_prefix(),
         sys.executable,
         "-m",
-        "daemon.cli",
+        "peerd.daemon.cli",
         "start",
         "--data-dir",
         str(data_dir),
@@ -420,7 +420,7 @@ class Lab:
             self.record.final_state.setdefault(name, state)
 
     def _check_checkpoints(self) -> None:
-        from daemon.checkpoint import NAME, CheckpointStore, CorruptCheckpoint
+        from peerd.daemon.checkpoint import NAME, CheckpointStore, CorruptCheckpoint
 
         for name in self.daemons:
             directory = self._data_dir(name) / "runs" / self.scenario.run.id / "checkpoints"

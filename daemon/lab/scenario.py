@@ -44,8 +44,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from daemon.lab.netns import PROTOCOLS, LinkShape
-from daemon.typed import Mismatch, coerce
+from peerd.daemon.lab.netns import PROTOCOLS, LinkShape
+from peerd.daemon.typed import Mismatch, coerce
 
 ACTIONS = ("kill", "freeze", "thaw", "restart", "partition", "heal", "link")
 HOST_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,15}")

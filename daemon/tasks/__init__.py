@@ -3,7 +3,7 @@
 See docs/tasks.md for the interface, the built-ins, and how a package registers its own task.
 """
 
-from daemon.tasks.base import (
+from peerd.daemon.tasks.base import (
     MAX_BATCH_SIZE,
     Batch,
     EvalResult,
@@ -14,8 +14,8 @@ from daemon.tasks.base import (
     generator,
     seeded,
 )
-from daemon.tasks.baseline import train_single_process
-from daemon.tasks.registry import (
+from peerd.daemon.tasks.baseline import train_single_process
+from peerd.daemon.tasks.registry import (
     ENTRY_POINT_GROUP,
     InvalidTaskName,
     TaskLoadError,

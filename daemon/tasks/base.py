@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Iterator, Mapping
 
 import torch
 
-from daemon.typed import Mismatch, coerce
+from peerd.daemon.typed import Mismatch, coerce
 
 MAX_BATCH_SIZE = 65536  # a manifest asking for more is a mistake or an attempt to exhaust memory
 

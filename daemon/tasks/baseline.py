@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from daemon.tasks.base import EvalResult, Hparams, Task
+from peerd.daemon.tasks.base import EvalResult, Hparams, Task
 
 
 def train_single_process(task: Task, hparams: Hparams, steps: int, batch_size: int, seed: int) -> EvalResult:

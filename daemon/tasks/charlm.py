@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from daemon.tasks.base import Batch, EvalResult, Hparams, Task, evaluating, generator, seeded
+from peerd.daemon.tasks.base import Batch, EvalResult, Hparams, Task, evaluating, generator, seeded
 
 VOCAB = 256  # one token per byte
 HOLDOUT_FRACTION = 0.05  # the corpus's tail, never in a training batch

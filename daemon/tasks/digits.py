@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from daemon.tasks.base import Batch, EvalResult, Hparams, Task, evaluating, generator, seeded
+from peerd.daemon.tasks.base import Batch, EvalResult, Hparams, Task, evaluating, generator, seeded
 
 TEST_EVERY = 5  # every fifth image is held out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from importlib.metadata import EntryPoint, entry_points
 
-from daemon.tasks.base import Task
+from peerd.daemon.tasks.base import Task
 
 ENTRY_POINT_GROUP = "peerd.tasks"
 # The same rule as run IDs: letters, digits, '.', '_' and '-', starting with a letter or digit.
@@ -19,8 +19,8 @@ TASK_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # Loaded like entry points, so that listing tasks imports neither torch models nor scikit-learn.
 _BUILTINS = {
-    "charlm": "daemon.tasks.charlm:CharLM",
-    "digits-mlp": "daemon.tasks.digits:DigitsMLP",
+    "charlm": "peerd.daemon.tasks.charlm:CharLM",
+    "digits-mlp": "peerd.daemon.tasks.digits:DigitsMLP",
 }
 
 
@@ -89,7 +89,7 @@ def get_task(name: str) -> Task:
     except Exception as e:  # an installed package's import can fail in any way; report which one
         raise TaskLoadError(f"task {name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}") from e
     if not (isinstance(cls, type) and issubclass(cls, Task)):
-        raise TaskLoadError(f"task {name!r} ({ep.value}) is not a subclass of daemon.tasks.Task")
+        raise TaskLoadError(f"task {name!r} ({ep.value}) is not a subclass of peerd.daemon.tasks.Task")
     if getattr(cls, "name", None) != name:
         raise TaskLoadError(f"task {name!r} ({ep.value}) declares the name {getattr(cls, 'name', None)!r}")
     try:

@@ -21,20 +21,20 @@ lossy.py (the loss-tolerant rule and packet grid), packets.py (receiving packets
 lossy_allreduce.py (the loss-tolerant round).
 """
 
-from peers.collective.group import AllReduceSettings, Group, shard_bounds
-from peers.collective.outcome import Outcome, Status
-from peers.collective.tcp import TcpTransport
-from peers.collective.transport import FilteredTransport, Transport
-from peers.collective.udp import UdpTransport
+from peerd.peers.collective.group import AllReduceSettings, Group, shard_bounds
+from peerd.peers.collective.outcome import Outcome, Status
+from peerd.peers.collective.tcp import TcpTransport
+from peerd.peers.collective.transport import FilteredTransport, Transport
+from peerd.peers.collective.udp import UdpTransport
 
-from peers.torch_exports import attributes
+from peerd.peers.torch_exports import attributes
 
 # The two rounds import torch: loaded on first use (peers/torch_exports.py).
 __getattr__ = attributes(
     __name__,
     {
-        "peers.collective.allreduce": ("GroupAllReduce",),
-        "peers.collective.lossy_allreduce": ("LossyAllReduce",),
+        "peerd.peers.collective.allreduce": ("GroupAllReduce",),
+        "peerd.peers.collective.lossy_allreduce": ("LossyAllReduce",),
     },
 )
 

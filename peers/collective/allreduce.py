@@ -54,16 +54,16 @@ from collections.abc import Sequence
 
 import torch
 
-from peers.collective.codec import Format
-from peers.collective.decision import Decision, Verdict, decide, result_digest
-from peers.collective.group import AllReduceSettings, Group
-from peers.collective.inbox import Inbox, InboxBuffers
-from peers.collective.outcome import Outcome, Status
-from peers.collective.reduction import ShardReducer
-from peers.collective.rounds import Phase, RoundState
-from peers.collective.transport import Link, Transport
-from peers.collective.wire import DIGEST_SIZE, AbortCode, DType, Header, Kind
-from peers.events import PeerEvents
+from peerd.peers.collective.codec import Format
+from peerd.peers.collective.decision import Decision, Verdict, decide, result_digest
+from peerd.peers.collective.group import AllReduceSettings, Group
+from peerd.peers.collective.inbox import Inbox, InboxBuffers
+from peerd.peers.collective.outcome import Outcome, Status
+from peerd.peers.collective.reduction import ShardReducer
+from peerd.peers.collective.rounds import Phase, RoundState
+from peerd.peers.collective.transport import Link, Transport
+from peerd.peers.collective.wire import DIGEST_SIZE, AbortCode, DType, Header, Kind
+from peerd.peers.events import PeerEvents
 
 
 class GroupAllReduce:

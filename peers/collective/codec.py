@@ -41,7 +41,7 @@ import enum
 
 import numpy as np
 
-from peers.collective.wire import INT8_BLOCK, DType, WireError, payload_fit, payload_size
+from peerd.peers.collective.wire import INT8_BLOCK, DType, WireError, payload_fit, payload_size
 
 MAX_SCALE = 2.0**100  # the largest int8 scale accepted: values up to 127 * 2^100 (1.6e32) encode
 FP16_MAX = 65504.0  # float16's largest finite value

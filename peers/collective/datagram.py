@@ -45,7 +45,7 @@ import struct
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from peers.collective.wire import DType, Header, Kind, payload_size
+from peerd.peers.collective.wire import DType, Header, Kind, payload_size
 
 MAGIC = b"PDUG"
 DGRAM_VERSION = 1

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from peers.collective.wire import DIGEST_SIZE, AbortCode
+from peerd.peers.collective.wire import DIGEST_SIZE, AbortCode
 
 NO_DIGEST = bytes(DIGEST_SIZE)
 

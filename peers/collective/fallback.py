@@ -16,11 +16,11 @@ import asyncio
 
 from hivemind.p2p import P2P
 
-from peers.collective.linkauth import LinkAuth
-from peers.collective.p2p import HANDLER_PREFIX, P2PTransport
-from peers.collective.tcp import TcpTransport, split_address
-from peers.collective.transport import Link, Sink, Transport
-from peers.events import PeerEvents
+from peerd.peers.collective.linkauth import LinkAuth
+from peerd.peers.collective.p2p import HANDLER_PREFIX, P2PTransport
+from peerd.peers.collective.tcp import TcpTransport, split_address
+from peerd.peers.collective.transport import Link, Sink, Transport
+from peerd.peers.events import PeerEvents
 
 MODES = ("reliable", "tcp", "libp2p")
 # A direct connection to a reachable member opens in about one RTT; a firewall that drops SYNs makes

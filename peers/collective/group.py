@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from peers.collective.wire import INT8_BLOCK, run_tag
+from peerd.peers.collective.wire import INT8_BLOCK, run_tag
 
 PAYLOADS = ("fp32", "fp16", "int8")  # codec.Format's values
 MAX_GROUP = 64  # RESULT headers carry contributors as a 64-bit mask; Moshpit groups are far smaller

@@ -64,13 +64,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-from peers.collective.allreduce import drain_links, open_links
-from peers.collective.group import Group, shard_bounds
-from peers.collective.inbox import as_bytes
-from peers.collective.reduction import all_finite
-from peers.collective.transport import Action, Inbound, Link, Transport
-from peers.collective.wire import DType, Header, Kind
-from peers.events import PeerEvents
+from peerd.peers.collective.allreduce import drain_links, open_links
+from peerd.peers.collective.group import Group, shard_bounds
+from peerd.peers.collective.inbox import as_bytes
+from peerd.peers.collective.reduction import all_finite
+from peerd.peers.collective.transport import Action, Inbound, Link, Transport
+from peerd.peers.collective.wire import DType, Header, Kind
+from peerd.peers.events import PeerEvents
 
 
 @dataclass(kw_only=True, slots=True)

@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from peers.collective.codec import Codec, Format
-from peers.collective.decision import Verdict, sum64
-from peers.collective.group import Group, chunk_bounds, shard_bounds
-from peers.collective.rounds import Phase, RoundState, bits
-from peers.collective.transport import Action, Inbound
-from peers.collective.wire import DIGEST_SIZE, HEADER_SIZE, INT8_BLOCK, AbortCode, DType, Header, Kind, WireError
-from peers.events import PeerEvents
+from peerd.peers.collective.codec import Codec, Format
+from peerd.peers.collective.decision import Verdict, sum64
+from peerd.peers.collective.group import Group, chunk_bounds, shard_bounds
+from peerd.peers.collective.rounds import Phase, RoundState, bits
+from peerd.peers.collective.transport import Action, Inbound
+from peerd.peers.collective.wire import DIGEST_SIZE, HEADER_SIZE, INT8_BLOCK, AbortCode, DType, Header, Kind, WireError
+from peerd.peers.events import PeerEvents
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:

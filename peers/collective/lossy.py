@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from peers.collective.group import chunk_bounds
-from peers.collective.reduction import all_finite
+from peerd.peers.collective.group import chunk_bounds
+from peerd.peers.collective.reduction import all_finite
 
 Part = tuple[int, np.ndarray, float, np.ndarray]  # (member, values, weight, arrived: bool per packet)
 

@@ -41,20 +41,20 @@ import struct
 import numpy as np
 import torch
 
-from peers.collective.allreduce import GroupAllReduce
-from peers.collective.decision import Decision, sum64
-from peers.collective.group import AllReduceSettings, Group
-from peers.collective.inbox import InboxBuffers, as_bytes
-from peers.collective.codec import Format
-from peers.collective.lossy import keep_missing, masked_mean, packets_finite
-from peers.collective.reduction import all_finite
-from peers.collective.outcome import Outcome, Status
-from peers.collective.packets import LossyInbox, PacketRound
-from peers.collective.rounds import Phase
-from peers.collective.transport import Transport
-from peers.collective.udpsend import packet_stride
-from peers.collective.wire import DIGEST_SIZE, DType, Header, Kind
-from peers.events import PeerEvents
+from peerd.peers.collective.allreduce import GroupAllReduce
+from peerd.peers.collective.decision import Decision, sum64
+from peerd.peers.collective.group import AllReduceSettings, Group
+from peerd.peers.collective.inbox import InboxBuffers, as_bytes
+from peerd.peers.collective.codec import Format
+from peerd.peers.collective.lossy import keep_missing, masked_mean, packets_finite
+from peerd.peers.collective.reduction import all_finite
+from peerd.peers.collective.outcome import Outcome, Status
+from peerd.peers.collective.packets import LossyInbox, PacketRound
+from peerd.peers.collective.rounds import Phase
+from peerd.peers.collective.transport import Transport
+from peerd.peers.collective.udpsend import packet_stride
+from peerd.peers.collective.wire import DIGEST_SIZE, DType, Header, Kind
+from peerd.peers.events import PeerEvents
 
 
 class LossyAllReduce(GroupAllReduce):

@@ -20,10 +20,10 @@ import logging
 
 from hivemind.p2p import P2P, PeerID
 
-from peers.collective.linkauth import HELLO_SIZE, LinkAuth
-from peers.collective.transport import Action, Link, Sink, Transport
-from peers.collective.wire import HEADER_SIZE, Header, WireError, decode
-from peers.events import PeerEvents
+from peerd.peers.collective.linkauth import HELLO_SIZE, LinkAuth
+from peerd.peers.collective.transport import Action, Link, Sink, Transport
+from peerd.peers.collective.wire import HEADER_SIZE, Header, WireError, decode
+from peerd.peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
 

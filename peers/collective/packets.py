@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from peers.collective.datagram import OVERHEAD
-from peers.collective.group import Group
-from peers.collective.inbox import Inbox, InboxBuffers, as_bytes
-from peers.collective.lossy import PacketGrid
-from peers.collective.rounds import Phase
-from peers.collective.transport import Action, Inbound
-from peers.collective.wire import Header, Kind
-from peers.events import PeerEvents
+from peerd.peers.collective.datagram import OVERHEAD
+from peerd.peers.collective.group import Group
+from peerd.peers.collective.inbox import Inbox, InboxBuffers, as_bytes
+from peerd.peers.collective.lossy import PacketGrid
+from peerd.peers.collective.rounds import Phase
+from peerd.peers.collective.transport import Action, Inbound
+from peerd.peers.collective.wire import Header, Kind
+from peerd.peers.events import PeerEvents
 
 _EMPTY = memoryview(bytearray(0))  # the buffer for payloads of no bytes (DONE)
 

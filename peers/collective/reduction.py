@@ -33,11 +33,11 @@ import math
 import numpy as np
 import torch
 
-from peers.collective.decision import sum64
-from peers.collective.inbox import Inbox
-from peers.collective.rounds import RoundState, bits
-from peers.collective.wire import WireError
-from peers.events import PeerEvents
+from peerd.peers.collective.decision import sum64
+from peerd.peers.collective.inbox import Inbox
+from peerd.peers.collective.rounds import RoundState, bits
+from peerd.peers.collective.wire import WireError
+from peerd.peers.events import PeerEvents
 
 TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs smaller element-wise ops on one thread
 

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from peers.collective.decision import Verdict
+from peerd.peers.collective.decision import Verdict
 
 
 class Phase(enum.Enum):

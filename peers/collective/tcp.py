@@ -17,10 +17,10 @@ import asyncio
 import logging
 import socket
 
-from peers.collective.linkauth import HELLO_SIZE, LinkAuth
-from peers.collective.transport import Action, Link, Sink, Transport
-from peers.collective.wire import HEADER_SIZE, Header, WireError, decode
-from peers.events import PeerEvents
+from peerd.peers.collective.linkauth import HELLO_SIZE, LinkAuth
+from peerd.peers.collective.transport import Action, Link, Sink, Transport
+from peerd.peers.collective.wire import HEADER_SIZE, Header, WireError, decode
+from peerd.peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import abc
 import enum
 from typing import Callable, Protocol
 
-from peers.collective.wire import Header
+from peerd.peers.collective.wire import Header
 
 
 class Action(enum.Enum):

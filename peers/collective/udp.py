@@ -37,14 +37,14 @@ import socket
 import struct
 from typing import Callable
 
-from peers.collective.datagram import HEADER_SIZE as DGRAM_HEADER
-from peers.collective.datagram import MAX_DATAGRAM, MIN_DATAGRAM, OVERHEAD, TAG_SIZE, DatagramCodec, DatagramError
-from peers.collective.linkauth import LinkAuth
-from peers.collective.tcp import TcpTransport, split_address
-from peers.collective.transport import Action, Link, Sink, Transport
-from peers.collective.udpsend import DatagramLink, PacedSender, StreamPacketLink
-from peers.collective.wire import Header
-from peers.events import PeerEvents
+from peerd.peers.collective.datagram import HEADER_SIZE as DGRAM_HEADER
+from peerd.peers.collective.datagram import MAX_DATAGRAM, MIN_DATAGRAM, OVERHEAD, TAG_SIZE, DatagramCodec, DatagramError
+from peerd.peers.collective.linkauth import LinkAuth
+from peerd.peers.collective.tcp import TcpTransport, split_address
+from peerd.peers.collective.transport import Action, Link, Sink, Transport
+from peerd.peers.collective.udpsend import DatagramLink, PacedSender, StreamPacketLink
+from peerd.peers.collective.wire import Header
+from peerd.peers.events import PeerEvents
 
 DEFAULT_DATAGRAM = 1472  # a 1500-byte path MTU minus IPv4 and UDP headers
 SOCKET_BUFFER = 32 << 20  # SO_RCVBUF asked for: a whole shard of a round may be in flight to us

@@ -31,10 +31,10 @@ import logging
 import socket
 from typing import Callable
 
-from peers.collective.datagram import MAX_DATAGRAM, OVERHEAD, DatagramCodec
-from peers.collective.transport import Link, WrappedLink
-from peers.collective.wire import HEADER_SIZE, DType, Header, Kind, payload_fit, payload_size
-from peers.events import PeerEvents
+from peerd.peers.collective.datagram import MAX_DATAGRAM, OVERHEAD, DatagramCodec
+from peerd.peers.collective.transport import Link, WrappedLink
+from peerd.peers.collective.wire import HEADER_SIZE, DType, Header, Kind, payload_fit, payload_size
+from peerd.peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
 

@@ -13,21 +13,21 @@ size from fitted latency and bandwidth), localgroup.py (which peers form a fast 
 member.py (a daemon's labelled local group: when it forms, its engine; used by daemon/trainer.py).
 """
 
-from peers.dear.localgroup import LinkSample, LocalGroupRules, LocalGroups, PeerSample, local_groups
-from peers.dear.tuner import Fit, FusionTuner, Retune, TunerSettings
+from peerd.peers.dear.localgroup import LinkSample, LocalGroupRules, LocalGroups, PeerSample, local_groups
+from peerd.peers.dear.tuner import Fit, FusionTuner, Retune, TunerSettings
 
-from peers.torch_exports import attributes
+from peerd.peers.torch_exports import attributes
 
 # The rest imports torch: loaded on first use (peers/torch_exports.py). The daemon imports member.py, through
 # this package, whether or not it trains.
 __getattr__ = attributes(
     __name__,
     {
-        "peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
-        "peers.dear.backend": ("Collective", "CollectiveError", "Handle", "Kind"),
-        "peers.dear.engine": ("EngineCollective",),
-        "peers.dear.overlap": ("StepStats",),
-        "peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
+        "peerd.peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
+        "peerd.peers.dear.backend": ("Collective", "CollectiveError", "Handle", "Kind"),
+        "peerd.peers.dear.engine": ("EngineCollective",),
+        "peerd.peers.dear.overlap": ("StepStats",),
+        "peerd.peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
     },
 )
 

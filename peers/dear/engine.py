@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 
 import uvloop
 
-from peers.collective.group import Group
-from peers.collective.halves import HalfOp, Halves, HalvesSettings
-from peers.collective.tcp import TcpTransport
-from peers.collective.transport import Transport
-from peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind
-from peers.events import PeerEvents
+from peerd.peers.collective.group import Group
+from peerd.peers.collective.halves import HalfOp, Halves, HalvesSettings
+from peerd.peers.collective.tcp import TcpTransport
+from peerd.peers.collective.transport import Transport
+from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind
+from peerd.peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
 

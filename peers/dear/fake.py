@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind, shard
+from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind, shard
 
 
 class FakeFabric:

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind, shard
+from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind, shard
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peers.collective.group import shard_bounds
-from peers.dear.backend import Collective, CollectiveError
+from peerd.peers.collective.group import shard_bounds
+from peerd.peers.dear.backend import Collective, CollectiveError
 
 
 def lane_bounds(n: int, lanes: int) -> list[tuple[int, int]]:

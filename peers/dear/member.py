@@ -35,15 +35,15 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from peers.collective.linkauth import LinkAuth
-from peers.collective.tcp import TcpTransport
-from peers.clock import now as dht_now
-from peers.dear.localgroup import LinkSample, LocalGroupRules, PeerSample, local_groups
-from peers.events import PeerEvents
-from peers.linkprobe import LinkReport
+from peerd.peers.collective.linkauth import LinkAuth
+from peerd.peers.collective.tcp import TcpTransport
+from peerd.peers.clock import now as dht_now
+from peerd.peers.dear.localgroup import LinkSample, LocalGroupRules, PeerSample, local_groups
+from peerd.peers.events import PeerEvents
+from peerd.peers.linkprobe import LinkReport
 
 if TYPE_CHECKING:  # the engine (and torch) is imported when a group forms: the daemon imports this module idle
-    from peers.dear.engine import EngineCollective
+    from peerd.peers.dear.engine import EngineCollective
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class LocalGroupMember:
     def prepare(self) -> None:
         """Have an engine listening (and its address announced) for the next formation."""
         if self._engine is None:
-            from peers.dear.engine import EngineCollective
+            from peerd.peers.dear.engine import EngineCollective
 
             self._engine = EngineCollective(
                 rank=0,

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from peers.dear.backend import Handle
+from peerd.peers.dear.backend import Handle
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,10 +52,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from peers.dear.buckets import BucketPlan, plan_buckets
-from peers.dear.backend import Collective, CollectiveError, Handle
-from peers.dear.overlap import StepLedger, StepStats
-from peers.dear.tuner import KIB, FusionTuner, Retune
+from peerd.peers.dear.buckets import BucketPlan, plan_buckets
+from peerd.peers.dear.backend import Collective, CollectiveError, Handle
+from peerd.peers.dear.overlap import StepLedger, StepStats
+from peerd.peers.dear.tuner import KIB, FusionTuner, Retune
 
 logger = logging.getLogger(__name__)
 
