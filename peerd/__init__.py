@@ -13,7 +13,18 @@ docs/your-loop.md says what happens at attach, at an outer step and on failures.
 imports torch; this module does not.
 """
 
-from peerd.daemon import __version__
+import os as _os
+
+# The daemon's packages: an install puts daemon/, peers/ and protos/ inside this package as
+# peerd.daemon, peerd.peers and peerd.protos (pyproject.toml, package-dir); a checkout keeps them
+# beside it, so there the checkout's root is searched for them too (whatever is installed elsewhere).
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "daemon")) and _os.path.isfile(
+    _os.path.join(_root, "daemon", "__init__.py")
+):
+    __path__.append(_root)
+
+from peerd.daemon import __version__  # noqa: E402
 
 
 class PeerdError(RuntimeError):

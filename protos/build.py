@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
+VIRTUAL = "peerd/protos"  # where an install puts protos/
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -26,10 +27,12 @@ def generate(out_dir: Path) -> list[Path]:
     import grpc_tools
 
     include = Path(grpc_tools.__file__).parent / "_proto"
-    protos = sorted(str(p.relative_to(ROOT)) for p in PROTO_DIR.glob("*.proto"))
+    # protos/ is installed as peerd.protos (pyproject.toml): protoc sees it at that path, so the
+    # generated modules name themselves and each other peerd.protos.*.
+    protos = sorted(f"{VIRTUAL}/{p.name}" for p in PROTO_DIR.glob("*.proto"))
     args = [
         "protoc",
-        f"-I{ROOT}",
+        f"-I{VIRTUAL}={PROTO_DIR}",
         f"-I{include}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
@@ -38,7 +41,7 @@ def generate(out_dir: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    return sorted((out_dir / "protos").glob("*_pb2*.py*"))
+    return sorted((out_dir / VIRTUAL).glob("*_pb2*.py*"))
 
 
 def main(argv: list[str] | None = None) -> int:

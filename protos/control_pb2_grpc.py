@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import control_pb2 as protos_dot_control__pb2
+from peerd.protos import control_pb2 as peerd_dot_protos_dot_control__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/control_pb2_grpc.py depends on'
+        + ' but the generated code in peerd/protos/control_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,53 +36,53 @@ class ControlStub:
         """
         self.Status = channel.unary_unary(
                 '/peerd.control.v1.Control/Status',
-                request_serializer=protos_dot_control__pb2.StatusRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.StatusResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.StatusRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.StatusResponse.FromString,
                 _registered_method=True)
         self.ListPeers = channel.unary_unary(
                 '/peerd.control.v1.Control/ListPeers',
-                request_serializer=protos_dot_control__pb2.ListPeersRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.ListPeersResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.ListPeersRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.ListPeersResponse.FromString,
                 _registered_method=True)
         self.JoinRun = channel.unary_unary(
                 '/peerd.control.v1.Control/JoinRun',
-                request_serializer=protos_dot_control__pb2.JoinRunRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.JoinRunResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.JoinRunRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.JoinRunResponse.FromString,
                 _registered_method=True)
         self.LeaveRun = channel.unary_unary(
                 '/peerd.control.v1.Control/LeaveRun',
-                request_serializer=protos_dot_control__pb2.LeaveRunRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.LeaveRunResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.LeaveRunRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.LeaveRunResponse.FromString,
                 _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/peerd.control.v1.Control/Shutdown',
-                request_serializer=protos_dot_control__pb2.ShutdownRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.ShutdownResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/peerd.control.v1.Control/Attach',
-                request_serializer=protos_dot_control__pb2.AttachRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.AttachResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.AttachRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.AttachResponse.FromString,
                 _registered_method=True)
         self.EndPhase = channel.unary_unary(
                 '/peerd.control.v1.Control/EndPhase',
-                request_serializer=protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.EndPhaseResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.EndPhaseResponse.FromString,
                 _registered_method=True)
         self.ReportEval = channel.unary_unary(
                 '/peerd.control.v1.Control/ReportEval',
-                request_serializer=protos_dot_control__pb2.ReportEvalRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.ReportEvalResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.ReportEvalRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.ReportEvalResponse.FromString,
                 _registered_method=True)
         self.Renew = channel.unary_unary(
                 '/peerd.control.v1.Control/Renew',
-                request_serializer=protos_dot_control__pb2.RenewRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.RenewResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.RenewRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.RenewResponse.FromString,
                 _registered_method=True)
         self.Detach = channel.unary_unary(
                 '/peerd.control.v1.Control/Detach',
-                request_serializer=protos_dot_control__pb2.DetachRequest.SerializeToString,
-                response_deserializer=protos_dot_control__pb2.DetachResponse.FromString,
+                request_serializer=peerd_dot_protos_dot_control__pb2.DetachRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.DetachResponse.FromString,
                 _registered_method=True)
 
 
@@ -168,53 +168,53 @@ def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=protos_dot_control__pb2.StatusRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.StatusResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.StatusRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.StatusResponse.SerializeToString,
             ),
             'ListPeers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPeers,
-                    request_deserializer=protos_dot_control__pb2.ListPeersRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.ListPeersResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.ListPeersRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.ListPeersResponse.SerializeToString,
             ),
             'JoinRun': grpc.unary_unary_rpc_method_handler(
                     servicer.JoinRun,
-                    request_deserializer=protos_dot_control__pb2.JoinRunRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.JoinRunResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.JoinRunRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.JoinRunResponse.SerializeToString,
             ),
             'LeaveRun': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaveRun,
-                    request_deserializer=protos_dot_control__pb2.LeaveRunRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.LeaveRunResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.LeaveRunRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.LeaveRunResponse.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
-                    request_deserializer=protos_dot_control__pb2.ShutdownRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.ShutdownResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.ShutdownRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.ShutdownResponse.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
-                    request_deserializer=protos_dot_control__pb2.AttachRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.AttachResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.AttachRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.AttachResponse.SerializeToString,
             ),
             'EndPhase': grpc.unary_unary_rpc_method_handler(
                     servicer.EndPhase,
-                    request_deserializer=protos_dot_control__pb2.EndPhaseRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.EndPhaseResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.EndPhaseRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.EndPhaseResponse.SerializeToString,
             ),
             'ReportEval': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportEval,
-                    request_deserializer=protos_dot_control__pb2.ReportEvalRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.ReportEvalResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.ReportEvalRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.ReportEvalResponse.SerializeToString,
             ),
             'Renew': grpc.unary_unary_rpc_method_handler(
                     servicer.Renew,
-                    request_deserializer=protos_dot_control__pb2.RenewRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.RenewResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.RenewRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.RenewResponse.SerializeToString,
             ),
             'Detach': grpc.unary_unary_rpc_method_handler(
                     servicer.Detach,
-                    request_deserializer=protos_dot_control__pb2.DetachRequest.FromString,
-                    response_serializer=protos_dot_control__pb2.DetachResponse.SerializeToString,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.DetachRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.DetachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -242,8 +242,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/Status',
-            protos_dot_control__pb2.StatusRequest.SerializeToString,
-            protos_dot_control__pb2.StatusResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.StatusRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -269,8 +269,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/ListPeers',
-            protos_dot_control__pb2.ListPeersRequest.SerializeToString,
-            protos_dot_control__pb2.ListPeersResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.ListPeersRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.ListPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -296,8 +296,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/JoinRun',
-            protos_dot_control__pb2.JoinRunRequest.SerializeToString,
-            protos_dot_control__pb2.JoinRunResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.JoinRunRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.JoinRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -323,8 +323,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/LeaveRun',
-            protos_dot_control__pb2.LeaveRunRequest.SerializeToString,
-            protos_dot_control__pb2.LeaveRunResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.LeaveRunRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.LeaveRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -350,8 +350,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/Shutdown',
-            protos_dot_control__pb2.ShutdownRequest.SerializeToString,
-            protos_dot_control__pb2.ShutdownResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.ShutdownRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.ShutdownResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -377,8 +377,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/Attach',
-            protos_dot_control__pb2.AttachRequest.SerializeToString,
-            protos_dot_control__pb2.AttachResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.AttachRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.AttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -404,8 +404,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/EndPhase',
-            protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
-            protos_dot_control__pb2.EndPhaseResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.EndPhaseRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.EndPhaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -431,8 +431,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/ReportEval',
-            protos_dot_control__pb2.ReportEvalRequest.SerializeToString,
-            protos_dot_control__pb2.ReportEvalResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.ReportEvalRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.ReportEvalResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -458,8 +458,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/Renew',
-            protos_dot_control__pb2.RenewRequest.SerializeToString,
-            protos_dot_control__pb2.RenewResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.RenewRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -485,8 +485,8 @@ class Control:
             request,
             target,
             '/peerd.control.v1.Control/Detach',
-            protos_dot_control__pb2.DetachRequest.SerializeToString,
-            protos_dot_control__pb2.DetachResponse.FromString,
+            peerd_dot_protos_dot_control__pb2.DetachRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.DetachResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,11 +70,13 @@ def test_dear_quick_prints_json_lines_with_the_headline_last(backend):
     [
         (["bench.engine_allreduce", "--quick", "--skip-hivemind"], "bus_bandwidth_vs_gloo"),
         (["bench.engine_costs", "--quick", "--parts", "digest_sums,bare,contract"], "bus_bandwidth_with_contract"),
+        (["bench.dear_loop", "--mib", "2", "--ops", "5"], "loop_lateness_p99_ms_own_vs_shared"),
     ],
 )
 def test_engine_benchmarks_quick_print_json_lines_with_the_headline_last(argv, headline):
     """bench.engine_allreduce and bench.engine_costs --quick: 4 processes, 4 MiB, a few rounds; every
-    peerd round completed with agreeing digests (both exit 1 otherwise)."""
+    peerd round completed with agreeing digests (both exit 1 otherwise). bench.dear_loop: the engine
+    on its own loop and on another's (EngineCollective(loop=)) all-reduces, closes and reports."""
     proc = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
     records = [json.loads(line) for line in proc.stdout.splitlines()]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 INTERVAL = 1.0
 LINE = re.compile(
-    r"^(\S+ \S+) INFO daemon\.progress: run (\S+): (\w+) step (\d+) \(local \d+\), loss \S+, \d+ samples/s, "
+    r"^(\S+ \S+) INFO peerd\.daemon\.progress: run (\S+): (\w+) step (\d+) \(local \d+\), loss \S+, \d+ samples/s, "
     r"(last round \d+ \w+ \(group \d+\)|no round yet)$",
     re.M,
 )

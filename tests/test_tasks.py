@@ -233,7 +233,7 @@ def test_entry_point_cannot_take_a_builtin_name(monkeypatch):
     "value,message",
     [
         ("no_such_package_xyz.tasks:Task", r"failed to load: ModuleNotFoundError"),
-        (f"{__name__}:NotATask", r"is not a subclass of daemon\.tasks\.Task"),
+        (f"{__name__}:NotATask", r"is not a subclass of peerd\.daemon\.tasks\.Task"),
         (f"{__name__}:Task", r"declares the name None"),
     ],
 )

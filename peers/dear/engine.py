@@ -9,6 +9,10 @@ primitives of peers/collective/halves.py, on an event loop in a thread this back
     ...
     collective.close()                     # queued ops run (or fail) first; the thread is joined
 
+With `loop=` (an event loop running in another thread, such as a daemon's), the engine serves on
+that loop instead of a thread of its own; bench/dear_loop.py measures what either costs the loop's
+other work (docs/dear.md, "One event loop?").
+
 The training thread calls reduce_scatter / all_gather; each op is handed to the loop with
 call_soon_threadsafe and queued there in call order (Halves' FIFO); when it ends, the loop copies
 its `started` / `finished` stamps and error into the handle and sets its `done` event. `timeout`
@@ -65,6 +69,7 @@ class EngineCollective(CollectiveBase):
         events: PeerEvents | None = None,
         transport: Callable[[], Transport] | None = None,
         min_seconds: Callable[[int], float] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ):
         super().__init__()
         self.rank, self.world, self.timeout, self.run_id = rank, world, timeout, run_id
@@ -73,6 +78,8 @@ class EngineCollective(CollectiveBase):
         self._make_transport = transport or (lambda: TcpTransport(host, 0, events=self.events))
         self.address = ""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._host_loop = loop  # a loop running in another thread to serve on, instead of a thread of its own
+        self._served: concurrent.futures.Future | None = None  # _serve on the host loop
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Future | None = None  # set by close(): the loop closes the engine and ends
         self._transport: Transport | None = None
@@ -84,10 +91,13 @@ class EngineCollective(CollectiveBase):
     def start(self) -> str:
         """Start the loop thread and the transport; returns the address the other members dial."""
         ready: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=uvloop.run, args=(self._serve(ready),), name=f"dear-engine-{self.rank}", daemon=True
-        )
-        self._thread.start()
+        if self._host_loop is not None:
+            self._served = asyncio.run_coroutine_threadsafe(self._serve(ready), self._host_loop)
+        else:
+            self._thread = threading.Thread(
+                target=uvloop.run, args=(self._serve(ready),), name=f"dear-engine-{self.rank}", daemon=True
+            )
+            self._thread.start()
         self.address = ready.result(START_TIMEOUT)
         return self.address
 
@@ -105,7 +115,7 @@ class EngineCollective(CollectiveBase):
     def wait(self, handle: Handle) -> None:
         limit = handle.timeout or self.timeout
         while not handle.done.wait(limit):
-            if time.monotonic() - self._progress > limit + STALL_GRACE or not self._thread.is_alive():
+            if time.monotonic() - self._progress > limit + STALL_GRACE or not self._serving():
                 stall = limit + STALL_GRACE
                 raise CollectiveError(
                     f"{handle.kind.value} #{handle.seq}: the engine's loop did nothing for {stall:.0f} s"
@@ -117,15 +127,25 @@ class EngineCollective(CollectiveBase):
         if self._closed:
             return
         self._closed = True
-        if self._thread is None:
+        if self._loop is None:
             return
         try:
             self._loop.call_soon_threadsafe(lambda: self._stop.done() or self._stop.set_result(None))
         except RuntimeError:  # the loop already ended
             pass
+        if self._served is not None:
+            try:
+                self._served.result(self.timeout + JOIN_GRACE)
+            except Exception:
+                logger.warning("dear engine %d did not stop cleanly on its host loop", self.rank, exc_info=True)
+            return
         self._thread.join(self.timeout + JOIN_GRACE)
         if self._thread.is_alive():  # a daemon thread: the process can still exit
             logger.warning("%s did not stop within %.0f s", self._thread.name, self.timeout + JOIN_GRACE)
+
+    def _serving(self) -> bool:
+        """Whether the engine's loop still serves it (its thread alive, or its task on the host loop)."""
+        return not self._served.done() if self._served is not None else self._thread.is_alive()
 
     def _issue(self, handle: Handle) -> None:
         if self._halves is None:
