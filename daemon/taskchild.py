@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from peerd.daemon import SOURCE_ROOT
 from peerd.daemon.attached import AttachedTrainer
 from peerd.daemon.joining import RunRefused
 from peerd.daemon.supervisor import ChildState, Supervisor
@@ -42,7 +43,6 @@ MAX_RESTARTS = 3  # restarts after a failure before the run is FAILED
 # whether it does or not); within the daemon's default 10 s drain, and its DHT goodbyes after.
 CHILD_STOP_GRACE = 5.0
 STATE_FILE = "taskproc.state"  # the child's inner optimizer state, in the run's data dir
-SOURCE_ROOT = Path(__file__).resolve().parent.parent  # the child runs the daemon's own code
 
 
 def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec, ...], dict]:
