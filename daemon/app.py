@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from peerd.daemon import __version__
@@ -423,6 +423,9 @@ class Daemon:
         if not manifest.task:
             handle.trainer = trainer = self._attached_trainer(manifest, membership, average, sync, loop)
             training = RunTraining(trainer)
+        elif self._in_child(manifest):
+            handle.trainer = trainer = await self._task_child(manifest, membership, average, sync, loop)
+            training = RunTraining(trainer)
         else:
             handle.trainer = trainer = self._task_trainer(manifest, membership, average, sync, loop, secret)
             auto = self.config.train.local_group == AUTO
@@ -470,8 +473,52 @@ class Daemon:
         )
         return trainer
 
-    def _attached_trainer(self, manifest, membership, average, sync, loop):
-        """The daemon's half of a run trained by an attached process (docs/your-loop.md)."""
+    def _in_child(self, manifest) -> bool:
+        """Whether this task's run trains in a child process (--train-process): under DiLoCo only,
+        the one algorithm the API of an attached process carries (--local-group is refused with it)."""
+        if not self.config.train.train_process:
+            return False
+        if manifest.averaging.algorithm != "diloco":
+            logger.warning(
+                "run %s: --train-process does not apply to averaging.algorithm=%s (it averages the inner "
+                "optimizer's state, which a child process keeps to itself): it trains in a thread of the daemon",
+                manifest.run_id,
+                manifest.averaging.algorithm,
+            )
+            return False
+        return True
+
+    async def _task_child(self, manifest, membership, average, sync, loop):
+        """The daemon's half of a task's run trained by its child process (daemon/taskchild.py)."""
+        from peerd.daemon.taskchild import TaskChild, child_argv, task_model
+
+        seed = run_setup.init_seed(manifest)
+        layout, identity = await asyncio.to_thread(task_model, manifest, seed)  # builds the model once
+        train = self.config.train
+        argv = child_argv(manifest, self.config.data_dir, train, seed)
+        # Its rounds are waited for, as a script's (SCRIPT_RUN_DEFAULTS): a process lands an overlapped
+        # round only at its next phase's end, a whole phase late, where the thread lands it as soon as
+        # it ends. Every member still applies the same rounds to θ: overlap is each member's own pace.
+        outer = replace(run_setup.outer_settings(manifest.averaging), overlap=False)
+        return self._attached_trainer(
+            manifest,
+            membership,
+            average,
+            sync,
+            loop,
+            TaskChild,
+            layout=layout,
+            identity=identity,
+            argv=argv,
+            outer=outer,
+            max_steps=train.max_steps,
+            ready=lambda: len(membership.table) + 1 >= train.min_peers,
+            ready_timeout=train.min_peers_timeout,
+        )
+
+    def _attached_trainer(self, manifest, membership, average, sync, loop, cls=None, **kwargs):
+        """The daemon's half of a run trained by an attached process (docs/your-loop.md): a script's
+        (AttachedTrainer), or with `cls` and its arguments, the task's child (TaskChild)."""
         from peerd.daemon.attached import AttachedTrainer, remove_stale, shared_directory
         from peerd.daemon.checkpoint import CheckpointStore
 
@@ -491,10 +538,10 @@ class Daemon:
             membership.role = TRAINER if active else IDLE
             self._announce_soon(membership, loop)
 
-        return AttachedTrainer(
+        if cls is None:  # a script's run
+            cls, kwargs = AttachedTrainer, {"layout": manifest.model, "creator": manifest.creator == self.node.peer_id}
+        settings = dict(
             run_id=run_id,
-            layout=manifest.model,
-            creator=manifest.creator == self.node.peer_id,
             store=CheckpointStore(
                 run_dir / "checkpoints",
                 on_corrupt=lambda path, why: self.reject("checkpoint_corrupt"),
@@ -513,6 +560,7 @@ class Daemon:
             on_role=on_role,
             inner_budget=manifest.averaging.inner_budget,
         )
+        return cls(**{**settings, **kwargs})
 
     async def attach(self, run_id: str, pid: int, device: str, layout: tuple, settings: dict[str, str], step: int):
         """A training process attaches to a run this daemon is in (docs/your-loop.md). The first
@@ -520,6 +568,7 @@ class Daemon:
         RunRefused (another model, a task's run, other settings), AttachRefused (one process per
         run per daemon, or no state to start from), RuntimeError when not READY."""
         from peerd.daemon.attached import SCRIPT_RUN_DEFAULTS, AttachedTrainer, AttachRefused
+        from peerd.daemon.taskchild import TaskChild
         from peerd.peers.manifest import check_layout
 
         self._require_ready()
@@ -537,6 +586,8 @@ class Daemon:
                 )
                 await self._train(handle, *resolved)
                 self.data_dir.write_ready(self.ready_info())
+            elif isinstance(handle.trainer, TaskChild):  # a task's run: only its own child attaches
+                handle.trainer.check_child(pid, layout)
             else:
                 run_setup.check_attach(handle.manifest, layout, settings)
         trainer = handle.trainer
@@ -545,8 +596,13 @@ class Daemon:
         return await asyncio.to_thread(trainer.attach, pid, device, step)
 
     def attached_trainers(self) -> list:
-        """The AttachedTrainers of this daemon's runs (daemon/attached.py)."""
-        return [h.trainer for h in self.runs.values() if h.trainer is not None and h.manifest and not h.manifest.task]
+        """The AttachedTrainers of this daemon's runs (daemon/attached.py; a task's child's too)."""
+        trainers = [h.trainer for h in self.runs.values() if h.trainer is not None]
+        if not trainers:
+            return []
+        from peerd.daemon.attached import AttachedTrainer  # loaded already: a trainer exists
+
+        return [t for t in trainers if isinstance(t, AttachedTrainer)]
 
     @staticmethod
     def _announce_soon(membership, loop: asyncio.AbstractEventLoop) -> None:
@@ -660,6 +716,8 @@ class Daemon:
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device
+                if (child := getattr(tr, "child", None)) is not None:  # daemon/taskchild.py
+                    r.train_process_state, r.train_process_restarts = child.state.value, child.restarts
             runs.append(r)
         return control_pb2.StatusResponse(
             state=self.state.value,

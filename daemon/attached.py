@@ -213,6 +213,7 @@ class AttachedTrainer:
         on_role: Callable[[bool], None] = lambda active: None,
         lease_seconds: float = LEASE_SECONDS,
         inner_budget: float = 0.0,
+        identity: dict | None = None,
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
         self.average_every, self.round_timeout, self.checkpoint_every = average_every, round_timeout, checkpoint_every
@@ -225,7 +226,9 @@ class AttachedTrainer:
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
         self.numel = sum(t.numel for t in layout)
-        self._identity = layout_identity(run_id, layout)
+        # What this run's checkpoints hold (daemon/checkpoint.py): a script's model, or a task's (its
+        # own child's, daemon/taskchild.py: the identity the trainer thread's checkpoints have too).
+        self._identity = identity if identity is not None else layout_identity(run_id, layout)
         self._shared = SharedVector(shared_dir, self.numel)
         self._outer = OuterLoop([self._shared.tensor], outer, self._round_in, run_id)
         self._flat = torch.empty(2 * self.numel)  # where downloads land

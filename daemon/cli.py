@@ -30,7 +30,7 @@ from peerd.daemon.tables import columns
 
 logger = logging.getLogger("peerd")
 
-_BOOL_PATHS = {"network.nat_port_map", "network.auto_nat"}
+_BOOL_PATHS = {"network.nat_port_map", "network.auto_nat", "train.train_process"}
 _APPEND_PATHS = {"run", "network.announce", "train.set"}
 _EXTEND_PATHS = {"network.initial_peers"}
 
@@ -268,6 +268,9 @@ def _cmd_status(args) -> int:
                 else "none (peerd.torch.Optimizer attaches one)"
             )
             print(f"{r.run_id}: attached process: {who}")
+        if r.train_process_state:
+            pid = f"pid {r.attached_pid}, " if r.attached_pid else ""
+            print(f"{r.run_id}: training process: {pid}{r.train_process_state}, restarts {r.train_process_restarts}")
         if r.local_group:
             rank = str(r.local_group_rank) if r.local_group_rank >= 0 else "-"
             overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"

@@ -122,8 +122,17 @@ class TrainConfig:
     # Operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none.
     # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
     local_group: str = ""
+    # Train each --task run in a child process of the daemon (python -m peerd.daemon.taskproc, supervised,
+    # attached like a script; docs/your-loop.md) instead of a thread of the daemon. Runs under
+    # averaging.algorithm=state keep the thread; so does every run with a local group (refused here).
+    train_process: bool = False
 
     def __post_init__(self) -> None:
+        if self.train_process and self.local_group:
+            raise ConfigError(
+                "train_process: not with local_group yet: DeAR's hooks on the model live in the daemon's "
+                'trainer thread (docs/your-loop.md, "Not yet")'
+            )
         for item in self.set:
             if "=" not in item or not item.split("=", 1)[0]:
                 raise ConfigError(f"set: {item!r} is not KEY=VALUE")
@@ -298,6 +307,13 @@ OPTIONS: tuple[Option, ...] = (
         "train.local_group",
         "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md)",
         "NAME",
+    ),
+    Option(
+        "train.train_process",
+        "train each --task run in a child process the daemon supervises (restarted at most 3 times), "
+        "attached like a script, not in a thread of the daemon; costs a Python process per run and a "
+        "shared-memory hand-over of the parameters per outer step; runs with averaging.algorithm=state "
+        "keep the thread; not with --local-group",
     ),
 )
 

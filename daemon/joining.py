@@ -406,7 +406,7 @@ def make_trainer(
         task=task,
         hparams=hparams_from_text(task, manifest.hparams),
         # Every peer starts from the same parameters; each sees its own stream of samples.
-        init_seed=seed_from(manifest.run_id, manifest.creator, repr(manifest.created_at)),
+        init_seed=init_seed(manifest),
         peer_seed=seed_from(manifest.run_id, node.peer_id),
         store=CheckpointStore(
             data_dir / "runs" / manifest.run_id / "checkpoints",
@@ -432,6 +432,13 @@ def make_trainer(
         outer=outer_settings(manifest.averaging),
         inner_budget=manifest.averaging.inner_budget if manifest.averaging.algorithm == "diloco" else 0.0,
     )
+
+
+def init_seed(manifest: RunManifest) -> int:
+    """The seed of a task run's first parameters: the same on every peer."""
+    from peerd.daemon.trainer import seed_from
+
+    return seed_from(manifest.run_id, manifest.creator, repr(manifest.created_at))
 
 
 def outer_settings(a: AveragingSettings):

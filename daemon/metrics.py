@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from peerd.daemon.supervisor import ChildState
 from peerd.peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
@@ -152,11 +153,25 @@ class _TrainingCollector(Collector):
             "only for runs trained by scripts.",
             labels=["run"],
         )
+        process_state = GaugeMetricFamily(
+            "peerd_train_process_state",
+            "1 for the current state of the run's training process (--train-process), 0 for the others.",
+            labels=["run", "state"],
+        )
+        restarts = CounterMetricFamily(
+            "peerd_train_process_restarts",
+            "Restarts of the run's training process after it failed (--train-process).",
+            labels=["run"],
+        )
         for r in self.runs():
             if not r.train_state:  # discovery only: nothing trains
                 continue
             if not r.task:
                 attached.add_metric([r.run_id], 1 if r.attached_pid else 0)
+            if r.train_process_state:
+                for child in ChildState:
+                    process_state.add_metric([r.run_id, child.value], 1 if r.train_process_state == child.value else 0)
+                restarts.add_metric([r.run_id], r.train_process_restarts)
             for name in TRAIN_STATES:
                 state.add_metric([r.run_id, name], 1 if r.train_state == name else 0)
             step.add_metric([r.run_id], r.step)
@@ -196,6 +211,8 @@ class _TrainingCollector(Collector):
             compute,
             waited,
             attached,
+            process_state,
+            restarts,
         )
 
 

@@ -1,6 +1,6 @@
 """A child process the daemon starts, reaps and restarts a bounded number of times: the training
-process of a `--task` run (python -m peerd.daemon.taskproc; DESIGN.md, "Processes"). Not wired to
-`--task` runs yet (docs/your-loop.md, "Not yet").
+process of a `--task` run under --train-process (python -m peerd.daemon.taskproc; daemon/taskchild.py;
+DESIGN.md, "Processes").
 
 The child dies with the daemon: it is started with PEERD_PARENT_PID, and die_with_parent() (called
 first thing in the child) asks Linux to kill it when its parent goes (PR_SET_PDEATHSIG), closing
@@ -27,7 +27,7 @@ TAIL_LINES = 20  # lines of the child's stderr kept for the error a failure show
 
 
 class ChildState(Enum):
-    STARTING = "STARTING"  # spawned, not yet exited
+    RUNNING = "RUNNING"  # spawned, not yet exited
     RESTARTING = "RESTARTING"  # it exited with an error; started again after the back-off
     EXITED = "EXITED"  # it exited with status 0: its work is done
     FAILED = "FAILED"  # it failed more often than the bound allows; see `error`
@@ -55,7 +55,7 @@ class Supervisor:
     ):
         self.name, self.argv, self.cwd = name, argv, cwd
         self.max_restarts, self.backoff = max_restarts, backoff
-        self.state = ChildState.STARTING
+        self.state = ChildState.RUNNING
         self.failures = 0
         self.pid = 0
         self.error = ""
@@ -63,6 +63,11 @@ class Supervisor:
         self._proc: asyncio.subprocess.Process | None = None
         self._task: asyncio.Task | None = None
         self._stopping = False
+
+    @property
+    def restarts(self) -> int:
+        """Restarts after a failure so far: every failure but one that ends FAILED."""
+        return self.failures - (self.state is ChildState.FAILED)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"child:{self.name}")
@@ -92,7 +97,7 @@ class Supervisor:
     async def _run(self) -> None:
         delay = self.backoff
         while not self._stopping:
-            self.state = ChildState.STARTING
+            self.state = ChildState.RUNNING
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv,
                 cwd=self.cwd,
@@ -104,7 +109,9 @@ class Supervisor:
             self.pid = self._proc.pid
             logger.info("%s: started (pid %d)", self.name, self.pid)
             async for line in self._proc.stderr:  # until the child closes it: it exits
-                self.tail.append(line.decode(errors="replace").rstrip())
+                text = line.decode(errors="replace").rstrip()
+                self.tail.append(text)
+                logger.info("%s: %s", self.name, text)  # the child's log, in the daemon's
             returncode = await self._proc.wait()
             if self._stopping:
                 return

@@ -4,10 +4,10 @@ supervise for `--task` runs.
 
     python -m peerd.daemon.taskproc --run R --task digits-mlp --daemon DATA_DIR [--set lr=0.01] [--max-steps N]
 
-Today it attaches like any script (the run is a script's run: created by this attach, or joined
-with the model's layout); the daemon does not start it for `--task` runs yet (docs/your-loop.md,
-"Not yet"). What it does is what the daemon's trainer thread (daemon/trainer.py) does for such a
-run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in
+A daemon started with --train-process starts it for its `--task` runs (daemon/taskchild.py), with
+the run's hyper-parameters and seed; started by hand, it attaches like any script (a script's run,
+created by this attach or joined with the model's layout). What it does is what the daemon's
+trainer thread (daemon/trainer.py) does for such a run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in
 the daemon, an evaluation of the run's parameters every `--eval-every` run steps (at a phase's end,
 when the model holds them) reported to the daemon (ReportEval), and the inner optimizer's state
 saved next to the daemon's checkpoints (`--state`), so that a restarted process resumes it.
@@ -65,11 +65,15 @@ def train(args: argparse.Namespace) -> int:
         inner, run=args.run, daemon=args.daemon, model=model, settings={"average_every": args.average_every}
     )
     if args.state is not None and args.state.exists():
+        run_step = opt.run_step
         opt.load_state_dict(torch.load(args.state, weights_only=False))
+        # The run's step is the daemon's, whose checkpoint may be older than this file (a torn newest one).
+        opt.run_step = run_step
         logger.info("run %s: inner optimizer resumed from %s", args.run, args.state)
     # Each daemon its own stream of samples (as the trainer thread), a new one after a restart.
     data = task.data(hparams, seed_from(args.run, str(args.daemon.resolve()), str(opt.run_step)))
     evaluated = saved = phase_step = opt.run_step
+    reported = False  # an evaluation in status from this process (a run resumed at --max-steps has none yet)
     try:
         while not args.max_steps or opt.run_step < args.max_steps:
             batch = next(data)
@@ -83,14 +87,18 @@ def train(args: argparse.Namespace) -> int:
             phase_step = opt.run_step  # a phase ended: the model holds the run's parameters
             if opt.run_step - evaluated >= args.eval_every:
                 report(task, hparams, model, opt)
-                evaluated = opt.run_step
+                evaluated, reported = opt.run_step, True
             if args.state is not None and opt.run_step - saved >= args.checkpoint_every:
                 save_state(opt, args.state)
                 saved = opt.run_step
-        if evaluated != opt.run_step:
+        if evaluated != opt.run_step or not reported:
             report(task, hparams, model, opt)
         if args.state is not None:
             save_state(opt, args.state)
+    except SystemExit:  # SIGTERM (main): the daemon stops the run; its thread would checkpoint too
+        if args.state is not None:
+            save_state(opt, args.state)
+        raise
     finally:
         opt.close()
     return 0

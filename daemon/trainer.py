@@ -311,8 +311,11 @@ class Trainer:
         passed = list(self.store.passed_over)
         if checkpoint is not None:
             try:
-                model.load_state_dict(checkpoint.state["model"])
-                optimizer.load_state_dict(checkpoint.state["optimizer"])
+                # A training process's checkpoint (--train-process, daemon/taskchild.py) holds the outer
+                # state alone: the model takes θ from it in load(), the inner optimizer starts anew.
+                if "model" in checkpoint.state or "outer" not in checkpoint.state:
+                    model.load_state_dict(checkpoint.state["model"])
+                    optimizer.load_state_dict(checkpoint.state["optimizer"])
             except (KeyError, RuntimeError, ValueError) as e:  # a layout check passed, torch disagreed
                 passed.append((checkpoint.path, f"{type(e).__name__}: {str(e)[:200]}"))
                 checkpoint, (model, optimizer) = None, self.task.build(self.hparams, self.init_seed)

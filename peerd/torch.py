@@ -61,7 +61,7 @@ class Optimizer(torch.optim.Optimizer):
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self.params:
             raise ValueError("the optimizer has no parameters")
-        self.layout = _layout(optimizer, model)
+        self.layout = model_layout(optimizer, model)
         self.device = str(self.params[0].device)
         settings = {
             (k if k.startswith("averaging.") else f"averaging.{k}"): str(v) for k, v in (settings or {}).items()
@@ -279,7 +279,8 @@ def unpin(address: int) -> None:
         torch.cuda.cudart().cudaHostUnregister(address)
 
 
-def _layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> list[control_pb2.TensorSpec]:
+def model_layout(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> list[control_pb2.TensorSpec]:
+    """The run's layout of this model: its parameters in the optimizer's order, named by `model`."""
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     specs = []
     for g, group in enumerate(optimizer.param_groups):

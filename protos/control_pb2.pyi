@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "samples", "resumed_from", "synced_from")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "samples", "resumed_from", "synced_from", "train_process_state", "train_process_restarts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,8 @@ class RunStatus(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     SYNCED_FROM_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_PROCESS_STATE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_PROCESS_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: int
     secured: bool
@@ -88,7 +90,9 @@ class RunStatus(_message.Message):
     samples: int
     resumed_from: int
     synced_from: int
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., samples: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ...) -> None: ...
+    train_process_state: str
+    train_process_restarts: int
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., samples: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")

@@ -11,9 +11,14 @@ import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Where a daemon trains its --task runs: a thread of its own (the default), or a child process it
+# supervises (--train-process, daemon/taskchild.py). A test that takes `training` runs with both.
+TRAINING = pytest.mark.parametrize("training", [[], ["--train-process"]], ids=["thread", "process"])
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):

@@ -195,3 +195,12 @@ def test_a_bad_value_is_named_as_the_user_typed_it(tmp_path):
     for kw, message in cases:
         with pytest.raises(ConfigError, match=message):
             load_config(kw.get("cli", {}), config_file=kw.get("config_file"), environ=kw.get("environ", {}))
+
+
+def test_train_process_comes_from_the_variable_and_is_refused_with_a_local_group():
+    assert load_config({}, environ={"PEERD_TRAIN_PROCESS": "true"}).train.train_process is True
+    assert (
+        load_config({"train.train_process": False}, environ={"PEERD_TRAIN_PROCESS": "1"}).train.train_process is False
+    )
+    with pytest.raises(ConfigError, match="train_process: not with local_group yet"):
+        load_config({"train.train_process": True, "train.local_group": "rack1"}, environ={})

@@ -10,7 +10,7 @@ import pytest
 
 from peerd.daemon.client import ControlClient
 from peerd.daemon.tasks import get_task, train_single_process
-from tests.helpers import scrape, wait_for
+from tests.helpers import TRAINING, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -23,10 +23,11 @@ def status(d, run: str):
         return next(r for r in c.status().runs if r.run_id == run)
 
 
-def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn):
+@TRAINING
+def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn, training):
     steps, every, batch = 600, 50, 32  # the default H
     create = ["--task", "digits-mlp", "--set", "optimizer=sgd", "--set", "lr=0.05"]
-    args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
+    args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY, *training]
     a = spawn("dl-a", [*args, *create])
     others = [spawn(f"dl-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]
     for d in others:

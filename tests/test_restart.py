@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from peerd.daemon.client import ControlClient
-from tests.helpers import peerd, scrape, wait_for
+from tests.helpers import TRAINING, peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,9 @@ def steps_until(d, run: str, step: int) -> list[int]:
     return seen
 
 
-def test_the_only_peer_resumes_where_it_stopped(spawn):
-    d = spawn("solo", ["--run", "solo", *TRAIN])
+@TRAINING
+def test_the_only_peer_resumes_where_it_stopped(spawn, training):
+    d = spawn("solo", ["--run", "solo", *TRAIN, *training])
     wait_for(lambda: run_status(d, "solo").step >= 50, timeout=60, what="50 steps")
     assert d.stop() == 0
     stopped = newest_step(d, "solo")  # the checkpoint written as it stopped
@@ -69,8 +70,9 @@ def test_the_only_peer_resumes_where_it_stopped(spawn):
     assert d.stop() == 0
 
 
-def test_a_killed_peer_resumes_from_its_last_checkpoint_and_leftover_temp_files_go(spawn):
-    d = spawn("killed", ["--run", "killed", *TRAIN])
+@TRAINING
+def test_a_killed_peer_resumes_from_its_last_checkpoint_and_leftover_temp_files_go(spawn, training):
+    d = spawn("killed", ["--run", "killed", *TRAIN, *training])
     wait_for(lambda: run_status(d, "killed").step >= 200, timeout=60, what="200 steps")
     d.kill_group()  # a checkpoint every 10 steps: mid-write or just after one
     directory = d.data_dir / "runs" / "killed" / "checkpoints"

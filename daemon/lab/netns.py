@@ -41,6 +41,8 @@ from pathlib import Path
 
 import psutil
 
+from peerd.daemon import SOURCE_ROOT
+
 PREFIX = "pdlab-"
 LAB_ID = re.compile(r"pdlab-([0-9a-f]{4})(?![0-9a-f])")
 CMD_TIMEOUT = 20.0  # seconds for one ip/tc/nft/sysctl command
@@ -53,7 +55,6 @@ DELAY_DEV = "dl0"  # the delay line's TUN device in a host's namespace
 DELAY_TABLE = 77  # routing table of a delayed host: the lab subnet through DELAY_DEV
 DELAY_READY_TIMEOUT = 10.0  # seconds for a delay line to open its TUN device
 RTT_PORT = 9  # closed on every host: a connect() to it is answered by an RST, one round trip
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 class LabError(RuntimeError):
@@ -282,7 +283,12 @@ class Network:
             ]
             # Own session: a Ctrl-C of the lab does not reach it; destroy() kills it with the namespace.
             self.delay_lines[h.name] = proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=_ROOT
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=SOURCE_ROOT,
             )
         try:
             _wait_for_file(

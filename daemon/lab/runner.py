@@ -25,6 +25,7 @@ from typing import Callable
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from peerd.daemon import SOURCE_ROOT
 from peerd.daemon.client import ControlClient
 from peerd.daemon.lab.netns import Host, Network
 from peerd.daemon.lab.scenario import Fault, Scenario
@@ -130,11 +131,8 @@ def spawn_in(host: Host, data_dir: Path, args: list[str]) -> LocalDaemon:
     ]
     with open(d.log_path, "ab") as log:
         # Own session: the daemon and its p2pd are one process group, frozen and killed together.
-        d.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=_ROOT)
+        d.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=SOURCE_ROOT)
     return d
-
-
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Collector:

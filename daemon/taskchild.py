@@ -1,0 +1,162 @@
+"""The daemon's half of a `--task` run trained by a child process (--train-process; DESIGN.md,
+"Processes"): `python -m peerd.daemon.taskproc` trains the task as a client of peerd.torch.Optimizer, and
+this daemon starts it, reaps it and restarts it a bounded number of times (daemon/supervisor.py).
+
+The child attaches like a script (daemon/attached.py: the outer state, rounds, checkpoints and the
+state peers download stay here), except that:
+- its model is the task's, built from the run's manifest: the daemon builds it once to know its
+  layout, and accepts an attach only from its own child with exactly that layout;
+- its rounds are waited for, whatever the run's averaging.overlap (as a script's: a process lands
+  an overlapped round only at its next phase's end, a whole phase late; the daemon passes `outer`);
+- every daemon of the run may start it from the manifest's seed (the parameters the trainer thread
+  would start from), so a joiner with no peer to download from is not refused;
+- checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one the
+  trainer thread writes: a restart that switches --train-process on or off resumes the run (the
+  child's hold the outer state alone; the thread then starts its inner optimizer anew).
+
+The inner optimizer's state is the child's, in the run's data dir (STATE_FILE). Status: the child's
+state and restarts (RunStatus.train_process_*); a child that failed more often than the bound makes
+the run FAILED, with its last line of stderr, and the daemon's health NOT_SERVING.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from peerd.daemon import SOURCE_ROOT
+from peerd.daemon.attached import AttachedTrainer
+from peerd.daemon.joining import RunRefused
+from peerd.daemon.supervisor import ChildState, Supervisor
+from peerd.daemon.trainer import TrainState
+from peerd.peers.manifest import RunManifest, TensorSpec, layout_mismatch
+
+logger = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3  # restarts after a failure before the run is FAILED
+# Seconds the child has after SIGTERM: it saves its inner state and detaches (the daemon checkpoints
+# whether it does or not); within the daemon's default 10 s drain, and its DHT goodbyes after.
+CHILD_STOP_GRACE = 5.0
+STATE_FILE = "taskproc.state"  # the child's inner optimizer state, in the run's data dir
+
+
+def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec, ...], dict]:
+    """The layout of the run's task's model as the child's Optimizer sends it, and the identity of
+    the run's checkpoints (the trainer thread's). Builds the model once (blocking)."""
+    from peerd.daemon.checkpoint import identity_of
+    from peerd.daemon.joining import hparams_from_text
+    from peerd.daemon.tasks import get_task
+    from peerd.torch import model_layout
+
+    task = get_task(manifest.task)
+    hparams = hparams_from_text(task, manifest.hparams)
+    model, optimizer = task.build(hparams, init_seed)
+    layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in model_layout(optimizer, model))
+    text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
+    return layout, identity_of(manifest.run_id, task.name, text, model)
+
+
+def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> list[str]:
+    """The child's command line: the run's task, hyper-parameters and seed, this daemon's limits."""
+    argv = [sys.executable, "-m", "peerd.daemon.taskproc", "--run", manifest.run_id, "--task", manifest.task]
+    argv += ["--daemon", str(data_dir), "--seed", str(init_seed)]
+    argv += ["--average-every", str(manifest.averaging.average_every), "--max-steps", str(train.max_steps)]
+    argv += ["--eval-every", str(train.eval_every), "--checkpoint-every", str(train.checkpoint_every)]
+    argv += ["--torch-threads", str(train.torch_threads)]
+    argv += ["--state", str(data_dir / "runs" / manifest.run_id / STATE_FILE)]
+    for key, value in sorted(manifest.hparams.items()):
+        argv += ["--set", f"{key}={value}"]
+    return argv
+
+
+class TaskChild(AttachedTrainer):
+    """An AttachedTrainer whose process is this daemon's child. `state` and `error` add the child's
+    to the attachment's: LOADING until it attaches (and while it restarts), FINISHED once it exited
+    at --max-steps, FAILED once it failed more often than `max_restarts` allows."""
+
+    def __init__(
+        self,
+        *,
+        argv: list[str],
+        max_steps: int,
+        ready: Callable[[], bool] = lambda: True,
+        ready_timeout: float = 0.0,
+        max_restarts: int = MAX_RESTARTS,
+        **attached,
+    ):
+        self.max_steps = max_steps
+        self.ready, self.ready_timeout = ready, ready_timeout  # --min-peers, as the thread waits for them
+        self._starter: asyncio.Task | None = None
+        self.child = Supervisor(
+            f"run {attached['run_id']}: training process", argv, cwd=SOURCE_ROOT, max_restarts=max_restarts
+        )
+        super().__init__(creator=True, **attached)  # every daemon derives the run's first parameters alike
+
+    @property
+    def state(self) -> TrainState:
+        child = self.child.state
+        if child is ChildState.FAILED:
+            return TrainState.FAILED
+        if child is ChildState.EXITED:
+            done = self.max_steps and self.global_step >= self.max_steps
+            return TrainState.FINISHED if done else TrainState.STOPPED
+        if self._state is TrainState.STOPPED and child in (ChildState.RUNNING, ChildState.RESTARTING):
+            return TrainState.LOADING  # the child starts (again) and has not attached yet
+        return self._state
+
+    @state.setter
+    def state(self, value: TrainState) -> None:
+        self._state = value
+
+    @property
+    def error(self) -> str:
+        if self.child.state in (ChildState.FAILED, ChildState.RESTARTING):
+            return f"training process {self.child.error}"
+        return self._error
+
+    @error.setter
+    def error(self, value: str) -> None:
+        self._error = value
+
+    def start(self) -> None:
+        """Watch the lease and start the child once `ready` (on the daemon's loop)."""
+        super().start()
+        self._starter = self._loop.create_task(self._start_child(), name=f"start-child:{self.run_id}")
+
+    async def _start_child(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while not self.ready() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        self.child.start()
+
+    async def _stop_child(self) -> None:
+        if self._starter is not None:
+            self._starter.cancel()  # no start after the stop
+            await asyncio.gather(self._starter, return_exceptions=True)
+        await self.child.stop(CHILD_STOP_GRACE)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the child (SIGTERM, SIGKILL after CHILD_STOP_GRACE), then the attachment. Blocking:
+        from a worker thread, as the daemon stops its trainers."""
+        if self._loop is not None and not self._loop.is_closed():
+            future = asyncio.run_coroutine_threadsafe(self._stop_child(), self._loop)
+            try:
+                future.result(CHILD_STOP_GRACE + 5.0)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                logger.error("run %s: the training process was not reaped in time", self.run_id)
+        super().stop(timeout)
+
+    def check_child(self, pid: int, layout: tuple[TensorSpec, ...]) -> None:
+        """Refuse (RunRefused) an attach that is not this daemon's child with the task's model."""
+        if pid != self.child.pid:
+            raise RunRefused(
+                f"run {self.run_id!r} trains task {self._identity['task']!r} in a process of its daemon "
+                f"(pid {self.child.pid}); a script attaches to a run created by a script (another run ID)"
+            )
+        if why := layout_mismatch(self.layout, layout):
+            raise RunRefused(f"the training process's model does not match the task's: {why}")
