@@ -29,8 +29,18 @@ drops (nothing returns) fails, a lossy path (even 20 % each way, 64 % back) pass
 loss-tolerant engine is made for it. One failed measurement does not fail a path that passed
 (FAIL_AFTER in a row do: a peer whose loop was busy for all of ECHO_WAIT answers late, and its
 rounds would leave datagrams for a while for nothing), and a failed one is repeated soon
-(`due`: RETRY_AFTER, doubling) rather than at the usual interval. `LinkStats` keeps the latest measurement and a running loss
-(an exponential average over measurements) for status and for the local-group rule.
+(`due`: RETRY_AFTER, doubling) rather than at the usual interval. `LinkStats` keeps the latest
+measurement and a running loss (an exponential average over measurements) for status and for the
+local-group rule.
+
+**A busy loop is not a lossy link.** An echo waiting in this host's socket when the wait ends is
+an answer, even if this loop was too busy to read it before the deadline: the socket is read once
+more before the count (and after a train). An echo the peer sent late (its loop was busy through
+ECHO_WAIT) still answers its measurement when it comes, until the next measurement of that peer
+starts: the peer's LinkStats is judged again in place (RTT net of the hold, loss, passes), while
+`peerd_link_probes_total` keeps what the measurement counted when it ended. Without either, a
+loaded machine's first measurements read up to 100 % loss, and the running loss kept a pair of
+its daemons out of a local group (LocalGroupRules.max_loss) for minutes.
 
 **Bandwidth** (`measure_bandwidth`, only for `--local-group auto`): packet trains of TRAIN_COUNT
 datagrams of TRAIN_SIZE bytes sent back to back; the answering side echoes each with a 40-byte
@@ -76,6 +86,7 @@ the queue's drain goes unseen). Limits:
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import socket
 import statistics
@@ -111,6 +122,7 @@ ROOM_WAIT = 0.0005  # seconds between two tries to send a train datagram while t
 LINK_SPREAD = 1.2  # receive spread / send spread of a window above which the link set its pace
 SOCKET_BUFFER = 1 << 20  # bytes of receive and send buffer asked for: a whole train while a loop is busy
 READ_BATCH = 512  # datagrams read per wake-up at most, so one flood cannot starve the loop
+DRAIN_BATCHES = 4  # READ_BATCHes read at most when a measurement's wait ends (LinkProber._drain)
 MAX_REPORTS = 64  # link reports in one member record (peers/records.py MAX_LINKS)
 REPORT_MAX_AGE = 60.0  # seconds after which a measurement is no longer reported (LocalGroupRules.max_age)
 # SO_TIMESTAMPNS: the kernel's receive time of every datagram (Linux; Python names it only in 3.13+).
@@ -133,6 +145,18 @@ class LinkStats:
     bandwidth: float = 0.0  # bytes per second, the latest train measurement (0: none, or unmeasurable)
     bandwidth_at: float = float("-inf")  # time.monotonic() of that measurement
     bandwidth_link_bound: bool = False  # the link spread that measurement's median train (else this host set its pace)
+
+
+def _judge(stats: LinkStats, old: LinkStats | None, rtts: Mapping[int, float], count: int) -> None:
+    """Set what a measurement of `count` probes with echoes `rtts` (seq -> RTT) says, after `old`
+    (the peer's measurement before it, or None): RTT, loss, running loss, passes, failures."""
+    same = old is not None and old.address == stats.address
+    stats.last_loss = 1 - len(rtts) / count
+    stats.loss = stats.last_loss if old is None else (1 - LOSS_SMOOTHING) * old.loss + LOSS_SMOOTHING * stats.last_loss
+    stats.rtt = statistics.median(rtts.values()) if rtts else math.nan
+    passed = len(rtts) >= PASS_SHARE * count
+    stats.failures = 0 if passed else (old.failures + 1 if same else 1)
+    stats.passes = passed or (same and old.passes and stats.failures < FAIL_AFTER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +193,10 @@ class LinkProber:
         # nonce -> (addr, the echo kind expected, sent, answers): ECHO: seq -> time.time_ns() sent,
         # seq -> RTT in s; TRAIN_ECHO: seq -> 0, seq -> the peer's receive time in ns
         self._pending: dict[bytes, tuple[tuple, int, dict[int, int], dict[int, float]]] = {}
+        # A measurement that ended with echoes missing stays open until the peer's next one: peer ID ->
+        # (nonce, its LinkStats, the one before, seq -> RTT, probes sent); nonce -> peer ID
+        self._open: dict[str, tuple[bytes, LinkStats, LinkStats | None, dict[int, float], int]] = {}
+        self._late: dict[bytes, str] = {}
         self._tokens, self._stamp = echo_rate, time.monotonic()
 
     async def start(self) -> str:
@@ -220,6 +248,7 @@ class LinkProber:
         that is not host:port."""
         addr = await self._resolve(address)
         loop = asyncio.get_running_loop()
+        self._settle(peer_id)  # the previous measurement's echoes stop counting
         nonce = os.urandom(8)
         sent: dict[int, int] = {}
         rtts: dict[int, float] = {}
@@ -233,34 +262,40 @@ class LinkProber:
             deadline = loop.time() + wait
             while len(rtts) < count and loop.time() < deadline:
                 await asyncio.sleep(min(0.01, max(deadline - loop.time(), 0.0)))
-        finally:
+            self._drain()  # echoes already here are answers, however late this loop got to them
+        except BaseException:
             del self._pending[nonce]
+            raise
         answered = len(rtts)
         self.events.link_probes(answered, count - answered)
-        last_loss = 1 - answered / count
         old = self.stats.get(peer_id)
-        loss = last_loss if old is None else (1 - LOSS_SMOOTHING) * old.loss + LOSS_SMOOTHING * last_loss
-        rtt = statistics.median(rtts.values()) if rtts else float("nan")
-        if rtts:
-            self.events.link_rtt(rtt)
-        passed = answered >= PASS_SHARE * count
-        failures = 0 if passed else (old.failures + 1 if old is not None and old.address == address else 1)
-        held = old is not None and old.address == address and old.passes and failures < FAIL_AFTER
-        stats = LinkStats(
-            address,
-            rtt,
-            loss,
-            last_loss,
-            passed or held,
-            time.monotonic(),
-            (old.measurements + 1) if old else 1,
-            failures,
-        )
+        stats = LinkStats(address, math.nan, 0.0, 0.0, False, time.monotonic(), (old.measurements + 1) if old else 1)
         if old is not None and old.address == address:
             stats.bandwidth, stats.bandwidth_at = old.bandwidth, old.bandwidth_at
             stats.bandwidth_link_bound = old.bandwidth_link_bound
+        _judge(stats, old, rtts, count)
+        if rtts:
+            self.events.link_rtt(stats.rtt)
         self.stats[peer_id] = stats
+        if answered < count:  # echoes still on their way (a busy peer) answer this measurement when they come
+            self._late[nonce] = peer_id
+            self._open[peer_id] = (nonce, stats, old, rtts, count)
+        else:
+            del self._pending[nonce]
         return stats
+
+    def _settle(self, peer_id: str) -> None:
+        """The latest measurement of peer_id takes no more late echoes."""
+        if (entry := self._open.pop(peer_id, None)) is not None:
+            del self._pending[entry[0]], self._late[entry[0]]
+
+    def _answered_late(self, nonce: bytes) -> None:
+        """An echo of a measurement that had ended arrived: judge that measurement again, in place
+        (its time, count and bandwidth stay), if it is still the peer's latest."""
+        peer_id = self._late[nonce]
+        _, stats, old, rtts, count = self._open[peer_id]
+        if self.stats.get(peer_id) is stats:
+            _judge(stats, old, rtts, count)
 
     async def measure_bandwidth(
         self,
@@ -322,6 +357,7 @@ class LinkProber:
             deadline = loop.time() + wait
             while len(received) < len(expected) and loop.time() < deadline:
                 await asyncio.sleep(min(0.005, max(deadline - loop.time(), 0.0)))
+            self._drain()
         finally:
             del self._pending[nonce]
         rate = train_rate(sent, received, pauses)
@@ -355,6 +391,7 @@ class LinkProber:
         """Drop the stats of peers not in `keep` (they left every run)."""
         for peer_id in [p for p in self.stats if p not in keep]:
             del self.stats[peer_id]
+            self._settle(peer_id)
 
     async def _resolve(self, address: str) -> tuple:
         host, sep, port = address.rpartition(":")
@@ -378,15 +415,26 @@ class LinkProber:
             pass
         return True
 
-    def _readable(self) -> None:
-        ancillary = socket.CMSG_SPACE(_TIMESPEC.size) if self._kernel_time else 0
-        for _ in range(READ_BATCH):
-            if self._sock is None:
+    def _drain(self) -> None:
+        """Read what waits in the socket now, before a measurement decides what was lost: a wait that
+        ends after a stall of this loop (a callback that ran long, the CPU busy elsewhere) finds its
+        deadline passed before the reader's turn comes, and echoes that did arrive in time would
+        count as lost (and the running loss remembers them for minutes: LOSS_SMOOTHING). At most
+        DRAIN_BATCHES reads of READ_BATCH, so a flood still cannot hold the loop."""
+        for _ in range(DRAIN_BATCHES):
+            if self._readable() < READ_BATCH:
                 return
+
+    def _readable(self) -> int:
+        """Read up to READ_BATCH datagrams; returns how many were read (READ_BATCH: more may wait)."""
+        ancillary = socket.CMSG_SPACE(_TIMESPEC.size) if self._kernel_time else 0
+        for n in range(READ_BATCH):
+            if self._sock is None:
+                return n
             try:
                 data, cmsgs, _flags, addr = self._sock.recvmsg(TRAIN_SIZE + 1, ancillary)
             except (BlockingIOError, InterruptedError):
-                return
+                return n
             except OSError:  # e.g. ICMP port unreachable for an earlier probe: that probe is lost
                 continue
             at = None
@@ -395,6 +443,7 @@ class LinkProber:
                     sec, nsec = _TIMESPEC.unpack_from(payload)
                     at = sec * 1_000_000_000 + nsec
             self._received(data, addr, time.time_ns() if at is None else at)
+        return READ_BATCH
 
     def _received(self, data: bytes, addr, at: int) -> None:
         """One datagram that arrived at `at` (time.time_ns() clock, from the kernel when it can)."""
@@ -433,6 +482,8 @@ class LinkProber:
             return
         raw = at - pending[2][seq]
         pending[3][seq] = (raw - extra if extra <= raw else raw) / 1e9  # a hold beyond the round trip is ignored
+        if nonce in self._late:
+            self._answered_late(nonce)
 
     def _take_token(self) -> bool:
         now = time.monotonic()

@@ -99,6 +99,60 @@ def test_a_path_that_passed_survives_one_failed_measurement_and_a_failed_one_is_
     asyncio.run(main())
 
 
+def test_echoes_this_loop_was_too_busy_to_read_in_time_are_answers_not_loss():
+    """The measuring loop stalls through the whole wait (its reader never gets a turn, as when a
+    long callback runs just before the wait's last wake-up): the echoes wait in its socket, and
+    count. Counted as lost, they kept a pair of a loaded machine's daemons out of a local group
+    for minutes (the running loss forgets 5 % per probe slowly; LocalGroupRules.max_loss is 0.1 %).
+    A train's echoes are read the same way."""
+
+    async def main():
+        events, rejected, probes = _counting()
+        a, b = LinkProber(events=events), LinkProber(events=events)
+        await a.start(), await b.start()
+        loop = asyncio.get_running_loop()
+        try:
+            loop.remove_reader(a._sock.fileno())  # a's loop reads nothing until the wait is over
+            stats = await a.measure("b", b.address, wait=0.2)
+            assert stats.last_loss == 0 and stats.loss == 0 and stats.passes and 0 < stats.rtt < 0.1, stats
+            assert await a.measure_bandwidth("b", b.address, trains=1, most=1, wait=0.2) > 0
+            assert probes == {"answered": PROBE_COUNT, "lost": 0} and not rejected, (probes, rejected)
+        finally:
+            a.close(), b.close()
+
+    asyncio.run(main())
+
+
+def test_echoes_of_a_peer_busy_beyond_the_wait_answer_the_measurement_when_they_come():
+    """The peer's loop stalls through the whole wait (it reads the probes only afterwards): the
+    measurement ends with every probe lost, and the echoes, when they come, answer it after all
+    (the same LinkStats, judged again) until the peer's next measurement starts."""
+
+    async def main():
+        events, rejected, probes = _counting()
+        a, b = LinkProber(events=events), LinkProber(events=events)
+        await a.start(), await b.start()
+        loop = asyncio.get_running_loop()
+        try:
+            first = await a.measure("b", b.address, wait=0.2)
+            assert first.passes and first.loss == 0
+            loop.remove_reader(b._sock.fileno())  # b's loop reads nothing through the wait
+            stats = await a.measure("b", b.address, wait=0.2)
+            assert stats.last_loss == 1 and stats.failures == 1 and a.stats["b"] is stats, stats
+            loop.add_reader(b._sock.fileno(), b._readable)
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if stats.last_loss == 0:
+                    break
+            assert stats.last_loss == 0 and stats.loss == 0 and stats.failures == 0 and stats.passes, stats
+            assert 0 < stats.rtt < 0.1 and stats.measurements == 2, stats  # b's hold is not the link's
+            assert not rejected, rejected
+        finally:
+            a.close(), b.close()
+
+    asyncio.run(main())
+
+
 def test_a_lossy_link_still_passes_and_its_loss_is_measured():
     """The answering side drops every second probe (as a path losing half of them would): the link
     passes (the loss-tolerant engine is made for it) and the loss reads 50 %."""
