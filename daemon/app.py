@@ -381,7 +381,9 @@ class Daemon:
         """Set up the run's rounds, state serving and trainer: the task's (daemon/trainer.py), or for a
         run trained by scripts, the attached half (daemon/attached.py) that waits for a process."""
         # Imported here, as the trainer is (daemon/joining.py): the averager imports torch, which a
-        # daemon whose runs are discovery only never loads.
+        # daemon whose runs are discovery only never loads; in a worker thread first (preload), so
+        # that the loop does not stop for the seconds torch takes to import.
+        await asyncio.to_thread(run_setup.preload, manifest.task)
         from peerd.peers.averaging import MoshpitAverager
 
         run_id, secret = handle.run_id, handle.secret

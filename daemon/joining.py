@@ -7,6 +7,8 @@ training). Code is never loaded from the network: a manifest only names an insta
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import concurrent.futures
 import logging
 import typing
@@ -200,6 +202,19 @@ def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSett
         raise RunRefused(f"averaging: {e}") from None
 
 
+def preload(task: str) -> None:
+    """Import what training a run needs: torch, the averager, the trainer and the task's module.
+    Seconds on a busy machine (1.3 s of the loop's time at a load of 2 when a `--task` run started,
+    3.4 s seen under load), so the daemon runs this in a worker thread (asyncio.to_thread) before
+    it resolves or trains a run, not on its event loop, where heartbeats, probe echoes and control
+    calls would wait. A task that cannot be loaded is left for resolve() to refuse, with its reason."""
+    importlib.import_module("peerd.daemon.trainer")
+    importlib.import_module("peerd.peers.averaging")
+    if task:
+        with contextlib.suppress(RunRefused):
+            _installed(task)
+
+
 def _installed(name: str) -> Task:
     from peerd.daemon.tasks import TaskLoadError, TaskNotFound, get_task
 
@@ -324,11 +339,14 @@ async def resolve(
         found = await manifests.fetch(node, run_id, secret, on_rejected)
     except manifests.InvalidManifests as e:
         raise RunRefused(str(e)) from None
+    kept = _stored(path, run_id, secret) if found is None else None
+    known = found or kept
+    if task := task_name or (known[0].task if known else ""):
+        await asyncio.to_thread(preload, task)  # torch and the task's module, off the event loop
     if found is not None:
         _check_asked(found[0], task_name, settings, "", model)
         _keep(path, found[1])
         return found
-    kept = _stored(path, run_id, secret)
     if kept is not None:
         manifest, data = kept
         _check_asked(manifest, task_name, settings, f" (kept in {path}; delete it to create the run anew)", model)
