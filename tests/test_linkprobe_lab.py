@@ -20,6 +20,7 @@ import sys
 
 import pytest
 
+from peerd.daemon import SOURCE_ROOT
 from peerd.daemon.lab import netns
 from peerd.peers.dear.localgroup import LocalGroupRules
 
@@ -88,7 +89,7 @@ def test_a_tbf_limited_host_measures_below_the_threshold_and_unshaped_hosts_abov
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
-                    cwd=netns._ROOT,
+                    cwd=SOURCE_ROOT,
                 )
             )
         for p in procs:  # every prober answers before any measures
