@@ -515,6 +515,7 @@ class Daemon:
             outer=outer,
             max_steps=train.max_steps,
             ready=lambda: len(membership.table) + 1 >= train.min_peers,
+            trainers_ready=lambda: sum(e.role != IDLE for e in membership.peers()) + 1 >= train.min_peers,
             ready_timeout=train.min_peers_timeout,
         )
 

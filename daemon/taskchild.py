@@ -39,6 +39,7 @@ from peerd.peers.manifest import RunManifest, TensorSpec, layout_mismatch
 logger = logging.getLogger(__name__)
 
 MAX_RESTARTS = 3  # restarts after a failure before the run is FAILED
+TRAINERS_POLL = 0.2  # seconds between two looks at the peers' roles while a first attach waits
 # Seconds the child has after SIGTERM: it saves its inner state and detaches (the daemon checkpoints
 # whether it does or not); within the daemon's default 10 s drain, and its DHT goodbyes after.
 CHILD_STOP_GRACE = 5.0
@@ -85,12 +86,15 @@ class TaskChild(AttachedTrainer):
         argv: list[str],
         max_steps: int,
         ready: Callable[[], bool] = lambda: True,
+        trainers_ready: Callable[[], bool] = lambda: True,
         ready_timeout: float = 0.0,
         max_restarts: int = MAX_RESTARTS,
         **attached,
     ):
         self.max_steps = max_steps
-        self.ready, self.ready_timeout = ready, ready_timeout  # --min-peers, as the thread waits for them
+        # --min-peers, as the thread waits for them: daemons before the child starts (`ready`), and
+        # daemons with a training process before its first attach goes on (`trainers_ready`).
+        self.ready, self.trainers_ready, self.ready_timeout = ready, trainers_ready, ready_timeout
         self._starter: asyncio.Task | None = None
         self.child = Supervisor(
             f"run {attached['run_id']}: training process", argv, cwd=SOURCE_ROOT, max_restarts=max_restarts
@@ -150,6 +154,24 @@ class TaskChild(AttachedTrainer):
             except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
                 logger.error("run %s: the training process was not reaped in time", self.run_id)
         super().stop(timeout)
+
+    def attach(self, pid: int, device: str, step: int):
+        """As a script's attach, except that the first one (no state yet) waits, announced as
+        training, until --min-peers daemons of the run announce a training process (at most
+        --min-peers-timeout): the thread's trainers start together once the peers are there, and
+        children that start seconds apart (imports, a loaded machine) would train out of step, the
+        first alone to --max-steps with every round no_group. Blocking, from a worker thread."""
+        if not self._has_state and not self.trainers_ready():
+            self.on_role(True)  # the others' children wait for this one too
+            logger.info("run %s: the training process waits for --min-peers daemons training", self.run_id)
+            deadline = time.monotonic() + self.ready_timeout
+            while not self.trainers_ready() and time.monotonic() < deadline:
+                time.sleep(TRAINERS_POLL)
+        try:
+            return super().attach(pid, device, step)
+        except BaseException:
+            self.on_role(self.session is not None)
+            raise
 
     def check_child(self, pid: int, layout: tuple[TensorSpec, ...]) -> None:
         """Refuse (RunRefused) an attach that is not this daemon's child with the task's model."""

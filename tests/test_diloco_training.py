@@ -10,7 +10,7 @@ import pytest
 
 from peerd.daemon.client import ControlClient
 from peerd.daemon.tasks import get_task, train_single_process
-from tests.helpers import scrape, wait_for
+from tests.helpers import TRAINING, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -23,18 +23,7 @@ def status(d, run: str):
         return next(r for r in c.status().runs if r.run_id == run)
 
 
-# The child (--train-process) passes this on a quiet machine (0.9722 / 0.9667, every round completed)
-# and failed it in a loaded CI run: no round completed on one daemon ("no_group"). Children that start
-# seconds apart train out of step, and a child's daemon neither waits for its mates nor catches up
-# (docs/your-loop.md, "Not yet"). Skipped, not loosened, until the child aligns.
-CHILD_OUT_OF_STEP = "the child path's rounds find no group when children start seconds apart (docs/your-loop.md)"
-
-
-@pytest.mark.parametrize(
-    "training",
-    [[], pytest.param(["--train-process"], marks=pytest.mark.skip(reason=CHILD_OUT_OF_STEP))],
-    ids=["thread", "process"],
-)
+@TRAINING
 def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn, training):
     steps, every, batch = 600, 50, 32  # the default H
     create = ["--task", "digits-mlp", "--set", "optimizer=sgd", "--set", "lr=0.05"]
