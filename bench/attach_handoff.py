@@ -190,8 +190,8 @@ def daemon_side(params: int, phases: int, directory: str, conn) -> None:
         shared.close()
 
 
-def run_daemon_side(params: int, phases: int, timeout: float = DAEMON_SIDE_TIMEOUT) -> tuple[dict, float]:
-    """(b): returns the second process's timings and peak RSS (MiB). Bounded by `timeout`; the
+def run_daemon_side(params: int, phases: int, timeout: float = DAEMON_SIDE_TIMEOUT) -> tuple[dict, float, int]:
+    """(b): returns the second process's timings, peak RSS (MiB) and pid. Bounded by `timeout`; the
     process and its shared file are removed whatever happens."""
     context = multiprocessing.get_context("spawn")  # a fresh process, as the daemon's
     ours, theirs = context.Pipe()
@@ -210,7 +210,7 @@ def run_daemon_side(params: int, phases: int, timeout: float = DAEMON_SIDE_TIMEO
                 path = Path(message[1])
             else:
                 done = True
-                return message[1], message[2]
+                return message[1], message[2], proc.pid
     except EOFError:
         raise RuntimeError(f"the daemon's side exited with {proc.exitcode} before reporting") from None
     finally:
@@ -296,7 +296,7 @@ def measure(args, base: Path) -> list[dict]:
     }
 
     progress(BENCH, f"(b) the daemon's side: OuterLoop over a SharedVector of {numel:,} values in a second process")
-    daemon, daemon_peak = run_daemon_side(args.params, args.repeats + 1)
+    daemon, daemon_peak, side_pid = run_daemon_side(args.params, args.repeats + 1)
     daemon = {k: v[1:] for k, v in daemon.items()}  # the first phase is a warm-up
 
     progress(BENCH, f"(a) the script's side: a real daemon, an attached Optimizer, {args.repeats} phases")
@@ -306,6 +306,7 @@ def measure(args, base: Path) -> list[dict]:
     # the 148 tensors cost apart from the shared memory.
     private: dict[str, list[tuple[float, int]]] = {"write": [], "read": []}
     attached = Attached(base, args.params)
+    shared_file_pids = [side_pid, attached.daemon.pid]  # its shared files are named peerd-PID-*
     try:
         first_write = attached.opt.timings["write"][0]  # the attach's upload: the first touch of the mapping
         a, b = torch.empty(numel), torch.ones(numel)
@@ -427,6 +428,7 @@ def measure(args, base: Path) -> list[dict]:
             baseline_gb_per_s=round(COPIES * gb / baseline, 2),
             target=TARGET,
             meets_target=ours / baseline <= TARGET,
+            shared_file_pids=shared_file_pids,
             note="one hand-over, script -> daemon -> script: the sum of the four copies' medians above; "
             "baseline: the sum of their baselines, four Tensor.copy_ of the same bytes (two in this "
             "process, two in the daemon's side's)",
