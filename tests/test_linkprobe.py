@@ -117,7 +117,8 @@ def test_echoes_this_loop_was_too_busy_to_read_in_time_are_answers_not_loss():
             # a 0.2 s wait left a CI run's train unechoed (bandwidth 0). The RTT is the kernel's.
             stats = await a.measure("b", b.address, wait=1.0)
             assert stats.last_loss == 0 and stats.loss == 0 and stats.passes and 0 < stats.rtt < 0.1, stats
-            assert await a.measure_bandwidth("b", b.address, trains=1, most=1, wait=2.0) > 0
+            # Up to 4 trains: one the CPU descheduled mid-send is discarded by design (train_window).
+            assert await a.measure_bandwidth("b", b.address, trains=1, most=4, wait=2.0) > 0
             assert probes == {"answered": PROBE_COUNT, "lost": 0} and not rejected, (probes, rejected)
         finally:
             a.close(), b.close()
