@@ -45,15 +45,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def save_state(opt, path: Path) -> None:
-    """opt.state_dict(), written atomically (a crash leaves the previous file)."""
+def save_state(opt, path: Path, identity: dict) -> None:
+    """opt.state_dict() with the identity of the run's model (load_state checks it), written
+    atomically (a crash leaves the previous file)."""
     partial = path.with_name(path.name + ".partial")
-    torch.save(opt.state_dict(), partial)
+    torch.save({**opt.state_dict(), "identity": identity}, partial)
     os.replace(partial, path)
+
+
+def load_state(opt, path: Path, identity: dict) -> None:
+    """Resume the inner optimizer from `path`, if it was saved for this identity (run, task,
+    hyper-parameters, model layout: the daemon's checkpoints'). A run ID reused for another model
+    (its manifest deleted) passes the old model's file over, as the daemon passes over its
+    checkpoints: torch's load_state_dict checks only the number of parameters, and Adam's moments
+    of other shapes failed the first step, every restart."""
+    from peerd.daemon.checkpoint import mismatch
+
+    saved = torch.load(path, weights_only=False)
+    if why := mismatch(identity, saved.get("identity", identity)):  # a file without one: an older release's
+        logger.warning("run %s: %s not loaded: %s; the inner optimizer starts anew", opt.run, path, why)
+        return
+    run_step = opt.run_step
+    opt.load_state_dict(saved)
+    # The run's step is the daemon's, whose checkpoint may be older than this file (a torn newest one).
+    opt.run_step = run_step
+    logger.info("run %s: inner optimizer resumed from %s", opt.run, path)
 
 
 def train(args: argparse.Namespace) -> int:
     import peerd.torch
+    from peerd.daemon.checkpoint import identity_of
     from peerd.daemon.joining import hparams_from_text
     from peerd.daemon.tasks import get_task
     from peerd.daemon.trainer import seed_from
@@ -65,12 +86,10 @@ def train(args: argparse.Namespace) -> int:
     opt = peerd.torch.Optimizer(
         inner, run=args.run, daemon=args.daemon, model=model, settings={"average_every": args.average_every}
     )
+    text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
+    identity = identity_of(args.run, task.name, text, model)
     if args.state is not None and args.state.exists():
-        run_step = opt.run_step
-        opt.load_state_dict(torch.load(args.state, weights_only=False))
-        # The run's step is the daemon's, whose checkpoint may be older than this file (a torn newest one).
-        opt.run_step = run_step
-        logger.info("run %s: inner optimizer resumed from %s", args.run, args.state)
+        load_state(opt, args.state, identity)
     # Each daemon its own stream of samples (as the trainer thread), a new one after a restart.
     data = task.data(hparams, seed_from(args.run, str(args.daemon.resolve()), str(opt.run_step)))
     evaluated = saved = phase_step = opt.run_step
@@ -90,15 +109,15 @@ def train(args: argparse.Namespace) -> int:
                 report(task, hparams, model, opt)
                 evaluated, reported = opt.run_step, True
             if args.state is not None and opt.run_step - saved >= args.checkpoint_every:
-                save_state(opt, args.state)
+                save_state(opt, args.state, identity)
                 saved = opt.run_step
         if evaluated != opt.run_step or not reported:
             report(task, hparams, model, opt)
         if args.state is not None:
-            save_state(opt, args.state)
+            save_state(opt, args.state, identity)
     except SystemExit:  # SIGTERM (main): the daemon stops the run; its thread would checkpoint too
         if args.state is not None:
-            save_state(opt, args.state)
+            save_state(opt, args.state, identity)
         raise
     finally:
         opt.close()
