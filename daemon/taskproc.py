@@ -132,11 +132,17 @@ def report(task, hparams, model: torch.nn.Module, opt) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from peerd.daemon.supervisor import die_with_parent
+    from peerd.daemon.supervisor import PARENT_ENV, die_with_parent
 
     die_with_parent()  # started by a daemon (daemon/supervisor.py): it goes when the daemon goes
     # The supervisor's stop: leave through `finally` (Detach: the daemon checkpoints at once).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if os.environ.get(PARENT_ENV):
+        # A terminal's Ctrl-C or hang-up reaches the daemon's whole process group: they are the
+        # daemon's, which stops its child with SIGTERM (the child saves its state). As a
+        # KeyboardInterrupt the child left without saving it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     return train(parse_args(argv))
 
