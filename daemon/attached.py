@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from peerd.daemon.checkpoint import CheckpointStore, layout_digest
+from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.straggler import StragglerBudget
 from peerd.daemon.tasks import EvalResult
@@ -245,7 +245,7 @@ class AttachedTrainer:
         self.loss = math.nan
         self.samples_per_second = 0.0
         self.compute_seconds = self.train_wait_seconds = 0.0
-        self.error = ""
+        self.error = self._passed_over = ""  # _passed_over: checkpoints load() left on disk
         self.last_round: RoundResult | None = None
         self.param_distance_to_group_mean = math.nan
         self.sketches: tuple = ()
@@ -275,6 +275,11 @@ class AttachedTrainer:
     def load(self) -> None:
         """Restore the outer state from the newest checkpoint of this run's model (blocking)."""
         checkpoint = self.store.load_latest(self._identity)
+        # Checkpoints of another identity (a run ID reused for another model) stay named in status
+        # for the run's life, as the trainer thread's (an attach clears other errors).
+        self.error = self._passed_over = passed_over_error(self.store.passed_over, checkpoint)
+        if self._passed_over:
+            logger.warning("run %s: %s", self.run_id, self._passed_over)
         if checkpoint is not None:
             state = checkpoint.state
             self._outer.adopt(state["outer"])
@@ -336,7 +341,7 @@ class AttachedTrainer:
                 secrets.token_hex(16), pid if pid and pid_alive(pid) else 0, device, time.monotonic()
             )
             self.state = TrainState.TRAINING
-            self.error = ""
+            self.error = self._passed_over
         self._phase_began = time.monotonic()
         self.on_role(True)
         logger.info(

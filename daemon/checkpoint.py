@@ -94,6 +94,17 @@ def mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
     return ""
 
 
+def passed_over_error(passed: list[tuple[Path, str]], resumed: Checkpoint | None) -> str:
+    """A run's `error` in status when load_latest() passed over checkpoints of another identity
+    (left on disk); "" when it passed over none. The trainer thread's and an attached process's."""
+    if not passed:
+        return ""
+    path, why = passed[0]
+    more = f" (and {len(passed) - 1} more)" if len(passed) > 1 else ""
+    start = f"resumed from step {resumed.step}" if resumed is not None else "training from the start"
+    return f"checkpoint {path.name}{more} not loaded: {why}; {start}; kept on disk"
+
+
 def _digest(ident: bytes, payload) -> bytes:
     h = hashlib.blake2b(ident, digest_size=24)
     h.update(payload)

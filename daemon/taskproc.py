@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -44,15 +45,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def save_state(opt, path: Path) -> None:
-    """opt.state_dict(), written atomically (a crash leaves the previous file)."""
+def save_state(opt, path: Path, identity: dict) -> None:
+    """opt.state_dict() with the identity of the run's model (load_state checks it), written
+    atomically (a crash leaves the previous file)."""
     partial = path.with_name(path.name + ".partial")
-    torch.save(opt.state_dict(), partial)
+    torch.save({**opt.state_dict(), "identity": identity}, partial)
     os.replace(partial, path)
+
+
+def load_state(opt, path: Path, identity: dict) -> None:
+    """Resume the inner optimizer from `path`, if it was saved for this identity (run, task,
+    hyper-parameters, model layout: the daemon's checkpoints'). A run ID reused for another model
+    (its manifest deleted) passes the old model's file over, as the daemon passes over its
+    checkpoints: torch's load_state_dict checks only the number of parameters, and Adam's moments
+    of other shapes failed the first step, every restart."""
+    from peerd.daemon.checkpoint import mismatch
+
+    saved = torch.load(path, weights_only=False)
+    if why := mismatch(identity, saved.get("identity", identity)):  # a file without one: an older release's
+        logger.warning("run %s: %s not loaded: %s; the inner optimizer starts anew", opt.run, path, why)
+        return
+    run_step = opt.run_step
+    opt.load_state_dict(saved)
+    # The run's step is the daemon's, whose checkpoint may be older than this file (a torn newest one).
+    opt.run_step = run_step
+    logger.info("run %s: inner optimizer resumed from %s", opt.run, path)
 
 
 def train(args: argparse.Namespace) -> int:
     import peerd.torch
+    from peerd.daemon.checkpoint import identity_of
     from peerd.daemon.joining import hparams_from_text
     from peerd.daemon.tasks import get_task
     from peerd.daemon.trainer import seed_from
@@ -64,12 +86,10 @@ def train(args: argparse.Namespace) -> int:
     opt = peerd.torch.Optimizer(
         inner, run=args.run, daemon=args.daemon, model=model, settings={"average_every": args.average_every}
     )
+    text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
+    identity = identity_of(args.run, task.name, text, model)
     if args.state is not None and args.state.exists():
-        run_step = opt.run_step
-        opt.load_state_dict(torch.load(args.state, weights_only=False))
-        # The run's step is the daemon's, whose checkpoint may be older than this file (a torn newest one).
-        opt.run_step = run_step
-        logger.info("run %s: inner optimizer resumed from %s", args.run, args.state)
+        load_state(opt, args.state, identity)
     # Each daemon its own stream of samples (as the trainer thread), a new one after a restart.
     data = task.data(hparams, seed_from(args.run, str(args.daemon.resolve()), str(opt.run_step)))
     evaluated = saved = phase_step = opt.run_step
@@ -89,15 +109,15 @@ def train(args: argparse.Namespace) -> int:
                 report(task, hparams, model, opt)
                 evaluated, reported = opt.run_step, True
             if args.state is not None and opt.run_step - saved >= args.checkpoint_every:
-                save_state(opt, args.state)
+                save_state(opt, args.state, identity)
                 saved = opt.run_step
         if evaluated != opt.run_step or not reported:
             report(task, hparams, model, opt)
         if args.state is not None:
-            save_state(opt, args.state)
+            save_state(opt, args.state, identity)
     except SystemExit:  # SIGTERM (main): the daemon stops the run; its thread would checkpoint too
         if args.state is not None:
-            save_state(opt, args.state)
+            save_state(opt, args.state, identity)
         raise
     finally:
         opt.close()
@@ -112,14 +132,41 @@ def report(task, hparams, model: torch.nn.Module, opt) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from peerd.daemon.supervisor import die_with_parent
+    from peerd.daemon.supervisor import PARENT_ENV, die_with_parent
 
     die_with_parent()  # started by a daemon (daemon/supervisor.py): it goes when the daemon goes
     # The supervisor's stop: leave through `finally` (Detach: the daemon checkpoints at once).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if os.environ.get(PARENT_ENV):
+        # A terminal's Ctrl-C or hang-up reaches the daemon's whole process group: they are the
+        # daemon's, which stops its child with SIGTERM (the child saves its state). As a
+        # KeyboardInterrupt the child left without saving it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     return train(parse_args(argv))
 
 
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's finalization: with torch loaded, tearing the modules down took
+    2 to 5 s on a loaded machine after the process had detached and saved its state, and a daemon
+    stopping waits for its child (Ctrl-C within 2 s, tests/test_stopping.py), as a failed child's
+    restart does. Nothing is left to do then but flush the output."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: the daemon is gone
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        status = main()
+    except SystemExit as e:  # SIGTERM (128 + 15), or argparse's exit (its message printed already)
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:  # what the interpreter would print and exit 1 with
+        traceback.print_exc()
+        status = 1
+    exit_now(status)

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from peerd.daemon.checkpoint import CheckpointStore, identity_of
+from peerd.daemon.checkpoint import CheckpointStore, identity_of, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.flat import from_flat, to_flat
 from peerd.daemon.straggler import StragglerBudget
@@ -327,10 +327,7 @@ class Trainer:
             old = "" if checkpoint.identity is not None else " (an older release's file: matched by model layout only)"
             logger.info("run %s: resumed from checkpoint at step %d%s", self.run_id, self.global_step, old)
         if passed:
-            path, why = passed[0]
-            more = f" (and {len(passed) - 1} more)" if len(passed) > 1 else ""
-            start = f"resumed from step {checkpoint.step}" if checkpoint is not None else "training from the start"
-            self.error = f"checkpoint {path.name}{more} not loaded: {why}; {start}; kept on disk"
+            self.error = passed_over_error(passed, checkpoint)
             logger.warning("run %s: %s", self.run_id, self.error)
         return model, optimizer
 
