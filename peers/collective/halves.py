@@ -13,7 +13,7 @@ Member i owns shard i of x (`shard_bounds`: sizes differ by at most one). Messag
 * **reduce-scatter**: every member sends slice j of x to owner j; when the op completes, this
   member's shard of x holds sum_k(w_k x_k) / sum_k(w_k) over every member's slice (w_k = 1 unless
   given: the mean). Other shards are untouched. Contributions land in a receive buffer per sender
-  and are added into the shard as they arrive; the result is checked once for NaN/Inf.
+  and are added into the shard as they arrive (reduction.fold); the result is checked once for NaN/Inf.
 * **all-gather**: every owner sends its shard of x to every member, received straight into x; when
   the op completes, x holds every owner's shard: the same bytes on every member that completed it.
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import functools
 import math
 import time
@@ -67,7 +66,8 @@ import torch
 from peerd.peers.collective.allreduce import drain_links, open_links
 from peerd.peers.collective.group import Group, shard_bounds
 from peerd.peers.collective.inbox import as_bytes
-from peerd.peers.collective.reduction import all_finite
+from peerd.peers.collective.reduction import all_finite, divide, fold
+from peerd.peers.collective.rounds import Half
 from peerd.peers.collective.transport import Action, Inbound, Link, Transport
 from peerd.peers.collective.wire import DType, Header, Kind
 from peerd.peers.events import PeerEvents
@@ -88,11 +88,6 @@ class HalvesSettings:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
         if self.chunk_elements < 1 or self.max_parked < 1:
             raise ValueError("chunk_elements and max_parked must be at least 1")
-
-
-class Half(enum.Enum):
-    REDUCE_SCATTER = "reduce_scatter"  # the owner's shard becomes the weighted mean of every member's slice
-    ALL_GATHER = "all_gather"  # every shard becomes its owner's bytes
 
 
 _WIRE = {Half.REDUCE_SCATTER: Kind.CONTRIBUTION, Half.ALL_GATHER: Kind.RESULT}
@@ -333,10 +328,7 @@ class Halves:
     def _fold(self, op: HalfOp, slot: _Slot, k: int, start: int, end: int) -> None:
         """Add sender k's elements [start, end) of my shard (from its receive buffer) into x."""
         base = op.bounds[self.group.me][0]
-        part, out = self._buffers[op.number % 2][k][start:end], op.x.numpy()[base + start : base + end]
-        if slot.weight[k] != 1.0:
-            np.multiply(part, np.float32(slot.weight[k]), out=part)  # the buffer is not needed after
-        np.add(out, part, out=out)
+        fold(op.x.numpy()[base + start : base + end], self._buffers[op.number % 2][k][start:end], slot.weight[k])
 
     def _finish_shard(self, op: HalfOp) -> None:
         """Divide my reduced shard by the total weight; refuse a result with NaN/Inf."""
@@ -345,7 +337,7 @@ class Halves:
         start, end = op.bounds[self.group.me]
         out = op.x.numpy()[start:end]
         if total > 0:
-            np.divide(out, np.float32(total), out=out)
+            divide(out, total)
         if not (total > 0 and all_finite(out)):
             self.events.rejected("contribution_nonfinite")
             self._break("the reduced shard holds NaN or Inf (or every weight was 0)")
