@@ -46,10 +46,11 @@ TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs smaller element-wise
 
 
 def fold(out: np.ndarray, v: np.ndarray, alpha: float) -> None:
-    """out += alpha * v, in place, in one fused pass on this thread (float32 arrays of one length)."""
+    """out += alpha * v, in place, in one fused pass on this thread (float32 arrays of one length,
+    possibly empty: Halves folds what each sender has sent so far, which may be nothing yet)."""
     acc, part = torch.from_numpy(out), torch.from_numpy(v)
     n = len(out)
-    step = n if torch.get_num_threads() == 1 else TORCH_GRAIN
+    step = max(n, 1) if torch.get_num_threads() == 1 else TORCH_GRAIN  # range() refuses a step of 0
     for a in range(0, n, step):
         block = acc[a : a + step]
         torch.add(block, part[a : a + step], alpha=alpha, out=block)
