@@ -122,10 +122,11 @@ def test_halves_give_each_owner_the_exact_mean_and_everyone_the_same_bytes(n, si
 
 class HandDriven(Transport):
     """A transport the test drives by hand: what the member sends is recorded (`sent`), and the test
-    hands the sink each header, then its payload, whenever it chooses."""
+    hands the sink each header, then its payload, whenever it chooses. `send_raises`: every send
+    raises, as a bug in a transport would."""
 
-    def __init__(self):
-        self.sink = None
+    def __init__(self, *, send_raises: bool = False):
+        self.sink, self.send_raises = None, send_raises
         self.sent: list[Header] = []
 
     async def start(self) -> str:
@@ -135,17 +136,19 @@ class HandDriven(Transport):
         self.sink = sink
 
     async def connect(self, address: str) -> Link:
-        return _Recorder(self.sent)
+        return _Recorder(self.sent, self.send_raises)
 
     async def close(self) -> None:
         pass
 
 
 class _Recorder(Link):
-    def __init__(self, sent: list[Header]):
-        self.sent, self._closed = sent, False
+    def __init__(self, sent: list[Header], fails: bool):
+        self.sent, self.fails, self._closed = sent, fails, False
 
     def send(self, header: Header, payload: memoryview | None = None) -> int:
+        if self.fails:
+            raise RuntimeError("a transport bug")
         self.sent.append(header)
         return HEADER_SIZE + header.length
 
@@ -231,6 +234,24 @@ def test_the_next_ops_chunk_whose_payload_lands_after_the_op_started_is_folded_i
         assert [op.error for op in rs] == ["", ""]
         for x, w in zip(mine, want):
             assert torch.equal(x[start:end], w)
+        await halves.close()
+
+    uvloop.run(main())
+
+
+def test_an_exception_inside_an_op_fails_it_and_every_later_op_at_once():
+    """Whatever raises in the engine's own code (here a link's send) ends the op with the exception's
+    name as its error, at once: an op left unresolved would hold DeAR up until its watchdog."""
+
+    async def main():
+        group = Group(RUN, ["m0", "m1"], ["hand:0", "hand:1"], 0)
+        halves = Halves(group, HandDriven(send_raises=True), settings=HalvesSettings(op_timeout=30.0))
+        x = integers(8, 0)
+        ops = [halves.reduce_scatter(x), halves.all_gather(x)]
+        async with asyncio.timeout(5):
+            await ops[1]
+        assert ops[0].error == "reduce_scatter #0: RuntimeError: a transport bug", ops[0].error
+        assert ops[1].error == ops[0].error
         await halves.close()
 
     uvloop.run(main())

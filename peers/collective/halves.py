@@ -33,9 +33,11 @@ fails the op at once (every op needs it); a frozen one, at `op_timeout`; a messa
 fit the op (another kind, shard, size or offset: the members issued different ops) at once, and is
 counted by `PeerEvents.rejected` (wire_* reasons); a reduced shard holding NaN/Inf fails the
 reduce-scatter ("contribution_nonfinite"; the all-reduce leaves such a contribution out instead,
-which would break exactness here). After a failure the engine is **broken**: every queued and
-later op fails with the same reason, and all its connections are closed, so the other members'
-ops fail at once too instead of at their timeout.
+which would break exactness here); an exception in the engine's own code fails the op with its name
+and message (logged), rather than leave the op unresolved until the caller's watchdog gives up
+(EngineCollective: "the engine's loop did nothing"). After a failure the engine is **broken**:
+every queued and later op fails with the same reason, and all its connections are closed, so the
+other members' ops fail at once too instead of at their timeout.
 
 **What all-or-nothing means here.** GroupAllReduce ends each round with a verdict and a digest,
 and restores the tensor on abort. A half has neither: it completes when *this member's* part is
@@ -55,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -71,6 +74,8 @@ from peerd.peers.collective.rounds import Half
 from peerd.peers.collective.transport import Action, Inbound, Link, Transport
 from peerd.peers.collective.wire import DType, Header, Kind
 from peerd.peers.events import PeerEvents
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -210,6 +215,9 @@ class Halves:
                 except TimeoutError:
                     waiting = [k for k, n in self._waiting_for().items() if n]
                     self._break(f"timed out after {limit:g} s waiting for members {waiting}")
+                except Exception as e:  # a bug: fail the op (and so the group) rather than leave it unresolved
+                    logger.exception("%s #%d raised", op.half.value, op.number)
+                    self._break(f"{type(e).__name__}: {e}")
             self._end(op)
             self._queue.popleft()
 
