@@ -44,7 +44,7 @@ PARTS = ("none", "digest_sums", "own_backup", "nonfinite_check", "contract", "ba
 @contextlib.contextmanager
 def switched_off(part: str):
     """Patch the engine so that `part` does nothing, for the duration of one B round."""
-    from peerd.peers.collective import inbox, reduction
+    from peerd.peers.collective import chunks, inbox, reduction
 
     parts = {
         "none": (),
@@ -52,7 +52,7 @@ def switched_off(part: str):
         "bare": ("digest_sums", "own_backup", "nonfinite_check", "arithmetic"),
     }.get(part, (part,))
     saved = (
-        inbox.sum64,
+        chunks.sum64,
         reduction.sum64,
         inbox.Inbox.back_up,
         reduction.all_finite,
@@ -60,7 +60,7 @@ def switched_off(part: str):
         reduction.ShardReducer.finish,
     )
     if "digest_sums" in parts:
-        inbox.sum64 = reduction.sum64 = lambda values: 0
+        chunks.sum64 = reduction.sum64 = lambda values: 0
     if "own_backup" in parts:
         inbox.Inbox.back_up = lambda self, st, j, c: None
     if "nonfinite_check" in parts:
@@ -86,7 +86,7 @@ def switched_off(part: str):
         yield
     finally:
         (
-            inbox.sum64,
+            chunks.sum64,
             reduction.sum64,
             inbox.Inbox.back_up,
             reduction.all_finite,

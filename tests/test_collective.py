@@ -37,6 +37,7 @@ from peerd.peers.collective import (
 )
 from peerd.peers.collective.decision import Decision, Verdict, decide
 from peerd.peers.collective.inbox import BufferPool
+from peerd.peers.collective.reduction import TORCH_GRAIN, fold
 from peerd.peers.collective.wire import HEADER, HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
 from peerd.peers.events import PeerEvents
 from tests.helpers import ROOT
@@ -281,6 +282,23 @@ def test_buffer_pool_lends_by_shape_and_keeps_few():
     assert len(pool._free) == 2
     with pytest.raises(ValueError):
         GroupAllReduce(Group(RUN, ["m0", "m1"], ["127.0.0.1:1"] * 2, 0), TcpTransport(), 100, buffers=a)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [0, 1, TORCH_GRAIN + 5])
+def test_fold_adds_a_weighted_part_in_place_an_empty_one_included(threads, n):
+    """The one kernel, on one torch thread (DeAR's processes) or more (blocks of TORCH_GRAIN). An empty
+    part folds nothing: Halves folds each sender's parked elements, which may be none yet."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = np.arange(n, dtype=np.float32)
+        v = np.arange(n, dtype=np.float32) - 7
+        want = out + np.float32(2.0) * v  # small integers: exact in float32
+        fold(out, v, 2.0)
+        assert np.array_equal(out, want)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_settings_refuse_timeouts_that_cannot_work():

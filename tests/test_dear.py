@@ -25,7 +25,7 @@ from peerd.peers.dear import (
     DeAR,
     DeARSettings,
     FusionTuner,
-    Kind,
+    Half,
     LinkSample,
     LocalGroupRules,
     Mode,
@@ -129,7 +129,7 @@ def test_dear_reduce_scatters_in_backward_order_and_gathers_in_forward_order():
     ops = [(kind, numel) for rank, kind, _, numel in fabric.log if rank == 0]
     sizes = [b.buffer.numel() for b in dears[0].plan.buckets]
     assert n == 3
-    assert ops == [(Kind.REDUCE_SCATTER, s) for s in sizes] + [(Kind.ALL_GATHER, s) for s in reversed(sizes)]
+    assert ops == [(Half.REDUCE_SCATTER, s) for s in sizes] + [(Half.ALL_GATHER, s) for s in reversed(sizes)]
 
 
 def test_dear_updates_a_bucket_just_before_its_first_use():

@@ -23,6 +23,9 @@ from bench.dear import run_group
 from peerd.peers.collective import Group, TcpTransport, shard_bounds
 from peerd.peers.collective.fallback import FallbackTransport
 from peerd.peers.collective.halves import Halves, HalvesSettings
+from peerd.peers.collective.inbox import as_bytes
+from peerd.peers.collective.transport import Link, Transport
+from peerd.peers.collective.wire import HEADER_SIZE, Header, Kind
 from peerd.peers.events import PeerEvents
 from tests.test_dear import OP_TIMEOUT, _equality_rank, _failure_rank
 
@@ -113,6 +116,143 @@ def test_halves_give_each_owner_the_exact_mean_and_everyone_the_same_bytes(n, si
                 assert stamps == sorted(stamps) and stamps[0] >= last  # one after another, in call order
             last = max(g.finished for g in gathers)
         await stop_group(halves, transports)
+
+    uvloop.run(main())
+
+
+class HandDriven(Transport):
+    """A transport the test drives by hand: what the member sends is recorded (`sent`), and the test
+    hands the sink each header, then its payload, whenever it chooses. `send_raises`: every send
+    raises, as a bug in a transport would."""
+
+    def __init__(self, *, send_raises: bool = False):
+        self.sink, self.send_raises = None, send_raises
+        self.sent: list[Header] = []
+
+    async def start(self) -> str:
+        return "hand:0"
+
+    def attach(self, sink) -> None:
+        self.sink = sink
+
+    async def connect(self, address: str) -> Link:
+        return _Recorder(self.sent, self.send_raises)
+
+    async def close(self) -> None:
+        pass
+
+
+class _Recorder(Link):
+    def __init__(self, sent: list[Header], fails: bool):
+        self.sent, self.fails, self._closed = sent, fails, False
+
+    def send(self, header: Header, payload: memoryview | None = None) -> int:
+        if self.fails:
+            raise RuntimeError("a transport bug")
+        self.sent.append(header)
+        return HEADER_SIZE + header.length
+
+    async def drain(self) -> None:
+        pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+        self._notify_closed()
+
+
+class _From:
+    """The connection a member's messages come in on (transport.Inbound)."""
+
+    member = None
+
+    def discard_payload(self) -> None:
+        raise AssertionError("Halves never discards a payload it admitted")
+
+    def close(self) -> None:  # Halves.close() closes the connections it was sent on
+        pass
+
+
+@pytest.fixture
+def one_torch_thread():
+    """As in DeAR's processes (bench/dear.py's run_group), where reduction.fold folds in one block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_next_ops_chunk_whose_payload_lands_after_the_op_started_is_folded_in(one_torch_thread):
+    """Ops are pipelined: member 1 finished op 0 and sent op 1's first chunk while member 0 was still
+    in op 0. Its header is parked before op 1 starts here; its payload, spanning reads on a loaded
+    machine, lands after. Op 1 opened with that sender's parked part still empty, and folding it
+    (reduction.fold of nothing, on one torch thread) raised: the op's task died unresolved and DeAR
+    hung ("the engine's loop did nothing"). The chunk must be folded in when it lands."""
+
+    async def main():
+        transport, link = HandDriven(), _From()
+        group = Group(RUN, ["m0", "m1"], ["hand:0", "hand:1"], 0)
+        halves = Halves(group, transport, settings=HalvesSettings(op_timeout=5.0, chunk_elements=2))
+        mine = [integers(8, 0), integers(8, 1)]  # op 0 on one buffer, op 1 on another
+        theirs = [integers(8, 10), integers(8, 11)]
+        rs = [halves.reduce_scatter(x) for x in mine]
+        (start, end), _ = shard_bounds(8, 2)  # member 0's shard: two chunks of 2 from member 1
+        want = [weighted_mean([x, y], [1, 1])[start:end] for x, y in zip(mine, theirs)]
+
+        def header(op: int, offset: int) -> Header:
+            return Header(
+                kind=Kind.CONTRIBUTION, run_tag=group.tag, round=op, sender=1, shard=0, offset=offset, count=2, weight=1
+            )
+
+        def deliver(h: Header, payload: bool = True) -> memoryview:
+            dest = halves.on_header(link, h)
+            assert isinstance(dest, memoryview), dest
+            if payload:
+                dest[:] = as_bytes(theirs[h.round][start + h.offset : start + h.offset + h.count])
+                halves.on_payload(link, h)
+            return dest
+
+        async with asyncio.timeout(5):
+            while not transport.sent:  # member 0 started op 0
+                await asyncio.sleep(0)
+        deliver(header(0, 0))
+        deliver(header(0, 2))  # op 0 has all it needs: it ends once the loop runs its task
+        early = header(1, 0)
+        dest = deliver(early, payload=False)  # op 1's first header, before op 1 started here
+        async with asyncio.timeout(5):
+            await rs[0]
+            while len(transport.sent) < 2:  # member 0 started op 1 (with the chunk above still arriving)
+                await asyncio.sleep(0)
+        dest[:] = as_bytes(theirs[1][start : start + 2])
+        halves.on_payload(link, early)
+        deliver(header(1, 2))
+        async with asyncio.timeout(5):
+            await rs[1]
+        assert [op.error for op in rs] == ["", ""]
+        for x, w in zip(mine, want):
+            assert torch.equal(x[start:end], w)
+        await halves.close()
+
+    uvloop.run(main())
+
+
+def test_an_exception_inside_an_op_fails_it_and_every_later_op_at_once():
+    """Whatever raises in the engine's own code (here a link's send) ends the op with the exception's
+    name as its error, at once: an op left unresolved would hold DeAR up until its watchdog."""
+
+    async def main():
+        group = Group(RUN, ["m0", "m1"], ["hand:0", "hand:1"], 0)
+        halves = Halves(group, HandDriven(send_raises=True), settings=HalvesSettings(op_timeout=30.0))
+        x = integers(8, 0)
+        ops = [halves.reduce_scatter(x), halves.all_gather(x)]
+        async with asyncio.timeout(5):
+            await ops[1]
+        assert ops[0].error == "reduce_scatter #0: RuntimeError: a transport bug", ops[0].error
+        assert ops[1].error == ops[0].error
+        await halves.close()
 
     uvloop.run(main())
 

@@ -205,7 +205,7 @@ def test_a_round_at_10_percent_loss_is_the_reference_rule_bit_for_bit(gso):
         engines, transports, addresses = await start_group(
             n, numel, settings=settings, events=counts.events, losses=losses, gso=gso
         )
-        grid, ws = engines[0].inbox.grid, [1.0, 2.0, 3.0, 4.0]
+        grid, ws = engines[0].inbox.rule.grid, [1.0, 2.0, 3.0, 4.0]
         errors, dropped = [], 0
         for r in (1, 2, 3):
             xs = [1.0 + torch.randn(numel) for _ in range(n)]
@@ -346,7 +346,7 @@ def test_hostile_datagrams_are_refused_by_reason_and_change_nothing():
         captured = from_2[0]
 
         insider = DatagramCodec(SECRET, SESSION)  # holds the keys: passes the tag, fails the checks after it
-        stride = engines[0].inbox.grid.stride
+        stride = engines[0].inbox.rule.grid.stride
 
         def sealed(codec=insider, **fields) -> bytes:
             base = dict(kind=Kind.CONTRIBUTION, run_tag=run_tag(RUN), round=2, sender=1, shard=0, weight=1.0)
@@ -394,7 +394,7 @@ def test_hostile_datagrams_are_refused_by_reason_and_change_nothing():
         xs = {i: torch.randn(numel) for i in engines}
         reference = [xs[0].numpy().copy(), np.zeros(numel, np.float32), xs[2].numpy().copy()]
         await asyncio.gather(*(e.all_reduce(xs[i], ws[i], 2) for i, e in engines.items()))
-        grid = engines[0].inbox.grid
+        grid = engines[0].inbox.rule.grid
         silent = [np.zeros(grid.packets(j), bool) for j in range(n)]
         everything = [np.ones(grid.packets(j), bool) for j in range(n)]
         simulate_round(
@@ -449,7 +449,7 @@ def test_real_loss_from_an_nftables_rule_on_loopback():
             )
             if added.returncode:
                 pytest.skip(f"nft refused the rule: {added.stderr.strip()}")
-            grid = engines[0].inbox.grid
+            grid = engines[0].inbox.rule.grid
             for r in (1, 2):
                 xs = [torch.randn(numel) for _ in range(n)]
                 before = [x.numpy().copy() for x in xs]
@@ -606,7 +606,7 @@ def test_compressed_payloads_over_udp_give_the_mean_within_the_bound_in_identica
         engines, transports, _ = await start_group(n, numel, settings=settings, events=counts.events)
         held = [x.clone() for x in xs]
         outcomes = await asyncio.gather(*(e.all_reduce(x, w, 1) for e, x, w in zip(engines, held, ws)))
-        stride = engines[0].inbox.grid.stride
+        stride = engines[0].inbox.rule.grid.stride
         await stop_group(engines, transports)
         assert [o.status for o in outcomes] == [Status.COMPLETED] * n, [o.reason for o in outcomes]
         assert len({o.digest for o in outcomes}) == 1 and outcomes[0].digest
@@ -641,7 +641,7 @@ def test_garbage_in_compressed_datagrams_is_refused_counted_and_the_round_is_exa
             kind=Kind.CONTRIBUTION, run_tag=run_tag(RUN), round=1, sender=1, shard=0, weight=1.0, dtype=DType.INT8_BLOCK
         )
         length = engines[0].inbox.bounds[0][1]  # shard 0: one packet of 16 blocks
-        assert length == 1024 and engines[0].inbox.grid.stride == 1280
+        assert length == 1024 and engines[0].inbox.rule.grid.stride == 1280
 
         def blocks(count: int, scale: float) -> bytes:
             return b"".join(struct.pack("<f", scale) + bytes(min(64, count - a)) for a in range(0, count, 64))

@@ -12,13 +12,14 @@ Loss-tolerant mode (UDP datagrams, nothing retransmitted; docs/loss-tolerance.md
 
 wire.py (the header), transport.py (the interface), tcp.py (direct TCP), p2p.py (libp2p streams,
 for members behind NAT), fallback.py (TCP, else libp2p, per link), linkauth.py (links keyed by the
-run secret), group.py (members, shards, chunks, timeouts), codec.py (fp32/fp16/int8 payloads), rounds.py (what a round has seen), inbox.py (receiving and checking,
-the tensor's backup), reduction.py (this member's shard), decision.py (complete or abort, the
-digest), allreduce.py (the round and its contract), halves.py (reduce-scatter and all-gather as separate
-steps, for DeAR), outcome.py (what a round returns);
+run secret), group.py (members, shards, chunks, timeouts), codec.py (fp32/fp16/int8 payloads), rounds.py (what a round has seen), inbox.py (the one class that
+admits what arrives, its buffers, the tensor's backup), chunks.py (its admission rule for a stream's
+chunks), reduction.py (the one reduction kernel, and this member's shard), decision.py (complete or
+abort, the digest), allreduce.py (the round and its contract), halves.py (reduce-scatter and
+all-gather as separate steps, for DeAR), outcome.py (what a round returns);
 datagram.py (one authenticated UDP datagram), udp.py and udpsend.py (the datagram transport),
-lossy.py (the loss-tolerant rule and packet grid), packets.py (receiving packets),
-lossy_allreduce.py (the loss-tolerant round).
+lossy.py (the loss-tolerant rule and packet grid), packets.py (the Inbox's admission rule for the
+packet grid), lossy_allreduce.py (the loss-tolerant round).
 """
 
 from peerd.peers.collective.group import AllReduceSettings, Group, shard_bounds

@@ -57,6 +57,7 @@ import torch
 from peerd.peers.collective.codec import Format
 from peerd.peers.collective.decision import Decision, Verdict, decide, result_digest
 from peerd.peers.collective.group import AllReduceSettings, Group
+from peerd.peers.collective.chunks import ChunkRule
 from peerd.peers.collective.inbox import Inbox, InboxBuffers
 from peerd.peers.collective.outcome import Outcome, Status
 from peerd.peers.collective.reduction import ShardReducer
@@ -126,7 +127,8 @@ class GroupAllReduce:
     def _make_inbox(self, buffers: InboxBuffers | None) -> Inbox:
         """The sink, and `self.reducer` for this member's shard (loss-tolerant rounds use others);
         `buffers` (see inbox.BufferPool) or fresh ones."""
-        inbox = Inbox(self.group, self.numel, self.settings.chunk_elements, self.events, buffers, self.settings.payload)
+        s = self.settings
+        inbox = Inbox(self.group, self.numel, s.chunk_elements, self.events, ChunkRule, buffers, s.payload)
         self.reducer = ShardReducer(inbox, self.group.me, self.events)
         inbox.fold = self.reducer.fold
         return inbox
@@ -140,7 +142,7 @@ class GroupAllReduce:
     # ---- one round -----------------------------------------------------------------------------
 
     async def _run(self, st: RoundState, x: torch.Tensor, weight: float, t0: float) -> tuple[Decision, str, bytes]:
-        s, me, inbox = self.settings, self.group.me, self.inbox
+        s, me, inbox, rule = self.settings, self.group.me, self.inbox, self.inbox.rule
         await self._connect(st)
         for j, link in self._live_links():
             base = inbox.bounds[j][0]
@@ -149,15 +151,15 @@ class GroupAllReduce:
                 st.bytes_sent += link.send(h, inbox.payload(start, end))
 
         deadline, mine = t0 + s.contribute_timeout, inbox.nchunks[me]
-        while st.reduced < mine and await self.inbox.until(lambda: inbox.ready(st, st.reduced), deadline):
+        while st.reduced < mine and await inbox.until(lambda: rule.ready(st, st.reduced), deadline):
             self._reduce_chunk(st, x)
         inbox.phase = Phase.GATHER  # from here on, contributions of this round are late
         while st.reduced < mine:
             self._reduce_chunk(st, x)
 
-        await self.inbox.until(lambda: any(inbox.gathered(st)), t0 + s.gather_timeout)
+        await inbox.until(lambda: rule.gathered(st).over, t0 + s.gather_timeout)
         inbox.phase = Phase.DECIDE
-        if inbox.gathered(st)[0]:
+        if rule.gathered(st).complete:
             digest = result_digest(
                 self.group.tag, st.number, inbox.chunks, st.result_mask, st.result_weight, st.result_sum
             )
@@ -173,7 +175,7 @@ class GroupAllReduce:
         def verdict(now: float) -> tuple[Decision, str]:
             return decide(me, self.group.size, mine_v, st.verdicts, now, deadline)
 
-        settled = await self.inbox.until(lambda: verdict(loop.time())[0] is not Decision.WAIT, deadline)
+        settled = await inbox.until(lambda: verdict(loop.time())[0] is not Decision.WAIT, deadline)
         decision, reason = verdict(loop.time() if settled else deadline)
         if decision is Decision.ABORT and mine_v.ok:
             self._broadcast(st, Verdict.abort(AbortCode.ECHO))  # others may not have heard the reason

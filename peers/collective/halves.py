@@ -13,7 +13,7 @@ Member i owns shard i of x (`shard_bounds`: sizes differ by at most one). Messag
 * **reduce-scatter**: every member sends slice j of x to owner j; when the op completes, this
   member's shard of x holds sum_k(w_k x_k) / sum_k(w_k) over every member's slice (w_k = 1 unless
   given: the mean). Other shards are untouched. Contributions land in a receive buffer per sender
-  and are added into the shard as they arrive; the result is checked once for NaN/Inf.
+  and are added into the shard as they arrive (reduction.fold); the result is checked once for NaN/Inf.
 * **all-gather**: every owner sends its shard of x to every member, received straight into x; when
   the op completes, x holds every owner's shard: the same bytes on every member that completed it.
 
@@ -33,9 +33,11 @@ fails the op at once (every op needs it); a frozen one, at `op_timeout`; a messa
 fit the op (another kind, shard, size or offset: the members issued different ops) at once, and is
 counted by `PeerEvents.rejected` (wire_* reasons); a reduced shard holding NaN/Inf fails the
 reduce-scatter ("contribution_nonfinite"; the all-reduce leaves such a contribution out instead,
-which would break exactness here). After a failure the engine is **broken**: every queued and
-later op fails with the same reason, and all its connections are closed, so the other members'
-ops fail at once too instead of at their timeout.
+which would break exactness here); an exception in the engine's own code fails the op with its name
+and message (logged), rather than leave the op unresolved until the caller's watchdog gives up
+(EngineCollective: "the engine's loop did nothing"). After a failure the engine is **broken**:
+every queued and later op fails with the same reason, and all its connections are closed, so the
+other members' ops fail at once too instead of at their timeout.
 
 **What all-or-nothing means here.** GroupAllReduce ends each round with a verdict and a digest,
 and restores the tensor on abort. A half has neither: it completes when *this member's* part is
@@ -54,8 +56,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import functools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -67,10 +69,13 @@ import torch
 from peerd.peers.collective.allreduce import drain_links, open_links
 from peerd.peers.collective.group import Group, shard_bounds
 from peerd.peers.collective.inbox import as_bytes
-from peerd.peers.collective.reduction import all_finite
+from peerd.peers.collective.reduction import all_finite, divide, fold
+from peerd.peers.collective.rounds import Half
 from peerd.peers.collective.transport import Action, Inbound, Link, Transport
 from peerd.peers.collective.wire import DType, Header, Kind
 from peerd.peers.events import PeerEvents
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -88,11 +93,6 @@ class HalvesSettings:
                 raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
         if self.chunk_elements < 1 or self.max_parked < 1:
             raise ValueError("chunk_elements and max_parked must be at least 1")
-
-
-class Half(enum.Enum):
-    REDUCE_SCATTER = "reduce_scatter"  # the owner's shard becomes the weighted mean of every member's slice
-    ALL_GATHER = "all_gather"  # every shard becomes its owner's bytes
 
 
 _WIRE = {Half.REDUCE_SCATTER: Kind.CONTRIBUTION, Half.ALL_GATHER: Kind.RESULT}
@@ -215,6 +215,9 @@ class Halves:
                 except TimeoutError:
                     waiting = [k for k, n in self._waiting_for().items() if n]
                     self._break(f"timed out after {limit:g} s waiting for members {waiting}")
+                except Exception as e:  # a bug: fail the op (and so the group) rather than leave it unresolved
+                    logger.exception("%s #%d raised", op.half.value, op.number)
+                    self._break(f"{type(e).__name__}: {e}")
             self._end(op)
             self._queue.popleft()
 
@@ -333,10 +336,7 @@ class Halves:
     def _fold(self, op: HalfOp, slot: _Slot, k: int, start: int, end: int) -> None:
         """Add sender k's elements [start, end) of my shard (from its receive buffer) into x."""
         base = op.bounds[self.group.me][0]
-        part, out = self._buffers[op.number % 2][k][start:end], op.x.numpy()[base + start : base + end]
-        if slot.weight[k] != 1.0:
-            np.multiply(part, np.float32(slot.weight[k]), out=part)  # the buffer is not needed after
-        np.add(out, part, out=out)
+        fold(op.x.numpy()[base + start : base + end], self._buffers[op.number % 2][k][start:end], slot.weight[k])
 
     def _finish_shard(self, op: HalfOp) -> None:
         """Divide my reduced shard by the total weight; refuse a result with NaN/Inf."""
@@ -345,7 +345,7 @@ class Halves:
         start, end = op.bounds[self.group.me]
         out = op.x.numpy()[start:end]
         if total > 0:
-            np.divide(out, np.float32(total), out=out)
+            divide(out, total)
         if not (total > 0 and all_finite(out)):
             self.events.rejected("contribution_nonfinite")
             self._break("the reduced shard holds NaN or Inf (or every weight was 0)")

@@ -1,5 +1,14 @@
-"""The receiving side of the engine: preallocated buffers, per-round bookkeeping, and the checks
-every incoming header passes before its payload may touch either.
+"""The receiving side of every engine round: the one class that admits what arrives (`Inbox`), its
+preallocated buffers, and the checks every incoming header passes before its payload may touch them.
+
+What is admitted, and what it settles, is the round's admission rule, plugged into the Inbox:
+* `chunks.ChunkRule` (GroupAllReduce, over reliable streams): shards travel in chunks on a fixed
+  grid (`AllReduceSettings.chunk_elements`), in order on each connection; verdicts end the round;
+* `packets.PacketRule` (LossyAllReduce, over datagrams): packets of the packet grid, each at most
+  once and in any order; nothing waits for a missing one, and DONE messages say what was sent.
+The Inbox holds what they share: the buffers, the round in progress and the next one, the sender
+checks, the one connection each member speaks on, the codec's staging, the backup of x, and the
+wait (`until`) that wakes the round only when what it waits for may have changed.
 
 Buffers (allocated once per engine, or lent by a `BufferPool` to one engine after another; reused
 every round):
@@ -9,47 +18,82 @@ every round):
   time), and copied back if the round aborts. A round opened with `restore=False` backs up only
   this member's own shard (its own contribution, read again while reducing): the caller holds the
   tensor's old value elsewhere and puts it back itself, which saves copying the other
-  (size - 1) / size of the tensor every round;
+  (size - 1) / size of the tensor every round. A rule whose rounds may end PARTIAL
+  (`partial_results`: a missing packet keeps the old value) backs up every chunk it overwrites;
 * `inbox[k]`: member k's contribution to this member's shard;
 * with a compressed payload (`AllReduceSettings.payload`, codec.py): `wire`, the encoded vector
   (contributions and this member's results are encoded there once and sent from there), and one
   staging buffer per member, where a payload lands and is checked before it is decoded into
   `inbox[k]` or `x` (a payload that fails is refused: `codec_bad_size`, `codec_bad_scale`).
 
-Shards (starting on the codec's block bounds) travel in chunks on a fixed grid
-(`AllReduceSettings.chunk_elements`), in order on each connection; a chunk off the grid or out of
-order ends the connection ("wire_bad_offset").
-
 Rounds: messages of the round in progress are accepted while its phase still wants them; messages
-of the next round (number + 1) that arrive early are buffered deterministically: verdicts always,
-contributions once this member's own shard is reduced (their buffers are then free), results only
-between rounds (parked in `backup`, swapped into `x` when the round opens). Every other early
-message, and every message of a past or a later round, is refused ("wire_early",
-"wire_wrong_round") and its payload skipped. When a round ends, payloads of it still arriving are
-thrown away rather than written into a tensor the caller owns again.
+of the next round (number + 1) that arrive early are kept as the rule allows; every message of a
+past or a later round is refused ("wire_wrong_round") and its payload skipped. When a round ends,
+or another opens, stream payloads of a different round still arriving are thrown away rather than
+written into a tensor the caller owns again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from peerd.peers.collective.codec import Codec, Format
-from peerd.peers.collective.decision import Verdict, sum64
 from peerd.peers.collective.group import Group, chunk_bounds, shard_bounds
-from peerd.peers.collective.rounds import Phase, RoundState, bits
+from peerd.peers.collective.rounds import Phase, bits
 from peerd.peers.collective.transport import Action, Inbound
-from peerd.peers.collective.wire import DIGEST_SIZE, HEADER_SIZE, INT8_BLOCK, AbortCode, DType, Header, Kind, WireError
+from peerd.peers.collective.wire import INT8_BLOCK, Header, WireError
 from peerd.peers.events import PeerEvents
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
+
+
+class Gathered(NamedTuple):
+    """Where the all-gather stands for this member."""
+
+    complete: bool  # every part of every shard's result is here
+    over: bool  # nothing more is worth waiting for: complete, or what is missing can no longer come
+
+
+class RoundBook(Protocol):
+    """What the Inbox itself reads of a rule's per-round state (rounds.RoundState, packets.PacketRound)."""
+
+    number: int
+    backed: list[int]  # per shard: chunks of x copied to backup (restored if the round aborts)
+    lost: int  # members whose connection closed, or whom this member could not reach
+
+
+class AdmissionRule(Protocol):
+    """What arrives, and when a round has what it waits for: the part of receiving that differs
+    between a stream's chunks (chunks.ChunkRule) and the packet grid (packets.PacketRule). Made by
+    the Inbox (`rule(inbox)`); called on the event loop."""
+
+    partial_results: bool  # rounds may end holding part of the result: every overwritten chunk is backed up
+
+    def new_state(self, number: int) -> RoundBook:
+        """The bookkeeping of round `number`, before anything arrived."""
+
+    def opened(self, st: RoundBook) -> None:
+        """Round st is now the one in progress and x the caller's tensor: move in what waited for it."""
+
+    def admit(self, link: Inbound, h: Header) -> memoryview | Action:
+        """The Sink's on_header: where h's payload goes, or why it is refused (counted)."""
+
+    def arrived(self, link: Inbound, h: Header) -> None:
+        """The Sink's on_payload: h's payload is where `admit` put it."""
+
+    def ready(self, st: RoundBook, c: int) -> bool:
+        """Chunk c of this member's shard has every contribution it will get."""
+
+    def gathered(self, st: RoundBook) -> Gathered:
+        """How far the all-gather got."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +157,9 @@ class BufferPool:
 
 
 class Inbox:
-    """The transport's sink for one group. Runs on the event loop; the round waits on it with `until`."""
+    """The transport's sink for one group, whatever the transport; `rule` (a class taking the
+    inbox: chunks.ChunkRule, or functools.partial(packets.PacketRule, stride=...)) decides what is
+    admitted. Runs on the event loop; the round waits on it with `until`."""
 
     def __init__(
         self,
@@ -121,6 +167,7 @@ class Inbox:
         numel: int,
         chunk: int,
         events: PeerEvents,
+        rule: Callable[["Inbox"], AdmissionRule],
         buffers: InboxBuffers | None = None,
         payload: Format | str = Format.FP32,
     ):
@@ -137,36 +184,37 @@ class Inbox:
         others = [k for k in range(group.size) if k != group.me]
         self.backup = self.buffers.backup
         self.inbox = {k: part[: end - start] for k, part in zip(others, self.buffers.parts)}
-        self.backup_np, self._backup_bytes = self.backup.numpy(), as_bytes(self.backup)
+        self.backup_np, self.backup_bytes = self.backup.numpy(), as_bytes(self.backup)
         self.inbox_np = {k: t.numpy() for k, t in self.inbox.items()}
-        self._swap = self.buffers.swap
+        self.swap = self.buffers.swap
         self.x: np.ndarray | None = None  # the caller's tensor, while a round runs
         self.x_bytes: memoryview | None = None  # x's bytes, while a round runs
-        self._inbox_bytes = {k: as_bytes(t) for k, t in self.inbox.items()}
-        self._verdict_bytes = {k: memoryview(bytearray(DIGEST_SIZE)) for k in self.inbox}
+        self.inbox_bytes = {k: as_bytes(t) for k, t in self.inbox.items()}
         if self.coded:
             self.wire, staging = self.buffers.wire(self.codec)
             self._staging = {k: memoryview(b) for k, b in zip(others, staging)}
         self.phase = Phase.IDLE
         self.round = 0  # the round in progress, or the last one run
-        self.current: RoundState | None = None
-        self.next: RoundState | None = None  # early arrivals for round + 1
+        self.current: RoundBook | None = None
+        self.next: RoundBook | None = None  # early arrivals for round + 1
         self.links: dict[int, Inbound] = {}  # the one connection each member currently speaks on
-        self._filling: dict[Inbound, int] = {}  # connections receiving a payload, and its round
-        self.fold: Callable[[RoundState, int, int], None] | None = None  # called as contributions arrive
+        self._filling: dict[Inbound, int] = {}  # stream connections receiving a payload, and its round
+        self.fold: Callable[[RoundBook, int, int], None] | None = None  # called as contributions arrive
         self._done: Callable[[], bool] | None = None  # what the round waits for
         self._ready: asyncio.Future | None = None
         self.keep_results = True  # back up chunks of other shards before results overwrite them
+        self.rule = rule(self)
 
-    def open(self, number: int, x: torch.Tensor, restore: bool = True) -> RoundState:
+    def open(self, number: int, x: torch.Tensor, restore: bool = True) -> RoundBook:
+        """Start round `number` on the caller's flat tensor x. restore=False: back up only this
+        member's own shard (see the module docstring), unless the rule's rounds may end PARTIAL."""
         self._discard(lambda n: n != number)  # e.g. parked for a round the caller skipped: not into backup
         nxt = self.next
-        st = nxt if nxt is not None and nxt.number == number else self._new_state(number)
+        st = nxt if nxt is not None and nxt.number == number else self.rule.new_state(number)
         self.current, self.next, self.round, self.phase = st, None, number, Phase.CONTRIBUTE
-        self.x, self.x_bytes, self.keep_results = x.numpy(), as_bytes(x), restore
-        for j, parked in enumerate(st.parked):
-            for c in bits(parked & st.result_have[j]):
-                self._unpark(st, j, c)
+        self.x, self.x_bytes = x.numpy(), as_bytes(x)
+        self.keep_results = restore or self.rule.partial_results
+        self.rule.opened(st)
         return st
 
     def close(self) -> None:
@@ -192,11 +240,11 @@ class Inbox:
         """What goes on the wire for x[start:end]: x's own bytes, or their encoding in `wire`."""
         return self.encode(start, end) if self.coded else self.x_bytes[start * 4 : end * 4]
 
-    def _destination(self, k: int, h: Header, values: memoryview) -> memoryview:
+    def destination(self, k: int, h: Header, values: memoryview) -> memoryview:
         """Where member k's payload lands: straight in `values` (float32), or staged to be decoded."""
         return self._staging[k][: h.length] if self.coded else values
 
-    def _decoded(self, k: int, h: Header, out: np.ndarray, rejected: Callable[[str], None]) -> bool:
+    def decoded(self, k: int, h: Header, out: np.ndarray, rejected: Callable[[str], None]) -> bool:
         """Decode member k's staged payload into out; False (counted by `rejected`) if it fails the codec's checks."""
         if not self.coded:
             return True
@@ -224,11 +272,12 @@ class Inbox:
             self._done = self._ready = None
         return done()
 
-    def _changed(self) -> None:
+    def changed(self) -> None:
+        """Something the round may wait for arrived: wake it if what it waits for now holds."""
         if self._ready is not None and not self._ready.done() and self._done():
             self._ready.set_result(None)
 
-    def back_up(self, st: RoundState, j: int, c: int) -> None:
+    def back_up(self, st: RoundBook, j: int, c: int) -> None:
         """Save chunk c of shard j of x before it is overwritten (once per round; another member's
         shard only if the round restores it)."""
         if not st.backed[j] >> c & 1 and (self.keep_results or j == self.group.me):
@@ -236,7 +285,7 @@ class Inbox:
             np.copyto(self.backup_np[start:end], self.x[start:end])
             st.backed[j] |= 1 << c
 
-    def restore(self, st: RoundState) -> None:
+    def restore(self, st: RoundBook) -> None:
         """Put back every chunk of x this round backed up: with `keep_results`, x is as it was
         before the round; without, other shards' chunks may hold the round's results."""
         for j, backed in enumerate(st.backed):
@@ -245,104 +294,29 @@ class Inbox:
                 np.copyto(self.x[start:end], self.backup_np[start:end])
         st.backed = [0] * len(st.backed)
 
-    def _unpark(self, st: RoundState, j: int, c: int) -> None:
-        """A result chunk waiting in backup trades places with x's chunk, which becomes its backup."""
-        start, end = self.chunks[j][c]
-        tmp = self._swap[: end - start]
-        np.copyto(tmp, self.x[start:end])
-        np.copyto(self.x[start:end], self.backup_np[start:end])
-        np.copyto(self.backup_np[start:end], tmp)
-        st.parked[j] &= ~(1 << c)
-        st.backed[j] |= 1 << c
-
-    def ready(self, st: RoundState, c: int) -> bool:
-        """Every other member's chunk c of my shard arrived, or will not come."""
-        return all((st.contrib_have[k] | st.contrib_gone[k]) >> c & 1 or st.lost >> k & 1 for k in self.inbox)
-
-    def gathered(self, st: RoundState) -> tuple[bool, bool]:
-        """(every chunk of every shard is here, some chunk can no longer come)."""
-        complete, hopeless = True, False
-        for j, n in enumerate(self.nchunks):
-            if st.result_have[j] != (1 << n) - 1:
-                complete = False
-                hopeless |= bool(st.result_gone[j]) or bool(st.lost >> j & 1) or j == self.group.me
-        return complete, hopeless
-
     # ---- the Sink interface --------------------------------------------------------------------
 
-    def _refuse_sender(self, link: Inbound, h: Header) -> Action | None:
+    def refuse_sender(self, link: Inbound, h: Header) -> Action | None:
         """DROP (counted) for a header of another run, from outside the group, or from a member other
         than the one this link already speaks for; None if the sender is acceptable."""
         g = self.group
         if h.run_tag != g.tag:
-            return self._refuse("wire_wrong_run", Action.DROP)
+            return self.refuse("wire_wrong_run", Action.DROP)
         if h.sender >= g.size or h.sender == g.me:
-            return self._refuse("wire_not_in_group", Action.DROP)
+            return self.refuse("wire_not_in_group", Action.DROP)
         if link.member is not None and link.member != h.sender:
-            return self._refuse("wire_sender_mismatch", Action.DROP)
+            return self.refuse("wire_sender_mismatch", Action.DROP)
         return None
 
     def on_header(self, link: Inbound, h: Header) -> memoryview | Action:
-        if (refused := self._refuse_sender(link, h)) is not None:
-            return refused
-        st = self._state(h.round, create=True)
-        if st is None:
-            return self._refuse("wire_wrong_round", Action.SKIP)
-        if h.kind is Kind.CONTRIBUTION:
-            dest = self._admit_contribution(st, h)
-        elif h.kind is Kind.RESULT:
-            dest = self._admit_result(st, h)
-        elif h.kind is Kind.VERDICT:
-            dest = self._admit_verdict(h)
-        else:
-            return self._refuse("wire_bad_kind", Action.DROP)  # DONE belongs to loss-tolerant rounds
-        if not isinstance(dest, Action):
-            self._bind(link, h.sender)
-            self._filling[link] = h.round
+        dest = self.rule.admit(link, h)
+        if not isinstance(dest, Action) and not getattr(link, "datagram", False):
+            self._filling[link] = h.round  # a stream payload may still be arriving when its round ends
         return dest
 
     def on_payload(self, link: Inbound, h: Header) -> None:
         self._filling.pop(link, None)
-        st, k, c = self._state(h.round, create=False), h.sender, h.offset // self.chunk
-        if st is None:
-            if h.kind is not Kind.VERDICT:
-                self.events.rejected("contribution_late" if h.kind is Kind.CONTRIBUTION else "result_late")
-            return
-        if h.kind is Kind.VERDICT:
-            new = Verdict(ok=bool(h.flags), digest=bytes(self._verdict_bytes[k]), code=AbortCode(h.code))
-            st.verdicts[k] = st.verdicts[k].then(new) if k in st.verdicts else new
-        elif h.kind is Kind.CONTRIBUTION:
-            if st is self.current and (self.phase is not Phase.CONTRIBUTE or c < st.reduced):
-                self.events.rejected("contribution_late")  # its owner reduced that chunk without it
-                return
-            start, end = self.chunks[self.group.me][c]
-            base = self.bounds[self.group.me][0]
-            if not self._decoded(k, h, self.inbox_np[k][start - base : end - base], self.events.rejected):
-                st.contrib_gone[k] |= 1 << c
-                self._changed()
-                return
-            st.contrib_have[k] |= 1 << c
-            st.weights[k] = h.weight
-            if st is self.current and self.fold is not None:
-                self.fold(st, k, c)
-        else:
-            if st is self.current and self.phase is Phase.DECIDE:
-                self.events.rejected("result_late")  # this member already gave up on the round
-                return
-            start, end = self.chunks[k][c]
-            parked = st.parked[k] >> c & 1
-            if not self._decoded(k, h, (self.backup_np if parked else self.x)[start:end], self.events.rejected):
-                st.result_gone[k] |= 1 << c
-                st.parked[k] &= ~(1 << c)
-                self._changed()
-                return
-            st.result_have[k] |= 1 << c
-            st.result_mask[k][c], st.result_weight[k][c] = h.mask, h.weight
-            st.result_sum[k][c] = sum64((self.backup_np if parked else self.x)[start:end])  # just received: in cache
-            if parked and st is self.current:
-                self._unpark(st, k, c)
-        st.bytes_received += HEADER_SIZE + h.length
-        self._changed()
+        self.rule.arrived(link, h)
 
     def on_lost(self, link: Inbound) -> None:
         self._filling.pop(link, None)
@@ -353,86 +327,20 @@ class Inbox:
         for st in (self.current, self.next):
             if st is not None:
                 st.lost |= 1 << k
-        self._changed()
+        self.changed()
 
-    # ---- admission -----------------------------------------------------------------------------
-
-    def _admit_contribution(self, st: RoundState, h: Header) -> memoryview | Action:
-        me, k = self.group.me, h.sender
-        if h.shard != me:
-            return self._refuse("wire_bad_shard", Action.DROP)
-        if not (math.isfinite(h.weight) and h.weight >= 0):
-            return self._refuse("wire_bad_weight", Action.DROP)
-        c = st.contrib_next[k]
-        bad = self._off_grid(me, c, h)
-        if bad:
-            return self._refuse(bad, Action.DROP)
-        st.contrib_next[k] = c + 1
-        late = st is self.current and (self.phase is not Phase.CONTRIBUTE or c < st.reduced)
-        early = st is self.next and self.phase is Phase.CONTRIBUTE  # its buffer serves the round in progress
-        if late or early:
-            st.contrib_gone[k] |= 1 << c
-            return self._refuse("contribution_late" if late else "wire_early", Action.SKIP)
-        base = self.bounds[me][0]
-        start, end = self.chunks[me][c]
-        return self._destination(k, h, self._inbox_bytes[k][(start - base) * 4 : (end - base) * 4])
-
-    def _admit_result(self, st: RoundState, h: Header) -> memoryview | Action:
-        j = h.sender
-        if h.shard != j:
-            return self._refuse("wire_bad_shard", Action.DROP)
-        if not (math.isfinite(h.weight) and h.weight > 0):
-            return self._refuse("wire_bad_weight", Action.DROP)
-        if not h.mask or h.mask >> self.group.size:
-            return self._refuse("wire_bad_mask", Action.DROP)
-        c = st.result_next[j]
-        bad = self._off_grid(j, c, h)
-        if bad:
-            return self._refuse(bad, Action.DROP)
-        st.result_next[j] = c + 1
-        late = st is self.current and self.phase is Phase.DECIDE
-        early = st is self.next and self.phase is not Phase.IDLE  # backup serves the round in progress
-        if late or early:
-            st.result_gone[j] |= 1 << c
-            return self._refuse("result_late" if late else "wire_early", Action.SKIP)
-        start, end = self.chunks[j][c]
-        if st is self.next:
-            st.parked[j] |= 1 << c
-            return self._destination(j, h, self._backup_bytes[start * 4 : end * 4])
-        self.back_up(st, j, c)
-        return self._destination(j, h, self.x_bytes[start * 4 : end * 4])
-
-    def _off_grid(self, shard: int, c: int, h: Header) -> str | None:
-        """Why chunk c of shard cannot be what h announces, or None if it can."""
-        if h.dtype is not self.codec.dtype:
-            return "wire_bad_dtype"
-        if c >= self.nchunks[shard]:
-            return "wire_duplicate"  # more chunks than the shard has: a replay
-        start, end = self.chunks[shard][c]
-        if h.offset != start - self.bounds[shard][0]:
-            return "wire_bad_offset"
-        return None if h.count == end - start else "wire_bad_size"
-
-    def _admit_verdict(self, h: Header) -> memoryview | Action:
-        if h.dtype is not DType.BYTES or h.count != DIGEST_SIZE or h.flags > 1:
-            return self._refuse("wire_bad_verdict", Action.DROP)
-        if h.code not in AbortCode._value2member_map_ or (h.flags == 1) != (h.code == AbortCode.NONE):
-            return self._refuse("wire_bad_verdict", Action.DROP)
-        return self._verdict_bytes[h.sender]
-
-    def _state(self, number: int, *, create: bool) -> RoundState | None:
+    def state(self, number: int, *, create: bool) -> RoundBook | None:
+        """Round `number`'s state if it is the one in progress or the next (made if `create`);
+        None if a message of it must be refused."""
         if self.current is not None and number == self.current.number:
             return self.current
         if number != self.round + 1:
             return None
         if create and (self.next is None or self.next.number != number):
-            self.next = self._new_state(number)
+            self.next = self.rule.new_state(number)
         return self.next if self.next is not None and self.next.number == number else None
 
-    def _new_state(self, number: int) -> RoundState:
-        return RoundState.new(number, self.nchunks, self.group.me)
-
-    def _bind(self, link: Inbound, member: int) -> None:
+    def bind(self, link: Inbound, member: int) -> None:
         """A member speaks on one connection: a newer one (it reconnected) replaces the older."""
         if link.member is None:
             old = self.links.get(member)
@@ -443,6 +351,7 @@ class Inbox:
                 if st is not None:
                     st.lost &= ~(1 << member)
 
-    def _refuse(self, reason: str, action: Action) -> Action:
+    def refuse(self, reason: str, action: Action) -> Action:
+        """Count a refused stream message (`PeerEvents.rejected`); returns what to do with it."""
         self.events.rejected(reason)
         return action

@@ -14,7 +14,7 @@ The rule (docs/loss-tolerance.md):
   pre-round values where it did not.
 `simulate_round` composes the two over a whole group: the reference the engine is tested against.
 
-Arithmetic is numpy's on one thread, for the reason given in reduction.py.
+Arithmetic is the engines' one kernel (reduction.py: `fold`, `divide`), on one thread.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from peerd.peers.collective.group import chunk_bounds
-from peerd.peers.collective.reduction import all_finite
+from peerd.peers.collective.reduction import all_finite, divide, fold
 
 Part = tuple[int, np.ndarray, float, np.ndarray]  # (member, values, weight, arrived: bool per packet)
 
@@ -82,18 +82,15 @@ def packets_finite(v: np.ndarray, stride: int) -> np.ndarray:
     return np.append(ok, tail.all()) if len(tail) else ok
 
 
-def masked_mean(
-    out: np.ndarray, parts: Sequence[Part], stride: int, scratch: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray, int]:
+def masked_mean(out: np.ndarray, parts: Sequence[Part], stride: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Write into `out` (float32) the per-packet weighted mean of the parts that arrived.
 
     Returns (mask, total, refused): per packet the contributors (bit k = member k) and their total
     weight; refused counts (member, packet) pairs left out for NaN/Inf. A packet with mask 0 had no
     usable contribution: its values in `out` mean nothing and it must not be sent."""
-    scratch = np.empty_like(out) if scratch is None else scratch[: len(out)]
     refused = 0
     for attempt in range(2):
-        mask, total = _accumulate(out, parts, stride, scratch)
+        mask, total = _accumulate(out, parts, stride)
         finite = all_finite(out)
         if finite or attempt:
             break
@@ -106,27 +103,29 @@ def masked_mean(
     return mask, total, refused
 
 
-def _accumulate(
-    out: np.ndarray, parts: Sequence[Part], stride: int, scratch: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _accumulate(out: np.ndarray, parts: Sequence[Part], stride: int) -> tuple[np.ndarray, np.ndarray]:
     npk = -(-len(out) // stride)
     mask, total = np.zeros(npk, np.uint64), np.zeros(npk, np.float64)
     out.fill(0.0)
+    for k, v, w, arrived in parts:  # packets that did not arrive hold stale values: never read
+        for a, b in arrived_runs(arrived, stride, len(out)):
+            fold(out[a:b], v[a:b], w)
+        total += arrived * w
+        mask |= arrived.astype(np.uint64) << np.uint64(k)
     head, tail = packet_views(out, stride)
-    s_head, s_tail = packet_views(scratch, stride)
-    with np.errstate(all="ignore"):  # packets that did not arrive hold stale values: never added
-        for k, v, w, arrived in parts:
-            np.multiply(v, np.float32(w), out=scratch)
-            np.add(head, s_head, out=head, where=arrived[: len(head), None])
-            if len(tail) and arrived[-1]:
-                tail += s_tail
-            total += arrived * w
-            mask |= arrived.astype(np.uint64) << np.uint64(k)
-        scale = np.where(total > 0, 1.0 / np.where(total > 0, total, 1.0), 0.0).astype(np.float32)
-        head *= scale[: len(head), None]
+    by = np.where(total > 0, total, 1.0)  # a packet nobody reached stays zero (its mask says so)
+    with np.errstate(all="ignore"):
+        divide(head, by[: len(head), None])
         if len(tail):
-            tail *= scale[-1]
+            divide(tail, by[-1])
     return mask, total
+
+
+def arrived_runs(arrived: np.ndarray, stride: int, length: int) -> list[tuple[int, int]]:
+    """[start, end) in elements of each run of consecutive packets that arrived, of a vector of
+    `length` elements cut into packets of `stride`."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], arrived.astype(np.int8), [0]))))
+    return [(int(a) * stride, min(int(b) * stride, length)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def keep_missing(x: np.ndarray, result: np.ndarray, held: np.ndarray, stride: int) -> None:

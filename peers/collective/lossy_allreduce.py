@@ -35,6 +35,7 @@ A round lasts at most gather_timeout + drain_timeout. Losses are counted (`PeerE
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 
@@ -44,12 +45,12 @@ import torch
 from peerd.peers.collective.allreduce import GroupAllReduce
 from peerd.peers.collective.decision import Decision, sum64
 from peerd.peers.collective.group import AllReduceSettings, Group
-from peerd.peers.collective.inbox import InboxBuffers, as_bytes
+from peerd.peers.collective.inbox import Inbox, InboxBuffers, as_bytes
 from peerd.peers.collective.codec import Format
 from peerd.peers.collective.lossy import keep_missing, masked_mean, packets_finite
 from peerd.peers.collective.reduction import all_finite
 from peerd.peers.collective.outcome import Outcome, Status
-from peerd.peers.collective.packets import LossyInbox, PacketRound
+from peerd.peers.collective.packets import PacketRound, PacketRule
 from peerd.peers.collective.rounds import Phase
 from peerd.peers.collective.transport import Transport
 from peerd.peers.collective.udpsend import packet_stride
@@ -79,14 +80,15 @@ class LossyAllReduce(GroupAllReduce):
             raise ValueError(f"datagrams of {self.packet_elements * 4} payload bytes hold no {payload} block")
         super().__init__(group, transport, numel, settings=settings, events=events, buffers=buffers)
 
-    def _make_inbox(self, buffers: InboxBuffers | None) -> LossyInbox:
-        s = self.settings
-        inbox = LossyInbox(self.group, self.numel, s.chunk_elements, self.stride, self.events, buffers, s.payload)
+    def _make_inbox(self, buffers: InboxBuffers | None) -> Inbox:
+        s, rule = self.settings, functools.partial(PacketRule, stride=self.stride)
+        inbox = Inbox(self.group, self.numel, s.chunk_elements, self.events, rule, buffers, s.payload)
         self.reducer = PacketReducer(inbox, self.group.me, self.events)
         return inbox
 
     async def _run(self, st: PacketRound, x: torch.Tensor, weight: float, t0: float) -> tuple[Decision, str, bytes]:
-        s, me, inbox, grid = self.settings, self.group.me, self.inbox, self.inbox.grid
+        s, me, inbox, rule = self.settings, self.group.me, self.inbox, self.inbox.rule
+        grid = rule.grid
         await self._connect(st)
         live = self._live_links()
         for c in range(max(inbox.nchunks)):
@@ -106,7 +108,7 @@ class LossyAllReduce(GroupAllReduce):
             st.bytes_sent += link.send(self._done(st, Kind.CONTRIBUTION, j, grid.packets(j)))
 
         deadline, mine = t0 + s.contribute_timeout, inbox.nchunks[me]
-        while st.reduced < mine and await inbox.until(lambda: inbox.settled(st, st.reduced), deadline):
+        while st.reduced < mine and await inbox.until(lambda: rule.ready(st, st.reduced), deadline):
             self._reduce_chunk(st, x)
         inbox.phase = Phase.GATHER  # from here on, contributions of this round are late
         while st.reduced < mine:
@@ -116,18 +118,18 @@ class LossyAllReduce(GroupAllReduce):
             st.bytes_sent += link.send(self._done(st, Kind.RESULT, me, sent))
         self._report_coverage(st)
 
-        await inbox.until(lambda: inbox.gathered(st), t0 + s.gather_timeout)
+        await inbox.until(lambda: rule.gathered(st).over, t0 + s.gather_timeout)
         inbox.phase = Phase.DECIDE
-        self.events.packets_lost(inbox.missing(st))
+        self.events.packets_lost(rule.missing(st))
         if self.group.size > 1 and not st.heard:
             return Decision.ABORT, "nothing arrived from any other member", b""
-        if all(int(c) == grid.packets(j) for j, c in enumerate(st.held_count)):
+        if rule.gathered(st).complete:
             return Decision.COMPLETE, "every packet of the result arrived", self._digest(st, x.numpy())
         return Decision.COMPLETE, "some packets of the result are missing: own values kept there", b""
 
     def _reduce_chunk(self, st: PacketRound, x: torch.Tensor) -> None:
         """Reduce chunk st.reduced of my shard and send its usable packets to every member."""
-        me, grid = self.group.me, self.inbox.grid
+        me, grid = self.group.me, self.inbox.rule.grid
         p0, p1 = self.reducer.finish(st)
         mask, total = st.rmask[me][p0:p1], st.rweight[me][p0:p1]
         cuts = np.flatnonzero((mask[1:] != mask[:-1]) | (total[1:] != total[:-1])) + 1
@@ -177,7 +179,7 @@ class LossyAllReduce(GroupAllReduce):
         return h.digest()
 
     def _outcome(self, st: PacketRound, decision: Decision, reason: str, digest: bytes, duration: float) -> Outcome:
-        grid, size, applied = self.inbox.grid, self.group.size, decision is Decision.COMPLETE
+        grid, size, applied = self.inbox.rule.grid, self.group.size, decision is Decision.COMPLETE
         held, coverage, everywhere = [], [], (1 << size) - 1
         for j in range(size):
             have = st.held[j] if applied else np.zeros(grid.packets(j), bool)
@@ -206,10 +208,8 @@ class LossyAllReduce(GroupAllReduce):
 class PacketReducer:
     """This member's shard, chunk by chunk, in place in x: lossy.masked_mean over what arrived."""
 
-    def __init__(self, inbox: LossyInbox, me: int, events: PeerEvents):
+    def __init__(self, inbox: Inbox, me: int, events: PeerEvents):
         self.inbox, self.me, self.events = inbox, me, events
-        start, end = inbox.bounds[me]
-        self.scratch = np.empty(min(inbox.chunk, end - start), np.float32)
         self.x: np.ndarray | None = None
         self.weight = 0.0
 
@@ -223,7 +223,7 @@ class PacketReducer:
     def finish(self, st: PacketRound) -> tuple[int, int]:
         """Reduce chunk st.reduced; returns its packet range. Packets without a usable contribution
         keep this member's own values and are not marked held."""
-        inbox, me, grid = self.inbox, self.me, self.inbox.grid
+        inbox, me, grid = self.inbox, self.me, self.inbox.rule.grid
         c = st.reduced
         st.reduced += 1
         start, end = inbox.chunks[me][c]
@@ -238,7 +238,7 @@ class PacketReducer:
             if k == me or k in st.weights
         ]
         out = self.x[start:end]
-        mask, total, refused = masked_mean(out, parts, grid.stride, self.scratch)
+        mask, total, refused = masked_mean(out, parts, grid.stride)
         for _ in range(refused):
             self.events.packet_rejected("contribution_nonfinite")
         if inbox.coded:  # encoded once for the all-gather; this owner holds what members receive

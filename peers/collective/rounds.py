@@ -1,4 +1,5 @@
-"""What one round has seen so far, and where it stands: plain bookkeeping, no I/O."""
+"""What one round has seen so far, and where it stands (and the two halves a round is made of):
+plain bookkeeping, no I/O."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from peerd.peers.collective.decision import Verdict
+
+
+class Half(enum.Enum):
+    """The two halves of a group all-reduce, as ops of their own (halves.py, and DeAR's backends)."""
+
+    REDUCE_SCATTER = "reduce_scatter"  # the owner's shard becomes the weighted mean of every member's slice
+    ALL_GATHER = "all_gather"  # every shard becomes its owner's bytes: the whole buffer agrees
 
 
 class Phase(enum.Enum):

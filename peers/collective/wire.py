@@ -25,7 +25,8 @@ blocks of `INT8_BLOCK` values at absolute positions, each a float32 scale then o
 4 * ceil(count / INT8_BLOCK) + count bytes; codec.py), BYTES (verdicts).
 
 `decode` checks only what needs no context (magic, version, kind, dtype, length = payload_size);
-whether a header fits the group and the round is decided by `peerd.peers.collective.admission`.
+whether a header fits the group and the round is decided where it is received (inbox.py and its
+admission rules, chunks.py and packets.py; halves.py for DeAR's ops).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ __getattr__ = attributes(
     __name__,
     {
         "peerd.peers.dear.buckets": ("Bucket", "BucketPlan", "plan_buckets"),
-        "peerd.peers.dear.backend": ("Collective", "CollectiveError", "Handle", "Kind"),
+        "peerd.peers.dear.backend": ("Collective", "CollectiveError", "Handle", "Half"),
         "peerd.peers.dear.engine": ("EngineCollective",),
         "peerd.peers.dear.overlap": ("StepStats",),
         "peerd.peers.dear.schedule": ("DeAR", "DeARSettings", "Mode"),
@@ -42,8 +42,8 @@ __all__ = [
     "EngineCollective",
     "Fit",
     "FusionTuner",
+    "Half",
     "Handle",
-    "Kind",
     "LinkSample",
     "LocalGroupRules",
     "LocalGroups",

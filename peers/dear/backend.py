@@ -32,7 +32,6 @@ The contract every backend keeps (the backends are listed in peers/dear/__init__
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 from dataclasses import dataclass, field
@@ -40,21 +39,19 @@ from typing import Protocol
 
 import torch
 
+from peerd.peers.collective.group import shard_bounds
+from peerd.peers.collective.rounds import Half
+
 
 class CollectiveError(RuntimeError):
     """An op failed (a peer died or froze, the backend broke); the collective is unusable after it."""
-
-
-class Kind(enum.Enum):
-    REDUCE_SCATTER = "reduce_scatter"  # the owner's shard becomes the mean over ranks of that shard
-    ALL_GATHER = "all_gather"  # every shard becomes its owner's bytes: the whole buffer agrees
 
 
 @dataclass(eq=False, slots=True)
 class Handle:
     """One op, queued or done. Written by the backend only; `done` is set once, after the rest."""
 
-    kind: Kind
+    half: Half
     flat: torch.Tensor
     seq: int  # position of the op in this collective's sequence, from 0
     started: float = math.nan  # time.monotonic() when the op began moving bytes
@@ -111,23 +108,23 @@ class CollectiveBase:
 
     def reduce_scatter(self, flat: torch.Tensor) -> Handle:
         check_buffer(flat, self.world)
-        return self._submit(Kind.REDUCE_SCATTER, flat)
+        return self._submit(Half.REDUCE_SCATTER, flat)
 
     def all_gather(self, handle: Handle, timeout: float | None = None) -> Handle:
         """`timeout` (seconds) replaces the collective's for this op, in backends that allow it
         (EngineCollective; gloo's is its process group's and cannot change: ValueError)."""
-        if handle.kind is not Kind.REDUCE_SCATTER:
+        if handle.half is not Half.REDUCE_SCATTER:
             raise ValueError("all_gather takes a reduce-scatter handle")
         if timeout is not None and not (self.per_op_timeout and math.isfinite(timeout) and timeout > 0):
             raise ValueError(
                 f"{type(self).__name__} takes no per-op timeout {timeout!r} (a positive number, where allowed)"
             )
-        return self._submit(Kind.ALL_GATHER, handle.flat, timeout)
+        return self._submit(Half.ALL_GATHER, handle.flat, timeout)
 
-    def _submit(self, kind: Kind, flat: torch.Tensor, timeout: float | None = None) -> Handle:
+    def _submit(self, half: Half, flat: torch.Tensor, timeout: float | None = None) -> Handle:
         if self._closed:
             raise CollectiveError("collective is closed")
-        handle = Handle(kind, flat, self._seq, timeout=timeout)
+        handle = Handle(half, flat, self._seq, timeout=timeout)
         self._seq += 1
         self._issue(handle)
         return handle
@@ -146,6 +143,7 @@ def check_buffer(flat: torch.Tensor, world: int) -> None:
 
 
 def shard(flat: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """Rank `rank`'s shard of `flat` (a view)."""
-    size = flat.numel() // world
-    return flat[rank * size : (rank + 1) * size]
+    """Rank `rank`'s shard of `flat` (a view): the engine's `shard_bounds`, which cut a buffer of a
+    multiple of `world` elements into the equal shards the contract above names."""
+    start, end = shard_bounds(flat.numel(), world)[rank]
+    return flat[start:end]

@@ -40,7 +40,8 @@ from peerd.peers.collective.group import Group
 from peerd.peers.collective.halves import HalfOp, Halves, HalvesSettings
 from peerd.peers.collective.tcp import TcpTransport
 from peerd.peers.collective.transport import Transport
-from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind
+from peerd.peers.collective.rounds import Half
+from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle
 from peerd.peers.events import PeerEvents
 
 logger = logging.getLogger(__name__)
@@ -118,10 +119,10 @@ class EngineCollective(CollectiveBase):
             if time.monotonic() - self._progress > limit + STALL_GRACE or not self._serving():
                 stall = limit + STALL_GRACE
                 raise CollectiveError(
-                    f"{handle.kind.value} #{handle.seq}: the engine's loop did nothing for {stall:.0f} s"
+                    f"{handle.half.value} #{handle.seq}: the engine's loop did nothing for {stall:.0f} s"
                 )
         if handle.error:
-            raise CollectiveError(f"{handle.kind.value} #{handle.seq} failed: {handle.error}")
+            raise CollectiveError(f"{handle.half.value} #{handle.seq} failed: {handle.error}")
 
     def close(self) -> None:
         if self._closed:
@@ -173,7 +174,7 @@ class EngineCollective(CollectiveBase):
     def _launch(self, handle: Handle) -> None:
         self._progress = time.monotonic()
         try:
-            if handle.kind is Kind.REDUCE_SCATTER:
+            if handle.half is Half.REDUCE_SCATTER:
                 op = self._halves.reduce_scatter(handle.flat)
             else:
                 op = self._halves.all_gather(handle.flat, handle.timeout)

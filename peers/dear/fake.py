@@ -9,7 +9,7 @@ every rank has issued raises CollectiveError naming the missing ranks: a real gr
 until its timeout, so a test that drives ranks in the wrong order fails at once instead. Ops whose
 kinds or lengths differ between ranks fail, as they would corrupt a real group. After a
 reduce-scatter the shards a rank does not own are set to NaN, so reading them early shows.
-`kill(rank)` breaks the group as a dead peer would. `log` lists (rank, kind, seq, numel) in call order.
+`kill(rank)` breaks the group as a dead peer would. `log` lists (rank, half, seq, numel) in call order.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Callable
 
 import torch
 
-from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind, shard
+from peerd.peers.collective.rounds import Half
+from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, shard
 
 
 class FakeFabric:
@@ -29,7 +30,7 @@ class FakeFabric:
     def __init__(self, world: int, clock: Callable[[], float] | None = None):
         self.world = world
         self.clock = clock or itertools.count().__next__
-        self.log: list[tuple[int, Kind, int, int]] = []
+        self.log: list[tuple[int, Half, int, int]] = []
         self.error = ""
         self._ops: dict[int, list[Handle | None]] = {}  # seq -> each rank's handle, None until issued
 
@@ -40,13 +41,13 @@ class FakeFabric:
         self._break(f"rank {rank} died")
 
     def _issue(self, rank: int, handle: Handle) -> None:
-        self.log.append((rank, handle.kind, handle.seq, handle.flat.numel()))
+        self.log.append((rank, handle.half, handle.seq, handle.flat.numel()))
         if self.error:
             return self._fail(handle)
         slots = self._ops.setdefault(handle.seq, [None] * self.world)
         slots[rank] = handle
         issued = [h for h in slots if h is not None]
-        if any(h.kind is not handle.kind or h.flat.numel() != handle.flat.numel() for h in issued):
+        if any(h.half is not handle.half or h.flat.numel() != handle.flat.numel() for h in issued):
             return self._break(f"op #{handle.seq}: ranks issued different ops")
         if len(issued) == self.world:
             del self._ops[handle.seq]
@@ -54,7 +55,7 @@ class FakeFabric:
 
     def _complete(self, handles: list[Handle]) -> None:
         flats = [h.flat for h in handles]
-        if handles[0].kind is Kind.REDUCE_SCATTER:
+        if handles[0].half is Half.REDUCE_SCATTER:
             means = [torch.stack([shard(f, self.world, r) for f in flats]).mean(dim=0) for r in range(self.world)]
             for rank, flat in enumerate(flats):
                 flat.fill_(math.nan)
@@ -96,9 +97,9 @@ class FakeCollective(CollectiveBase):
         if not handle.done.is_set():
             slots = self.fabric._ops.get(handle.seq, [])
             missing = [r for r, h in enumerate(slots) if h is None]
-            raise CollectiveError(f"{handle.kind.value} #{handle.seq} would block: ranks {missing} have not issued it")
+            raise CollectiveError(f"{handle.half.value} #{handle.seq} would block: ranks {missing} have not issued it")
         if handle.error:
-            raise CollectiveError(f"{handle.kind.value} #{handle.seq}: {handle.error}")
+            raise CollectiveError(f"{handle.half.value} #{handle.seq}: {handle.error}")
 
     def close(self) -> None:
         self._closed = True

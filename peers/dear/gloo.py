@@ -28,7 +28,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, Kind, shard
+from peerd.peers.collective.rounds import Half
+from peerd.peers.dear.backend import CollectiveBase, CollectiveError, Handle, shard
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,9 @@ class GlooCollective(CollectiveBase):
         while not handle.done.wait(self.timeout):
             if time.monotonic() - self._progress > self.timeout + STALL_GRACE:
                 self._error = self._error or f"gloo made no progress for {self.timeout + STALL_GRACE:.0f} s"
-                raise CollectiveError(f"{handle.kind.value} #{handle.seq}: {self._error}")
+                raise CollectiveError(f"{handle.half.value} #{handle.seq}: {self._error}")
         if handle.error:
-            raise CollectiveError(f"{handle.kind.value} #{handle.seq}: {handle.error}")
+            raise CollectiveError(f"{handle.half.value} #{handle.seq}: {handle.error}")
 
     def close(self) -> None:
         if self._closed:
@@ -90,7 +91,7 @@ class GlooCollective(CollectiveBase):
                     if self.min_seconds is not None:
                         time.sleep(max(0.0, handle.started + self.min_seconds(handle.nbytes) - time.monotonic()))
                 except RuntimeError as e:  # gloo: timeout, connection closed, aborted group
-                    self._error = f"{handle.kind.value} #{handle.seq} failed: {type(e).__name__}: {e}"
+                    self._error = f"{handle.half.value} #{handle.seq} failed: {type(e).__name__}: {e}"
                     logger.warning("rank %d: %s", self.rank, self._error)
             self._progress = handle.finished = time.monotonic()
             handle.error = self._error
@@ -99,7 +100,7 @@ class GlooCollective(CollectiveBase):
     def _run(self, handle: Handle) -> None:
         flat, world = handle.flat, self.world
         mine = shard(flat, world, self.rank)
-        if handle.kind is Kind.ALL_GATHER:
+        if handle.half is Half.ALL_GATHER:
             dist.all_gather_single(flat, mine, group=self.group)
             return
         if self._scratch.numel() < flat.numel():
