@@ -422,8 +422,10 @@ def test_added_rtt_is_real_carries_100_mbit_and_changes_mid_run(lab):
     # A link change sets a new delay (the delay line re-reads it on SIGHUP); 0 leaves the delay line in place, idle.
     lab.shape("a", LinkShape(rate_mbit=100, rtt_ms=150))
     lab.shape("b", LinkShape(rate_mbit=100, rtt_ms=0))
-    rtt = lab.measure_rtt([("a", "b"), ("b", "c")], probes=5)
-    assert 74.5 < rtt["a", "b"]["min_ms"] and rtt["a", "b"]["median_ms"] < 85, rtt
+    # Ten probes, as above, and the same 20 % for scheduling as at 50 ms (a CI run's median of five was
+    # 85.6 ms, its min 75.6, its max 132).
+    rtt = lab.measure_rtt([("a", "b"), ("b", "c")], probes=10)
+    assert 74.5 < rtt["a", "b"]["min_ms"] and rtt["a", "b"]["median_ms"] < 90, rtt
     # b's delay line stays in place with no delay: well under the 25 ms it held before (a loaded machine
     # adds a few ms of scheduling to each pass through the userspace line; 3.3 ms seen in CI).
     assert rtt["b", "c"]["median_ms"] < 10, rtt
