@@ -46,6 +46,11 @@ class PeerNode:
     @classmethod
     async def start(cls, settings: NodeSettings, events: PeerEvents) -> "PeerNode":
         """Start p2pd and join the DHT; raises on failure, leaving no child process behind."""
+        # hivemind checks that a key file it finds is not in use by another peer: it starts a second
+        # p2pd and asks the swarm for that peer ID, which costs a second and, over a slow or busy
+        # swarm, stalled a start for 30 s. A key made here a moment ago cannot be in use; one that
+        # was there before (a restart, or a data dir copied to another host) is checked.
+        fresh = not settings.identity_path.exists()
         identity = Identity.load_or_create(settings.identity_path)
         dht_traverse.install()  # a store cut off by request_timeout ends every task of its search
         late_answers.install()  # a call cut off by its timeout leaves the other calls answered
@@ -55,6 +60,7 @@ class PeerNode:
                 host_maddrs=settings.host_maddrs,
                 announce_maddrs=settings.announce_maddrs or None,
                 identity_path=str(settings.identity_path),
+                check_if_identity_free=not fresh,
                 nat_port_map=settings.nat_port_map,
                 auto_nat=settings.auto_nat,
                 startup_timeout=settings.startup_timeout,

@@ -145,11 +145,15 @@ def test_a_member_that_dies_during_the_wan_rounds_breaks_the_group_and_the_other
     bounds = lane_bounds(n, lanes)
     collectives = _group(k)
     vectors = [torch.full((n,), float(r)) for r in range(k)]
+    # Member 2 dies once every member is in its WAN rounds: its own reduce-scatter can finish while
+    # its last chunk is still on the way to another member, and closing then fails the reduce-scatter.
+    in_wan = threading.Barrier(k, timeout=OP_TIMEOUT)
 
     def member(rank: int):
         exchange = LaneExchange(n, lanes, k)
 
         def wan(vector, weight, mine):
+            in_wan.wait()
             if rank == 2:
                 collectives[2].close()  # dies: its connections close
             for lane in mine:
