@@ -336,7 +336,9 @@ class Daemon:
             return False
         data_dir = self.config.data_dir
         resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject, data_dir)
-        await self.memberships.join(run_id, secret)
+        # A run with something to train announces "idle" until its trainer starts (the thread's first
+        # step or a process attaching): a peer waiting for --min-peers waits for trainers, not daemons.
+        await self.memberships.join(run_id, secret, role=IDLE if resolved is not None else TRAINER)
         self.memberships.runs[run_id].probe_address = (
             self.prober.announced(self._advertise_host()) if self.prober else ""
         )
@@ -465,7 +467,10 @@ class Daemon:
             self.config.train,
             average=average,
             on_round=lambda result: self.metrics.observe_round(run_id, result),
-            peers=lambda: len(membership.table),  # an int read from the trainer thread
+            # Read from the trainer thread, as a script's daemon counts (TaskChild.trainers_ready): the
+            # peers whose trainers started, so that one that starts seconds late does not train alone.
+            peers=lambda: sum(e.role != IDLE for e in membership.peers()),
+            on_start=lambda: self._trainer_started(membership, loop),
             peer_steps=lambda: [e.step for e in membership.peers()],
             sync=sync,
             on_sync=lambda result: self.metrics.observe_sync(run_id, result),
@@ -606,6 +611,15 @@ class Daemon:
         from peerd.daemon.attached import AttachedTrainer  # loaded already: a trainer exists
 
         return [t for t in trainers if isinstance(t, AttachedTrainer)]
+
+    @classmethod
+    def _trainer_started(cls, membership, loop: asyncio.AbstractEventLoop) -> None:
+        """From the trainer thread, before it waits for --min-peers trainers: announce "trainer" now."""
+        try:
+            loop.call_soon_threadsafe(setattr, membership, "role", TRAINER)
+        except RuntimeError:  # the loop is closed: the daemon is stopping
+            return
+        cls._announce_soon(membership, loop)
 
     @staticmethod
     def _announce_soon(membership, loop: asyncio.AbstractEventLoop) -> None:

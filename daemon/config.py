@@ -117,7 +117,7 @@ class TrainConfig:
     checkpoint_every: int = 100  # optimizer steps between two checkpoints in the data dir
     eval_every: int = 50  # optimizer steps between two evaluations (peerd_eval_score)
     max_steps: int = 0  # stop training a run after this many local steps; 0 = never (demos, tests)
-    min_peers: int = 1  # wait until the run has this many live peers (this daemon included) before training
+    min_peers: int = 1  # wait until this many peers train the run (this daemon included) before the first step
     min_peers_timeout: float = 60.0  # ... but at most this many seconds; then train with whoever is there
     # Operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none.
     # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
@@ -301,7 +301,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.checkpoint_every", "steps between checkpoints", "STEPS"),
     Option("train.eval_every", "steps between evaluations", "STEPS"),
     Option("train.max_steps", "stop training after this many local steps (0: never)", "STEPS"),
-    Option("train.min_peers", "live peers (this daemon included) to wait for before training", "N"),
+    Option("train.min_peers", "peers training the run (this daemon included) to wait for before the first step", "N"),
     Option("train.min_peers_timeout", "longest wait for --min-peers", "SECONDS"),
     Option(
         "train.local_group",

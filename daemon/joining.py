@@ -404,6 +404,7 @@ def make_trainer(
     on_sync=None,
     local_group=None,
     announce=None,
+    on_start=None,
     on_rejected=None,
 ) -> Trainer:
     """The run's trainer. `on_rejected(reason)` counts the checkpoints it cannot load: `checkpoint_corrupt`
@@ -447,6 +448,7 @@ def make_trainer(
         ready_timeout=train.min_peers_timeout,
         local_group=local_group,
         announce=announce,
+        on_start=on_start,
         outer=outer_settings(manifest.averaging),
         inner_budget=manifest.averaging.inner_budget if manifest.averaging.algorithm == "diloco" else 0.0,
     )

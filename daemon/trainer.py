@@ -126,6 +126,7 @@ class Trainer:
     - peer_steps() -> list[int]: the global steps live peers announced in their heartbeats;
     - sync(min_step, out) -> result with .ok, .step, .reason: download the run's state vector from
       peers into `out` (peers/statesync.py);
+    - on_start(): called once, as the thread is about to wait for ready_to_train;
     - ready_to_train() -> bool: polled before the first step until true or `ready_timeout`.
 
     With `local_group` (a LocalGroupMember, --local-group), steps run under DeAR among the group's
@@ -162,6 +163,7 @@ class Trainer:
         ready_timeout: float = 0.0,
         local_group: LocalGroupMember | None = None,
         announce: Callable[[], object] | None = None,
+        on_start: Callable[[], object] | None = None,
         outer: OuterSettings | None = None,
         inner_budget: float = 0.0,
     ):
@@ -191,6 +193,7 @@ class Trainer:
         self.delegation: tuple[int, str] = (0, "")  # (delegated lanes as a bit mask, group_id); (0, "") alone
         self.wan_share = 1.0  # the fraction of the state vector this daemon averages over the WAN
         self.announce = announce or (lambda: None)  # heartbeat now (non-blocking): the delegation changed
+        self.on_start = on_start or (lambda: None)  # announce "trainer" now (non-blocking)
         self.on_round = on_round or (lambda result: None)
         self.peer_steps, self.sync = peer_steps or (lambda: []), sync
         self.on_sync = on_sync or (lambda result: None)
@@ -335,6 +338,7 @@ class Trainer:
         data = self.task.data(self.hparams, self.peer_seed)
         if self.local_group is not None:  # listening early: its address reaches the peers' tables meanwhile
             self.local_group.prepare()
+        self.on_start()
         if self.ready_to_train is not None:  # e.g. enough peers: a lone creator would run ahead
             deadline = time.monotonic() + self.ready_timeout
             while not self.ready_to_train() and time.monotonic() < deadline and not self._stop.wait(0.2):

@@ -270,11 +270,14 @@ class Memberships:
     async def start(self) -> None:
         await self.node.add_handler(GOODBYE_HANDLER, self._on_goodbye, records_pb2.GoodbyeRequest)
 
-    async def join(self, run_id: str, secret: RunSecret | None) -> bool:
-        """Join run_id; False if already in it. Raises nothing for network trouble: heartbeats retry."""
+    async def join(self, run_id: str, secret: RunSecret | None, role: str = TRAINER) -> bool:
+        """Join run_id, announcing `role` in the first heartbeats; False if already in it. Raises
+        nothing for network trouble: heartbeats retry."""
         if run_id in self.runs:
             return False
-        membership = RunMembership(self.node, run_id, secret, self.settings, version=self.version, events=self.events)
+        membership = RunMembership(
+            self.node, run_id, secret, self.settings, version=self.version, role=role, events=self.events
+        )
         self.runs[run_id] = membership
         try:
             await membership.start()
