@@ -72,6 +72,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CLONE_NEWNET = 0x40000000  # linux/sched.h
 CALIBRATION_BATCH = 64
 END_GRACE = 1.0  # seconds a rank that is not waited for may take to end once the waited-for ranks reported
+INIT_TIMEOUT = 60.0  # seconds a group of ranks may take to connect (each op then gets its own op_timeout)
 EMULATED_SLOWDOWN = 5  # the emulated link's all-reduce takes this many times loopback's
 MODES = ("dear", "after_backward", "ddp25", "dear_nofusion", "torch_ddp", "compute_only", "comm_only")
 BACKENDS = ("gloo", "peerd")
@@ -172,7 +173,12 @@ def _entry(target, rank, world, store_path, op_timeout, args, conn, netns=None) 
 
     torch.set_num_threads(1)  # `world` processes share the machine's cores
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=op_timeout))
+    # Connecting the group may take longer than one op may on a loaded machine (a CI run's ranks
+    # missed a 3 s init): it gets INIT_TIMEOUT, then the group's ops get `op_timeout` (a private
+    # setter of the pinned torch; gloo's timeout is the group's, not an op's).
+    init = timedelta(seconds=max(op_timeout, INIT_TIMEOUT))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=init)
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=op_timeout))
     try:
         conn.send(("ok", target(rank, world, *args)))
     except BaseException:  # report it rather than leave the parent waiting for the timeout

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from peerd.daemon import __version__
@@ -503,10 +503,9 @@ class Daemon:
         layout, identity = await asyncio.to_thread(task_model, manifest, seed)  # builds the model once
         train = self.config.train
         argv = child_argv(manifest, self.config.data_dir, train, seed)
-        # Its rounds are waited for, as a script's (SCRIPT_RUN_DEFAULTS): a process lands an overlapped
-        # round only at its next phase's end, a whole phase late, where the thread lands it as soon as
-        # it ends. Every member still applies the same rounds to θ: overlap is each member's own pace.
-        outer = replace(run_setup.outer_settings(manifest.averaging), overlap=False)
+        # With overlap a round lands between two of the child's steps, as in the thread (daemon/attached.py,
+        # "landing").
+        outer = run_setup.outer_settings(manifest.averaging)
         return self._attached_trainer(
             manifest,
             membership,

@@ -13,8 +13,20 @@ control messages).
                state and download it, so every peer starts from the same parameters).
     end phase  The process writes its parameters and calls EndPhase. The daemon runs the outer step
                (daemon/diloco.py OuterLoop.end_phase, on the vector in place: without overlap the
-               vector holds θ afterwards, with overlap θ minus this phase's own progress) and
-               answers; the process copies the vector into its model.
+               vector holds θ afterwards; with overlap the phase's round starts in the background
+               and the vector is left as written) and answers; the process copies the vector into
+               its model.
+    landing    With overlap the file holds a second vector: θ, the run's parameters. Between two
+               EndPhases the vector holds s, where the averaged phase ended (what the process read
+               back). When the round in flight ends, the daemon takes the outer step, writes θ and
+               then LANDED, a count of landed rounds. The process reads LANDED at each step; on a
+               new one it adds the move θ − s to its parameters and writes the count it took to
+               APPLIED. An EndPhase settles a round the process did not take (one that ended while
+               the process wrote its parameters): the daemon adds the move to the vector. So a round
+               lands between two steps of the process, τ steps stale for a round of τ steps, as in
+               the trainer thread, not a whole phase late. θ there is also what the process
+               evaluates (peerd.torch.Optimizer.run_parameters); THETA_SEQ is odd while the daemon
+               writes it.
     lease      The process renews every lease/3 s. A lease that lapses, or a pid that exits, ends
                the attachment within LEASE_CHECK s: the daemon checkpoints, announces the role
                "idle" and takes no part in the run's rounds until a process attaches again.
@@ -41,7 +53,7 @@ from typing import Callable
 import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
-from peerd.daemon.diloco import OuterLoop, OuterSettings
+from peerd.daemon.diloco import OuterLoop, OuterSettings, cancelled
 from peerd.daemon.straggler import StragglerBudget
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
@@ -57,6 +69,11 @@ LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pi
 ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
 HEADER = struct.Struct("<8sIQ")  # magic, format version, numel; padded to HEADER_BYTES
 HEADER_BYTES = 64
+# Format 1: the header and the vector. Format 2 (a run with overlap): then θ, numel float32 values,
+# and in the header, each a u64: LANDED (rounds landed between two EndPhases), APPLIED (how many of
+# them the process's parameters hold) and THETA_SEQ (odd while θ is written).
+COUNT = struct.Struct("<Q")
+LANDED_OFFSET, APPLIED_OFFSET, THETA_SEQ_OFFSET = 32, 40, 48
 # In the header, written by the daemon only: the boundary step of the phase the straggler budget
 # ends now (0: none). The process compares it with its own phase's boundary at each step, so a value
 # left from an earlier phase never matches. (A process of an older release does not read it; an older
@@ -118,17 +135,35 @@ class SharedVector:
     process. The file is named after the daemon's pid, so that a start removes what a killed
     daemon left (remove_stale)."""
 
-    def __init__(self, directory: Path, numel: int):
+    def __init__(self, directory: Path, numel: int, theta: bool = False):
+        """`theta`: with θ and the landing counts (format 2, a run with overlap): 4 bytes more per value."""
         self.path = directory / f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        size = HEADER_BYTES + 4 * numel
+        size = HEADER_BYTES + 4 * numel * (2 if theta else 1)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._map[: HEADER.size] = HEADER.pack(MAGIC, 1, numel)
+        self._map[: HEADER.size] = HEADER.pack(MAGIC, 2 if theta else 1, numel)
         self.tensor = torch.frombuffer(self._map, dtype=torch.float32, offset=HEADER_BYTES, count=numel)
+        self.theta = (
+            torch.frombuffer(self._map, dtype=torch.float32, offset=HEADER_BYTES + 4 * numel, count=numel)
+            if theta
+            else None
+        )
+
+    def count(self, offset: int) -> int:
+        return COUNT.unpack_from(self._map, offset)[0]
+
+    def set_count(self, offset: int, value: int) -> None:
+        COUNT.pack_into(self._map, offset, value)
+
+    def write_theta(self, theta: torch.Tensor) -> None:
+        seq = self.count(THETA_SEQ_OFFSET)
+        self.set_count(THETA_SEQ_OFFSET, seq + 1)  # odd: a reader copies again
+        self.theta.copy_(theta)
+        self.set_count(THETA_SEQ_OFFSET, seq + 2)
 
     def end_phase_at(self, boundary: int) -> None:
         """Ask the process to end the phase whose boundary is `boundary` at its next step."""
@@ -136,7 +171,7 @@ class SharedVector:
             END_AT.pack_into(self._map, END_AT_OFFSET, boundary)
 
     def close(self) -> None:
-        self.tensor = None
+        self.tensor = self.theta = None
         try:
             self._map.close()
         except BufferError:  # a tensor view is still alive somewhere; the unlink frees it with the process
@@ -229,8 +264,14 @@ class AttachedTrainer:
         # What this run's checkpoints hold (daemon/checkpoint.py): a script's model, or a task's (its
         # own child's, daemon/taskchild.py: the identity the trainer thread's checkpoints have too).
         self._identity = identity if identity is not None else layout_identity(run_id, layout)
-        self._shared = SharedVector(shared_dir, self.numel)
-        self._outer = OuterLoop([self._shared.tensor], outer, self._round_in, run_id)
+        self._shared = SharedVector(shared_dir, self.numel, theta=outer.overlap)
+        self._outer = OuterLoop(
+            [self._shared.tensor], outer, self._round_in, run_id, self._round_done if outer.overlap else None
+        )
+        # Rounds landed between EndPhases (LANDED), how many of them the vector accounts for, and the
+        # latest one's move θ − s (for an EndPhase to add where the process did not).
+        self._moves = self._settled = 0
+        self._move = torch.empty(self.numel) if outer.overlap else None
         self._flat = torch.empty(2 * self.numel)  # where downloads land
         self._sketch_plan = SketchPlan.for_run(run_id, self.numel)
         self._lock = threading.Lock()
@@ -324,6 +365,9 @@ class AttachedTrainer:
                 )
             if s is not None:
                 self._end_session("another process attaches")
+            # The vector holds what the last process wrote at its last EndPhase: a move since then is
+            # added, whether that process took it into its own parameters or not.
+            self._settle(taken=0)
             upload = False
             if not self._has_state:
                 if not self._download(0, ATTACH_PATIENCE if not self.creator else 0.0):
@@ -342,6 +386,7 @@ class AttachedTrainer:
             )
             self.state = TrainState.TRAINING
             self.error = self._passed_over
+            self._publish_theta()
         self._phase_began = time.monotonic()
         self.on_role(True)
         logger.info(
@@ -390,7 +435,9 @@ class AttachedTrainer:
                 self._outer.reset_from_params()
                 self._has_state = True
                 self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
+                self._publish_theta()
                 return PhaseEnd(self.global_step, -1, "", 0.0, False)
+            self._settle(taken=self._shared.count(APPLIED_OFFSET) if self._move is not None else 0)
             self.local_step += steps
             self.samples += int(samples)
             self._samples_since_round += samples
@@ -404,6 +451,7 @@ class AttachedTrainer:
                 end = self._outer_round()
             if self.global_step - self._checkpointed >= self.checkpoint_every:
                 self._checkpoint()
+            self._publish_theta()
         self._phase_began = time.monotonic()
         wall = self._phase_began - began
         self.compute_seconds += compute_seconds
@@ -426,16 +474,62 @@ class AttachedTrainer:
         repair = bool(outer.settings.repair_every and round_t % outer.settings.repair_every == 0)
         applied = outer.end_phase(round_t, self._samples_since_round, repair)
         self._samples_since_round = 0.0
-        if applied.round_t is None:  # overlap: the first round is still on the network
-            return PhaseEnd(self.global_step, -1, "", applied.waited, False)
+        if applied.round_t is None:  # overlap: no round landed now (the first, or it landed as a move)
+            last = self.last_round.outcome_name if self.last_round is not None else ""
+            return PhaseEnd(self.global_step, -1, last, applied.waited, False)
+        self._record(applied)
+        return PhaseEnd(self.global_step, applied.round_t, applied.results[0].outcome_name, applied.waited, False)
+
+    def _record(self, applied) -> None:
         results = applied.results
         self.last_round = results[0]
         if any(getattr(r, "applied", False) for r in results):
-            self.param_distance_to_group_mean = outer.distance
-        self.snapshot = Snapshot(self.global_step, outer.outer.clone())
+            self.param_distance_to_group_mean = self._outer.distance
+        self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
         for result in results:
             self.on_round(result)
-        return PhaseEnd(self.global_step, applied.round_t, results[0].outcome_name, applied.waited, False)
+
+    # -- landing (overlap): a round that ends between two EndPhases -----------------------------
+
+    def _round_done(self) -> None:
+        """On the round's thread, which end_phase may be waiting for under the lock: land elsewhere."""
+        threading.Thread(target=self._land, name=f"peerd-land-{self.run_id}", daemon=True).start()
+
+    def _land(self) -> None:
+        """The round in flight ended: the outer step now, and its move to the process (LANDED). An
+        EndPhase that took the lock first has landed it already (waited for): nothing to do."""
+        with self._lock:
+            if self._shared.theta is None:  # the daemon stopped meanwhile
+                return
+            try:
+                applied = self._outer.land_into(self._move)
+            except Exception:  # the round failed: end_phase's wait raises it to the process
+                logger.debug("run %s: a round in flight failed", self.run_id, exc_info=True)
+                return
+            if applied is None:
+                return
+            if not cancelled(applied.results):
+                self._shared.write_theta(self._outer.theta)
+                self._moves += 1
+                self._shared.set_count(LANDED_OFFSET, self._moves)
+            self._record(applied)
+
+    def _publish_theta(self) -> None:
+        """Under the lock, the process blocked in a call: θ as it is now (a round that landed in the
+        call, a download, a checkpoint loaded)."""
+        if self._shared.theta is not None:
+            self._shared.write_theta(self._outer.theta)
+
+    def _settle(self, taken: int) -> None:
+        """Under the lock, the process blocked in a call: the vector it wrote accounts for `taken`
+        moves; add the latest one if it did not take it. APPLIED then tells the process how many
+        moves the vector it reads next holds."""
+        if self._move is None:
+            return
+        if self._moves > self._settled and taken < self._moves:
+            self._shared.tensor.add_(self._move)
+        self._settled = self._moves
+        self._shared.set_count(APPLIED_OFFSET, self._moves)
 
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         return self.average(vector, weight, round_t, None, restore=True, payload=fmt)

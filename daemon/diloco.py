@@ -20,7 +20,9 @@ counted from θ. A round that takes τ inner steps is τ steps stale, not a whol
 the next phase's end, as before, cost 13 % of charlm's quality at outer momentum 0.9 in simulation,
 landing 10 steps into a 50-step phase 1.2 % (docs/benchmarks.md). A round still running when the
 next phase ends is waited for and lands then; compute waits only when a round takes longer than a
-phase. An attached process (daemon/attached.py) calls only `end_phase`: its rounds land then.
+phase. An attached process (daemon/attached.py) computes in another process: there the daemon
+calls `land_into` as soon as the round ends, which takes the outer step and hands the process the
+move θ − s to add to its parameters between two of its steps (`on_round_done` says when).
 
 A lane that formed no group, or whose round aborted, leaves this member's own P there (the engine
 restores it): a member alone is DiLoCo with one worker. A round the run's stop cancelled (a result
@@ -101,8 +103,18 @@ class OuterLoop:
     named thread, while the trainer thread computes. Every other method is called from the trainer
     thread."""
 
-    def __init__(self, params: list[torch.Tensor], settings: OuterSettings, average: PhaseRound, name: str):
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        settings: OuterSettings,
+        average: PhaseRound,
+        name: str,
+        on_round_done: Callable[[], None] | None = None,
+    ):
+        """`on_round_done()`: with overlap, called on the round's thread when a round in flight ends
+        (it must not block on whatever thread calls end_phase)."""
         self.params, self.settings, self.average = params, settings, average
+        self.on_round_done = on_round_done
         n = sum(p.numel() for p in params)
         self.n = n
         self.outer = torch.empty(2 * n)  # [θ; m]: served to peers, checkpointed
@@ -171,6 +183,8 @@ class OuterLoop:
         if self.settings.overlap:
             self._pending_round = (round_t, repair)
             self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)
+            if self.on_round_done is not None:
+                self._pending.add_done_callback(lambda future: self.on_round_done())
             self.start.copy_(self.scratch)  # the next phase starts at y, where the model is
             return applied
         t0 = time.monotonic()
@@ -203,6 +217,24 @@ class OuterLoop:
             from_flat(self.scratch, self.params)
             self.start.copy_(self.theta)
         return Applied(round_t, results, waited, repair)
+
+    @torch.no_grad()
+    def land_into(self, move: torch.Tensor) -> Applied | None:
+        """`land` for parameters held by another process: if the round in flight has ended, the
+        outer step on θ, and `move` := θ − s, what that process adds to its parameters x to hold
+        θ − (s − x); from then on its progress is counted from θ. The parameters here are left
+        alone. None when no round was in flight or it still runs; a cancelled round changes
+        nothing, and `move` is not written."""
+        if self._pending is None or not self._pending.done():
+            return None
+        results = self._pending.result()
+        round_t, repair = self._pending_round
+        self._pending = None
+        if not cancelled(results):
+            self._apply(repair)
+            torch.sub(self.theta, self.start, out=move)
+            self.start.copy_(self.theta)
+        return Applied(round_t, results, 0.0, repair)
 
     def _apply(self, repaired: bool) -> None:
         """The round's result is in `payload` (its mean where it applied, this member's own values

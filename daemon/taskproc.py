@@ -8,8 +8,8 @@ A daemon started with --train-process starts it for its `--task` runs (daemon/ta
 the run's hyper-parameters and seed; started by hand, it attaches like any script (a script's run,
 created by this attach or joined with the model's layout). What it does is what the daemon's
 trainer thread (daemon/trainer.py) does for such a run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in
-the daemon, an evaluation of the run's parameters every `--eval-every` run steps (at a phase's end,
-when the model holds them) reported to the daemon (ReportEval), and the inner optimizer's state
+the daemon, an evaluation of the run's parameters θ every `--eval-every` run steps (at a phase's end,
+through Optimizer.run_parameters) reported to the daemon (ReportEval), and the inner optimizer's state
 saved next to the daemon's checkpoints (`--state`), so that a restarted process resumes it.
 """
 
@@ -104,7 +104,7 @@ def train(args: argparse.Namespace) -> int:
             opt.step(samples=batch.samples, loss=loss)
             if opt.run_step == phase_step:  # within a phase: the model holds this process's own progress
                 continue
-            phase_step = opt.run_step  # a phase ended: the model holds the run's parameters
+            phase_step = opt.run_step  # a phase ended: evaluate, save
             if opt.run_step - evaluated >= args.eval_every:
                 report(task, hparams, model, opt)
                 evaluated, reported = opt.run_step, True
@@ -125,7 +125,10 @@ def train(args: argparse.Namespace) -> int:
 
 
 def report(task, hparams, model: torch.nn.Module, opt) -> None:
-    result = task.evaluate(model, hparams)
+    """Evaluate the run's parameters θ (with overlap the model holds θ plus this process's progress
+    since the latest round landed), as the trainer thread evaluates them."""
+    with opt.run_parameters():
+        result = task.evaluate(model, hparams)
     loss = result.loss if math.isfinite(result.loss) else math.nan
     opt.report_eval(result.metric, result.score, higher_is_better=result.higher_is_better, loss=loss)
     logger.info("run %s: step %d: %s %.4f", opt.run, opt.run_step, result.metric, result.score)

@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,9 @@ HEADER = struct.Struct("<8sIQ")  # as daemon/attached.py writes it
 HEADER_BYTES = 64
 END_AT = struct.Struct("<Q")  # the boundary step of a phase the daemon ends early (daemon/attached.py)
 END_AT_OFFSET = 24
+COUNT = struct.Struct("<Q")  # the landing counts of format 2 (daemon/attached.py, "landing")
+LANDED_OFFSET, APPLIED_OFFSET, THETA_SEQ_OFFSET = 32, 40, 48
+THETA_TRIES = 1000  # copies of θ begun before one is taken whole (a write takes milliseconds)
 MAGIC = b"PEERDSHM"
 RENEW_TIMEOUT = 5.0  # seconds for one Renew
 RETRY_EVERY = 1.0  # seconds between two tries to reach a daemon that is away
@@ -58,6 +62,7 @@ def control_address(daemon: str | os.PathLike | None, control: str | None) -> st
 class Attached:
     session: str
     vector: torch.Tensor  # float32, numel values in layout order, over the shared file
+    theta: torch.Tensor | None  # with overlap (format 2): the run's parameters θ, as the daemon last wrote them
     step: int
     average_every: int
     lease_seconds: float
@@ -120,10 +125,11 @@ class Attachment:
             run_id=self.run, pid=os.getpid(), device=self.device, layout=self.layout, settings=self.settings, step=step
         )
         response = self._stub.Attach(request, timeout=self.attach_timeout)
-        vector = self._map_vector(response.shared_path, response.numel)
+        vector, theta = self._map_vector(response.shared_path, response.numel)
         self.current = Attached(
             response.session,
             vector,
+            theta,
             response.step,
             response.average_every,
             response.lease_seconds,
@@ -143,19 +149,26 @@ class Attachment:
         self._channel = grpc.insecure_channel(address)
         self._stub = control_pb2_grpc.ControlStub(self._channel)
 
-    def _map_vector(self, path: str, numel: int) -> torch.Tensor:
+    def _map_vector(self, path: str, numel: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         with open(path, "r+b") as f:
+            magic, version, n = HEADER.unpack(f.read(HEADER.size))
+            if magic != MAGIC or version not in (1, 2) or n != numel:
+                raise PeerdError(
+                    f"{path} is not a peerd shared vector of {numel} values (a daemon of another release?)"
+                )
             # Populated at once: the first hand-over then takes no page faults (about 100,000 at 100M values).
             mapped = mmap.mmap(
-                f.fileno(), HEADER_BYTES + 4 * numel, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                f.fileno(), HEADER_BYTES + 4 * numel * version, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
-        magic, version, n = HEADER.unpack_from(mapped)
-        if magic != MAGIC or version != 1 or n != numel:
-            mapped.close()
-            raise PeerdError(f"{path} is not a peerd shared vector of {numel} values (a daemon of another release?)")
         self._unmap()
         self._map = mapped
-        return torch.frombuffer(mapped, dtype=torch.float32, offset=HEADER_BYTES, count=numel)
+        vector = torch.frombuffer(mapped, dtype=torch.float32, offset=HEADER_BYTES, count=numel)
+        theta = (
+            torch.frombuffer(mapped, dtype=torch.float32, offset=HEADER_BYTES + 4 * numel, count=numel)
+            if version == 2
+            else None
+        )
+        return vector, theta
 
     def _unmap(self) -> None:
         if self._map is not None:
@@ -171,6 +184,31 @@ class Attachment:
         """The boundary step of the phase the daemon asks to end now (the straggler budget); 0: none.
         A read from the shared file's header: cheap enough for every step."""
         return END_AT.unpack_from(self._map, END_AT_OFFSET)[0] if self._map is not None else 0
+
+    def landed(self) -> int:
+        """How many rounds landed between EndPhases (LANDED); a header read, cheap enough for every step."""
+        return COUNT.unpack_from(self._map, LANDED_OFFSET)[0] if self._map is not None else 0
+
+    def held(self) -> int:
+        """After an attach or EndPhase: how many landed rounds the vector it answered with holds."""
+        return COUNT.unpack_from(self._map, APPLIED_OFFSET)[0] if self._map is not None else 0
+
+    def took(self, count: int) -> None:
+        """The parameters now hold `count` landed rounds (APPLIED: an EndPhase adds none twice)."""
+        COUNT.pack_into(self._map, APPLIED_OFFSET, count)
+
+    def copy_theta(self, copy) -> None:
+        """Call `copy(theta)` until it ran while the daemon wrote nothing there (THETA_SEQ even and
+        unchanged); PeerdError after THETA_TRIES tries."""
+        theta = self.current.theta
+        for _ in range(THETA_TRIES):
+            before = COUNT.unpack_from(self._map, THETA_SEQ_OFFSET)[0]
+            if before % 2 == 0:
+                copy(theta)
+                if COUNT.unpack_from(self._map, THETA_SEQ_OFFSET)[0] == before:
+                    return
+            time.sleep(0.001)
+        raise PeerdError(f"run {self.run}: θ in the shared file kept changing for {THETA_TRIES} copies")
 
     def end_phase(
         self, steps: int, samples: float, loss: float, compute_seconds: float

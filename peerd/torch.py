@@ -5,11 +5,17 @@ Every `opt.step()` is an inner step of your own optimizer, on your model, on its
 shared vector (one host copy; pinned in place where CUDA is present), the daemon averages the
 phase's pseudo-gradient with its peers and takes the outer step (DiLoCo), and the run's parameters
 are copied back into the model. Nothing else crosses: the inner optimizer's state stays here.
+With overlap (the run's `averaging.overlap`), the phase's end does not wait for its round: the
+round runs while the next phase computes; when it ends the daemon writes the new θ to the shared
+file, and the next `step()` moves the parameters by θ − s (s: where the averaged phase ended, which
+the shared vector holds until the next phase's end). `run_parameters()` puts θ in the model for
+an evaluation.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import mmap
@@ -86,6 +92,7 @@ class Optimizer(torch.optim.Optimizer):
         self._phase_began = time.monotonic()
         self._boundary = 0
         self._vector: torch.Tensor | None = None
+        self._landed = 0  # the landed rounds the parameters hold (daemon/attached.py, "landing")
         self._pinned = 0  # the page-locked address of the shared vector (CUDA models); 0: pageable
         self._attach()
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -121,6 +128,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._attachment.lost.is_set():
             self._reattach()
         result = self.inner.step(closure) if closure is not None else self.inner.step()
+        self._land()
         self.local_step += 1
         self._phase_steps += 1
         self._phase_samples += 1.0 if samples is None else float(samples)
@@ -135,6 +143,7 @@ class Optimizer(torch.optim.Optimizer):
     def _end_phase(self) -> None:
         compute = time.monotonic() - self._phase_began
         loss = float(self._loss_sum) / self._loss_count if self._loss_count else math.nan
+        self._land()
         self._write()
         try:
             end = self._attachment.end_phase(self._phase_steps, self._phase_samples, loss, compute)
@@ -149,6 +158,7 @@ class Optimizer(torch.optim.Optimizer):
             return
         self.run_step, self.last_outcome = end.step, end.outcome
         self._read()
+        self._landed = self._attachment.held()
         self._new_phase()
 
     def _new_phase(self) -> None:
@@ -156,6 +166,11 @@ class Optimizer(torch.optim.Optimizer):
         every = self._attached.average_every
         self._boundary = (self.run_step // every + 1) * every  # the run's step at this phase's end
         self._phase_began = time.monotonic()
+
+    @property
+    def landed_rounds(self) -> int:
+        """With overlap: the rounds that landed between two steps since this attach (not at a phase's end)."""
+        return self._landed
 
     def report_eval(self, metric: str, score: float, *, higher_is_better: bool = True, loss: float = math.nan) -> None:
         """Report an evaluation of the run's model (e.g. after a phase's end, when the model holds
@@ -185,6 +200,7 @@ class Optimizer(torch.optim.Optimizer):
                 ) from None
         else:
             self._read()
+        self._landed = self._attachment.held()
         self._new_phase()
         logger.info(
             "peerd: attached to run %s at step %d (%s)",
@@ -196,6 +212,38 @@ class Optimizer(torch.optim.Optimizer):
     def _reattach(self) -> None:
         self._attach()
 
+    def _land(self) -> None:
+        """If a round landed since the parameters last took one: x ← x + (θ − s). Between two
+        EndPhases the daemon writes θ only when a round lands, and then LANDED: θ is whole here."""
+        theta = self._attached.theta
+        if theta is None:
+            return
+        landed = self._attachment.landed()
+        if landed > self._landed:
+            move_by(self.params, theta, self._vector, bool(self._pinned))
+            self._landed = landed
+            self._attachment.took(landed)
+
+    @contextlib.contextmanager
+    def run_parameters(self):
+        """Within the block the model holds the run's parameters θ, as of the latest round that
+        landed (to evaluate the run's model, as the daemon's checkpoints and `peerd export` hold it);
+        then its own again. Right after a phase's end without overlap the model holds θ already;
+        otherwise it holds θ plus its own progress since. Costs a copy of the parameters on their
+        device and a copy of θ into them."""
+        with torch.no_grad():
+            own = [p.detach().clone() for p in self.params]
+            if self._attached.theta is None:  # θ is the vector, which the daemon writes only in a call
+                self._read()
+            else:
+                self._attachment.copy_theta(lambda theta: from_vector(theta, self.params, bool(self._pinned)))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self.params, own):
+                    p.copy_(saved)
+
     def _write(self) -> None:
         to_vector(self.params, self._vector, bool(self._pinned))
 
@@ -204,7 +252,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _pin(self) -> None:
         unpin(self._pinned)  # the previous attachment's mapping
-        self._pinned = pin(self._vector) if self.params[0].device.type == "cuda" else 0
+        last = self._attached.theta if self._attached.theta is not None else self._vector  # θ follows the vector
+        self._pinned = pin(self._vector, last) if self.params[0].device.type == "cuda" else 0
 
     # -- checkpoints of the user's own --------------------------------------------------------
 
@@ -260,13 +309,28 @@ def from_vector(vector: torch.Tensor, params: list[torch.Tensor], pinned: bool) 
         torch.cuda.synchronize(params[0].device)
 
 
-def pin(vector: torch.Tensor) -> int:
-    """Page-lock a host tensor in place (the shared mapping: no staging copy) so that copies to and
-    from a GPU run at the bus's speed and may be asynchronous. Returns the registered address (the
-    tensor's first page) for unpin; 0 where CUDA refuses (pageable, slower: a warning says so)."""
+@torch.no_grad()
+def move_by(params: list[torch.Tensor], theta: torch.Tensor, start: torch.Tensor, pinned: bool) -> None:
+    """params += θ − s (float32 vectors, in order), on each one's device and in its dtype."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        move = torch.sub(theta[offset : offset + n], start[offset : offset + n])
+        p.add_(move.view_as(p).to(p.device, non_blocking=pinned))
+        offset += n
+    if pinned:  # the host-side moves are temporaries: the copies must be done before they go
+        torch.cuda.synchronize(params[0].device)
+
+
+def pin(vector: torch.Tensor, last: torch.Tensor | None = None) -> int:
+    """Page-lock a host tensor in place (the shared mapping: no staging copy), through the end of
+    `last` where given (a tensor after it in the same mapping), so that copies to and from a GPU run
+    at the bus's speed and may be asynchronous. Returns the registered address (the tensor's first
+    page) for unpin; 0 where CUDA refuses (pageable, slower: a warning says so)."""
+    last = vector if last is None else last
     page = mmap.PAGESIZE
     start = vector.data_ptr() & ~(page - 1)  # whole pages: the mapping's own (its start is page-aligned)
-    size = -(-(vector.data_ptr() + vector.numel() * vector.element_size() - start) // page) * page
+    size = -(-(last.data_ptr() + last.numel() * last.element_size() - start) // page) * page
     code = torch.cuda.cudart().cudaHostRegister(start, size, 0)
     if int(code) != 0:
         logger.warning("peerd: could not pin the shared vector (cudaHostRegister: %s); copies are pageable", code)

@@ -19,6 +19,7 @@ p.add_argument("--dim", type=int, default=8)
 p.add_argument("--reconnect-timeout", type=float, default=60.0)
 p.add_argument("--budget", type=float, default=None, help="the run's averaging.inner_budget (DropCompute)")
 p.add_argument("--eval", action="store_true", help="report the loss as an evaluation at each phase's end")
+p.add_argument("--overlap", action="store_true", help="a run with averaging.overlap: rounds land between steps")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -28,7 +29,11 @@ opt = peerd.torch.Optimizer(
     run=args.run,
     daemon=args.daemon,
     model=model,
-    settings={"average_every": args.every, **({"inner_budget": args.budget} if args.budget is not None else {})},
+    settings={
+        "average_every": args.every,
+        **({"inner_budget": args.budget} if args.budget is not None else {}),
+        **({"overlap": "true"} if args.overlap else {}),
+    },
     reconnect_timeout=args.reconnect_timeout,
 )
 print(json.dumps({"attached": opt.run_step}), flush=True)
@@ -53,4 +58,7 @@ for i in range(args.steps):
         )
     time.sleep(args.sleep)
 opt.close()
-print(json.dumps({"done": opt.run_step, "local_step": opt.local_step, "phases": phases}), flush=True)
+print(
+    json.dumps({"done": opt.run_step, "local_step": opt.local_step, "phases": phases, "landed": opt.landed_rounds}),
+    flush=True,
+)

@@ -160,6 +160,35 @@ def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_
     b.close()
 
 
+def test_land_into_hands_another_process_the_move_that_land_makes_here():
+    """An attached process's parameters (daemon/attached.py): the daemon writes θ − s when the round
+    ends (on_round_done says when), the process adds it; the same values as land() in place."""
+    pair = Pair()
+    ended = threading.Event()
+    pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
+    a = pair.member(pa, True, "a")
+    a.on_round_done = ended.set
+    b = pair.member(pb, True, "b")
+    pa[0] -= 1.0  # phase 1: P_a = 1, P_b = 3
+    pb[0] -= 3.0
+    together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 1.0))
+    x = pa[0].item() - 0.5  # the process trains on (its parameters, not the loop's vector)
+    pb[0] -= 0.5
+    assert ended.wait(10)
+    move = torch.full((1,), float("nan"))
+    landed = a.land_into(move)
+    assert landed.round_t == 1 and a.land_into(move) is None  # nothing in flight any more
+    b.land(wait=True)
+    # θ = 0 - 0.5*2 = -1; s_a = -1: the move is 0, and x stays θ plus its progress since (-1.5), as
+    # land() left b's (s_b = -3, moved by 2).
+    assert a.theta.item() == b.theta.item() == -1.0
+    assert move.item() == 0.0 and x + move.item() == pb[0].item() == -1.5
+    assert pa[0].item() == -1.0  # the loop's own vector is left as written
+    assert a.start.item() == -1.0  # progress now counted from θ
+    a.close()
+    b.close()
+
+
 STOPPED = [SimpleNamespace(cancelled=True)]  # what daemon/joining.round_bridge returns for a round the stop cancelled
 
 

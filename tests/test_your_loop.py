@@ -85,6 +85,26 @@ def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls
     assert weights.keys() == ma.keys() and all(torch.equal(weights[k], ma[k]) for k in ma)
 
 
+def test_with_overlap_rounds_land_between_a_scripts_steps_and_the_scripts_meet(spawn):
+    """A run with averaging.overlap: a phase's end does not wait for its round, which lands between
+    two later steps of the script (daemon/attached.py, "landing"), and every member applies it."""
+    a = spawn("ov-a", ["--run", "ov"])
+    b = spawn("ov-b", ["--run", "ov", "--initial-peers", a.maddrs[0]])
+    # A phase of 10 steps takes 1 s; a round on loopback well under that.
+    common = ["--run", "ov", "--every", 10, "--sleep", 0.1, "--steps", 120, "--overlap"]
+    pa = script(*common, "--daemon", a.data_dir)
+    assert json.loads(pa.stdout.readline()) == {"attached": 0}
+    pb = script(*common, "--daemon", b.data_dir)
+    out_a, out_b = lines(finish(pa, 180)), lines(finish(pb, 180))
+    kept = (a.data_dir / "runs" / "ov" / "manifest").read_bytes()
+    assert decode_manifest(kept, run_id="ov", secret=None, subkey=None).averaging.overlap is True
+    for out in (out_a, out_b):
+        assert any(o.get("outcome") == "completed" for o in out), out
+    # Rounds landed between steps on both, not at the next phase's end.
+    assert out_a[-1]["landed"] >= 2 and out_b[-1]["landed"] >= 2, (out_a[-1], out_b[-1])
+    assert out_a[-2]["loss"] < out_a[1]["loss"] and out_b[-2]["loss"] < out_b[1]["loss"]
+
+
 def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_on(spawn):
     a = spawn("kill-a", ["--run", "kill"])
     b = spawn("kill-b", ["--run", "kill", "--initial-peers", a.maddrs[0]])
