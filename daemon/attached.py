@@ -84,10 +84,9 @@ MAGIC = b"PEERDSHM"
 SHARED_PREFIX = "peerd-"
 
 
-# Settings of a run that a script's first attach creates, unless the script gives its own: a
-# script's loop lands an overlapped round only at its next phase's end, a whole phase late (3.5 %
-# worse per step at outer momentum 0.5 in simulation, 13 % at 0.9: docs/algorithms.md), so its
-# rounds are waited for. The straggler budget (DropCompute) is the script's to ask for: an early
+# Settings of a run that a script's first attach creates, unless the script gives its own: its
+# rounds are waited for, so that a loop's model holds the run's parameters θ at each phase's end
+# (with overlap it holds θ plus its own progress: Optimizer.run_parameters). The straggler budget (DropCompute) is the script's to ask for: an early
 # phase end moves the run's step further than the loop's own count, which a loop that evaluates or
 # stops every so many of its steps would not expect.
 SCRIPT_RUN_DEFAULTS = {"averaging.overlap": "false", "averaging.inner_budget": "0"}

@@ -6,8 +6,8 @@ The child attaches like a script (daemon/attached.py: the outer state, rounds, c
 state peers download stay here), except that:
 - its model is the task's, built from the run's manifest: the daemon builds it once to know its
   layout, and accepts an attach only from its own child with exactly that layout;
-- its rounds are waited for, whatever the run's averaging.overlap (as a script's: a process lands
-  an overlapped round only at its next phase's end, a whole phase late; the daemon passes `outer`);
+- its rounds follow the run's averaging.overlap, landing between two of its steps (daemon/attached.py,
+  "landing"), and it evaluates θ (peerd.torch.Optimizer.run_parameters);
 - every daemon of the run may start it from the manifest's seed (the parameters the trainer thread
   would start from), so a joiner with no peer to download from is not refused;
 - checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one the
