@@ -15,7 +15,9 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
                 under the same CPU sharing, since all hosts share this machine's cores
   extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
-                the others' speed (the straggler budget; needs cgroup v1's cpu controller)
+                the others' speed (the straggler budget; needs cgroup v1's cpu controller);
+                process: (a) with each daemon training in a child process (--train-process);
+                process_sync: the same with averaging.overlap=false
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
 sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
@@ -76,7 +78,7 @@ class TrainingLab(Lab):
             self.evaluations[name] = task.evaluate(model, hparams).score
 
 
-def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> dict:
+def scenario(name: str, args, settings: dict, *, loss: float | None = None, daemon_args: tuple = ()) -> dict:
     hosts = [{"name": f"h{i}"} for i in range(args.hosts)]
     data = {
         "name": name,
@@ -87,7 +89,7 @@ def scenario(name: str, args, settings: dict, *, loss: float | None = None) -> d
             "task": args.task,
             "settings": {k: str(v) for k, v in settings.items()},
             "checkpoint_every": 100_000,
-            "args": ["--eval-every", "100000", "--progress-interval", "0"],
+            "args": ["--eval-every", "100000", "--progress-interval", "0", *daemon_args],
         },
         "link": {"rate_mbit": args.rate, "loss_pct": args.loss if loss is None else loss, "rtt_ms": args.rtt_ms},
         "host": hosts,
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
-    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled")
+    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled, process, process_sync")
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
     p.add_argument(
@@ -248,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif e == "sync":
             setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
+        elif e in ("process", "process_sync"):
+            settings = {**diloco, "averaging.overlap": "false"} if e == "process_sync" else diloco
+            setups.append(
+                (f"a_diloco_{e}", scenario(f"a_diloco_{e}", args, settings, daemon_args=("--train-process",)))
+            )
         elif e == "throttled":
             setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))
         else:

@@ -86,9 +86,10 @@ SHARED_PREFIX = "peerd-"
 
 # Settings of a run that a script's first attach creates, unless the script gives its own: its
 # rounds are waited for, so that a loop's model holds the run's parameters θ at each phase's end
-# (with overlap it holds θ plus its own progress: Optimizer.run_parameters). The straggler budget (DropCompute) is the script's to ask for: an early
-# phase end moves the run's step further than the loop's own count, which a loop that evaluates or
-# stops every so many of its steps would not expect.
+# (with overlap it holds θ plus its own progress: Optimizer.run_parameters). The straggler budget
+# (DropCompute) is the script's to ask for: an early phase end moves the run's step further than
+# the loop's own count, which a loop that evaluates or stops every so many of its steps would not
+# expect.
 SCRIPT_RUN_DEFAULTS = {"averaging.overlap": "false", "averaging.inner_budget": "0"}
 
 
@@ -501,17 +502,19 @@ class AttachedTrainer:
             if self._shared.theta is None:  # the daemon stopped meanwhile
                 return
             try:
-                applied = self._outer.land_into(self._move)
-            except Exception:  # the round failed: end_phase's wait raises it to the process
-                logger.debug("run %s: a round in flight failed", self.run_id, exc_info=True)
-                return
-            if applied is None:
-                return
-            if not cancelled(applied.results):
-                self._shared.write_theta(self._outer.theta)
-                self._moves += 1
-                self._shared.set_count(LANDED_OFFSET, self._moves)
-            self._record(applied)
+                self._land_locked(wait=False)
+            except Exception:  # dropped: θ stays, and the process's progress counts from s as before
+                logger.warning("run %s: a round in flight failed", self.run_id, exc_info=True)
+
+    def _land_locked(self, wait: bool) -> None:
+        applied = self._outer.land_into(self._move, wait=wait)
+        if applied is None:
+            return
+        if not cancelled(applied.results):
+            self._shared.write_theta(self._outer.theta)
+            self._moves += 1
+            self._shared.set_count(LANDED_OFFSET, self._moves)
+        self._record(applied)
 
     def _publish_theta(self) -> None:
         """Under the lock, the process blocked in a call: θ as it is now (a round that landed in the
@@ -577,7 +580,15 @@ class AttachedTrainer:
         s, self.session = self.session, None
         if s is None:
             return
-        if self._has_state and self.global_step > self._checkpointed:
+        moves = self._moves
+        if self._move is not None:
+            # The round of the process's last phase lands in the checkpoint (waited for; its bridge
+            # bounds it), as the trainer thread's last round does; the next attach takes its move.
+            try:
+                self._land_locked(wait=True)
+            except Exception:
+                logger.warning("run %s: the round in flight at the detach failed", self.run_id, exc_info=True)
+        if self._has_state and (self.global_step > self._checkpointed or self._moves != moves):
             self._checkpoint()
         self.state = TrainState.STOPPED
         logger.info("run %s: process %d detached (%s) at step %d", self.run_id, s.pid, why, self.global_step)

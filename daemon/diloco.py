@@ -219,17 +219,18 @@ class OuterLoop:
         return Applied(round_t, results, waited, repair)
 
     @torch.no_grad()
-    def land_into(self, move: torch.Tensor) -> Applied | None:
-        """`land` for parameters held by another process: if the round in flight has ended, the
-        outer step on θ, and `move` := θ − s, what that process adds to its parameters x to hold
-        θ − (s − x); from then on its progress is counted from θ. The parameters here are left
-        alone. None when no round was in flight or it still runs; a cancelled round changes
-        nothing, and `move` is not written."""
-        if self._pending is None or not self._pending.done():
+    def land_into(self, move: torch.Tensor, wait: bool = False) -> Applied | None:
+        """`land` for parameters held by another process: if the round in flight has ended (or,
+        with `wait`, once it has), the outer step on θ, and `move` := θ − s, what that process adds
+        to its parameters x to hold θ − (s − x); from then on its progress is counted from θ. The
+        parameters here are left alone. None when no round was in flight or it still runs; a
+        cancelled round changes nothing, and `move` is not written. A round that raised is dropped,
+        and its exception raised here."""
+        if self._pending is None or not (wait or self._pending.done()):
             return None
-        results = self._pending.result()
+        pending, self._pending = self._pending, None
+        results = pending.result()
         round_t, repair = self._pending_round
-        self._pending = None
         if not cancelled(results):
             self._apply(repair)
             torch.sub(self.theta, self.start, out=move)

@@ -268,7 +268,8 @@ class Attachment:
         a, self.current = self.current, None
         if a is not None and self._stub is not None and not self.lost.is_set():
             try:
-                self._stub.Detach(control_pb2.DetachRequest(session=a.session), timeout=RENEW_TIMEOUT)
+                # With overlap the daemon lands the round in flight before it checkpoints: a round's time.
+                self._stub.Detach(control_pb2.DetachRequest(session=a.session), timeout=a.phase_timeout)
             except grpc.RpcError as e:
                 logger.info("peerd: detach from run %s: %s", self.run, e.code().name)
         if self._renewer is not None and self._renewer is not threading.current_thread():

@@ -189,6 +189,37 @@ def test_land_into_hands_another_process_the_move_that_land_makes_here():
     b.close()
 
 
+def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped():
+    """What a detach does (daemon/attached.py): the round in flight lands in the checkpoint."""
+    release = threading.Event()
+
+    def average(vector, weight, round_t, fmt):
+        assert release.wait(10)
+        if round_t == 2:
+            raise RuntimeError("the round broke")
+        vector.mul_(0.5)  # the group's mean: half this member's P
+        return [RoundResult(round_t, 2, None, "emulated")]
+
+    p = [torch.tensor([0.0])]
+    loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="fp32", overlap=True), average, "w")
+    move = torch.zeros(1)
+    p[0] -= 2.0  # P = 2
+    loop.end_phase(1, 1.0)
+    assert loop.land_into(move) is None  # still on the network
+    threading.Timer(0.2, release.set).start()
+    assert loop.land_into(move, wait=True).round_t == 1
+    assert loop.theta.item() == -1.0 and move.item() == 1.0  # θ = 0 - 1*mean(1); θ - s = -1 - (-2)
+    loop.end_phase(2, 1.0)
+    try:
+        loop.land_into(move, wait=True)
+    except RuntimeError as e:
+        assert "broke" in str(e)
+    else:
+        raise AssertionError("the round's exception was not raised")
+    assert loop.land_into(move, wait=True) is None and loop.theta.item() == -1.0  # dropped, θ unchanged
+    loop.close()
+
+
 STOPPED = [SimpleNamespace(cancelled=True)]  # what daemon/joining.round_bridge returns for a round the stop cancelled
 
 
