@@ -63,6 +63,7 @@ class TrainingLab(Lab):
     def _check_checkpoints(self) -> None:
         super()._check_checkpoints()
         from peerd.daemon.checkpoint import CheckpointStore
+        from peerd.daemon.export import checkpoint_weights
         from peerd.daemon.joining import hparams_from_text
         from peerd.daemon.tasks import get_task
 
@@ -74,7 +75,10 @@ class TrainingLab(Lab):
             if ckpt is None:
                 continue
             model, _ = task.build(hparams, 0)
-            model.load_state_dict(ckpt.state["model"])
+            # θ by name: the thread's checkpoints hold the model and θ, a child's θ cut by the layout.
+            loaded = model.load_state_dict(checkpoint_weights(ckpt)[1], strict=False)
+            if missing := [n for n, _ in model.named_parameters() if n in loaded.missing_keys]:
+                raise RuntimeError(f"{name}'s checkpoint lacks parameters {missing}")
             self.evaluations[name] = task.evaluate(model, hparams).score
 
 

@@ -65,7 +65,7 @@ def export(data_dir: Path, run_id: str, out: Path, step: int | None = None) -> E
         raise ExportError(f"--out {out} is a directory; give a file name, e.g. {out / 'model.pt'}")
     store = CheckpointStore(directory / "checkpoints")
     checkpoint, warnings = _pick(store, run_id, step)
-    kind, weights, parameters = _weights(checkpoint)
+    kind, weights, parameters = checkpoint_weights(checkpoint)
     warnings += _other_models(store, checkpoint)
     buffer = io.BytesIO()
     torch.save(weights, buffer)
@@ -102,7 +102,7 @@ def _pick(store: CheckpointStore, run_id: str, step: int | None) -> tuple[Checkp
     raise ExportError(f"run {run_id!r}: no checkpoint{'' if step is None else f' of step {step}'} verifies ({reasons})")
 
 
-def _weights(checkpoint: Checkpoint) -> tuple[Kind, dict[str, torch.Tensor], int]:
+def checkpoint_weights(checkpoint: Checkpoint) -> tuple[Kind, dict[str, torch.Tensor], int]:
     """What the checkpoint holds as the run's model: its kind, the tensors by name, the parameter count."""
     state, identity, name = checkpoint.state, checkpoint.identity, checkpoint.path.name
     if "model_layout" in state:
