@@ -18,7 +18,7 @@ from typing import Any
 
 from peerd.daemon.supervisor import PARENT_ENV
 
-READY_TIMEOUT = 30.0  # seconds from spawn to ready.json: p2pd start plus DHT bootstrap, with margin
+READY_TIMEOUT = 60.0  # seconds from spawn to ready.json: p2pd start plus DHT bootstrap, with margin (a CI run with two workers saw one take over 30 s)
 STOP_TIMEOUT = 20.0  # seconds from SIGTERM to exit; above the daemon's default drain_timeout
 
 

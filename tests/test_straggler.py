@@ -45,7 +45,7 @@ def test_the_daemon_ends_a_phase_through_the_header_and_the_process_reads_it(tmp
             attach_timeout=1.0,
             reconnect_timeout=1.0,
         )
-        vector = attachment._map_vector(str(shared.path), 10)
+        vector, _theta = attachment._map_vector(str(shared.path), 10)
         assert attachment.phase_ends_at() == 0  # none asked
         shared.tensor.fill_(2.0)
         shared.end_phase_at(40)

@@ -210,8 +210,10 @@ class Halves:
             if not self.error:
                 limit = self.settings.op_timeout if math.isnan(op.timeout) else op.timeout
                 try:
-                    async with asyncio.timeout(limit):
-                        await self._run(op)
+                    await self._connect()  # bounded by connect_timeout, not by the op's limit
+                    if not self.error:
+                        async with asyncio.timeout(limit):
+                            await self._run(op)
                 except TimeoutError:
                     waiting = [k for k, n in self._waiting_for().items() if n]
                     self._break(f"timed out after {limit:g} s waiting for members {waiting}")
@@ -221,7 +223,9 @@ class Halves:
             self._end(op)
             self._queue.popleft()
 
-    async def _run(self, op: HalfOp) -> None:
+    async def _connect(self) -> None:
+        """Open the links to the members, once (a first op on a loaded machine took longer to
+        connect than a short op limit allows, and failed with every contribution in)."""
         if any(link is None for link in self.links.values()):
             s = self.settings
             unreachable = await open_links(self.transport, self.group.addresses, self.links, s.connect_timeout)
@@ -229,6 +233,8 @@ class Halves:
                 return self._break(f"members {unreachable} cannot be reached")
             for k, link in self.links.items():
                 link.on_close(functools.partial(self._on_link_closed, k, link))
+
+    async def _run(self, op: HalfOp) -> None:
         closed = [k for k, link in self.links.items() if link.closed]
         if closed:
             return self._break(f"the connections to members {closed} closed")
