@@ -169,7 +169,8 @@ class Optimizer(torch.optim.Optimizer):
 
     @property
     def landed_rounds(self) -> int:
-        """With overlap: the rounds that landed between two steps since this attach (not at a phase's end)."""
+        """With overlap: how many of the run's rounds have landed between two phase ends on this
+        daemon (its count, which the parameters hold); 0 without overlap."""
         return self._landed
 
     def report_eval(self, metric: str, score: float, *, higher_is_better: bool = True, loss: float = math.nan) -> None:
