@@ -444,6 +444,9 @@ class Daemon:
 
     def _task_trainer(self, manifest, membership, average, sync, loop, secret):
         run_id = manifest.run_id
+        # "idle" until the thread starts (_trainer_started): a daemon that joined before the run's
+        # manifest existed announced "trainer" meanwhile, and its peers' --min-peers would count it.
+        membership.role = IDLE
         local_group = None
         if self.config.train.local_group:
             membership.local_group = self.config.train.local_group
@@ -481,19 +484,22 @@ class Daemon:
         return trainer
 
     def _in_child(self, manifest) -> bool:
-        """Whether this task's run trains in a child process (--train-process): under DiLoCo only,
-        the one algorithm the API of an attached process carries (--local-group is refused with it)."""
+        """Whether this task's run trains in a child process (--train-process, the default): under
+        DiLoCo without a local group, what the API of an attached process carries; the others keep the
+        trainer thread (docs/your-loop.md, "Not yet")."""
         if not self.config.train.train_process:
             return False
         if manifest.averaging.algorithm != "diloco":
-            logger.warning(
-                "run %s: --train-process does not apply to averaging.algorithm=%s (it averages the inner "
-                "optimizer's state, which a child process keeps to itself): it trains in a thread of the daemon",
-                manifest.run_id,
-                manifest.averaging.algorithm,
+            why = (
+                f"averaging.algorithm={manifest.averaging.algorithm} averages the inner optimizer's state, "
+                "which a child process keeps to itself"
             )
-            return False
-        return True
+        elif self.config.train.local_group:
+            why = "--local-group: DeAR's hooks on the model live in the daemon's trainer"
+        else:
+            return True
+        logger.info("run %s: trains in a thread of the daemon, not a child process: %s", manifest.run_id, why)
+        return False
 
     async def _task_child(self, manifest, membership, average, sync, loop):
         """The daemon's half of a task's run trained by its child process (daemon/taskchild.py)."""

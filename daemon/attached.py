@@ -43,7 +43,6 @@ import math
 import mmap
 import os
 import secrets
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -61,26 +60,28 @@ from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.manifest import TensorSpec
 from peerd.peers.sketch import HISTORY, SketchPlan
 from peerd.peers.statesync import Snapshot
+from peerd.shared_file import (
+    APPLIED_OFFSET,
+    COUNT,
+    END_AT,
+    END_AT_OFFSET,
+    HEADER,
+    HEADER_BYTES,
+    LANDED_OFFSET,
+    MAGIC,
+    THETA_SEQ_OFFSET,
+    file_size,
+)
 
 logger = logging.getLogger(__name__)
 
 LEASE_SECONDS = 6.0  # an attachment ends this long after its last Renew (the process renews every 2 s)
 LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pid
 ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
-HEADER = struct.Struct("<8sIQ")  # magic, format version, numel; padded to HEADER_BYTES
-HEADER_BYTES = 64
-# Format 1: the header and the vector. Format 2 (a run with overlap): then θ, numel float32 values,
-# and in the header, each a u64: LANDED (rounds landed between two EndPhases), APPLIED (how many of
-# them the process's parameters hold) and THETA_SEQ (odd while θ is written).
-COUNT = struct.Struct("<Q")
-LANDED_OFFSET, APPLIED_OFFSET, THETA_SEQ_OFFSET = 32, 40, 48
-# In the header, written by the daemon only: the boundary step of the phase the straggler budget
-# ends now (0: none). The process compares it with its own phase's boundary at each step, so a value
-# left from an earlier phase never matches. (A process of an older release does not read it; an older
-# daemon leaves it 0.)
-END_AT = struct.Struct("<Q")
-END_AT_OFFSET = 24
-MAGIC = b"PEERDSHM"
+# The shared file's layout (header, counts, θ) is peerd/shared_file.py's, the process's too. END_AT
+# is written by the daemon only: the boundary step of the phase the straggler budget ends now (0:
+# none). The process compares it with its own phase's boundary at each step, so a value left from an
+# earlier phase never matches.
 SHARED_PREFIX = "peerd-"
 
 
@@ -138,7 +139,7 @@ class SharedVector:
     def __init__(self, directory: Path, numel: int, theta: bool = False):
         """`theta`: with θ and the landing counts (format 2, a run with overlap): 4 bytes more per value."""
         self.path = directory / f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        size = HEADER_BYTES + 4 * numel * (2 if theta else 1)
+        size = file_size(numel, theta)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -437,7 +438,7 @@ class AttachedTrainer:
                 self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
                 self._publish_theta()
                 return PhaseEnd(self.global_step, -1, "", 0.0, False)
-            self._settle(taken=self._shared.count(APPLIED_OFFSET) if self._move is not None else 0)
+            self._settle(taken=self._shared.count(APPLIED_OFFSET))
             self.local_step += steps
             self.samples += int(samples)
             self._samples_since_round += samples

@@ -123,16 +123,11 @@ class TrainConfig:
     # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
     local_group: str = ""
     # Train each --task run in a child process of the daemon (python -m peerd.daemon.taskproc, supervised,
-    # attached like a script; docs/your-loop.md) instead of a thread of the daemon. Runs under
-    # averaging.algorithm=state keep the thread; so does every run with a local group (refused here).
-    train_process: bool = False
+    # attached like a script; docs/your-loop.md); false: in a thread of the daemon. Runs under
+    # averaging.algorithm=state and runs with a local group keep the thread (docs/your-loop.md, "Not yet").
+    train_process: bool = True
 
     def __post_init__(self) -> None:
-        if self.train_process and self.local_group:
-            raise ConfigError(
-                "train_process: not with local_group yet: DeAR's hooks on the model live in the daemon's "
-                'trainer thread (docs/your-loop.md, "Not yet")'
-            )
         for item in self.set:
             if "=" not in item or not item.split("=", 1)[0]:
                 raise ConfigError(f"set: {item!r} is not KEY=VALUE")
@@ -310,10 +305,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "train.train_process",
-        "train each --task run in a child process the daemon supervises (restarted at most 3 times), "
-        "attached like a script, not in a thread of the daemon; costs a Python process per run and a "
-        "shared-memory hand-over of the parameters per outer step; runs with averaging.algorithm=state "
-        "keep the thread; not with --local-group",
+        "train each --task run in a child process the daemon supervises (restarted at most 3 times in a row), "
+        "attached like a script (the default; --no-train-process: in a thread of the daemon); costs a "
+        "Python process per run and a shared-memory hand-over of the parameters per outer step; runs with "
+        "averaging.algorithm=state or a --local-group keep the thread",
     ),
 )
 

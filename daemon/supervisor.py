@@ -14,6 +14,7 @@ import ctypes
 import logging
 import os
 import signal
+import time
 from collections import deque
 from enum import Enum
 from pathlib import Path
@@ -24,6 +25,7 @@ STOP_GRACE = 30.0  # seconds a child has after SIGTERM (it detaches: the daemon 
 PARENT_ENV = "PEERD_PARENT_PID"
 PR_SET_PDEATHSIG = 1
 TAIL_LINES = 20  # lines of the child's stderr kept for the error a failure shows
+STABLE_AFTER = 600.0  # seconds a child runs before a failure no longer counts toward the bound with earlier ones
 
 
 class ChildState(Enum):
@@ -47,16 +49,26 @@ def after_exit(returncode: int, failures: int, max_restarts: int) -> tuple[Child
 
 class Supervisor:
     """Runs `argv` until it exits with status 0, restarting it after a failure (back-off doubling
-    from `backoff` seconds) at most `max_restarts` times. `state`, `failures`, `pid` and `error` are
-    for status and metrics; start() and stop() are called from the daemon's event loop."""
+    from `backoff` seconds) at most `max_restarts` times in a row: a child that ran `stable_after`
+    seconds before it failed starts the count (and the back-off) anew, so a long run is not ended by
+    failures days apart. `state`, `failures` (in a row), `restarts`, `pid` and `error` are for status
+    and metrics; start() and stop() are called from the daemon's event loop."""
 
     def __init__(
-        self, name: str, argv: list[str], *, cwd: Path | None = None, max_restarts: int = 3, backoff: float = 1.0
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        cwd: Path | None = None,
+        max_restarts: int = 3,
+        backoff: float = 1.0,
+        stable_after: float = STABLE_AFTER,
     ):
         self.name, self.argv, self.cwd = name, argv, cwd
-        self.max_restarts, self.backoff = max_restarts, backoff
+        self.max_restarts, self.backoff, self.stable_after = max_restarts, backoff, stable_after
         self.state = ChildState.RUNNING
-        self.failures = 0
+        self.failures = 0  # in a row: since the start, or since a failure after a stable run
+        self._failed = 0  # over the supervisor's life
         self.pid = 0
         self.error = ""
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # the child's latest stderr lines
@@ -66,8 +78,8 @@ class Supervisor:
 
     @property
     def restarts(self) -> int:
-        """Restarts after a failure so far: every failure but one that ends FAILED."""
-        return self.failures - (self.state is ChildState.FAILED)
+        """Restarts after a failure so far, over the supervisor's life: every failure but one that ends FAILED."""
+        return self._failed - (self.state is ChildState.FAILED)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"child:{self.name}")
@@ -106,7 +118,7 @@ class Supervisor:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
-            self.pid = self._proc.pid
+            self.pid, began = self._proc.pid, time.monotonic()
             logger.info("%s: started (pid %d)", self.name, self.pid)
             async for line in self._proc.stderr:  # until the child closes it: it exits
                 text = line.decode(errors="replace").rstrip()
@@ -115,9 +127,11 @@ class Supervisor:
             returncode = await self._proc.wait()
             if self._stopping:
                 return
+            if returncode != 0 and time.monotonic() - began >= self.stable_after:
+                self.failures, delay = 0, self.backoff  # a stable run: this failure starts the count anew
             failures = self.failures + (returncode != 0)
             state, reason = after_exit(returncode, failures, self.max_restarts)
-            self.failures = failures
+            self.failures, self._failed = failures, self._failed + (returncode != 0)
             if state is ChildState.EXITED:
                 self.state = state
                 logger.info("%s: %s", self.name, reason)

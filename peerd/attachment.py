@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -25,17 +24,22 @@ import torch
 
 from peerd import PeerdError
 from peerd.protos import control_pb2, control_pb2_grpc
+from peerd.shared_file import (
+    APPLIED_OFFSET,
+    COUNT,
+    END_AT,
+    END_AT_OFFSET,
+    HEADER,
+    HEADER_BYTES,
+    LANDED_OFFSET,
+    MAGIC,
+    THETA_SEQ_OFFSET,
+    file_size,
+)
 
 logger = logging.getLogger(__name__)
 
-HEADER = struct.Struct("<8sIQ")  # as daemon/attached.py writes it
-HEADER_BYTES = 64
-END_AT = struct.Struct("<Q")  # the boundary step of a phase the daemon ends early (daemon/attached.py)
-END_AT_OFFSET = 24
-COUNT = struct.Struct("<Q")  # the landing counts of format 2 (daemon/attached.py, "landing")
-LANDED_OFFSET, APPLIED_OFFSET, THETA_SEQ_OFFSET = 32, 40, 48
 THETA_TRIES = 1000  # copies of θ begun before one is taken whole (a write takes milliseconds)
-MAGIC = b"PEERDSHM"
 RENEW_TIMEOUT = 5.0  # seconds for one Renew
 RETRY_EVERY = 1.0  # seconds between two tries to reach a daemon that is away
 # Codes that mean "this attachment is gone, attach again": the daemon restarted or is restarting,
@@ -158,7 +162,7 @@ class Attachment:
                 )
             # Populated at once: the first hand-over then takes no page faults (about 100,000 at 100M values).
             mapped = mmap.mmap(
-                f.fileno(), HEADER_BYTES + 4 * numel * version, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                f.fileno(), file_size(numel, version == 2), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
         self._unmap()
         self._map = mapped

@@ -59,8 +59,11 @@ MAX_TRAINS were sent and reports the *median* of those that count (of an even nu
 middle one; 0 when none counts): a train spoiled in a way no rule sees (a shaper's late timer, a
 busy receiver) does not decide. Whether the link or this host set the pace shows in the window:
 a link that limits the rate spreads the datagrams apart (receive spread > LINK_SPREAD x send
-spread: `LinkStats.bandwidth_link_bound`); one that does not passes them as they were sent, and
-the figure is what this host sent, a lower bound. Trains by outcome: `PeerEvents.link_train`.
+spread) or holds the sender back (its window went out LINK_SPREAD x slower than the train's first
+quarter, sent at once: in the lab a veth's shaper pushes back into the sender's sendto, which then
+returns at the link's pace, and the two spreads match): `LinkStats.bandwidth_link_bound`. A link
+that does neither passes the datagrams as they were sent, and the figure is what this host sent,
+a lower bound. Trains by outcome: `PeerEvents.link_train`.
 Cost per peer and measurement: TRAINS trains (921 KB, answered by 768 echoes of 40 bytes), up to
 MAX_TRAINS (1.8 MB) on a busy sender; at most MAX_TRAINS * 2 * TRAIN_WAIT seconds (3 s), a few
 ms a train on a fast link. When the sender's own queue is full (its link is the slow one) it waits
@@ -164,7 +167,7 @@ class TrainRate:
     """What one packet train measured (`train_rate`)."""
 
     rate: float  # bytes per second: UDP payload over the receive spread of the train's window
-    link_bound: bool  # the link spread the window (LINK_SPREAD); else it passed it at the sender's pace
+    link_bound: bool  # the link spread the window or held the sender back (LINK_SPREAD); else the sender's pace
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,8 +532,13 @@ def train_rate(sent: Sequence[int], received: Mapping[int, int], pauses: Sequenc
     spread = arrivals[-1] - arrivals[0]
     if spread <= 0:
         return None
-    paced = sent[max(answered)] - sent[min(answered)]
-    return TrainRate((len(answered) - 1) * TRAIN_SIZE / (spread / 1e9), spread > LINK_SPREAD * paced)
+    first, last = min(answered), max(answered)
+    paced = sent[last] - sent[first]
+    spread_by_link = spread > LINK_SPREAD * paced
+    head = len(sent) // 4  # sent before any shaper's bucket ran dry: the sender's own pace
+    free = not any(0 < p < head for p in pauses) and sent[head - 1] > 0
+    held = free and paced / (last - first) > LINK_SPREAD * (sent[head - 1] - sent[0]) / (head - 1)
+    return TrainRate((len(answered) - 1) * TRAIN_SIZE / (spread / 1e9), spread_by_link or held)
 
 
 def median_rate(counted: Sequence[TrainRate]) -> TrainRate | None:

@@ -197,10 +197,11 @@ def test_a_bad_value_is_named_as_the_user_typed_it(tmp_path):
             load_config(kw.get("cli", {}), config_file=kw.get("config_file"), environ=kw.get("environ", {}))
 
 
-def test_train_process_comes_from_the_variable_and_is_refused_with_a_local_group():
-    assert load_config({}, environ={"PEERD_TRAIN_PROCESS": "true"}).train.train_process is True
+def test_train_process_is_the_default_and_comes_from_the_variable_and_the_flag():
+    assert load_config({}, environ={}).train.train_process is True
+    assert load_config({}, environ={"PEERD_TRAIN_PROCESS": "false"}).train.train_process is False
     assert (
         load_config({"train.train_process": False}, environ={"PEERD_TRAIN_PROCESS": "1"}).train.train_process is False
     )
-    with pytest.raises(ConfigError, match="train_process: not with local_group yet"):
-        load_config({"train.train_process": True, "train.local_group": "rack1"}, environ={})
+    # A local group keeps the trainer thread (daemon/app.py, _in_child): the two settings go together.
+    assert load_config({"train.local_group": "rack1"}, environ={}).train.train_process is True

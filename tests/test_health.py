@@ -9,7 +9,7 @@ import pytest
 from peerd.daemon.metrics import TRAIN_STATES
 from peerd.daemon.procs import LocalDaemon
 from tests.failing_task import MESSAGE, NAME, plugin_env
-from tests.helpers import peerd, scrape, wait_for
+from tests.helpers import THREAD, peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,10 @@ def train_state(d: LocalDaemon, run: str) -> dict[str, float]:
 
 
 def test_a_failed_trainer_is_in_metrics_and_health(tmp_path):
-    d = LocalDaemon(tmp_path / "d", ["--run", "fine", "--task", "digits-mlp"], env=plugin_env(tmp_path / "site"))
+    # The trainer thread's failure: its exception is the error. A child process's failure, after its
+    # restarts, is tests/test_train_process.py's.
+    args = ["--run", "fine", "--task", "digits-mlp", *THREAD]
+    d = LocalDaemon(tmp_path / "d", args, env=plugin_env(tmp_path / "site"))
     try:
         d.start()
         wait_for(lambda: train_state(d, "fine").get("TRAINING") == 1, timeout=30, what="run fine TRAINING")

@@ -273,6 +273,11 @@ def test_an_unshaped_link_reads_the_senders_pace_and_its_pauses_do_not_lower_it(
     assert train_rate(sent, through).rate < r.rate / 10  # the pause read as the link's slowness
     cut = train_rate(sent, through, pauses=[220])  # the window ends at the pause
     assert cut.rate == pytest.approx(r.rate) and not cut.link_bound, cut
+    # A sender held back by the link (a shaper on a veth pushes back into sendto): its window left at
+    # the link's pace, so the spreads match, but 4 times slower than the train's first quarter: link-bound.
+    held = [seq * GAP if seq < 64 else (63 + (seq - 63) * 4) * GAP for seq in range(TRAIN_COUNT)]
+    r = train_rate(held, {seq: t + 40_000 for seq, t in enumerate(held)})
+    assert r.rate == pytest.approx(TRAIN_SIZE / (4 * GAP) * 1e9, rel=0.01) and r.link_bound, r
     # Too few echoes in the window (a receiver that lost the tail): no figure rather than a wrong one.
     assert train_rate(sent, {seq: t for seq, t in through.items() if seq < 200}) is None
 

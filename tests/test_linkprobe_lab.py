@@ -14,6 +14,7 @@ within WITHIN seconds."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -68,6 +69,18 @@ asyncio.run(main())
 """
 
 
+def _ahead_of_the_suite() -> None:
+    """A prober runs at nice -10 (the lab needs root, which may raise it): with the suite's other
+    workers on every core, nearly every train was paused (the sender descheduled; peers/linkprobe.py)
+    and one that went out at a slowed sender's pace read as not link-bound. What this test checks is
+    the figure of a link, not the scheduler's share; the product's answer to a busy CPU is the pause
+    rule, checked in tests/test_linkprobe.py."""
+    try:
+        os.nice(-10)
+    except OSError:
+        pass
+
+
 @needs_lab
 def test_a_tbf_limited_host_measures_below_the_threshold_and_unshaped_hosts_above():
     net = netns.Network().create()
@@ -90,6 +103,7 @@ def test_a_tbf_limited_host_measures_below_the_threshold_and_unshaped_hosts_abov
                     stdout=subprocess.PIPE,
                     text=True,
                     cwd=SOURCE_ROOT,
+                    preexec_fn=_ahead_of_the_suite,
                 )
             )
         for p in procs:  # every prober answers before any measures

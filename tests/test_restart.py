@@ -104,14 +104,18 @@ def test_a_checkpoint_of_another_model_is_kept_and_named_in_status(spawn):
     d.args = ["--run", "other", *TRAIN, "--set", "hidden=64"]
     d.start()
     r = wait_for(lambda: (s := run_status(d, "other")).step > old_step + 30 and s, timeout=60, what="new run trains")
-    assert r.train_state == "TRAINING" and f"{old[-1]} (and 1 more) not loaded" in r.error, r.error
+    # The old run left one checkpoint per --checkpoint-every and one at its stop, two kept; a
+    # training process stops at a phase boundary, which may be the same step (then one).
+    more = f" (and {len(old) - 1} more)" if len(old) > 1 else ""
+    assert r.train_state == "TRAINING" and f"{old[-1]}{more} not loaded" in r.error, r.error
     assert "hidden=128 (now 64)" in r.error and "kept on disk" in r.error
     # The old run's files stay beside the new run's (2 kept, a third for the moment between a write
     # and its pruning).
-    assert set(old) < set(checkpoints(d, "other")) and 4 <= len(checkpoints(d, "other")) <= 5
+    assert 1 <= len(old) <= 2 and set(old) < set(checkpoints(d, "other"))
+    assert len(old) + 2 <= len(checkpoints(d, "other")) <= len(old) + 3
     shown = peerd("status", "--control", d.control).stdout
     assert f"other: checkpoint {old[-1]}" in shown and "training failed" not in shown, shown
-    assert scrape(d.metrics_url)[("peerd_rejected_total", (("reason", "checkpoint_foreign"),))] == 2
+    assert scrape(d.metrics_url)[("peerd_rejected_total", (("reason", "checkpoint_foreign"),))] == len(old)
     assert d.stop() == 0
 
 

@@ -89,6 +89,28 @@ def test_a_child_that_always_fails_ends_failed_after_the_bound_and_the_daemon_an
         assert c.status().state == "READY"
 
 
+def test_failures_after_a_stable_run_start_the_count_anew():
+    # A child that fails after 0.4 s, with a bound of 1 restart: were the failures counted over its
+    # life, the second would end it FAILED. Each ran longer than stable_after, so none is the
+    # second in a row; the restart counter still counts every one.
+    argv = [sys.executable, "-c", "import time; time.sleep(0.4); raise SystemExit(3)"]
+
+    async def scenario() -> None:
+        sup = Supervisor("flaky", argv, max_restarts=1, backoff=0.05, stable_after=0.2)
+        sup.start()
+        await until(lambda: sup.restarts >= 3, 30, "3 restarts")
+        assert sup.state is not ChildState.FAILED and sup.failures == 1, (sup.state, sup.failures)
+        assert "exited with status 3; restart 1 of 1" in sup.error, sup.error
+        await sup.stop()
+        # The same child with a bound it cannot reset (stable_after beyond its life): FAILED at the second.
+        sup = Supervisor("flaky", argv, max_restarts=1, backoff=0.05, stable_after=60)
+        sup.start()
+        await until(lambda: sup.state is ChildState.FAILED, 30, "FAILED")
+        assert sup.failures == 2 and sup.restarts == 1, (sup.failures, sup.restarts)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.slow
 def test_a_stopped_child_detaches_and_is_reaped(spawn):
     a = spawn("sv-stop", ["--run", "sv"])

@@ -17,7 +17,7 @@ from peerd.daemon.tasks import get_task
 from peerd import PeerdError
 from peerd.torch import Optimizer
 from tests.failing_task import MESSAGE, NAME, plugin_env
-from tests.helpers import peerd, scrape, wait_for
+from tests.helpers import THREAD, peerd, scrape, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +102,7 @@ def test_a_state_run_keeps_the_thread_and_says_why(spawn):
     d = spawn("state-run", [*args, "--set", "averaging.average_every=10", *PROCESS])
     r = wait_for(lambda: (s := run_status(d, "st")).train_state == "FINISHED" and s, timeout=60, what="20 steps")
     assert r.step == 20 and r.train_process_state == "" and r.attached_pid == 0, r
-    assert "--train-process does not apply to averaging.algorithm=state" in d.log_tail(200)
+    assert "trains in a thread of the daemon, not a child process: averaging.algorithm=state" in d.log_tail(200)
     assert d.stop() == 0
 
 
@@ -116,8 +116,8 @@ def _alive(pid: int) -> bool:
 
 def test_a_restart_that_switches_train_process_on_or_off_resumes_the_run(spawn):
     args = ["--run", "sw", "--task", "digits-mlp", "--eval-every", "1000", "--checkpoint-every", "50"]
-    d = spawn("switch", args)  # the thread
-    for training, then in ((["--train-process"], "process"), ([], "thread")):
+    d = spawn("switch", [*args, *THREAD])
+    for training, then in ((["--train-process"], "process"), (THREAD, "thread")):
         wait_for(lambda: run_status(d, "sw").step >= 100, timeout=120, what="100 steps")
         assert d.stop() == 0
         stopped = max(int(p.name[5:17]) for p in (d.data_dir / "runs" / "sw" / "checkpoints").glob("ckpt-*.peerd"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerd.attachment import HEADER_BYTES
+from peerd.shared_file import HEADER_BYTES
 from peerd.torch import from_vector, move_by, pin, to_vector, unpin
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

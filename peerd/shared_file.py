@@ -1,0 +1,25 @@
+"""The layout of the file a daemon and its attached process share (/dev/shm; daemon/attached.py
+writes it, peerd/attachment.py maps it): one definition for both sides.
+
+    bytes 0..20    HEADER: MAGIC, the format (1, or 2 with overlap), numel
+    bytes 24..32   END_AT: the boundary step of a phase the daemon ends early (0: none)
+    bytes 32..56   format 2, COUNT each: LANDED (rounds landed between two EndPhases), APPLIED (how
+                   many of them the process's parameters hold), THETA_SEQ (odd while θ is written)
+    HEADER_BYTES   the inner vector: numel float32 values in the model's layout order
+    then           format 2: θ, numel float32 values
+"""
+
+import struct
+
+MAGIC = b"PEERDSHM"
+HEADER = struct.Struct("<8sIQ")  # magic, format, numel; padded to HEADER_BYTES
+HEADER_BYTES = 64
+END_AT = struct.Struct("<Q")
+END_AT_OFFSET = 24
+COUNT = struct.Struct("<Q")
+LANDED_OFFSET, APPLIED_OFFSET, THETA_SEQ_OFFSET = 32, 40, 48
+
+
+def file_size(numel: int, theta: bool) -> int:
+    """Bytes of a shared file of `numel` values, with θ (format 2) or without."""
+    return HEADER_BYTES + 4 * numel * (2 if theta else 1)

@@ -1,0 +1,145 @@
+"""The shared file between a daemon and its attached process (daemon/attached.py, peerd/attachment.py),
+driven directly: the daemon's AttachedTrainer with a stand-in round, and the process's side mapped
+from the same file. The paths that only a race reaches end to end: a round that lands while the
+process writes its parameters (the EndPhase settles it), and a copy of θ while the daemon writes it."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+
+from peerd import PeerdError
+from peerd.attachment import THETA_TRIES, Attachment
+from peerd.daemon.attached import AttachedTrainer, SharedVector
+from peerd.daemon.checkpoint import CheckpointStore
+from peerd.daemon.diloco import OuterSettings
+from peerd.peers.averaging import RoundResult
+from peerd.peers.manifest import TensorSpec
+from peerd.shared_file import APPLIED_OFFSET, LANDED_OFFSET, THETA_SEQ_OFFSET
+from tests.helpers import wait_for
+
+H = 2  # inner steps per phase
+NUMEL = 4
+
+
+class HalfMean:
+    """A stand-in round: the group's mean is half this member's payload (a second member that did not
+    move); records what each round was handed."""
+
+    def __init__(self):
+        self.handed: dict[int, torch.Tensor] = {}
+
+    def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
+        self.handed[round_t] = vector.clone()
+        vector.mul_(0.5)
+        return [RoundResult(round_t, 2, None, "emulated")]
+
+
+def trainer(tmp_path, round_fn) -> AttachedTrainer:
+    return AttachedTrainer(
+        run_id="settle",
+        layout=(TensorSpec("w", (NUMEL,), "torch.float32"),),
+        creator=True,
+        store=CheckpointStore(tmp_path / "checkpoints"),
+        outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=True),
+        average_every=H,
+        round_timeout=10.0,
+        checkpoint_every=10_000,
+        shared_dir=tmp_path,
+        average=round_fn,
+    )
+
+
+def second_phase(tmp_path, take: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upload, a phase, then a round that lands while the process trains on; the process takes the
+    move itself (`take`) or writes its parameters without it. Returns what round 2 was handed and
+    the vector the process was answered with."""
+    rounds = HalfMean()
+    tmp_path.mkdir()
+    t = trainer(tmp_path, rounds)
+    try:
+        info = t.attach(pid=0, device="cpu", step=0)
+        assert info.upload
+        vector, theta = t._shared.tensor, t._shared.theta  # the process maps the same bytes
+        vector.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # these parameters become θ
+        params = vector - 1.0  # phase 1: the process moved by -1
+        vector.copy_(params)
+        t.end_phase(info.session, H, 8.0, 1.0, 0.1)  # round 1 starts in the background
+        params -= 0.25  # the process trains on meanwhile
+        wait_for(lambda: t._shared.count(LANDED_OFFSET) == 1, timeout=10, what="round 1 landed")
+        if take:  # what peerd.torch.Optimizer does at its next step: add θ − s, record it (APPLIED)
+            params += theta - vector
+            t._shared.set_count(APPLIED_OFFSET, 1)
+        vector.copy_(params)  # the phase ends: the process writes its parameters
+        t.end_phase(info.session, H, 8.0, 1.0, 0.1)
+        wait_for(lambda: 2 in rounds.handed, timeout=10, what="round 2")
+        assert t._shared.count(APPLIED_OFFSET) == 1  # the answered vector holds the one landed move
+        return rounds.handed[2], vector.clone()
+    finally:
+        t.stop()
+
+
+def test_a_round_that_landed_while_the_process_wrote_is_settled_at_its_end_phase(tmp_path):
+    taken = second_phase(tmp_path / "taken", take=True)
+    settled = second_phase(tmp_path / "settled", take=False)
+    # Phase 1 ends at s = θ0 - 1; the round's mean pseudo-gradient is 0.5, so θ1 = θ0 - 0.25 and
+    # the move θ1 - s is +0.75. The process went on to s - 0.25. Taken or settled, phase 2 ends at
+    # s - 0.25 + 0.75 = θ0 - 0.5, and round 2 is handed θ1 minus that: 0.25.
+    for a, b in zip(taken, settled):
+        assert torch.equal(a, b), (a, b)
+    assert torch.equal(taken[0], torch.full((NUMEL,), 0.25)), taken[0]
+    assert torch.equal(taken[1], torch.tensor([0.5, 1.5, 2.5, 3.5])), taken[1]
+
+
+def process_side(shared: SharedVector, numel: int) -> Attachment:
+    """The process's mapping of `shared`, as Attachment.attach makes it (without a daemon to call)."""
+    a = Attachment(
+        run="seq",
+        daemon=None,
+        control="127.0.0.1:1",
+        layout=[],
+        settings={},
+        device="cpu",
+        attach_timeout=1.0,
+        reconnect_timeout=1.0,
+    )
+    vector, theta = a._map_vector(str(shared.path), numel)
+    a.current = type("Current", (), {"theta": theta, "vector": vector})()
+    return a
+
+
+def test_a_copy_of_theta_is_taken_again_when_the_daemon_wrote_it_meanwhile(tmp_path):
+    shared = SharedVector(tmp_path, NUMEL, theta=True)
+    a = process_side(shared, NUMEL)
+    try:
+        shared.write_theta(torch.full((NUMEL,), 1.0))
+        copies = []
+
+        def copy_while_the_daemon_writes(theta):
+            copies.append(theta.clone())
+            if len(copies) == 1:  # a round lands during the first copy
+                shared.write_theta(torch.full((NUMEL,), 2.0))
+
+        a.copy_theta(copy_while_the_daemon_writes)
+        assert [c[0].item() for c in copies] == [1.0, 2.0]  # the torn first copy was taken again
+
+        # While THETA_SEQ is odd (a write under way) nothing is copied; once it is even, one copy.
+        seq = shared.count(THETA_SEQ_OFFSET)
+        shared.set_count(THETA_SEQ_OFFSET, seq + 1)
+        threading.Timer(0.02, shared.set_count, (THETA_SEQ_OFFSET, seq + 2)).start()
+        copies.clear()
+        a.copy_theta(copies.append)
+        assert len(copies) == 1
+
+        # A θ that never holds still: a clear error after THETA_TRIES copies, not a torn copy.
+        copies.clear()
+        with pytest.raises(PeerdError, match="kept changing"):
+            a.copy_theta(lambda theta: (copies.append(1), shared.write_theta(theta + 1)))
+        assert len(copies) == THETA_TRIES
+    finally:
+        a._unmap()
+        shared.close()
