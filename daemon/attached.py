@@ -59,7 +59,7 @@ from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.manifest import TensorSpec
 from peerd.peers.sketch import HISTORY, SketchPlan
-from peerd.peers.statesync import Snapshot
+from peerd.peers.statesync import FetchResult, Snapshot
 from peerd.shared_file import (
     APPLIED_OFFSET,
     COUNT,
@@ -242,10 +242,10 @@ class AttachedTrainer:
         checkpoint_every: int,
         shared_dir: Path,
         average: Average,
-        on_round: Callable[[object], None] = lambda result: None,
+        on_round: Callable[[RoundResult], None] = lambda result: None,
         peer_steps: Callable[[], list[int]] = list,
-        sync: Callable[[int, torch.Tensor], object] | None = None,
-        on_sync: Callable[[object], None] = lambda result: None,
+        sync: Callable[[int, torch.Tensor], FetchResult] | None = None,
+        on_sync: Callable[[FetchResult], None] = lambda result: None,
         on_role: Callable[[bool], None] = lambda active: None,
         lease_seconds: float = LEASE_SECONDS,
         inner_budget: float = 0.0,
@@ -484,7 +484,7 @@ class AttachedTrainer:
     def _record(self, applied) -> None:
         results = applied.results
         self.last_round = results[0]
-        if any(getattr(r, "applied", False) for r in results):
+        if any(r.applied for r in results):
             self.param_distance_to_group_mean = self._outer.distance
         self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
         for result in results:
@@ -551,7 +551,7 @@ class AttachedTrainer:
         while True:
             if self.peer_steps():
                 result = self.sync(min_step, self._flat)
-                if getattr(result, "ok", False) and result.step >= min_step:
+                if result.ok and result.step >= min_step:
                     self._outer.adopt(self._flat)
                     self.snapshot = Snapshot(result.step, self._outer.outer.clone())
                     self.global_step = max(self.global_step, result.step)

@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import psutil
 from prometheus_client import (
@@ -31,6 +31,10 @@ from prometheus_client.registry import Collector
 
 from peerd.daemon.supervisor import ChildState
 from peerd.peers.events import PeerEvents
+
+if TYPE_CHECKING:  # only for the annotations: the metrics module loads without torch
+    from peerd.peers.averaging import RoundResult
+    from peerd.peers.statesync import FetchResult
 
 logger = logging.getLogger(__name__)
 
@@ -362,16 +366,15 @@ class DaemonMetrics:
             for counter in (self.sent_bytes, self.received_bytes, self.links):
                 counter.labels(transport)
 
-    def observe_round(self, run_id: str, result) -> None:
+    def observe_round(self, run_id: str, result: RoundResult) -> None:
         """Record one averaging round (called from the trainer thread; the client is thread-safe)."""
         outcome = result.outcome
         self.rounds.labels(run_id, result.outcome_name).inc()
         if outcome is not None:
             self.round_duration.labels(run_id).observe(outcome.duration)
-        waited = getattr(result, "waited", 0.0)
-        if not math.isnan(waited):  # NaN: a round's other lanes, whose wait the first lane counted
-            self.round_wait.labels(run_id).observe(waited)
-        if getattr(result, "stragglers", 0):
+        if not math.isnan(result.waited):  # NaN: a round's other lanes, whose wait the first lane counted
+            self.round_wait.labels(run_id).observe(result.waited)
+        if result.stragglers:
             self.stragglers.labels(run_id).inc(result.stragglers)
         for transport, (sent, received) in result.bytes_by_transport.items():
             self.sent_bytes.labels(transport).inc(sent)
@@ -380,10 +383,10 @@ class DaemonMetrics:
             self.links.labels(transport).inc()
         self.group_size.labels(run_id).set(result.group_size)
 
-    def observe_sync(self, run_id: str, result) -> None:
+    def observe_sync(self, run_id: str, result: FetchResult) -> None:
         """Record one state download (called from the trainer thread)."""
         self.state_syncs.labels(run_id, "ok" if result.ok else "failed").inc()
-        self.state_sync_bytes.labels(run_id).inc(getattr(result, "bytes", 0))
+        self.state_sync_bytes.labels(run_id).inc(result.bytes)
 
     def set_state(self, state: str) -> None:
         for name in self._states:

@@ -40,7 +40,7 @@ from peerd.peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peerd.peers.dear.schedule import DeAR, DeARSettings
 from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.sketch import HISTORY, ParamSketch, SketchPlan
-from peerd.peers.statesync import Snapshot
+from peerd.peers.statesync import FetchResult, Snapshot
 from peerd.daemon.tasks import EvalResult, Hparams, Task
 
 logger = logging.getLogger(__name__)
@@ -155,10 +155,10 @@ class Trainer:
         lanes: int = 1,
         round_timeout: float = 30.0,
         average: Average | None = None,
-        on_round: Callable[[object], None] | None = None,
+        on_round: Callable[[RoundResult], None] | None = None,
         peer_steps: Callable[[], list[int]] | None = None,
-        sync: Callable[[int, torch.Tensor], object] | None = None,
-        on_sync: Callable[[object], None] | None = None,
+        sync: Callable[[int, torch.Tensor], FetchResult] | None = None,
+        on_sync: Callable[[FetchResult], None] | None = None,
         ready_to_train: Callable[[], bool] | None = None,
         ready_timeout: float = 0.0,
         local_group: LocalGroupMember | None = None,
@@ -503,7 +503,7 @@ class Trainer:
                     max(self.peer_steps()),
                 )
             result = self.sync(self.global_step + 1, self._flat)
-            if getattr(result, "ok", False) and result.step > self.global_step:
+            if result.ok and result.step > self.global_step:
                 if self._outer is not None:
                     self._outer.adopt(self._flat)
                     self.snapshot = Snapshot(result.step, self._outer.outer.clone())
@@ -520,7 +520,7 @@ class Trainer:
             if time.monotonic() > deadline or self._stop.wait(1.0):
                 break
         if result is not None:
-            logger.info("run %s: state download failed (%s); training on", self.run_id, getattr(result, "reason", "?"))
+            logger.info("run %s: state download failed (%s); training on", self.run_id, result.reason)
             self.on_sync(result)
         return False
 
@@ -555,7 +555,7 @@ class Trainer:
             bounds = lane_bounds(self._flat.numel(), self.lanes)
             for lane in lanes_to_put_back(results, self.lanes):
                 to_flat(self._tensors, self._flat, *bounds[lane])
-        applied = gathered or any(getattr(r, "applied", False) for r in results)
+        applied = gathered or any(r.applied for r in results)
         previous = self.last_round
         # Status shows the round of this daemon's first lane (or that its group averaged them all).
         self.last_round = (
@@ -588,9 +588,7 @@ class Trainer:
         elif gathered and lg is not None and lg.outdated(lg.members):
             # Every member decides this from the same records: they drop the group together (one that
             # did not would fail its next DeAR op at once), and a later round forms the new one.
-            self._leave_group(
-                "the local group's decision changed (a labelled peer came or went; with auto, links measured since)"
-            )
+            self._leave_group(f"the local group's decision changed: {lg.last_reason}")
         else:
             self._regroup(model, optimizer, results)
 
@@ -640,7 +638,7 @@ class Trainer:
             return
         results, previous = applied.results, self.last_round
         self.last_round = results[0]
-        if any(getattr(r, "applied", False) for r in results):
+        if any(r.applied for r in results):
             self.param_distance_to_group_mean = outer.distance
         self._log_incomplete(results, previous, applied.round_t)
         self.snapshot = Snapshot(self.global_step, outer.outer.clone())
@@ -653,7 +651,7 @@ class Trainer:
         if all(r.completed for r in results):
             return
         reason = "; ".join(f"lane {r.lane}: {r.reason}" if self.lanes > 1 else r.reason for r in results)
-        same = previous is not None and getattr(previous, "reason", None) == self.last_round.reason
+        same = previous is not None and previous.reason == self.last_round.reason
         (logger.debug if same else logger.info)(
             "run %s: round %d at step %d not completed: %s", self.run_id, round_t, self.global_step, reason
         )

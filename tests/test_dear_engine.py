@@ -123,10 +123,10 @@ def test_halves_give_each_owner_the_exact_mean_and_everyone_the_same_bytes(n, si
 class HandDriven(Transport):
     """A transport the test drives by hand: what the member sends is recorded (`sent`), and the test
     hands the sink each header, then its payload, whenever it chooses. `send_raises`: every send
-    raises, as a bug in a transport would."""
+    raises, as a bug in a transport would; `connect_delay`: seconds each connect takes."""
 
-    def __init__(self, *, send_raises: bool = False):
-        self.sink, self.send_raises = None, send_raises
+    def __init__(self, *, send_raises: bool = False, connect_delay: float = 0.0):
+        self.sink, self.send_raises, self.connect_delay = None, send_raises, connect_delay
         self.sent: list[Header] = []
 
     async def start(self) -> str:
@@ -136,6 +136,7 @@ class HandDriven(Transport):
         self.sink = sink
 
     async def connect(self, address: str) -> Link:
+        await asyncio.sleep(self.connect_delay)
         return _Recorder(self.sent, self.send_raises)
 
     async def close(self) -> None:
@@ -234,6 +235,37 @@ def test_the_next_ops_chunk_whose_payload_lands_after_the_op_started_is_folded_i
         assert [op.error for op in rs] == ["", ""]
         for x, w in zip(mine, want):
             assert torch.equal(x[start:end], w)
+        await halves.close()
+
+    uvloop.run(main())
+
+
+def test_connecting_to_the_members_does_not_count_against_the_first_ops_limit():
+    """The first op opens the links (connect_timeout bounds that), then its own limit starts: a
+    connect slower than op_timeout, on a loaded machine, used to fail an op whose contributions all
+    came in time."""
+
+    async def main():
+        transport, link = HandDriven(connect_delay=0.5), _From()
+        group = Group(RUN, ["m0", "m1"], ["hand:0", "hand:1"], 0)
+        settings = HalvesSettings(op_timeout=0.2, connect_timeout=5.0, chunk_elements=2)
+        halves = Halves(group, transport, settings=settings)
+        mine, theirs = integers(8, 0), integers(8, 1)
+        (start, end), _ = shard_bounds(8, 2)
+        want = weighted_mean([mine, theirs], [1, 1])[start:end]
+        op = halves.reduce_scatter(mine)
+        async with asyncio.timeout(5):
+            while not transport.sent:  # connected (0.5 s), and the op started sending
+                await asyncio.sleep(0.01)
+        for offset in (0, 2):
+            h = Header(
+                kind=Kind.CONTRIBUTION, run_tag=group.tag, round=0, sender=1, shard=0, offset=offset, count=2, weight=1
+            )
+            halves.on_header(link, h)[:] = as_bytes(theirs[start + offset : start + offset + 2])
+            halves.on_payload(link, h)
+        async with asyncio.timeout(5):
+            await op
+        assert op.error == "" and torch.equal(mine[start:end], want), op.error
         await halves.close()
 
     uvloop.run(main())

@@ -114,6 +114,7 @@ def local_groups(
                 )
 
     unlabelled = [p.peer for p in alive if not p.label]
+    links = list(links)
     close = _close_pairs(set(unlabelled), links, rules, now)
     built: list[list[str]] = []
     for peer in unlabelled:
@@ -131,7 +132,13 @@ def local_groups(
             notes.append(f"[{', '.join(g)}] by links ({thresholds})")
         else:
             solo.append(g[0])
-            notes.append(f"{g[0]} solo: no fresh link close to every member of a group ({thresholds})")
+            failing = [
+                f"{s.a}->{s.b} {s.rtt * 1e3:.2f} ms, {s.bandwidth * 8e-9:.2f} Gb/s, loss {s.loss:.1%}"
+                for s in links
+                if g[0] in (s.a, s.b) and now - s.measured_at <= rules.max_age and not rules.close(s)
+            ]
+            seen = f"; failing: {', '.join(failing[:4])}" if failing else ""
+            notes.append(f"{g[0]} solo: no fresh link close to every member of a group ({thresholds}{seen})")
 
     groups.sort()
     solo.sort()

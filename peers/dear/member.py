@@ -185,8 +185,15 @@ class LocalGroupMember:
 
     def outdated(self, round_members: Collection[str]) -> bool:
         """The active group is no longer the one plan_group decides (with AUTO: a peer's links became
-        close, or stopped being so): the caller drops it, and the next round forms the new one."""
-        return self.collective is not None and self._plan(round_members).members != self.members
+        close, or stopped being so): the caller drops it, and the next round forms the new one.
+        `last_reason` then says what the new decision is and why."""
+        if self.collective is None:
+            return False
+        plan = self._plan(round_members)
+        if plan.members == self.members:
+            return False
+        self.last_reason = plan.reason
+        return True
 
     def _plan(self, round_members: Collection[str]) -> Formation:
         timestamp, links = self.own_links()
