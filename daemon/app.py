@@ -732,6 +732,7 @@ class Daemon:
                 r.param_distance_to_group_mean = tr.param_distance_to_group_mean
                 if lg is not None:
                     r.local_group, r.local_group_size, r.local_group_rank = lg.label, lg.size, lg.rank
+                    r.local_group_reason = lg.last_reason
                 r.dear_buckets, r.dear_bucket_bytes, r.dear_steps = tr.dear_buckets, tr.dear_bucket_bytes, tr.dear_steps
                 r.dear_overlap_ratio, r.wan_share = tr.dear_overlap_ratio, tr.wan_share
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds

@@ -278,6 +278,8 @@ def _cmd_status(args) -> int:
                 f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
                 f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}"
             )
+            if r.local_group_reason:
+                print(f"{r.run_id}: local group decision: {r.local_group_reason}")
         if len(r.last_round_group) > 1:
             # Peer IDs share their first characters ("12D3KooW..."); the last ones tell them apart.
             mates = ", ".join("…" + p[-8:] for p in r.last_round_group[1:])

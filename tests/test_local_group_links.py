@@ -119,6 +119,7 @@ def test_three_daemons_on_loopback_form_a_group_by_measured_links(spawn):
 
     rs = wait_group(daemons, "la", 3, "the group of three forms by links", timeout=180)
     assert sorted(r.local_group_rank for r in rs) == [0, 1, 2] and all(r.local_group == AUTO for r in rs), rs
+    assert all("by links" in r.local_group_reason for r in rs), [r.local_group_reason for r in rs]
     for d in daemons:
         m = scrape(d.metrics_url)
         assert m[("peerd_local_group_size", (("run", "la"),))] == 3
