@@ -16,8 +16,8 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
   extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
                 the others' speed (the straggler budget; needs cgroup v1's cpu controller);
-                process: (a) with each daemon training in a child process (--train-process);
-                process_sync: the same with averaging.overlap=false
+                thread: (a) with each daemon training in a thread of its own (--no-train-process;
+                the default is a child process, as (a) runs; docs/your-loop.md)
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
 sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
-    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled, process, process_sync")
+    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled, thread")
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
     p.add_argument(
@@ -254,10 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif e == "sync":
             setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
-        elif e in ("process", "process_sync"):
-            settings = {**diloco, "averaging.overlap": "false"} if e == "process_sync" else diloco
+        elif e == "thread":
             setups.append(
-                (f"a_diloco_{e}", scenario(f"a_diloco_{e}", args, settings, daemon_args=("--train-process",)))
+                ("a_diloco_thread", scenario("a_diloco_thread", args, diloco, daemon_args=("--no-train-process",)))
             )
         elif e == "throttled":
             setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))

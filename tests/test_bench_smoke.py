@@ -126,8 +126,8 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
         s = parse(scenario(name, args, settings), name)
         assert len(s.hosts) == 3 and s.run.task == "charlm" and s.duration == 120.0
         assert s.run.settings["averaging.algorithm"] == settings["averaging.algorithm"]
-    child = parse(scenario("p", args, {"averaging.algorithm": "diloco"}, daemon_args=("--train-process",)), "p")
-    assert "--train-process" in child.run.args  # --extra process: each daemon trains in a child
+    thread = parse(scenario("t", args, {"averaging.algorithm": "diloco"}, daemon_args=("--no-train-process",)), "t")
+    assert "--no-train-process" in thread.run.args  # --extra thread: each daemon trains in a thread of its own
 
 
 @pytest.mark.slow
