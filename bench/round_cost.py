@@ -149,7 +149,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         advertise_host=ip,
         max_group_size=averaging.max_group_size,
         p2p=node.p2p,
-        transport_mode="reliable",
+        reliable_links="auto",
         events=events,
         rendezvous=rendezvous_for(membership, averaging.average_every, averaging.round_timeout),
     )

@@ -400,9 +400,7 @@ class Daemon:
             advertise_host=self._advertise_host(),
             max_group_size=manifest.averaging.max_group_size,
             p2p=self.node.p2p,
-            transport_mode={"auto": "reliable"}.get(
-                self.config.network.reliable_links, self.config.network.reliable_links
-            ),
+            reliable_links=self.config.network.reliable_links,
             loss_tolerant=manifest.averaging.loss_tolerant,
             data_path=self.config.network.data_path,
             udp_path_ok=lambda peer_id: self.prober is not None and self.prober.passes(peer_id),

@@ -43,7 +43,7 @@ class ConfigError(ValueError):
 
 # How a loss-tolerant run's data reaches each member (docs/loss-tolerance.md, "Per-link choice").
 DATA_PATHS = ("auto", "reliable", "udp")
-# How reliable links are made; "auto" is peerd.peers.collective.fallback's "reliable" mode (TCP, else libp2p).
+# How reliable links are made (peerd.peers.collective.fallback's modes): auto = direct TCP, else libp2p streams.
 RELIABLE_LINK_MODES = ("auto", "tcp", "libp2p")
 
 

@@ -142,7 +142,7 @@ class MoshpitAverager:
         advertise_host: str,
         max_group_size: int,
         p2p: P2P | None = None,
-        transport_mode: str = "reliable",
+        reliable_links: str = "auto",
         loss_tolerant: bool = False,
         data_path: str = "udp",
         udp_path_ok: Callable[[str], bool] | None = None,
@@ -165,7 +165,7 @@ class MoshpitAverager:
         self.namespace = run_namespace(run_id, secret)
         self.matchmaker, self.bind_host, self.advertise_host = matchmaker, bind_host, advertise_host
         self.max_group_size = max_group_size
-        self.p2p, self.transport_mode = p2p, transport_mode
+        self.p2p, self.reliable_links = p2p, reliable_links
         self.loss_tolerant, self.datagram_bytes, self.udp_rate_bps = loss_tolerant, datagram_bytes, udp_rate_bps
         self.settings = settings or AllReduceSettings()
         self.events = events or PeerEvents()
@@ -328,7 +328,7 @@ class MoshpitAverager:
         go over direct TCP, else libp2p streams; in a secret run every link and datagram is keyed by
         the secret and this round's group key."""
         auth = LinkAuth(self.secret.engine_key, key) if self.secret is not None else None
-        mode = self.transport_mode if self.p2p is not None else "tcp"
+        mode = self.reliable_links if self.p2p is not None else "tcp"
         reliable = FallbackTransport(self.bind_host, 0, p2p=self.p2p, mode=mode, auth=auth, events=self.events)
         if not self.loss_tolerant:
             return reliable

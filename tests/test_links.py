@@ -37,7 +37,7 @@ async def reduce_over(
     nodes,
     *,
     unreachable: set[int],
-    mode: str = "reliable",
+    mode: str = "auto",
     numel: int = 300_000,
     rejected=None,
     auth: LinkAuth | None = None,

@@ -22,7 +22,7 @@ from peerd.peers.collective.tcp import TcpTransport, split_address
 from peerd.peers.collective.transport import Link, Sink, Transport
 from peerd.peers.events import PeerEvents
 
-MODES = ("reliable", "tcp", "libp2p")
+MODES = ("auto", "tcp", "libp2p")  # as network.reliable_links: auto = direct TCP, else libp2p streams
 # A direct connection to a reachable member opens in about one RTT; a firewall that drops SYNs makes
 # connect() hang, so the wait is short and the engine's connect_timeout (2 s) covers both attempts.
 DIRECT_TIMEOUT = 0.75
@@ -45,7 +45,7 @@ class FallbackTransport(Transport):
         port: int = 0,
         *,
         p2p: P2P | None,
-        mode: str = "reliable",
+        mode: str = "auto",
         auth: LinkAuth | None = None,
         events: PeerEvents | None = None,
         direct_timeout: float = DIRECT_TIMEOUT,
