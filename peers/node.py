@@ -15,6 +15,7 @@ from typing import Any
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from peerd.peers import dht_traverse, late_answers
 from peerd.peers.events import PeerEvents
@@ -22,6 +23,8 @@ from peerd.peers.identity import Identity
 from peerd.peers.validator import PeerdRecordValidator
 
 logger = logging.getLogger(__name__)
+
+BOOTSTRAP_RETRY = 0.5  # seconds between two rounds of pings to the initial peers while none answered
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,29 +57,59 @@ class PeerNode:
         identity = Identity.load_or_create(settings.identity_path)
         dht_traverse.install()  # a store cut off by request_timeout ends every task of its search
         late_answers.install()  # a call cut off by its timeout leaves the other calls answered
-        async with asyncio.timeout(settings.startup_timeout):
-            p2p = await P2P.create(
-                initial_peers=settings.initial_peers or None,
-                host_maddrs=settings.host_maddrs,
-                announce_maddrs=settings.announce_maddrs or None,
-                identity_path=str(settings.identity_path),
-                check_if_identity_free=not fresh,
-                nat_port_map=settings.nat_port_map,
-                auto_nat=settings.auto_nat,
-                startup_timeout=settings.startup_timeout,
-            )
-            try:
-                dht = await DHTNode.create(
-                    p2p=p2p,
-                    record_validator=PeerdRecordValidator(events),
+        stage = "p2pd did not start"
+        try:
+            async with asyncio.timeout(settings.startup_timeout):
+                p2p = await P2P.create(
                     initial_peers=settings.initial_peers or None,
-                    wait_timeout=settings.request_timeout,
-                    bootstrap_timeout=settings.startup_timeout,
+                    host_maddrs=settings.host_maddrs,
+                    announce_maddrs=settings.announce_maddrs or None,
+                    identity_path=str(settings.identity_path),
+                    check_if_identity_free=not fresh,
+                    nat_port_map=settings.nat_port_map,
+                    auto_nat=settings.auto_nat,
+                    startup_timeout=settings.startup_timeout,
                 )
-            except BaseException:
-                await p2p.shutdown()
-                raise
+                dht = None
+                try:
+                    stage = "no initial peer answered a DHT ping"
+                    dht = await DHTNode.create(
+                        p2p=p2p,
+                        record_validator=PeerdRecordValidator(events),
+                        initial_peers=settings.initial_peers or None,
+                        wait_timeout=settings.request_timeout,
+                        bootstrap_timeout=settings.startup_timeout,
+                        ensure_bootstrap_success=False,  # one ping each; _bootstrap pings again
+                    )
+                    if settings.initial_peers and not dht.protocol.routing_table.uid_to_peer_id:
+                        await cls._bootstrap(dht, settings.initial_peers)
+                except BaseException:
+                    if dht is not None:
+                        await dht.shutdown()
+                    await p2p.shutdown()
+                    raise
+        except TimeoutError:
+            raise RuntimeError(
+                f"the node did not start within {settings.startup_timeout:g} s (startup_timeout): {stage}"
+                + (f" (initial peers: {', '.join(settings.initial_peers)})" if "ping" in stage else "")
+            ) from None
         return cls(p2p, dht, identity, settings, events)
+
+    @staticmethod
+    async def _bootstrap(dht: DHTNode, initial_peers: list[str]) -> None:
+        """hivemind pings each initial peer once and gives up: over a lossy link, a SYN lost twice
+        outlasts request_timeout, and one lost ping failed the whole start. Ping them again until one
+        answers (each answer puts the peers in each other's routing table; the caller's
+        startup_timeout bounds the wait), then look up this node's neighbours, as hivemind's bootstrap
+        does after its pings."""
+        peers = {PeerID.from_base58(Multiaddr(a)["p2p"]) for a in initial_peers}
+        while True:
+            answers = await asyncio.gather(*(dht.protocol.call_ping(p) for p in peers))
+            if any(a is not None for a in answers):
+                break
+            logger.info("none of the %d initial peer(s) answered a DHT ping yet; pinging again", len(peers))
+            await asyncio.sleep(BOOTSTRAP_RETRY)
+        await dht.find_nearest_nodes([dht.node_id])
 
     @property
     def peer_id(self) -> str:
