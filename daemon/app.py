@@ -483,20 +483,18 @@ class Daemon:
 
     def _in_child(self, manifest) -> bool:
         """Whether this task's run trains in a child process (--train-process, the default): under
-        DiLoCo without a local group, what the API of an attached process carries; the others keep the
-        trainer thread (docs/your-loop.md, "Not yet")."""
+        DiLoCo, what the API of an attached process carries. A `state` run keeps the trainer thread
+        (docs/your-loop.md, "Not yet"); so does every DeAR local group, which needs one."""
         if not self.config.train.train_process:
             return False
-        if manifest.averaging.algorithm != "diloco":
-            why = (
-                f"averaging.algorithm={manifest.averaging.algorithm} averages the inner optimizer's state, "
-                "which a child process keeps to itself"
-            )
-        elif self.config.train.local_group:
-            why = "--local-group: DeAR's hooks on the model live in the daemon's trainer"
-        else:
+        if manifest.averaging.algorithm == "diloco":
             return True
-        logger.info("run %s: trains in a thread of the daemon, not a child process: %s", manifest.run_id, why)
+        logger.info(
+            "run %s: trains in a thread of the daemon, not a child process: averaging.algorithm=%s averages the "
+            "inner optimizer's state, which a child process keeps to itself",
+            manifest.run_id,
+            manifest.averaging.algorithm,
+        )
         return False
 
     async def _task_child(self, manifest, membership, average, sync, loop):

@@ -124,7 +124,7 @@ class TrainConfig:
     local_group: str = ""
     # Train each --task run in a child process of the daemon (python -m peerd.daemon.taskproc, supervised,
     # attached like a script; docs/your-loop.md); false: in a thread of the daemon. Runs under
-    # averaging.algorithm=state and runs with a local group keep the thread (docs/your-loop.md, "Not yet").
+    # averaging.algorithm=state keep the thread, DeAR local groups among them (docs/your-loop.md, "Not yet").
     train_process: bool = True
 
     def __post_init__(self) -> None:
@@ -308,7 +308,7 @@ OPTIONS: tuple[Option, ...] = (
         "train each --task run in a child process the daemon supervises (restarted at most 3 times in a row), "
         "attached like a script (the default; --no-train-process: in a thread of the daemon); costs a "
         "Python process per run and a shared-memory hand-over of the parameters per outer step; runs with "
-        "averaging.algorithm=state or a --local-group keep the thread",
+        "averaging.algorithm=state (DeAR local groups need it) keep the thread",
     ),
 )
 

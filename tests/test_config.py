@@ -203,5 +203,5 @@ def test_train_process_is_the_default_and_comes_from_the_variable_and_the_flag()
     assert (
         load_config({"train.train_process": False}, environ={"PEERD_TRAIN_PROCESS": "1"}).train.train_process is False
     )
-    # A local group keeps the trainer thread (daemon/app.py, _in_child): the two settings go together.
+    # A local group (a state run) trains in the thread (daemon/app.py, _in_child): the two settings go together.
     assert load_config({"train.local_group": "rack1"}, environ={}).train.train_process is True
