@@ -545,8 +545,16 @@ def destroy(lab_id: str) -> list[str]:
     for ns in namespaces:
         sh("ip", "netns", "del", ns, check=False)
         removed.append(f"netns {ns}")
-    if re.search(rf"^table bridge {re.escape(name)}$", sh("nft", "list", "tables"), re.M):
-        sh("nft", "delete", "table", "bridge", name)
+
+    def has_table() -> bool:
+        return bool(re.search(rf"^table bridge {re.escape(name)}$", sh("nft", "list", "tables"), re.M))
+
+    if has_table():
+        # A lab that is tearing itself down (`peerd lab clean` saw its bridge gone) may delete its
+        # table between the listing and this delete: only a table still there is an error.
+        sh("nft", "delete", "table", "bridge", name, check=False)
+        if has_table():
+            raise LabError(f"nft table bridge {name} could not be deleted")
         removed.append(f"nft table bridge {name}")
     if work.name == name and work.exists():  # never anything but a lab's own dir
         shutil.rmtree(work, ignore_errors=True)
