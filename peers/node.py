@@ -72,7 +72,11 @@ class PeerNode:
                 )
                 dht = None
                 try:
-                    stage = "no initial peer answered a DHT ping"
+                    stage = (
+                        "no initial peer answered a DHT ping"
+                        if settings.initial_peers
+                        else "the DHT node did not start"
+                    )
                     dht = await DHTNode.create(
                         p2p=p2p,
                         record_validator=PeerdRecordValidator(events),
@@ -81,7 +85,7 @@ class PeerNode:
                         bootstrap_timeout=settings.startup_timeout,
                         ensure_bootstrap_success=False,  # one ping each; _bootstrap pings again
                     )
-                    if settings.initial_peers and not dht.protocol.routing_table.uid_to_peer_id:
+                    if settings.initial_peers:
                         await cls._bootstrap(dht, settings.initial_peers)
                 except BaseException:
                     if dht is not None:
@@ -98,18 +102,21 @@ class PeerNode:
     @staticmethod
     async def _bootstrap(dht: DHTNode, initial_peers: list[str]) -> None:
         """hivemind pings each initial peer once and gives up: over a lossy link, a SYN lost twice
-        outlasts request_timeout, and one lost ping failed the whole start. Ping them again until one
-        answers (each answer puts the peers in each other's routing table; the caller's
-        startup_timeout bounds the wait), then look up this node's neighbours, as hivemind's bootstrap
-        does after its pings."""
+        outlasts request_timeout, and one lost ping failed the whole start. Ping them until one
+        answers, validated as hivemind's bootstrap does (it raises when the peer cannot reach this
+        node back, or their clocks differ too much); each answer puts the two in each other's
+        routing table, and the caller's startup_timeout bounds the wait. Then, if hivemind's own
+        pings all went unanswered, look up this node's neighbours, as its bootstrap does."""
+        lookup = not dht.protocol.routing_table.uid_to_peer_id
         peers = {PeerID.from_base58(Multiaddr(a)["p2p"]) for a in initial_peers}
         while True:
-            answers = await asyncio.gather(*(dht.protocol.call_ping(p) for p in peers))
+            answers = await asyncio.gather(*(dht.protocol.call_ping(p, validate=True, strict=True) for p in peers))
             if any(a is not None for a in answers):
                 break
             logger.info("none of the %d initial peer(s) answered a DHT ping yet; pinging again", len(peers))
             await asyncio.sleep(BOOTSTRAP_RETRY)
-        await dht.find_nearest_nodes([dht.node_id])
+        if lookup:
+            await dht.find_nearest_nodes([dht.node_id])
 
     @property
     def peer_id(self) -> str:
