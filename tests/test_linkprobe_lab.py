@@ -71,10 +71,10 @@ asyncio.run(main())
 
 def _ahead_of_the_suite() -> None:
     """A prober runs at nice -10 (the lab needs root, which may raise it): with the suite's other
-    workers on every core, nearly every train was paused (the sender descheduled; peers/linkprobe.py)
-    and one that went out at a slowed sender's pace read as not link-bound. What this test checks is
-    the figure of a link, not the scheduler's share; the product's answer to a busy CPU is the pause
-    rule, checked in tests/test_linkprobe.py."""
+    workers on every core, nearly every train was paused (the sender descheduled; peers/linkprobe.py),
+    and a link's few figures came from one train each. What this test checks is the figure of a
+    link, not the scheduler's share; the product's answer to a busy CPU is the pause rule, checked
+    in tests/test_linkprobe.py."""
     try:
         os.nice(-10)
     except OSError:
