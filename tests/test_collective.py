@@ -40,7 +40,9 @@ from peerd.peers.collective.inbox import BufferPool
 from peerd.peers.collective.reduction import TORCH_GRAIN, fold
 from peerd.peers.collective.wire import HEADER, HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
 from peerd.peers.events import PeerEvents
+from tests import vclock
 from tests.helpers import ROOT
+from tests.memtransport import Hub
 from tests.test_codec import mean_bound
 
 FAST = AllReduceSettings(
@@ -414,6 +416,38 @@ def test_a_silent_member_makes_everyone_abort_and_keep_their_tensor():
         await stop_group(engines, transports)
 
     uvloop.run(main())
+
+
+def test_on_virtual_time_a_silent_member_aborts_the_round_exactly_at_the_gather_deadline():
+    """The same fault on the loop's clock made virtual (tests/vclock.py) and a transport in memory:
+    the round is decided by its deadlines alone, so the abort comes exactly gather_timeout after the
+    round began, and a round of all three that follows completes with the mean."""
+    n, numel = 3, 3000
+
+    async def main():
+        hub, loop = Hub(), asyncio.get_running_loop()
+        transports = [hub.transport() for _ in range(n)]
+        members, addresses = [f"m{i}" for i in range(n)], [t.address for t in transports]
+        engines = [
+            GroupAllReduce(Group(RUN, members, addresses, i), t, numel, settings=FAST) for i, t in enumerate(transports)
+        ]
+        xs = [torch.randn(numel) for _ in range(2)]
+        before = [x.clone() for x in xs]
+        t0 = loop.time()
+        outcomes = await asyncio.gather(*(e.all_reduce(x, 1.0, 1) for e, x in zip(engines, xs)))
+        assert loop.time() - t0 == pytest.approx(FAST.gather_timeout, abs=1e-9)
+        assert {o.status for o in outcomes} == {Status.ABORTED}, [o.reason for o in outcomes]
+        assert all(torch.equal(x, b) for x, b in zip(xs, before))
+        xs = [torch.randn(numel) for _ in range(n)]
+        expect = weighted_mean(xs, [1.0] * n)
+        t0 = loop.time()
+        outcomes = await asyncio.gather(*(e.all_reduce(x, 1.0, 2) for e, x in zip(engines, xs)))
+        assert loop.time() == t0  # nothing waited on a timer: every message was there
+        assert {o.status for o in outcomes} == {Status.COMPLETED}, [o.reason for o in outcomes]
+        assert all(close(x, expect) for x in xs) and len({o.digest for o in outcomes}) == 1
+        await stop_group(engines, transports)
+
+    vclock.run(main())
 
 
 def test_without_restore_only_the_own_shard_is_backed_up_and_put_back():

@@ -27,6 +27,8 @@ from peerd.peers.collective.inbox import as_bytes
 from peerd.peers.collective.transport import Link, Transport
 from peerd.peers.collective.wire import HEADER_SIZE, Header, Kind
 from peerd.peers.events import PeerEvents
+from tests import vclock
+from tests.memtransport import Hub
 from tests.test_dear import OP_TIMEOUT, _equality_rank, _failure_rank
 
 TIMEOUT = 0.5  # seconds one op may take in the in-process tests
@@ -237,7 +239,7 @@ def test_the_next_ops_chunk_whose_payload_lands_after_the_op_started_is_folded_i
             assert torch.equal(x[start:end], w)
         await halves.close()
 
-    uvloop.run(main())
+    vclock.run(main())
 
 
 def test_connecting_to_the_members_does_not_count_against_the_first_ops_limit():
@@ -268,7 +270,7 @@ def test_connecting_to_the_members_does_not_count_against_the_first_ops_limit():
         assert op.error == "" and torch.equal(mine[start:end], want), op.error
         await halves.close()
 
-    uvloop.run(main())
+    vclock.run(main())
 
 
 def test_an_exception_inside_an_op_fails_it_and_every_later_op_at_once():
@@ -286,7 +288,27 @@ def test_an_exception_inside_an_op_fails_it_and_every_later_op_at_once():
         assert ops[1].error == ops[0].error
         await halves.close()
 
-    uvloop.run(main())
+    vclock.run(main())
+
+
+def test_a_silent_member_fails_the_op_exactly_at_its_limit_and_the_queued_op_with_it():
+    """On virtual time (tests/vclock.py): the connect takes 0.5 s, then member 1 never sends. The op
+    fails op_timeout after its connect, not a moment sooner, and the op queued behind it fails at
+    the same instant: exact comparisons, no wall clock."""
+
+    async def main():
+        transport = HandDriven(connect_delay=0.5)
+        group = Group(RUN, ["m0", "m1"], ["hand:0", "hand:1"], 0)
+        halves = Halves(group, transport, settings=HalvesSettings(op_timeout=0.2, connect_timeout=5.0))
+        x = integers(8, 0)
+        rs, ag = halves.reduce_scatter(x), halves.all_gather(x)
+        await ag
+        assert rs.error == "reduce_scatter #0: timed out after 0.2 s waiting for members [1]", rs.error
+        assert ag.error == rs.error and ag.finished == rs.finished
+        assert rs.finished - rs.started == pytest.approx(0.5 + 0.2, abs=1e-9)
+        await halves.close()
+
+    vclock.run(main())
 
 
 def test_a_frozen_member_is_an_error_within_the_timeout_and_breaks_every_later_op():
@@ -322,6 +344,29 @@ def test_a_dead_member_fails_the_others_at_once():
         await stop_group(halves, transports)
 
     uvloop.run(main())
+
+
+def test_on_virtual_time_a_dead_member_fails_the_others_without_any_time_passing():
+    """test_a_dead_member_fails_the_others_at_once on the loop's clock made virtual and a transport in
+    memory: "at once" is exact here, the op fails at the instant it started."""
+
+    async def main():
+        hub, loop = Hub(), asyncio.get_running_loop()
+        transports = [hub.transport() for _ in range(3)]
+        group = [f"m{i}" for i in range(3)], [t.address for t in transports]
+        settings = HalvesSettings(op_timeout=AT_ONCE_TIMEOUT, connect_timeout=TIMEOUT, chunk_elements=4)
+        halves = [Halves(Group(RUN, *group, i), t, settings=settings) for i, t in enumerate(transports)]
+        xs = [integers(12, i) for i in range(3)]
+        await asyncio.gather(*(h.reduce_scatter(x) for h, x in zip(halves, xs)))
+        await transports[2].close()
+        t0 = loop.time()
+        ops = [h.all_gather(x) for h, x in zip(halves[:2], xs)]
+        await asyncio.gather(*ops)
+        assert all("closed" in op.error for op in ops), [op.error for op in ops]
+        assert loop.time() == t0 and all(op.finished == op.started for op in ops)
+        await stop_group(halves, transports)
+
+    vclock.run(main())
 
 
 def test_a_member_that_dies_before_sending_anything_fails_the_op_at_once():

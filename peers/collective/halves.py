@@ -23,7 +23,9 @@ finish op n before every member started it: messages of op n + 1 that arrive bef
 are parked (in the receive buffers; results copied into x when the op starts), those of any other
 op refused ("wire_wrong_round").
 
-**Time.** An op starts when the one ahead of it finished (`started`, time.monotonic()), and ends
+**Time.** Every deadline and stamp reads the event loop's clock (`loop.time()`), so a test that runs
+Halves on a loop with virtual time (tests/vclock.py) decides every timeout without waiting for it.
+An op starts when the one ahead of it finished (`started`), and ends
 (`finished`) once every message it needs arrived and its own sends were handed to the kernel (so
 the caller may reuse x at once), or when it fails: at the latest `op_timeout` after it started. So
 an op queued behind q others ends at most (q + 1) x op_timeout after the call.
@@ -59,7 +61,6 @@ import collections
 import functools
 import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -108,7 +109,7 @@ class HalfOp:
     weight: float
     bounds: tuple[tuple[int, int], ...]  # of each member's shard of x: shard_bounds(len(x), size)
     done: asyncio.Future = field(repr=False)
-    started: float = math.nan  # time.monotonic() when it began moving bytes
+    started: float = math.nan  # the loop's time when it began moving bytes
     finished: float = math.nan  # ... when it completed or failed
     error: str = ""  # why it failed; "" if it succeeded
     timeout: float = math.nan  # this op's own limit (seconds); NaN: the settings' op_timeout
@@ -206,7 +207,7 @@ class Halves:
     async def _serve(self) -> None:
         while self._queue:
             op = self._queue[0]
-            op.started = time.monotonic()
+            op.started = asyncio.get_running_loop().time()
             if not self.error:
                 limit = self.settings.op_timeout if math.isnan(op.timeout) else op.timeout
                 try:
@@ -252,11 +253,11 @@ class Halves:
         # them: its member is gone, which the next op finds out.
         await drain_links(list(self.links.values()), self.settings.op_timeout)
         if self.pace is not None:
-            await asyncio.sleep(op.started + self.pace(op.x.numel() * 4) - time.monotonic())
+            await asyncio.sleep(op.started + self.pace(op.x.numel() * 4) - asyncio.get_running_loop().time())
 
     def _end(self, op: HalfOp) -> None:
         """Stamp and resolve the op; its slot now serves op n + 2."""
-        op.error, op.finished = self.error, time.monotonic()
+        op.error, op.finished = self.error, asyncio.get_running_loop().time()
         if self._running is op:
             self._running, self._wake = None, None
             self._slots[op.number % 2] = _Slot(op.number + 2)
