@@ -211,11 +211,11 @@ def test_the_next_ops_chunk_whose_payload_lands_after_the_op_started_is_folded_i
             )
 
         def deliver(h: Header, payload: bool = True) -> memoryview:
-            dest = halves.on_header(link, h)
+            dest = halves.inbox.on_header(link, h)
             assert isinstance(dest, memoryview), dest
             if payload:
                 dest[:] = as_bytes(theirs[h.round][start + h.offset : start + h.offset + h.count])
-                halves.on_payload(link, h)
+                halves.inbox.on_payload(link, h)
             return dest
 
         async with asyncio.timeout(5):
@@ -230,7 +230,7 @@ def test_the_next_ops_chunk_whose_payload_lands_after_the_op_started_is_folded_i
             while len(transport.sent) < 2:  # member 0 started op 1 (with the chunk above still arriving)
                 await asyncio.sleep(0)
         dest[:] = as_bytes(theirs[1][start : start + 2])
-        halves.on_payload(link, early)
+        halves.inbox.on_payload(link, early)
         deliver(header(1, 2))
         async with asyncio.timeout(5):
             await rs[1]
@@ -263,8 +263,8 @@ def test_connecting_to_the_members_does_not_count_against_the_first_ops_limit():
             h = Header(
                 kind=Kind.CONTRIBUTION, run_tag=group.tag, round=0, sender=1, shard=0, offset=offset, count=2, weight=1
             )
-            halves.on_header(link, h)[:] = as_bytes(theirs[start + offset : start + offset + 2])
-            halves.on_payload(link, h)
+            halves.inbox.on_header(link, h)[:] = as_bytes(theirs[start + offset : start + offset + 2])
+            halves.inbox.on_payload(link, h)
         async with asyncio.timeout(5):
             await op
         assert op.error == "" and torch.equal(mine[start:end], want), op.error

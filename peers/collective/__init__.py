@@ -16,7 +16,7 @@ run secret), group.py (members, shards, chunks, timeouts), codec.py (fp32/fp16/i
 admits what arrives, its buffers, the tensor's backup), chunks.py (its admission rule for a stream's
 chunks), reduction.py (the one reduction kernel, and this member's shard), decision.py (complete or
 abort, the digest), allreduce.py (the round and its contract), halves.py (reduce-scatter and
-all-gather as separate steps, for DeAR), outcome.py (what a round returns);
+all-gather as separate steps, for DeAR; the Inbox's rule for their ops), outcome.py (what a round returns);
 datagram.py (one authenticated UDP datagram), udp.py and udpsend.py (the datagram transport),
 lossy.py (the loss-tolerant rule and packet grid), packets.py (the Inbox's admission rule for the
 packet grid), lossy_allreduce.py (the loss-tolerant round).

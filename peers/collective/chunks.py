@@ -55,6 +55,9 @@ class ChunkRule:
                 hopeless |= bool(st.result_gone[j]) or bool(st.lost >> j & 1) or j == self.inbox.group.me
         return Gathered(complete, complete or hopeless)
 
+    def lost(self, member: int) -> None:
+        """Nothing beyond the `lost` bit the Inbox set in the rounds: `ready` and `gathered` read it."""
+
     # ---- the Sink's calls ----------------------------------------------------------------------
 
     def admit(self, link: Inbound, h: Header) -> memoryview | Action:

@@ -9,7 +9,9 @@ schedules that run them apart (DeAR: peers/dear/engine.py).
 
 Member i owns shard i of x (`shard_bounds`: sizes differ by at most one). Messages are the engine's
 (wire.py: CONTRIBUTION, RESULT; `round` = the op's number in the sequence), in chunks of at most
-`chunk_elements`, received without a copy where they belong (transport.py's Sink):
+`chunk_elements`, received without a copy where they belong. They come in through the engine's one
+admission class, `inbox.Inbox` (the sender checks, the one connection each member speaks on, the
+count of what is refused), with Halves as its rule (`admit`, `arrived`, `lost`):
 * **reduce-scatter**: every member sends slice j of x to owner j; when the op completes, this
   member's shard of x holds sum_k(w_k x_k) / sum_k(w_k) over every member's slice (w_k = 1 unless
   given: the mean). Other shards are untouched. Contributions land in a receive buffer per sender
@@ -69,7 +71,7 @@ import torch
 
 from peerd.peers.collective.allreduce import drain_links, open_links
 from peerd.peers.collective.group import Group, shard_bounds
-from peerd.peers.collective.inbox import as_bytes
+from peerd.peers.collective.inbox import Inbox, as_bytes
 from peerd.peers.collective.reduction import all_finite, divide, fold
 from peerd.peers.collective.rounds import Half
 from peerd.peers.collective.transport import Action, Inbound, Link, Transport
@@ -150,8 +152,7 @@ class Halves:
         self.pace = pace  # benchmarks emulating a slower link: an op of b bytes lasts at least pace(b) s
         self.error = ""  # set once: the engine is broken after it
         self.others = [k for k in range(group.size) if k != group.me]
-        self.links: dict[int, Link | None] = {k: None for k in self.others}
-        self._inbound: dict[int, Inbound] = {}  # the one connection each member speaks on
+        self.links: dict[int, Link | None] = {k: None for k in self.others}  # dialed, to send on
         self._lost: set[int] = set()  # members whose connection closed
         self._queue: collections.deque[HalfOp] = collections.deque()
         self._issued = 0
@@ -161,7 +162,9 @@ class Halves:
         self._buffers = [{k: np.empty(0, np.float32) for k in self.others} for _ in range(2)]
         self._running: HalfOp | None = None
         self._wake: asyncio.Future | None = None  # set when the running op has all it needs, or failed
-        transport.attach(self)
+        # Ops have no fixed length: the inbox keeps no buffers, the receive buffers above are the rule's.
+        self.inbox = Inbox(group, None, self.settings.chunk_elements, self.events, lambda inbox: self)
+        transport.attach(self.inbox)
 
     # ---- the API ---------------------------------------------------------------------------------
 
@@ -274,7 +277,7 @@ class Halves:
         self._close_links()
 
     def _close_links(self) -> None:
-        for link in [*self.links.values(), *self._inbound.values()]:
+        for link in [*self.links.values(), *self.inbox.links.values()]:
             if link is not None:
                 link.close()
 
@@ -374,21 +377,15 @@ class Halves:
             new[: len(old)] = old
             buffers[k] = new
 
-    # ---- the Sink interface ----------------------------------------------------------------------
+    # ---- the admission rule (inbox.AdmissionRule) ---------------------------------------------
 
-    def on_header(self, link: Inbound, h: Header) -> memoryview | Action:
-        g = self.group
+    def admit(self, link: Inbound, h: Header) -> memoryview | Action:
         if self.error:
             return Action.DROP  # broken: every connection is being closed
-        if h.run_tag != g.tag:
-            return self._refuse("wire_wrong_run")
-        if h.sender >= g.size or h.sender == g.me:
-            return self._refuse("wire_not_in_group")
+        if (refused := self.inbox.refuse_sender(link, h)) is not None:
+            return refused
         k = h.sender
-        if link.member is None and k not in self._inbound:
-            link.member, self._inbound[k] = k, link  # a member speaks on one connection: no reconnects
-        if link.member != k or self._inbound.get(k) is not link:
-            return self._refuse("wire_sender_mismatch")
+        self.inbox.bind(link, k)
         slot = self._slots[h.round % 2]
         if slot.number != h.round:
             self.events.rejected("wire_wrong_round")
@@ -434,7 +431,7 @@ class Halves:
             return "wire_bad_weight"
         return ""
 
-    def on_payload(self, link: Inbound, h: Header) -> None:
+    def arrived(self, link: Inbound, h: Header) -> None:
         slot, k = self._slots[h.round % 2], h.sender
         if slot.number != h.round or self.error:
             return
@@ -452,11 +449,7 @@ class Halves:
         if not slot.missing and self._wake is not None and not self._wake.done():
             self._wake.set_result(None)
 
-    def on_lost(self, link: Inbound) -> None:
-        k = link.member
-        if k is None or self._inbound.get(k) is not link:
-            return
-        del self._inbound[k]
+    def lost(self, k: int) -> None:
         self._lost.add(k)
         if self._waiting_for().get(k):
             self._break(f"the connection of member {k} closed")
@@ -470,5 +463,4 @@ class Halves:
             self._break(f"the connection to member {k} closed")
 
     def _refuse(self, reason: str) -> Action:
-        self.events.rejected(reason)
-        return Action.DROP
+        return self.inbox.refuse(reason, Action.DROP)

@@ -1,17 +1,23 @@
-"""The receiving side of every engine round: the one class that admits what arrives (`Inbox`), its
+"""The receiving side of every engine: the one class that admits what arrives (`Inbox`), its
 preallocated buffers, and the checks every incoming header passes before its payload may touch them.
 
-What is admitted, and what it settles, is the round's admission rule, plugged into the Inbox:
+What is admitted, and what it settles, is the engine's admission rule, plugged into the Inbox:
 * `chunks.ChunkRule` (GroupAllReduce, over reliable streams): shards travel in chunks on a fixed
   grid (`AllReduceSettings.chunk_elements`), in order on each connection; verdicts end the round;
 * `packets.PacketRule` (LossyAllReduce, over datagrams): packets of the packet grid, each at most
-  once and in any order; nothing waits for a missing one, and DONE messages say what was sent.
-The Inbox holds what they share: the buffers, the round in progress and the next one, the sender
-checks, the one connection each member speaks on, the codec's staging, the backup of x, and the
-wait (`until`) that wakes the round only when what it waits for may have changed.
+  once and in any order; nothing waits for a missing one, and DONE messages say what was sent;
+* `halves.Halves` (DeAR's reduce-scatter and all-gather, over reliable streams): the messages of a
+  FIFO of ops of any length, each op's slices in order per sender, the next op's parked; a message
+  that does not fit its op breaks the engine. Its ops have no fixed length, so its inbox has no
+  fixed buffers (`numel=None`): the rule keeps a receive buffer per sender.
+The Inbox holds what they share: the sender checks, the one connection each member speaks on, the
+count of what is refused, the payloads of a stream still arriving, the members lost; and, for the
+all-reduce rounds (`RoundRule`), the buffers, the round in progress and the next one, the codec's
+staging, the backup of x, and the wait (`until`) that wakes the round only when what it waits for
+may have changed.
 
-Buffers (allocated once per engine, or lent by a `BufferPool` to one engine after another; reused
-every round):
+Buffers of an all-reduce round (allocated once per engine, or lent by a `BufferPool` to one engine
+after another; reused every round):
 * the caller's tensor `x`: owners' RESULT chunks land straight in it, and this member reduces its
   own shard in place, so COMPLETE costs nothing;
 * `backup`: each chunk of `x` is copied here just before it is first overwritten (one chunk at a
@@ -71,9 +77,22 @@ class RoundBook(Protocol):
 
 
 class AdmissionRule(Protocol):
-    """What arrives, and when a round has what it waits for: the part of receiving that differs
-    between a stream's chunks (chunks.ChunkRule) and the packet grid (packets.PacketRule). Made by
-    the Inbox (`rule(inbox)`); called on the event loop."""
+    """What arrives, and what it settles: the part of receiving that differs between engines
+    (chunks.ChunkRule, packets.PacketRule, halves.Halves). Made by the Inbox (`rule(inbox)`);
+    called on the event loop."""
+
+    def admit(self, link: Inbound, h: Header) -> memoryview | Action:
+        """The Sink's on_header: where h's payload goes, or why it is refused (counted)."""
+
+    def arrived(self, link: Inbound, h: Header) -> None:
+        """The Sink's on_payload: h's payload is where `admit` put it."""
+
+    def lost(self, member: int) -> None:
+        """The connection `member` spoke on closed (the Inbox has marked the rounds it was in)."""
+
+
+class RoundRule(AdmissionRule, Protocol):
+    """The rule of an all-reduce round, which the Inbox opens and closes (`open`, `close`)."""
 
     partial_results: bool  # rounds may end holding part of the result: every overwritten chunk is backed up
 
@@ -82,12 +101,6 @@ class AdmissionRule(Protocol):
 
     def opened(self, st: RoundBook) -> None:
         """Round st is now the one in progress and x the caller's tensor: move in what waited for it."""
-
-    def admit(self, link: Inbound, h: Header) -> memoryview | Action:
-        """The Sink's on_header: where h's payload goes, or why it is refused (counted)."""
-
-    def arrived(self, link: Inbound, h: Header) -> None:
-        """The Sink's on_payload: h's payload is where `admit` put it."""
 
     def ready(self, st: RoundBook, c: int) -> bool:
         """Chunk c of this member's shard has every contribution it will get."""
@@ -158,13 +171,15 @@ class BufferPool:
 
 class Inbox:
     """The transport's sink for one group, whatever the transport; `rule` (a class taking the
-    inbox: chunks.ChunkRule, or functools.partial(packets.PacketRule, stride=...)) decides what is
-    admitted. Runs on the event loop; the round waits on it with `until`."""
+    inbox: chunks.ChunkRule, functools.partial(packets.PacketRule, stride=...), or a function
+    returning halves.Halves) decides what is admitted. With `numel` None the inbox has no buffers
+    and no rounds of its own: the rule keeps them (Halves). Runs on the event loop; an all-reduce
+    round waits on it with `until`."""
 
     def __init__(
         self,
         group: Group,
-        numel: int,
+        numel: int | None,
         chunk: int,
         events: PeerEvents,
         rule: Callable[["Inbox"], AdmissionRule],
@@ -172,6 +187,23 @@ class Inbox:
         payload: Format | str = Format.FP32,
     ):
         self.group, self.numel, self.chunk, self.events = group, numel, chunk, events
+        self.phase = Phase.IDLE
+        self.round = 0  # the round in progress, or the last one run
+        self.current: RoundBook | None = None
+        self.next: RoundBook | None = None  # early arrivals for round + 1
+        self.links: dict[int, Inbound] = {}  # the one connection each member currently speaks on
+        self._filling: dict[Inbound, int] = {}  # stream connections receiving a payload, and its round
+        self.fold: Callable[[RoundBook, int, int], None] | None = None  # called as contributions arrive
+        self._done: Callable[[], bool] | None = None  # what the round waits for
+        self._ready: asyncio.Future | None = None
+        self.keep_results = True  # back up chunks of other shards before results overwrite them
+        if numel is not None:
+            self._lay_out(numel, chunk, buffers, payload)
+        self.rule = rule(self)
+
+    def _lay_out(self, numel: int, chunk: int, buffers: InboxBuffers | None, payload: Format | str) -> None:
+        """The shards, chunks and buffers of an all-reduce round over `numel` elements."""
+        group = self.group
         self.codec = Codec(payload)
         self.coded = self.codec.format is not Format.FP32  # payloads are staged, checked and decoded
         self.bounds = shard_bounds(numel, group.size, self.codec.block)
@@ -193,17 +225,6 @@ class Inbox:
         if self.coded:
             self.wire, staging = self.buffers.wire(self.codec)
             self._staging = {k: memoryview(b) for k, b in zip(others, staging)}
-        self.phase = Phase.IDLE
-        self.round = 0  # the round in progress, or the last one run
-        self.current: RoundBook | None = None
-        self.next: RoundBook | None = None  # early arrivals for round + 1
-        self.links: dict[int, Inbound] = {}  # the one connection each member currently speaks on
-        self._filling: dict[Inbound, int] = {}  # stream connections receiving a payload, and its round
-        self.fold: Callable[[RoundBook, int, int], None] | None = None  # called as contributions arrive
-        self._done: Callable[[], bool] | None = None  # what the round waits for
-        self._ready: asyncio.Future | None = None
-        self.keep_results = True  # back up chunks of other shards before results overwrite them
-        self.rule = rule(self)
 
     def open(self, number: int, x: torch.Tensor, restore: bool = True) -> RoundBook:
         """Start round `number` on the caller's flat tensor x. restore=False: back up only this
@@ -328,6 +349,7 @@ class Inbox:
             if st is not None:
                 st.lost |= 1 << k
         self.changed()
+        self.rule.lost(k)
 
     def state(self, number: int, *, create: bool) -> RoundBook | None:
         """Round `number`'s state if it is the one in progress or the next (made if `create`);

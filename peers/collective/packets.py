@@ -112,6 +112,9 @@ class PacketRule:
         )
         return Gathered(complete, over)
 
+    def lost(self, member: int) -> None:
+        """Nothing beyond the `lost` bit the Inbox set in the rounds: `ready` and `gathered` read it."""
+
     def missing(self, st: PacketRound) -> int:
         """Datagrams this member should have received this round and did not, by the grid and the
         DONE counts (members never heard from this round are counted by the outcome, not here)."""
