@@ -299,7 +299,8 @@ def test_a_silent_member_fails_the_op_exactly_at_its_limit_and_the_queued_op_wit
     async def main():
         transport = HandDriven(connect_delay=0.5)
         group = Group(RUN, ["m0", "m1"], ["hand:0", "hand:1"], 0)
-        halves = Halves(group, transport, settings=HalvesSettings(op_timeout=0.2, connect_timeout=5.0))
+        settings = HalvesSettings(op_timeout=0.2, connect_timeout=5.0)
+        halves = Halves(group, transport, settings=settings, clock=asyncio.get_running_loop().time)
         x = integers(8, 0)
         rs, ag = halves.reduce_scatter(x), halves.all_gather(x)
         await ag
@@ -355,7 +356,9 @@ def test_on_virtual_time_a_dead_member_fails_the_others_without_any_time_passing
         transports = [hub.transport() for _ in range(3)]
         group = [f"m{i}" for i in range(3)], [t.address for t in transports]
         settings = HalvesSettings(op_timeout=AT_ONCE_TIMEOUT, connect_timeout=TIMEOUT, chunk_elements=4)
-        halves = [Halves(Group(RUN, *group, i), t, settings=settings) for i, t in enumerate(transports)]
+        halves = [
+            Halves(Group(RUN, *group, i), t, settings=settings, clock=loop.time) for i, t in enumerate(transports)
+        ]
         xs = [integers(12, i) for i in range(3)]
         await asyncio.gather(*(h.reduce_scatter(x) for h, x in zip(halves, xs)))
         await transports[2].close()

@@ -25,12 +25,14 @@ finish op n before every member started it: messages of op n + 1 that arrive bef
 are parked (in the receive buffers; results copied into x when the op starts), those of any other
 op refused ("wire_wrong_round").
 
-**Time.** Every deadline and stamp reads the event loop's clock (`loop.time()`), so a test that runs
-Halves on a loop with virtual time (tests/vclock.py) decides every timeout without waiting for it.
-An op starts when the one ahead of it finished (`started`), and ends
-(`finished`) once every message it needs arrived and its own sends were handed to the kernel (so
-the caller may reuse x at once), or when it fails: at the latest `op_timeout` after it started. So
-an op queued behind q others ends at most (q + 1) x op_timeout after the call.
+**Time.** Every deadline is the event loop's (`asyncio.timeout`), and the stamps and the pace read
+`clock` (time.monotonic: uvloop's own clock counts whole milliseconds, too coarse for ops of one).
+A test runs Halves on a loop with virtual time (tests/vclock.py) and passes `clock=loop.time`: every
+timeout is then decided, and measured, without waiting for it. An op starts when the one ahead of
+it finished (`started`), and ends (`finished`) once every message it needs arrived and its own
+sends were handed to the kernel (so the caller may reuse x at once), or when it fails: at the
+latest `op_timeout` after it started. So an op queued behind q others ends at most
+(q + 1) x op_timeout after the call.
 
 **Failure** is a value: the op's `error` says why, nothing raises. A member whose connection closes
 fails the op at once (every op needs it); a frozen one, at `op_timeout`; a message that does not
@@ -63,6 +65,7 @@ import collections
 import functools
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -111,7 +114,7 @@ class HalfOp:
     weight: float
     bounds: tuple[tuple[int, int], ...]  # of each member's shard of x: shard_bounds(len(x), size)
     done: asyncio.Future = field(repr=False)
-    started: float = math.nan  # the loop's time when it began moving bytes
+    started: float = math.nan  # Halves.clock() when it began moving bytes
     finished: float = math.nan  # ... when it completed or failed
     error: str = ""  # why it failed; "" if it succeeded
     timeout: float = math.nan  # this op's own limit (seconds); NaN: the settings' op_timeout
@@ -145,11 +148,13 @@ class Halves:
         settings: HalvesSettings | None = None,
         events: PeerEvents | None = None,
         pace: Callable[[int], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.group, self.transport = group, transport
         self.settings = settings or HalvesSettings()
         self.events = events or PeerEvents()
         self.pace = pace  # benchmarks emulating a slower link: an op of b bytes lasts at least pace(b) s
+        self.clock = clock  # of the ops' stamps and the pace (the module docstring)
         self.error = ""  # set once: the engine is broken after it
         self.others = [k for k in range(group.size) if k != group.me]
         self.links: dict[int, Link | None] = {k: None for k in self.others}  # dialed, to send on
@@ -210,7 +215,7 @@ class Halves:
     async def _serve(self) -> None:
         while self._queue:
             op = self._queue[0]
-            op.started = asyncio.get_running_loop().time()
+            op.started = self.clock()
             if not self.error:
                 limit = self.settings.op_timeout if math.isnan(op.timeout) else op.timeout
                 try:
@@ -256,11 +261,11 @@ class Halves:
         # them: its member is gone, which the next op finds out.
         await drain_links(list(self.links.values()), self.settings.op_timeout)
         if self.pace is not None:
-            await asyncio.sleep(op.started + self.pace(op.x.numel() * 4) - asyncio.get_running_loop().time())
+            await asyncio.sleep(op.started + self.pace(op.x.numel() * 4) - self.clock())
 
     def _end(self, op: HalfOp) -> None:
         """Stamp and resolve the op; its slot now serves op n + 2."""
-        op.error, op.finished = self.error, asyncio.get_running_loop().time()
+        op.error, op.finished = self.error, self.clock()
         if self._running is op:
             self._running, self._wake = None, None
             self._slots[op.number % 2] = _Slot(op.number + 2)
