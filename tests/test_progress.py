@@ -41,7 +41,8 @@ def test_progress_lines_come_at_the_interval_and_not_when_off(tmp_path):
         off.start(wait=False)
         on.wait_ready()
         off.wait_ready()
-        wait_for(lambda: training(off), timeout=30, what="the daemon without progress lines training")
+        # Both trainers, each a child process that starts on its own time (seconds apart on a busy machine).
+        wait_for(lambda: training(on) and training(off), timeout=60, what="both daemons training")
         seen = len(progress_lines(on))
         lines = wait_for(lambda: (p := progress_lines(on))[seen:][3:] and p, timeout=30, what="4 more progress lines")
         assert {(run, state) for _, run, state in lines[seen:]} == {("prog", "TRAINING")}

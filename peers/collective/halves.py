@@ -393,8 +393,7 @@ class Halves:
         self.inbox.bind(link, k)
         slot = self._slots[h.round % 2]
         if slot.number != h.round:
-            self.events.rejected("wire_wrong_round")
-            return Action.SKIP
+            return self.inbox.refuse("wire_wrong_round", Action.SKIP)
         bad = self._misfit(slot, h)
         if bad:
             self._break(f"member {k} sent a message that does not fit the op ({bad})")
