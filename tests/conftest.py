@@ -19,26 +19,10 @@ _this_test: list[LocalDaemon] = []  # started by the running test itself, reaped
 LAB_FILES = {"test_lab.py", "test_dear_lab.py", "test_linkprobe_lab.py"}
 
 
-# Long tests first (LPT scheduling): pytest-xdist hands out work in collection order, so a long test
-# collected last keeps one worker busy while the others have nothing left, the suite's tail. The lab
-# group (about 4 minutes on one worker) goes first, then tests that start daemons or benchmarks as
-# subprocesses (15 to 60 s each), then the rest (mostly under a second).
-SUBPROCESS_FIXTURES = {"spawn", "cluster"}
-
-
-def _cost_rank(item) -> int:
-    if item.path.name in LAB_FILES or "round_cost" in item.name:
-        return 0
-    if SUBPROCESS_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name == "test_bench_smoke.py":
-        return 1
-    return 2
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _cost_rank(item) == 0:
+        if item.path.name in LAB_FILES or "round_cost" in item.name:
             item.add_marker(pytest.mark.xdist_group("lab"))
-    items.sort(key=_cost_rank)  # stable: files keep their order within a rank
 
 
 @pytest.fixture(scope="session", autouse=True)
