@@ -49,7 +49,11 @@ class CollectiveError(RuntimeError):
 
 @dataclass(eq=False, slots=True)
 class Handle:
-    """One op, queued or done. Written by the backend only; `done` is set once, after the rest."""
+    """One op, queued or done. Written by the backend only; `done` is set once, after the rest.
+
+    The training thread's view of an op, the same for every backend. It is not the engine's own op
+    (halves.HalfOp), on purpose: that one resolves an asyncio future on the engine's loop, which a
+    thread cannot wait on; engine.py copies its stamps and error here, then sets `done`."""
 
     half: Half
     flat: torch.Tensor
