@@ -354,10 +354,10 @@ def test_on_virtual_time_a_dead_member_fails_the_others_without_any_time_passing
     async def main():
         hub, loop = Hub(), asyncio.get_running_loop()
         transports = [hub.transport() for _ in range(3)]
-        group = [f"m{i}" for i in range(3)], [t.address for t in transports]
+        names = [f"m{i}" for i in range(3)], [t.address for t in transports]
         settings = HalvesSettings(op_timeout=AT_ONCE_TIMEOUT, connect_timeout=TIMEOUT, chunk_elements=4)
         halves = [
-            Halves(Group(RUN, *group, i), t, settings=settings, clock=loop.time) for i, t in enumerate(transports)
+            Halves(Group(RUN, *names, i), t, settings=settings, clock=loop.time) for i, t in enumerate(transports)
         ]
         xs = [integers(12, i) for i in range(3)]
         await asyncio.gather(*(h.reduce_scatter(x) for h, x in zip(halves, xs)))
