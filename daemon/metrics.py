@@ -288,7 +288,7 @@ class DaemonMetrics:
         )
         self.link_probes = Counter(
             "peerd_link_probes",
-            "Link probes sent to peers, by result: answered, lost (peers/linkprobe.py).",
+            "Link probes sent to peers, by result: answered, lost, late (echoed after its measurement counted it lost).",
             ["result"],
             registry=r,
         )
@@ -405,6 +405,7 @@ class DaemonMetrics:
             packets_lost=self.packets_lost.inc,
             shard_coverage=self.shard_coverage.observe,
             link_probes=self._link_probes,
+            link_probe_late=self.link_probes.labels("late").inc,
             link_rtt=self.link_rtt.observe,
             link_bandwidth=self.link_bandwidth.observe,
             link_train=lambda result: self.link_trains.labels(result).inc(),

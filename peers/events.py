@@ -32,6 +32,8 @@ class PeerEvents:
     shard_coverage: Callable[[float, int], None] = field(default=_ignore)
     # A link measurement ended: `answered` probes came back, `lost` did not (peers/linkprobe.py).
     link_probes: Callable[[int, int], None] = field(default=_ignore)
+    # An echo of a measurement that had ended came (counted lost then; it answers the measurement now).
+    link_probe_late: Callable[[], None] = field(default=_ignore)
     # The median round-trip time of one link measurement, in seconds.
     link_rtt: Callable[[float], None] = field(default=_ignore)
     # The bandwidth of one link measurement (packet trains), in bytes per second; 0 when unmeasurable.

@@ -38,7 +38,8 @@ an answer, even if this loop was too busy to read it before the deadline: the so
 more before the count (and after a train). An echo the peer sent late (its loop was busy through
 ECHO_WAIT) still answers its measurement when it comes, until the next measurement of that peer
 starts: the peer's LinkStats is judged again in place (RTT net of the hold, loss, passes), while
-`peerd_link_probes_total` keeps what the measurement counted when it ended. Without either, a
+`peerd_link_probes_total` keeps what the measurement counted when it ended (lost) and counts the
+echo again as `late`. Without either, a
 loaded machine's first measurements read up to 100 % loss, and the running loss kept a pair of
 its daemons out of a local group (LocalGroupRules.max_loss) for minutes.
 
@@ -486,6 +487,7 @@ class LinkProber:
         raw = at - pending[2][seq]
         pending[3][seq] = (raw - extra if extra <= raw else raw) / 1e9  # a hold beyond the round trip is ignored
         if nonce in self._late:
+            self.events.link_probe_late()
             self._answered_late(nonce)
 
     def _take_token(self) -> bool:

@@ -36,6 +36,7 @@ def _counting():
     events = PeerEvents(
         packet_rejected=lambda r: rejected.update([r]),
         link_probes=lambda answered, lost: probes.update(answered=answered, lost=lost),
+        link_probe_late=lambda: probes.update(late=1),
     )
     return events, rejected, probes
 
@@ -149,6 +150,8 @@ def test_echoes_of_a_peer_busy_beyond_the_wait_answer_the_measurement_when_they_
                     break
             assert stats.last_loss == 0 and stats.loss == 0 and stats.failures == 0 and stats.passes, stats
             assert 0 < stats.rtt < 0.1 and stats.measurements == 2, stats  # b's hold is not the link's
+            # the metric keeps what each measurement counted when it ended, and counts each late echo
+            assert probes == {"answered": PROBE_COUNT, "lost": PROBE_COUNT, "late": PROBE_COUNT}, probes
             assert not rejected, rejected
         finally:
             a.close(), b.close()
