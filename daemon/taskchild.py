@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from peerd.daemon import SOURCE_ROOT
 from peerd.daemon.attached import AttachedTrainer
@@ -56,10 +57,36 @@ def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec,
 
     task = get_task(manifest.task)
     hparams = hparams_from_text(task, manifest.hparams)
-    model, optimizer = task.build(hparams, init_seed)
+    with optimizer_without_dynamo():  # nothing steps this optimizer: it gives the parameters' order
+        model, optimizer = task.build(hparams, init_seed)
     layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in model_layout(optimizer, model))
     text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
     return layout, identity_of(manifest.run_id, task.name, text, model)
+
+
+@contextlib.contextmanager
+def optimizer_without_dynamo() -> Iterator[None]:
+    """Build an optimizer without importing torch._dynamo. torch.optim.Optimizer's methods are
+    wrapped by torch._compile._disable_dynamo, which imports torch._dynamo (with sympy and torch.fx:
+    1.0 s of CPU here, a third of what a training daemon spends to start) at the first call, only to
+    keep torch.compile from tracing them. The daemon never compiles, and the optimizer task_model
+    builds is never stepped: in this block those wrappers call the method itself. The wrapper's
+    shape is checked; under a torch whose wrapper differs nothing changes (the import happens)."""
+    import torch
+
+    patched = []
+    for method in vars(torch.optim.Optimizer).values():
+        fn, code = getattr(method, "__wrapped__", None), getattr(method, "__code__", None)
+        if fn is None or code is None or code.co_qualname != "_disable_dynamo.<locals>.inner":
+            continue
+        if not hasattr(fn, "__dynamo_disable"):  # the wrapper's cache: set, it calls what it holds
+            setattr(fn, "__dynamo_disable", fn)
+            patched.append(fn)
+    try:
+        yield
+    finally:
+        for fn in patched:
+            delattr(fn, "__dynamo_disable")
 
 
 def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> list[str]:
