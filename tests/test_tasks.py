@@ -129,6 +129,23 @@ def test_digits_stream_runs_across_epochs():
 # --- learning ---------------------------------------------------------------------------------
 
 
+def test_digits_are_scikit_learns_whether_read_from_its_file_or_through_load_digits(monkeypatch):
+    """The task reads the file scikit-learn ships without importing it; under a layout where the
+    file is not found it asks load_digits. Both give scikit-learn's data set."""
+    import importlib.util
+
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    from peerd.daemon.tasks import digits
+
+    expected = load_digits()
+    read = digits._digits_rows()
+    assert np.array_equal(read[:, :-1], expected.data) and np.array_equal(read[:, -1], expected.target)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert np.array_equal(digits._digits_rows(), read)
+
+
 def test_digits_mlp_learns():
     """300 steps of 32 (about 7 epochs, ~0.1 s on one core) gave 95.6-96.1 % over 8 seeds."""
     task = get_task("digits-mlp")
