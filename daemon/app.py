@@ -482,18 +482,17 @@ class Daemon:
         return trainer
 
     def _in_child(self, manifest) -> bool:
-        """Whether this task's run trains in a child process (--train-process, the default): under
-        DiLoCo, what the API of an attached process carries. A `state` run keeps the trainer thread
-        (docs/your-loop.md, "Not yet"); so does every DeAR local group, which needs one."""
+        """Whether this task's run trains in a child process (--train-process, the default): DiLoCo
+        runs, and state runs without a DeAR local group (--local-group), whose hooks on the model
+        need the daemon's trainer thread (docs/your-loop.md, "Not yet")."""
         if not self.config.train.train_process:
             return False
-        if manifest.averaging.algorithm == "diloco":
+        if manifest.averaging.algorithm == "diloco" or not self.config.train.local_group:
             return True
         logger.info(
-            "run %s: trains in a thread of the daemon, not a child process: averaging.algorithm=%s averages the "
-            "inner optimizer's state, which a child process keeps to itself",
+            "run %s: trains in a thread of the daemon, not a child process: its DeAR local group (--local-group) "
+            "runs in the daemon's trainer",
             manifest.run_id,
-            manifest.averaging.algorithm,
         )
         return False
 
@@ -502,19 +501,25 @@ class Daemon:
         from peerd.daemon.taskchild import TaskChild, child_argv, task_model
 
         seed = run_setup.init_seed(manifest)
-        layout, identity = await asyncio.to_thread(task_model, manifest, seed)  # builds the model once
+        layout, identity, model, optimizer = await asyncio.to_thread(task_model, manifest, seed)  # builds it once
         train = self.config.train
         argv = child_argv(manifest, self.config.data_dir, train, seed)
         # With overlap a round lands between two of the child's steps, as in the thread (daemon/attached.py,
-        # "landing").
+        # "landing"). None: a state run, whose rounds average the child's whole state vector.
         outer = run_setup.outer_settings(manifest.averaging)
+        cls, state = TaskChild, {}
+        if outer is None:
+            from peerd.daemon.statechild import StateChild
+
+            cls, state = StateChild, {"model": model, "optimizer": optimizer, "lanes": manifest.averaging.lanes}
         return self._attached_trainer(
             manifest,
             membership,
             average,
             sync,
             loop,
-            TaskChild,
+            cls,
+            **state,
             layout=layout,
             identity=identity,
             argv=argv,

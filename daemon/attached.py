@@ -250,6 +250,7 @@ class AttachedTrainer:
         lease_seconds: float = LEASE_SECONDS,
         inner_budget: float = 0.0,
         identity: dict | None = None,
+        numel: int | None = None,
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
         self.average_every, self.round_timeout, self.checkpoint_every = average_every, round_timeout, checkpoint_every
@@ -261,19 +262,24 @@ class AttachedTrainer:
             on_sync,
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
-        self.numel = sum(t.numel for t in layout)
+        # The vector's values: the parameters (DiLoCo), or a whole state vector (daemon/statechild.py).
+        self.numel = numel if numel is not None else sum(t.numel for t in layout)
         # What this run's checkpoints hold (daemon/checkpoint.py): a script's model, or a task's (its
         # own child's, daemon/taskchild.py: the identity the trainer thread's checkpoints have too).
         self._identity = identity if identity is not None else layout_identity(run_id, layout)
-        self._shared = SharedVector(shared_dir, self.numel, theta=outer.overlap)
-        self._outer = OuterLoop(
-            [self._shared.tensor], outer, self._round_in, run_id, self._round_done if outer.overlap else None
+        overlap = outer is not None and outer.overlap
+        self._shared = SharedVector(shared_dir, self.numel, theta=overlap)
+        # None: no outer loop, the rounds average the vector itself (a state run's child: StateChild).
+        self._outer = (
+            OuterLoop([self._shared.tensor], outer, self._round_in, run_id, self._round_done if overlap else None)
+            if outer is not None
+            else None
         )
         # Rounds landed between EndPhases (LANDED), how many of them the vector accounts for, and the
         # latest one's move θ − s (for an EndPhase to add where the process did not).
         self._moves = self._settled = 0
-        self._move = torch.empty(self.numel) if outer.overlap else None
-        self._flat = torch.empty(2 * self.numel)  # where downloads land
+        self._move = torch.empty(self.numel) if overlap else None
+        self._flat = torch.empty(len(self._served()))  # where downloads land: what peers serve
         self._sketch_plan = SketchPlan.for_run(run_id, self.numel)
         self._lock = threading.Lock()
         self._has_state = False  # θ is the run's: from a checkpoint, from peers, or uploaded
@@ -324,11 +330,10 @@ class AttachedTrainer:
             logger.warning("run %s: %s", self.run_id, self._passed_over)
         if checkpoint is not None:
             state = checkpoint.state
-            self._outer.adopt(state["outer"])
-            self._outer.residual.copy_(state["residual"])
+            self._resume(state)
             self.global_step = self.resumed_from = self._checkpointed = checkpoint.step
             self.local_step, self.samples = int(state.get("local_step", 0)), int(state.get("samples", 0))
-            self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
+            self.snapshot = Snapshot(self.global_step, self._served().clone())
             self._has_state = True
             logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
         self.state = TrainState.STOPPED  # until a process attaches
@@ -348,7 +353,8 @@ class AttachedTrainer:
             return
         try:
             self._end_session("the daemon stops")
-            self._outer.close()
+            if self._outer is not None:
+                self._outer.close()
             self._shared.close()
         finally:
             self._lock.release()
@@ -433,9 +439,10 @@ class AttachedTrainer:
         with self._lock:
             self.renew(token)
             if not self._has_state:  # the upload asked at attach: the process's parameters become θ
-                self._outer.reset_from_params()
+                if self._outer is not None:
+                    self._outer.reset_from_params()
                 self._has_state = True
-                self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
+                self.snapshot = Snapshot(self.global_step, self._served().clone())
                 self._publish_theta()
                 return PhaseEnd(self.global_step, -1, "", 0.0, False)
             self._settle(taken=self._shared.count(APPLIED_OFFSET))
@@ -449,7 +456,7 @@ class AttachedTrainer:
             if self._catch_up():
                 end = PhaseEnd(self.global_step, -1, "state downloaded from peers", 0.0, True)
             else:
-                end = self._outer_round()
+                end = self._round()
             if self.global_step - self._checkpointed >= self.checkpoint_every:
                 self._checkpoint()
             self._publish_theta()
@@ -466,8 +473,31 @@ class AttachedTrainer:
         self.eval = result
 
     # -- rounds, downloads, checkpoints (under the lock) --------------------------------------
+    # What differs for a state run's child (daemon/statechild.py): _served, _resume, _adopt,
+    # _checkpoint_state and _round.
 
-    def _outer_round(self) -> PhaseEnd:
+    def _served(self) -> torch.Tensor:
+        """What peers download and what a download lands in: [θ; m]."""
+        return self._outer.outer
+
+    def _resume(self, state: dict) -> None:
+        """Take a checkpoint's state (the outer state [θ; m] and the error feedback)."""
+        self._outer.adopt(state["outer"])
+        self._outer.residual.copy_(state["residual"])
+
+    def _adopt(self, flat: torch.Tensor) -> None:
+        """Take the state downloaded from peers."""
+        self._outer.adopt(flat)
+
+    def _checkpoint_state(self) -> dict:
+        return {
+            "outer": self._outer.outer,
+            "residual": self._outer.residual,
+            "model_layout": [[t.name, list(t.shape), t.dtype] for t in self.layout],
+        }
+
+    def _round(self) -> PhaseEnd:
+        """The phase's round, the process's vector in the shared file: DiLoCo's outer step."""
         outer, every = self._outer, self.average_every
         round_t = self.global_step // every
         sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
@@ -486,7 +516,7 @@ class AttachedTrainer:
         self.last_round = results[0]
         if any(r.applied for r in results):
             self.param_distance_to_group_mean = self._outer.distance
-        self.snapshot = Snapshot(self.global_step, self._outer.outer.clone())
+        self.snapshot = Snapshot(self.global_step, self._served().clone())
         for result in results:
             self.on_round(result)
 
@@ -544,7 +574,7 @@ class AttachedTrainer:
         return self._download(self.global_step + 1, CATCH_UP_PATIENCE)
 
     def _download(self, min_step: int, patience: float) -> bool:
-        """Take [θ; m] from peers (retried once a second for `patience` s while peers are live)."""
+        """Take the run's state from peers (retried once a second for `patience` s while peers are live)."""
         if self.sync is None:
             return False
         deadline = time.monotonic() + patience
@@ -552,8 +582,8 @@ class AttachedTrainer:
             if self.peer_steps():
                 result = self.sync(min_step, self._flat)
                 if result.ok and result.step >= min_step:
-                    self._outer.adopt(self._flat)
-                    self.snapshot = Snapshot(result.step, self._outer.outer.clone())
+                    self._adopt(self._flat)
+                    self.snapshot = Snapshot(result.step, self._served().clone())
                     self.global_step = max(self.global_step, result.step)
                     self.synced_from = result.step
                     self._samples_since_round, self._has_state = 0.0, True
@@ -567,13 +597,7 @@ class AttachedTrainer:
             time.sleep(1.0)
 
     def _checkpoint(self) -> None:
-        state = {
-            "outer": self._outer.outer,
-            "residual": self._outer.residual,
-            "model_layout": [[t.name, list(t.shape), t.dtype] for t in self.layout],
-            "samples": self.samples,
-            "local_step": self.local_step,
-        }
+        state = {**self._checkpoint_state(), "samples": self.samples, "local_step": self.local_step}
         self.store.save(self.global_step, state, self._identity)
         self._checkpointed = self.global_step
 

@@ -123,8 +123,8 @@ class TrainConfig:
     # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
     local_group: str = ""
     # Train each --task run in a child process of the daemon (python -m peerd.daemon.taskproc, supervised,
-    # attached like a script; docs/your-loop.md); false: in a thread of the daemon. Runs under
-    # averaging.algorithm=state keep the thread, DeAR local groups among them (docs/your-loop.md, "Not yet").
+    # attached like a script; docs/your-loop.md); false: in a thread of the daemon. Runs with a DeAR local
+    # group (--local-group) keep the thread (docs/your-loop.md, "Not yet").
     train_process: bool = True
 
     def __post_init__(self) -> None:
@@ -307,8 +307,8 @@ OPTIONS: tuple[Option, ...] = (
         "train.train_process",
         "train each --task run in a child process the daemon supervises (restarted at most 3 times in a row), "
         "attached like a script (the default; --no-train-process: in a thread of the daemon); costs a "
-        "Python process per run and a shared-memory hand-over of the parameters per outer step; runs with "
-        "averaging.algorithm=state (DeAR local groups need it) keep the thread",
+        "Python process per run and a shared-memory hand-over of the parameters (averaging.algorithm=state: and "
+        "the optimizer's state) per round; runs with a DeAR local group (--local-group) keep the thread",
     ),
 )
 

@@ -355,6 +355,8 @@ async def resolve(
         hparam_text, averaging = _split_settings(settings)
         if hparam_text:
             raise RunRefused(f"a script's run takes only averaging.* settings, not {', '.join(sorted(hparam_text))}")
+        if averaging.algorithm != "diloco":  # a script hands over its parameters alone (docs/your-loop.md)
+            raise RunRefused("a script's run averages under averaging.algorithm=diloco; state is for --task runs")
         manifest = RunManifest(
             run_id=run_id, task="", averaging=averaging, creator=node.peer_id, created_at=now(), model=model
         )

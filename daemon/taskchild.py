@@ -3,7 +3,8 @@
 this daemon starts it, reaps it and restarts it a bounded number of times (daemon/supervisor.py).
 
 The child attaches like a script (daemon/attached.py: the outer state, rounds, checkpoints and the
-state peers download stay here), except that:
+state peers download stay here; for a state run, daemon/statechild.py: the vector is the whole
+state vector, parameters and the inner optimizer's state), except that:
 - its model is the task's, built from the run's manifest: the daemon builds it once to know its
   layout, and accepts an attach only from its own child with exactly that layout;
 - its rounds follow the run's averaging.overlap, landing between two of its steps (daemon/attached.py,
@@ -14,7 +15,8 @@ state peers download stay here), except that:
   trainer thread writes: a restart that switches --train-process on or off resumes the run (the
   child's hold the outer state alone; the thread then starts its inner optimizer anew).
 
-The inner optimizer's state is the child's, in the run's data dir (STATE_FILE). Status: the child's
+The inner optimizer's state is the child's, in the run's data dir (STATE_FILE; for a state run only
+what the state vector does not hold, such as Adam's step count). Status: the child's
 state and restarts (RunStatus.train_process_*); a child that failed more often than the bound makes
 the run FAILED, with its last line of stderr, and the daemon's health NOT_SERVING.
 """
@@ -47,9 +49,10 @@ CHILD_STOP_GRACE = 5.0
 STATE_FILE = "taskproc.state"  # the child's inner optimizer state, in the run's data dir
 
 
-def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec, ...], dict]:
-    """The layout of the run's task's model as the child's Optimizer sends it, and the identity of
-    the run's checkpoints (the trainer thread's). Builds the model once (blocking)."""
+def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec, ...], dict, object, object]:
+    """The layout of the run's task's model as the child's Optimizer sends it, the identity of the
+    run's checkpoints (the trainer thread's), and the model and optimizer built for them (a state
+    run's daemon keeps them: daemon/statechild.py). Builds the model once (blocking)."""
     from peerd.daemon.checkpoint import identity_of
     from peerd.daemon.joining import hparams_from_text
     from peerd.daemon.tasks import get_task
@@ -61,7 +64,7 @@ def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec,
         model, optimizer = task.build(hparams, init_seed)
     layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in model_layout(optimizer, model))
     text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
-    return layout, identity_of(manifest.run_id, task.name, text, model)
+    return layout, identity_of(manifest.run_id, task.name, text, model), model, optimizer
 
 
 @contextlib.contextmanager
@@ -97,6 +100,8 @@ def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> 
     argv += ["--eval-every", str(train.eval_every), "--checkpoint-every", str(train.checkpoint_every)]
     argv += ["--torch-threads", str(train.torch_threads)]
     argv += ["--state", str(data_dir / "runs" / manifest.run_id / STATE_FILE)]
+    if manifest.averaging.algorithm == "state":
+        argv += ["--state-vector"]
     for key, value in sorted(manifest.hparams.items()):
         argv += ["--set", f"{key}={value}"]
     return argv

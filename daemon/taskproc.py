@@ -8,7 +8,7 @@ A daemon started with --train-process starts it for its `--task` runs (daemon/ta
 the run's hyper-parameters and seed; started by hand, it attaches like any script (a script's run,
 created by this attach or joined with the model's layout). What it does is what the daemon's
 trainer thread (daemon/trainer.py) does for such a run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in
-the daemon, an evaluation of the run's parameters θ every `--eval-every` run steps (at a phase's end,
+the daemon (with --state-vector, a state run's round on the parameters and the inner optimizer's state), an evaluation of the run's parameters θ every `--eval-every` run steps (at a phase's end,
 through Optimizer.run_parameters) reported to the daemon (ReportEval), and the inner optimizer's state
 saved next to the daemon's checkpoints (`--state`), so that a restarted process resumes it.
 """
@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state", type=Path, default=None, help="the inner optimizer's state file (resumed if present)")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="the model's initialization (a run this process creates)")
+    p.add_argument(
+        "--state-vector",
+        action="store_true",
+        help="the run averages the state (averaging.algorithm=state): hand over the inner optimizer's state too",
+    )
     return p.parse_args(argv)
 
 
@@ -84,7 +89,12 @@ def train(args: argparse.Namespace) -> int:
     hparams = hparams_from_text(task, dict(kv.split("=", 1) for kv in args.set))
     model, inner = task.build(hparams, args.seed)
     opt = peerd.torch.Optimizer(
-        inner, run=args.run, daemon=args.daemon, model=model, settings={"average_every": args.average_every}
+        inner,
+        run=args.run,
+        daemon=args.daemon,
+        model=model,
+        settings={"average_every": args.average_every},
+        state_vector=args.state_vector,
     )
     text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
     identity = identity_of(args.run, task.name, text, model)

@@ -32,7 +32,7 @@ import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, identity_of, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
-from peerd.daemon.flat import from_flat, to_flat
+from peerd.daemon.flat import from_flat, state_tensors, to_flat
 from peerd.daemon.straggler import StragglerBudget
 from peerd.peers.dear.backend import CollectiveError
 from peerd.peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
@@ -65,36 +65,6 @@ class TrainState(Enum):
 def seed_from(*parts: str) -> int:
     """A 63-bit seed every peer derives the same way from the same strings."""
     return int.from_bytes(hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest(), "little") >> 1
-
-
-@torch.no_grad()
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], int]:
-    """The tensors of the state vector, in order, and how many of them (the first) are parameters.
-
-    Optimizer state is created lazily by torch on the first step; a fixed layout needs it from the
-    start, so it is materialized with one zero-gradient step whose effects are undone (parameters
-    restored, state tensors zeroed, which is what SGD's momentum and Adam's moments and step count
-    start from). Only state tensors shaped like their parameter are part of the vector (Adam's
-    scalar step count stays local)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(not optimizer.state.get(p) for p in params):
-        saved = [(p.detach().clone(), p.grad) for p in params]
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        for p, (value, grad) in zip(params, saved):
-            p.copy_(value)
-            p.grad = grad
-            for v in optimizer.state[p].values():
-                if torch.is_tensor(v):
-                    v.zero_()
-    extra = [
-        v
-        for p in params
-        for _, v in sorted(optimizer.state[p].items())
-        if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape
-    ]
-    return params + extra, len(params)
 
 
 def lanes_to_put_back(results: list, lanes: int) -> list[int]:

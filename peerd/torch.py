@@ -61,12 +61,17 @@ class Optimizer(torch.optim.Optimizer):
         settings: dict[str, Any] | None = None,
         attach_timeout: float = ATTACH_TIMEOUT,
         reconnect_timeout: float = RECONNECT_TIMEOUT,
+        state_vector: bool = False,
     ):
         # torch.optim.Optimizer.__init__ is not called: the inner optimizer holds the groups and state.
         self.inner = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self.params:
             raise ValueError("the optimizer has no parameters")
+        # What the shared vector holds: the parameters, or with `state_vector` (a built-in task's state
+        # run, daemon/taskproc.py; not for scripts) the parameters then the inner optimizer's state.
+        self._state_vector = state_vector
+        self._tensors = self._vector_tensors()
         self.layout = model_layout(optimizer, model)
         self.device = str(self.params[0].device)
         settings = {
@@ -190,6 +195,12 @@ class Optimizer(torch.optim.Optimizer):
     def _attach(self) -> None:
         self._attached = a = self._attachment.attach(max(self.run_step, 0))
         self._vector, self.run_step = a.vector, a.step
+        if (n := sum(t.numel() for t in self._tensors)) != a.vector.numel():
+            what = "state vector" if self._state_vector else "parameters"
+            raise PeerdError(
+                f"run {self.run}: the daemon's vector has {a.vector.numel()} values, this model's {what} {n} "
+                "(a state run's vector holds the optimizer's state too: only a built-in task's process hands it over)"
+            )
         self._pin()
         if a.upload:  # this run's first parameters are this model's
             self._write()
@@ -235,7 +246,7 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad():
             own = [p.detach().clone() for p in self.params]
             if self._attached.theta is None:  # θ is the vector, which the daemon writes only in a call
-                self._read()
+                from_vector(self._vector, self.params, bool(self._pinned))  # its parameters, not the optimizer's state
             else:
                 self._attachment.copy_theta(lambda theta: from_vector(theta, self.params, bool(self._pinned)))
         try:
@@ -246,10 +257,17 @@ class Optimizer(torch.optim.Optimizer):
                     p.copy_(saved)
 
     def _write(self) -> None:
-        to_vector(self.params, self._vector, bool(self._pinned))
+        to_vector(self._tensors, self._vector, bool(self._pinned))
 
     def _read(self) -> None:
-        from_vector(self._vector, self.params, bool(self._pinned))
+        from_vector(self._vector, self._tensors, bool(self._pinned))
+
+    def _vector_tensors(self) -> list[torch.Tensor]:
+        if not self._state_vector:
+            return self.params
+        from peerd.daemon.flat import state_tensors
+
+        return state_tensors(None, self.inner)[0]
 
     def _pin(self) -> None:
         unpin(self._pinned)  # the previous attachment's mapping
@@ -268,6 +286,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict["inner"])
+        if self._state_vector:
+            # load_state_dict replaced the state's tensors; their values are the run's, in the vector
+            # (the file adds what it does not hold: Adam's step count).
+            self._tensors = self._vector_tensors()
+            self._read()
         counters = state_dict.get("peerd", {})
         self.local_step = int(counters.get("local_step", self.local_step))
         self.run_step = max(self.run_step, int(counters.get("run_step", 0)))

@@ -10,6 +10,7 @@ import signal
 
 import pytest
 
+from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.client import ControlClient
 from peerd.daemon.procs import LocalDaemon
 from peerd.daemon.taskchild import MAX_RESTARTS
@@ -97,13 +98,78 @@ def test_a_training_process_that_always_fails_stops_at_the_bound_and_health_says
         d.kill_group()
 
 
-def test_a_state_run_keeps_the_thread_and_says_why(spawn):
+def test_a_state_run_with_a_local_group_keeps_the_thread_and_says_why(spawn):
     args = ["--run", "st", "--task", "digits-mlp", "--max-steps", "20", "--set", "averaging.algorithm=state"]
-    d = spawn("state-run", [*args, "--set", "averaging.average_every=10", *PROCESS])
+    d = spawn("state-run", [*args, "--set", "averaging.average_every=10", "--local-group", "rack", *PROCESS])
     r = wait_for(lambda: (s := run_status(d, "st")).train_state == "FINISHED" and s, timeout=60, what="20 steps")
     assert r.step == 20 and r.train_process_state == "" and r.attached_pid == 0, r
-    assert "trains in a thread of the daemon, not a child process: averaging.algorithm=state" in d.log_tail(200)
+    assert "trains in a thread of the daemon, not a child process: its DeAR local group" in d.log_tail(200)
     assert d.stop() == 0
+
+
+def test_a_state_run_trains_in_children_resumes_and_a_late_peer_downloads_its_state(spawn):
+    """Two daemons train a state run in their children: a completed round leaves both with the same
+    state (digest, evaluation). Their checkpoints hold the model and the optimizer's state (the
+    thread's format); restarted, one in a child, one in a thread, they resume from them and train on
+    together; a third daemon, far behind, downloads the run's state (the vector both kinds serve)."""
+    state = ["--task", "digits-mlp", "--set", "averaging.algorithm=state", "--set", "averaging.average_every=10"]
+    args = ["--run", "sc", "--eval-every", "1000", "--checkpoint-every", "30", "--torch-threads", "1"]
+    a = spawn("sc-a", [*args, *state, "--max-steps", "60", "--min-peers", "2"])
+    b = spawn("sc-b", [*args, "--max-steps", "60", "--min-peers", "2", "--initial-peers", a.maddrs[0]])
+    done = [
+        wait_for(lambda: (s := run_status(d, "sc")).train_state == "FINISHED" and s, timeout=120, what="60 steps")
+        for d in (a, b)
+    ]
+    for r in done:
+        assert r.step == 60 and r.train_process_state == "EXITED", r  # trained in its child
+        assert (r.last_round_outcome, r.group_size) == ("completed", 2), r
+        assert r.param_distance_to_group_mean > 0, r
+    assert done[0].last_round_digest == done[1].last_round_digest != "", done
+    assert done[0].eval_score == done[1].eval_score, done  # the same parameters after the round
+    for d in (a, b):
+        assert d.stop() == 0
+    store = CheckpointStore(a.data_dir / "runs" / "sc" / "checkpoints")
+    saved = store.load_latest()
+    assert saved.step == 60 and {"model", "optimizer"} <= set(saved.state), saved.state.keys()
+    moments = [s["exp_avg"] for s in saved.state["optimizer"]["state"].values()]
+    assert moments and all(float(m.abs().sum()) > 0 for m in moments)  # Adam's, from the child
+
+    # Restarted with no step limit: a in a child, b in a thread; each resumes from its checkpoint.
+    a.args = [*args, "--min-peers", "2"]
+    a.start()
+    b.args = [*args, "--min-peers", "2", "--initial-peers", a.maddrs[0], *THREAD]  # a's new address
+    b.start()
+    for d, child in ((a, True), (b, False)):
+        r = wait_for(
+            lambda: (s := run_status(d, "sc")).train_state == "TRAINING" and s.step > 60 and s,
+            timeout=120,
+            what="training goes on",
+        )
+        assert r.resumed_from == 60 and r.error == "" and bool(r.attached_pid) == child, r
+    wait_for(
+        lambda: (s := run_status(a, "sc")).last_round_outcome == "completed" and s.group_size == 2 and s.step > 70,
+        timeout=60,
+        what="a round of the child and the thread",
+    )
+
+    # A late peer in a child: far behind, it downloads the run's state, then rounds with the others.
+    c = spawn("sc-c", [*args, "--initial-peers", a.maddrs[0]])
+    r = wait_for(lambda: (s := run_status(c, "sc")).synced_from > 60 and s, timeout=120, what="c downloads")
+    assert r.attached_pid != 0 and r.resumed_from == 0, r
+    wait_for(
+        lambda: (s := run_status(c, "sc")).last_round_outcome == "completed" and s.step > r.synced_from and s,
+        timeout=60,
+        what="c completes a round",
+    )
+    m = scrape(c.metrics_url)
+    # The state vector: the parameters and Adam's two moments, 4 bytes each.
+    params = sum(
+        p.numel() for p in get_task("digits-mlp").build(get_task("digits-mlp").parse_hparams({}), 0)[0].parameters()
+    )
+    assert m[("peerd_state_syncs_total", (("result", "ok"), ("run", "sc")))] >= 1
+    assert m[("peerd_state_sync_bytes_total", (("run", "sc"),))] >= 3 * 4 * params
+    for d in (a, b, c):
+        assert d.stop() == 0
 
 
 def _alive(pid: int) -> bool:
@@ -114,8 +180,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_restart_that_switches_train_process_on_or_off_resumes_the_run(spawn):
+@pytest.mark.parametrize("algorithm", ["diloco", "state"])
+def test_a_restart_that_switches_train_process_on_or_off_resumes_the_run(spawn, algorithm):
     args = ["--run", "sw", "--task", "digits-mlp", "--eval-every", "1000", "--checkpoint-every", "50"]
+    args += ["--set", f"averaging.algorithm={algorithm}"]
     d = spawn("switch", [*args, *THREAD])
     for training, then in ((["--train-process"], "process"), (THREAD, "thread")):
         wait_for(lambda: run_status(d, "sw").step >= 100, timeout=120, what="100 steps")

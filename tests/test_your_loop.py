@@ -205,6 +205,12 @@ def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
             control_pb2.AttachRequest(
                 run_id="junk", layout=[control_pb2.TensorSpec(name="", shape=[2], dtype="torch.float32")]
             ),
+            # A script hands over its parameters alone: its run cannot average the optimizer's state.
+            control_pb2.AttachRequest(
+                run_id="junk",
+                layout=[control_pb2.TensorSpec(name="w", shape=[2], dtype="torch.float32")],
+                settings={"averaging.algorithm": "state"},
+            ),
         ]
         for request in bad:
             with pytest.raises(grpc.RpcError) as e:
