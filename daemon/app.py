@@ -511,7 +511,9 @@ class Daemon:
         if outer is None:
             from peerd.daemon.statechild import StateChild
 
-            cls, state = StateChild, {"model": model, "optimizer": optimizer, "lanes": manifest.averaging.lanes}
+            # No straggler budget, as in the thread: a state run's phases all take H steps.
+            cls = StateChild
+            state = {"model": model, "optimizer": optimizer, "lanes": manifest.averaging.lanes, "inner_budget": 0.0}
         return self._attached_trainer(
             manifest,
             membership,

@@ -4,7 +4,8 @@ The process keeps its loop, model, device and inner optimizer. This daemon keeps
 outer loop holds and the network: the outer state [θ; m], error feedback, the rounds, checkpoints,
 and the state peers download. The two share one file in shared memory: a HEADER, then the model's
 parameters as one float32 vector in layout order (the *inner vector*; tensors never travel in
-control messages).
+control messages). A state run's child hands over its whole state vector instead, and the daemon
+averages it without an outer loop (daemon/statechild.py).
 
     attach     The daemon puts the run's parameters in the vector: its checkpoint's, or the peers'
                when the run is ahead of it. For a run with no state anywhere yet, the response asks

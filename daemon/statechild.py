@@ -40,7 +40,6 @@ class StateChild(TaskChild):
         super().__init__(numel=sum(t.numel() for t in self._tensors), **child)  # its `outer`: None
         self._params_numel = sum(t.numel() for t in self._tensors[: self._n_params])
         self._sketch_plan = SketchPlan.for_run(self.run_id, self._params_numel)  # of the parameters, as the thread's
-        self._before = torch.empty(self.numel)  # the vector before its round: lanes to put back, the distance
 
     def _served(self) -> torch.Tensor:
         return self._shared.tensor
@@ -71,19 +70,19 @@ class StateChild(TaskChild):
         round_t = self.global_step // self.average_every
         sketch = self._sketch_plan.take(vector[: self._sketch_plan.size].numpy(), self.global_step)
         self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
-        self._before.copy_(vector)
-        # restore=False, as the thread: a lane the round may have left partly written is put back here.
+        # The vector before its round, in the download buffer (both run under the lock): restore=False, as
+        # the thread, and a lane the round may have left partly written is put back from there.
+        before = self._flat
+        before.copy_(vector)
         results = self.average(vector, float(self._samples_since_round), round_t, None, restore=False)
         bounds = lane_bounds(self.numel, self.lanes)
         for lane in lanes_to_put_back(results, self.lanes):
             a, b = bounds[lane]
-            vector[a:b].copy_(self._before[a:b])
+            vector[a:b].copy_(before[a:b])
         self.last_round = results[0]
         if any(r.applied for r in results):
             n = self._params_numel
-            self.param_distance_to_group_mean = math.sqrt(
-                float(torch.sub(vector[:n], self._before[:n]).square_().sum())
-            )
+            self.param_distance_to_group_mean = math.sqrt(float(torch.sub(vector[:n], before[:n]).square_().sum()))
             self._samples_since_round = 0.0  # otherwise they count toward the next round's weight
         # The group's mean after a completed round, else this daemon's own state (as the thread's).
         self.snapshot = Snapshot(self.global_step, vector.clone())

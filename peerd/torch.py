@@ -4,7 +4,8 @@ Every `opt.step()` is an inner step of your own optimizer, on your model, on its
 `average_every` steps (the run's H) the phase ends: the parameters are copied to the daemon's
 shared vector (one host copy; pinned in place where CUDA is present), the daemon averages the
 phase's pseudo-gradient with its peers and takes the outer step (DiLoCo), and the run's parameters
-are copied back into the model. Nothing else crosses: the inner optimizer's state stays here.
+are copied back into the model. Nothing else crosses: the inner optimizer's state stays here (but
+for a built-in task's state run, whose child hands it over too: `state_vector`).
 With overlap (the run's `averaging.overlap`), the phase's end does not wait for its round: the
 round runs while the next phase computes; when it ends the daemon writes the new θ to the shared
 file, and the next `step()` moves the parameters by θ − s (s: where the averaged phase ended, which
@@ -69,7 +70,8 @@ class Optimizer(torch.optim.Optimizer):
         if not self.params:
             raise ValueError("the optimizer has no parameters")
         # What the shared vector holds: the parameters, or with `state_vector` (a built-in task's state
-        # run, daemon/taskproc.py; not for scripts) the parameters then the inner optimizer's state.
+        # run, daemon/taskproc.py; a script's run is DiLoCo's) the parameters then the inner optimizer's
+        # floating-point state, in the trainer thread's order (daemon/flat.py state_tensors).
         self._state_vector = state_vector
         self._tensors = self._vector_tensors()
         self.layout = model_layout(optimizer, model)
@@ -197,6 +199,7 @@ class Optimizer(torch.optim.Optimizer):
         self._vector, self.run_step = a.vector, a.step
         if (n := sum(t.numel() for t in self._tensors)) != a.vector.numel():
             what = "state vector" if self._state_vector else "parameters"
+            self._attachment.close()
             raise PeerdError(
                 f"run {self.run}: the daemon's vector has {a.vector.numel()} values, this model's {what} {n} "
                 "(a state run's vector holds the optimizer's state too: only a built-in task's process hands it over)"
