@@ -48,10 +48,12 @@ class StateChild(TaskChild):
         self._shared.tensor.copy_(flat)
 
     def _resume(self, state: dict) -> None:
-        """A checkpoint of this run's identity: the thread's or this class's, the same format."""
-        self._model.load_state_dict(state["model"])
-        self._optimizer.load_state_dict(state["optimizer"])
-        self._tensors, _ = state_tensors(self._model, self._optimizer)  # load_state_dict replaced them
+        """A checkpoint of this run's identity: the thread's or this class's, the same format. One
+        without a model (a DiLoCo child's, the run ID reused) leaves the first state, as the thread."""
+        if "model" in state:
+            self._model.load_state_dict(state["model"])
+            self._optimizer.load_state_dict(state["optimizer"])
+            self._tensors, _ = state_tensors(self._model, self._optimizer)  # load_state_dict replaced them
         to_flat(self._tensors, self._shared.tensor)
 
     def _checkpoint_state(self) -> dict:
