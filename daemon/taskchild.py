@@ -60,7 +60,9 @@ def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec,
 
     task = get_task(manifest.task)
     hparams = hparams_from_text(task, manifest.hparams)
-    with optimizer_without_dynamo():  # nothing steps this optimizer: it gives the parameters' order
+    # It gives the parameters' order. Only a state run's daemon uses it further, converting its
+    # checkpoints (daemon/statechild.py): its first call outside this block imports torch._dynamo.
+    with optimizer_without_dynamo():
         model, optimizer = task.build(hparams, init_seed)
     layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in model_layout(optimizer, model))
     text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
