@@ -8,7 +8,8 @@ A daemon started with --train-process starts it for its `--task` runs (daemon/ta
 the run's hyper-parameters and seed; started by hand, it attaches like any script (a script's run,
 created by this attach or joined with the model's layout). What it does is what the daemon's
 trainer thread (daemon/trainer.py) does for such a run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in
-the daemon (with --state-vector, a state run's round on the parameters and the inner optimizer's state), an evaluation of the run's parameters θ every `--eval-every` run steps (at a phase's end,
+the daemon (with --state-vector, a state run's round on the parameters and the inner optimizer's
+state), an evaluation of the run's parameters θ every `--eval-every` run steps (at a phase's end,
 through Optimizer.run_parameters) reported to the daemon (ReportEval), and the inner optimizer's state
 saved next to the daemon's checkpoints (`--state`), so that a restarted process resumes it.
 """

@@ -163,9 +163,8 @@ def test_a_state_run_trains_in_children_resumes_and_a_late_peer_downloads_its_st
     )
     m = scrape(c.metrics_url)
     # The state vector: the parameters and Adam's two moments, 4 bytes each.
-    params = sum(
-        p.numel() for p in get_task("digits-mlp").build(get_task("digits-mlp").parse_hparams({}), 0)[0].parameters()
-    )
+    task = get_task("digits-mlp")
+    params = sum(p.numel() for p in task.build(task.parse_hparams({}), 0)[0].parameters())
     assert m[("peerd_state_syncs_total", (("result", "ok"), ("run", "sc")))] >= 1
     assert m[("peerd_state_sync_bytes_total", (("run", "sc"),))] >= 3 * 4 * params
     for d in (a, b, c):
