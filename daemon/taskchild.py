@@ -60,8 +60,8 @@ def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec,
 
     task = get_task(manifest.task)
     hparams = hparams_from_text(task, manifest.hparams)
-    # It gives the parameters' order. Only a state run's daemon uses it further, converting its
-    # checkpoints (daemon/statechild.py): its first call outside this block imports torch._dynamo.
+    # It gives the parameters' order. Only a state run's daemon uses it further (daemon/statechild.py):
+    # its first step, which materializes its state, imports torch._dynamo all the same.
     with optimizer_without_dynamo():
         model, optimizer = task.build(hparams, init_seed)
     layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in model_layout(optimizer, model))
