@@ -17,7 +17,8 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
                 the others' speed (the straggler budget; needs cgroup v1's cpu controller);
                 thread: (a) with each daemon training in a thread of its own (--no-train-process;
-                the default is a child process, as (a) runs; docs/your-loop.md)
+                the default is a child process, as (a) runs; docs/your-loop.md); state_thread: (b)
+                in the daemons' threads ((b) and (c) train in children, as (a), since 2026-11-28)
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
 sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
-    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled, thread")
+    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled, thread, state_thread")
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
     p.add_argument(
@@ -257,6 +258,18 @@ def main(argv: list[str] | None = None) -> int:
         elif e == "thread":
             setups.append(
                 ("a_diloco_thread", scenario("a_diloco_thread", args, diloco, daemon_args=("--no-train-process",)))
+            )
+        elif e == "state_thread":
+            setups.append(
+                (
+                    "b_state_thread",
+                    scenario(
+                        "b_state_thread",
+                        args,
+                        {"averaging.algorithm": "state", "averaging.average_every": 10},
+                        daemon_args=("--no-train-process",),
+                    ),
+                )
             )
         elif e == "throttled":
             setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))
