@@ -513,7 +513,7 @@ class Daemon:
             from peerd.daemon.statechild import StateChild
 
             # The optimizer's state, materialized off the loop: its first step imports torch._dynamo (1-3 s).
-            await asyncio.to_thread(state_tensors, model, optimizer)
+            await asyncio.to_thread(state_tensors, optimizer)
             # No straggler budget, as in the thread: a state run's phases all take H steps.
             cls = StateChild
             state = {"model": model, "optimizer": optimizer, "lanes": manifest.averaging.lanes, "inner_budget": 0.0}

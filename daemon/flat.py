@@ -26,7 +26,7 @@ def from_flat(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], int]:
+def state_tensors(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], int]:
     """The tensors of the state vector, in order, and how many of them (the first) are parameters.
 
     Optimizer state is created lazily by torch on the first step; a fixed layout needs it from the

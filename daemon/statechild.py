@@ -36,7 +36,7 @@ class StateChild(TaskChild):
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lanes: int, **child):
         self._model, self._optimizer, self.lanes = model, optimizer, lanes
-        self._tensors, self._n_params = state_tensors(model, optimizer)
+        self._tensors, self._n_params = state_tensors(optimizer)
         super().__init__(numel=sum(t.numel() for t in self._tensors), **child)  # its `outer`: None
         self._params_numel = sum(t.numel() for t in self._tensors[: self._n_params])
         self._sketch_plan = SketchPlan.for_run(self.run_id, self._params_numel)  # of the parameters, as the thread's
@@ -53,7 +53,7 @@ class StateChild(TaskChild):
         if "model" in state:
             self._model.load_state_dict(state["model"])
             self._optimizer.load_state_dict(state["optimizer"])
-            self._tensors, _ = state_tensors(self._model, self._optimizer)  # load_state_dict replaced them
+            self._tensors, _ = state_tensors(self._optimizer)  # load_state_dict replaced them
         to_flat(self._tensors, self._shared.tensor)
 
     def _checkpoint_state(self) -> dict:

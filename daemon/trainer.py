@@ -238,7 +238,7 @@ class Trainer:
         try:
             torch.set_num_threads(self.threads)
             model, optimizer = self._resume()
-            self._tensors, self._n_params = state_tensors(model, optimizer)
+            self._tensors, self._n_params = state_tensors(optimizer)
             if self.outer_settings is not None:  # rounds average the parameters' pseudo-gradient
                 self._outer = OuterLoop(
                     self._tensors[: self._n_params], self.outer_settings, self._round_in, self.run_id

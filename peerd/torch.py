@@ -270,7 +270,7 @@ class Optimizer(torch.optim.Optimizer):
             return self.params
         from peerd.daemon.flat import state_tensors
 
-        return state_tensors(None, self.inner)[0]
+        return state_tensors(self.inner)[0]
 
     def _pin(self) -> None:
         unpin(self._pinned)  # the previous attachment's mapping

@@ -77,7 +77,7 @@ def test_a_state_childs_rounds_and_checkpoints_are_the_threads(tmp_path):
     try:
         # The process's side: its own model and Adam after some steps, handed over as the state vector.
         model, optimizer = built()
-        tensors, n_params = state_tensors(model, optimizer)
+        tensors, n_params = state_tensors(optimizer)
         assert t.numel == sum(x.numel() for x in tensors) > 2 * sum(p.numel() for p in model.parameters())
         info = t.attach(pid=0, device="cpu", step=0)
         assert info.upload and info.numel == t.numel
@@ -106,7 +106,7 @@ def test_a_state_childs_rounds_and_checkpoints_are_the_threads(tmp_path):
         model2.load_state_dict(saved.state["model"])
         optimizer2.load_state_dict(saved.state["optimizer"])
         again = torch.empty(t.numel)
-        to_vector(state_tensors(model2, optimizer2)[0], again, False)
+        to_vector(state_tensors(optimizer2)[0], again, False)
         assert torch.equal(again, vector)
         assert all(int(s["step"]) == 2 * H for s in saved.state["optimizer"]["state"].values())
     finally:

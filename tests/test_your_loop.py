@@ -187,6 +187,19 @@ def test_a_model_that_does_not_match_the_run_is_refused_naming_the_first_mismatc
                 torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=model
             )
     wait_for(lambda: run_status(a, "shape").attached_pid == 0, timeout=10, what="detached")
+    # A process that would hand over its optimizer's state too (a state run's child) to a run whose
+    # vector holds the parameters alone: refused, detached at once, the run's step unchanged.
+    step = run_status(a, "shape").step
+    with pytest.raises(peerd.PeerdError, match=r"the daemon's vector has 19 values, this model's state vector 38"):
+        peerd.torch.Optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            run="shape",
+            daemon=a.data_dir,
+            model=model,
+            state_vector=True,
+        )
+    wait_for(lambda: run_status(a, "shape").attached_pid == 0, timeout=10, what="detached")
+    assert run_status(a, "shape").step == step
     with pytest.raises(peerd.PeerdError, match="not in run 'elsewhere'"):
         peerd.torch.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), run="elsewhere", daemon=a.data_dir)
 
