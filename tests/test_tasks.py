@@ -4,6 +4,8 @@ short single-process trainings that must actually learn."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import math
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint
@@ -144,6 +146,27 @@ def test_digits_are_scikit_learns_whether_read_from_its_file_or_through_load_dig
     assert np.array_equal(read[:, :-1], expected.data) and np.array_equal(read[:, -1], expected.target)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert np.array_equal(digits._digits_rows(), read)
+
+
+def test_the_daemon_builds_a_tasks_optimizer_without_importing_dynamo_and_restores_torch():
+    """taskchild.optimizer_without_dynamo: the build imports no torch._dynamo (1.0 s of CPU), and
+    afterwards torch's wrappers are as they were (the next call imports it, as torch does). In a
+    fresh interpreter: this one may have imported it already."""
+    code = """
+import sys, torch
+from peerd.daemon.taskchild import optimizer_without_dynamo
+from peerd.daemon.tasks import get_task
+task = get_task("digits-mlp")
+with optimizer_without_dynamo():
+    model, optimizer = task.build(task.parse_hparams({}), 0)
+assert "torch._dynamo" not in sys.modules, "imported inside the block"
+wrapped = [m.__wrapped__ for m in vars(torch.optim.Optimizer).values() if hasattr(m, "__wrapped__")]
+assert wrapped and not any(hasattr(f, "__dynamo_disable") for f in wrapped), "left patched"
+optimizer.zero_grad()
+assert "torch._dynamo" in sys.modules, "torch's own behaviour after the block"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_digits_mlp_learns():
