@@ -22,7 +22,7 @@ from peerd.daemon.tasks import get_task, train_single_process
 from peerd.peers.collective import AllReduceSettings
 from tests.helpers import peerd, scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 RUN_ARGS = ["--eval-every", "1000", "--checkpoint-every", "50", "--torch-threads", "1"]
 PEER_TTL, REFRESH = 4.0, 0.5

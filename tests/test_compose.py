@@ -47,7 +47,7 @@ def test_no_two_services_share_a_volume():
         assert any(m.split(":")[1] == "/var/lib/peerd" for m in s["volumes"]), f"{name} has no data volume"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_joiner_script_reads_peer0s_id_from_its_metrics(spawn):
     peer0 = spawn("peer0")
     entrypoint = peers()["peer1"]["entrypoint"]

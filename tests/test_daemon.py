@@ -27,8 +27,6 @@ from peerd.protos import control_pb2
 from tests.conftest import CLUSTER_RUN
 from tests.helpers import ROOT, families, peer_ids, peerd, peers_json, scrape, wait_for
 
-pytestmark = pytest.mark.slow
-
 PEER_TTL = DiscoveryConfig().peer_ttl  # the daemons here run with the default
 
 

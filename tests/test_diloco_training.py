@@ -12,7 +12,7 @@ from peerd.daemon.client import ControlClient
 from peerd.daemon.tasks import get_task, train_single_process
 from tests.helpers import TRAINING, scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 RUN_ARGS = ["--eval-every", "1000", "--checkpoint-every", "100", "--torch-threads", "1"]
 FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4", "--dht-timeout", "2"]

@@ -11,7 +11,7 @@ from peerd.daemon.procs import LocalDaemon
 from tests.failing_task import MESSAGE, NAME, plugin_env
 from tests.helpers import THREAD, peerd, scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 def test_train_states_match_the_trainer():

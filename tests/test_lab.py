@@ -604,7 +604,7 @@ hosts = ["b"]
 
 
 @needs_lab
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_three_daemons_train_over_5_percent_loss_through_a_freeze(tmp_path):
     report, table = run_scenario(tmp_path, LOSSY_FREEZE)
@@ -648,7 +648,7 @@ action = "heal"
 
 
 @needs_lab
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_a_partition_cuts_both_sides_and_the_run_re_merges_after_the_heal(tmp_path):
     report, table = run_scenario(tmp_path, PARTITION)
@@ -668,7 +668,7 @@ def test_a_partition_cuts_both_sides_and_the_run_re_merges_after_the_heal(tmp_pa
 
 
 @needs_lab
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 def test_lab_baselines_quick_prints_json_lines():
     """Smoke test of bench.lab_baselines: it runs to the end and prints the promised lines. No

@@ -66,7 +66,7 @@ def wait_group(daemons, run: str, size: int, what: str, *, timeout: float = 40, 
         ) from None
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
     """A secret run, so that the DeAR links open with the secret's hello too."""
     create = [
@@ -169,7 +169,7 @@ def test_three_daemons_train_with_dear_and_survive_a_kill(spawn, secret_file):
         assert d.stop() == 0
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_local_group_averages_over_the_wan_as_one_peer_each_member_its_own_lanes(spawn):
     """Two labelled daemons and two solo ones in a run of two lanes (docs/dear.md, "The
     hierarchy"). Once a and b train as a DeAR group, each averages one lane over the WAN for both,

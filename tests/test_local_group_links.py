@@ -85,7 +85,7 @@ def test_auto_is_not_an_ordinary_label():
 STEPS, EVERY = 100_000, 10
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_three_daemons_on_loopback_form_a_group_by_measured_links(spawn):
     create = [
         "--task",

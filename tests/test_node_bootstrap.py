@@ -17,7 +17,7 @@ from peerd.peers.events import PeerEvents
 from peerd.peers.identity import Identity
 from peerd.peers.node import NodeSettings, PeerNode
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ from peerd.daemon.client import ControlClient
 from peerd.daemon.procs import LocalDaemon
 from tests.helpers import wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 INTERVAL = 1.0
 LINE = re.compile(

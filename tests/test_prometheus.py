@@ -14,13 +14,10 @@ import pytest
 from tests.conftest import CLUSTER_RUN
 from tests.helpers import wait_for
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("prometheus") is None,
-        reason="needs the prometheus server (`./dev setup` installs Debian's, as root)",
-    ),
-]
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="needs the prometheus server (`./dev setup` installs Debian's, as root)",
+)
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ import pytest
 from peerd.daemon.client import ControlClient
 from tests.helpers import TRAINING, peerd, scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 # --min-peers makes a restarted daemon wait 3 s before its first step: status shows the step it
 # starts from (0 when the checkpoint was not loaded) before training could pass the old one.

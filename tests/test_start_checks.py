@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers import peerd
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 
 def start(tmp_path, *args: str):

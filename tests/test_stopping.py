@@ -17,7 +17,7 @@ import pytest
 from peerd.daemon.client import ControlClient
 from tests.helpers import ROOT, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 TRIES = 5
 EXIT_BOUND = 2.0  # seconds from Ctrl-C to a foreground daemon's exit (docs/operations.md: under a second)

@@ -20,7 +20,7 @@ from peerd.torch import Optimizer
 from tests.failing_task import MESSAGE, NAME, plugin_env
 from tests.helpers import THREAD, peerd, scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 PROCESS = ["--train-process", "--eval-every", "1000", "--checkpoint-every", "100"]
 

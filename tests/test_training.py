@@ -20,7 +20,7 @@ from peerd.peers.run_ids import run_dht_key
 from peerd.protos import records_pb2
 from tests.helpers import TRAINING, peerd, scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 TRAIN = ["--task", "digits-mlp", "--max-steps", "300", "--eval-every", "50", "--checkpoint-every", "100"]
 

@@ -25,7 +25,7 @@ from peerd.daemon.client import ControlClient
 from peerd.peers.collective.datagram import HEADER, MAGIC, OVERHEAD
 from tests.helpers import scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 SPRAY_SECONDS = 120.0  # hard bound on the sprayer, whatever the test does
 SPRAY_DATAGRAMS = 50_000  # and on what it sends

@@ -21,7 +21,7 @@ from peerd.daemon.client import ControlClient
 from peerd.peers.manifest import decode_manifest
 from tests.helpers import scrape, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "attach_script.py"
