@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
-import inspect
 import os
 import secrets
 import tempfile
@@ -64,10 +63,11 @@ PROCESS_FILES = LAB_FILES | {
     "test_udp_training.py",
     "test_your_loop.py",
 }
-# A test that starts several daemons, a lab or a benchmark's processes is `heavy` (marked by hand, or
-# by using the `spawn` fixture; the `cluster`'s daemons start once per worker and then idle): at most HEAVY_SLOTS of them run at once across the
-# xdist workers, the rest of the suite spreads over the workers meanwhile. Two: three at once on 2
-# cores is what made tests that pass on a quiet machine fail on a busy one (tests/FLAKY.md).
+# A test that starts several daemons, a lab or a benchmark's processes is marked `heavy` by hand: at
+# most HEAVY_SLOTS of them run at once across the xdist workers, and the rest of the suite spreads
+# over the workers meanwhile. Two: three at once on 2 cores is what made tests that pass on a quiet
+# machine fail on a busy one (tests/FLAKY.md). A test with one daemon (and its p2pd and training
+# child) is not heavy: slots for those made the heavy tests the whole suite's critical path.
 HEAVY_SLOTS = 2
 # The longest a heavy test waits for a slot (two of the longest heavy tests run back to back
 # take about 150 s on a busy machine); past it the test fails, naming the wait.
@@ -81,9 +81,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("lab"))
         if item.path.name in PROCESS_FILES:
             item.add_marker(pytest.mark.flaky(reruns=1))
-        # The test's own arguments: every cluster test reaches `spawn` through the cluster fixture.
-        if "spawn" in inspect.signature(item.function).parameters:
-            item.add_marker(pytest.mark.heavy)
+    # pytest-xdist hands out tests in this order (the lab's group first, as the largest): heavy tests
+    # spread over the first half of the others, so two of them run while the third worker takes
+    # light tests, and no heavy test is left to the end with two workers idle.
+    heavy = [item for item in items if item.get_closest_marker("heavy")]
+    light = [item for item in items if not item.get_closest_marker("heavy")]
+    every = max(1, len(light) // 2 // max(1, len(heavy)))
+    spread = []
+    for i, item in enumerate(light):
+        if i % every == 0 and heavy:
+            spread.append(heavy.pop(0))
+        spread.append(item)
+    items[:] = spread + heavy
 
 
 def _slot_dir(config) -> Path | None:

@@ -10,7 +10,6 @@ from peerd.daemon.client import ControlClient
 from peerd.daemon.config import ConfigError, load_config
 from tests.helpers import peerd, scrape, wait_for
 
-pytestmark = pytest.mark.heavy
 
 METHODS = ("Status", "ListPeers", "JoinRun", "LeaveRun")
 GARBAGE = (b"\xff" * 8, b"garbage payload", bytes(range(256)), b"\x08")  # none parses as any request

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from peerd.daemon.metrics import TRAIN_STATES
 from peerd.daemon.procs import LocalDaemon
 from tests.failing_task import MESSAGE, NAME, plugin_env
 from tests.helpers import THREAD, peerd, scrape, wait_for
-
-pytestmark = pytest.mark.heavy
 
 
 def test_train_states_match_the_trainer():

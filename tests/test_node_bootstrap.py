@@ -17,8 +17,6 @@ from peerd.peers.events import PeerEvents
 from peerd.peers.identity import Identity
 from peerd.peers.node import NodeSettings, PeerNode
 
-pytestmark = pytest.mark.heavy
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -11,7 +11,6 @@ from peerd.daemon.client import ControlClient
 from peerd.daemon.procs import LocalDaemon
 from tests.helpers import wait_for
 
-pytestmark = pytest.mark.heavy
 
 INTERVAL = 1.0
 LINE = re.compile(
@@ -32,6 +31,7 @@ def training(d: LocalDaemon) -> bool:
         return any(r.train_state == "TRAINING" and r.step > 0 for r in c.status().runs)
 
 
+@pytest.mark.heavy
 def test_progress_lines_come_at_the_interval_and_not_when_off(tmp_path):
     args = ["--run", "prog", "--task", "digits-mlp", "--eval-every", "1000"]
     on = LocalDaemon(tmp_path / "on", [*args, "--progress-interval", str(INTERVAL)])

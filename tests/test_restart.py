@@ -5,12 +5,10 @@ is kept and named in status; input that would be ignored is refused, or warned a
 
 from __future__ import annotations
 
-import pytest
 
 from peerd.daemon.client import ControlClient
 from tests.helpers import TRAINING, peerd, scrape, wait_for
 
-pytestmark = pytest.mark.heavy
 
 # --min-peers makes a restarted daemon wait 3 s before its first step: status shows the step it
 # starts from (0 when the checkpoint was not loaded) before training could pass the old one.

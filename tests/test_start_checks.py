@@ -8,8 +8,6 @@ import pytest
 
 from tests.helpers import peerd
 
-pytestmark = pytest.mark.heavy
-
 
 def start(tmp_path, *args: str):
     base = ["--data-dir", str(tmp_path / "d"), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]

@@ -17,7 +17,6 @@ import pytest
 from peerd.daemon.client import ControlClient
 from tests.helpers import ROOT, wait_for
 
-pytestmark = pytest.mark.heavy
 
 TRIES = 5
 EXIT_BOUND = 2.0  # seconds from Ctrl-C to a foreground daemon's exit (docs/operations.md: under a second)
@@ -127,6 +126,7 @@ def check_stopped(demo: subprocess.Popen, out: Path, started: set[int], how: str
     return text
 
 
+@pytest.mark.heavy
 def test_demo_stops_every_daemon_when_its_terminal_closes(tmp_path):
     demo, out, started = start_demo(tmp_path)
     os.killpg(demo.pid, signal.SIGHUP)
@@ -137,6 +137,7 @@ def test_demo_stops_every_daemon_when_its_terminal_closes(tmp_path):
     assert "status --data-dir" in text and "SAMPLES/S" in text and "nan" not in text, text
 
 
+@pytest.mark.heavy
 def test_demo_stops_every_daemon_on_a_double_ctrl_c(tmp_path):
     demo, out, started = start_demo(tmp_path)
     os.killpg(demo.pid, signal.SIGINT)

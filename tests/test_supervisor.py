@@ -50,7 +50,6 @@ async def until(predicate, timeout: float, what: str) -> None:
             await asyncio.sleep(0.1)
 
 
-@pytest.mark.heavy
 def test_a_killed_child_is_restarted_and_training_goes_on_from_the_runs_step(spawn):
     a = spawn("sv", ["--run", "sv"])
 
@@ -72,7 +71,6 @@ def test_a_killed_child_is_restarted_and_training_goes_on_from_the_runs_step(spa
     asyncio.run(scenario())
 
 
-@pytest.mark.heavy
 def test_a_child_that_always_fails_ends_failed_after_the_bound_and_the_daemon_answers(spawn):
     a = spawn("sv-fail", ["--run", "sv"])
 
@@ -111,7 +109,6 @@ def test_failures_after_a_stable_run_start_the_count_anew():
     asyncio.run(scenario())
 
 
-@pytest.mark.heavy
 def test_a_stopped_child_detaches_and_is_reaped(spawn):
     a = spawn("sv-stop", ["--run", "sv"])
 

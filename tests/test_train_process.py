@@ -20,7 +20,6 @@ from peerd.torch import Optimizer
 from tests.failing_task import MESSAGE, NAME, plugin_env
 from tests.helpers import THREAD, peerd, scrape, wait_for
 
-pytestmark = pytest.mark.heavy
 
 PROCESS = ["--train-process", "--eval-every", "1000", "--checkpoint-every", "100"]
 
@@ -107,6 +106,7 @@ def test_a_state_run_with_a_local_group_keeps_the_thread_and_says_why(spawn):
     assert d.stop() == 0
 
 
+@pytest.mark.heavy
 def test_a_state_run_trains_in_children_resumes_and_a_late_peer_downloads_its_state(spawn):
     """Two daemons train a state run in their children: a completed round leaves both with the same
     state (digest, evaluation). Their checkpoints hold the model and the optimizer's state (the

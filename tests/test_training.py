@@ -20,7 +20,6 @@ from peerd.peers.run_ids import run_dht_key
 from peerd.protos import records_pb2
 from tests.helpers import TRAINING, peerd, scrape, wait_for
 
-pytestmark = pytest.mark.heavy
 
 TRAIN = ["--task", "digits-mlp", "--max-steps", "300", "--eval-every", "50", "--checkpoint-every", "100"]
 
@@ -62,6 +61,7 @@ def test_a_daemon_trains_checkpoints_and_resumes(spawn, training):
 
 
 @TRAINING
+@pytest.mark.heavy
 def test_a_joiner_trains_the_runs_task_and_a_mismatch_is_refused(spawn, training):
     creator = spawn("creator", ["--run", "shared", *TRAIN, *training])
     joiner = spawn("joiner", ["--run", "shared", "--max-steps", "20", "--initial-peers", creator.maddrs[0], *training])

@@ -21,7 +21,6 @@ from peerd.daemon.client import ControlClient
 from peerd.peers.manifest import decode_manifest
 from tests.helpers import scrape, wait_for
 
-pytestmark = pytest.mark.heavy
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "attach_script.py"
@@ -56,6 +55,7 @@ def run_status(daemon, run: str):
         return next(r for r in c.status().runs if r.run_id == run)
 
 
+@pytest.mark.heavy
 def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls(spawn, tmp_path):
     a = spawn("loop-a", ["--run", "loop"])
     b = spawn("loop-b", ["--run", "loop", "--initial-peers", a.maddrs[0]])
@@ -85,6 +85,7 @@ def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls
     assert weights.keys() == ma.keys() and all(torch.equal(weights[k], ma[k]) for k in ma)
 
 
+@pytest.mark.heavy
 def test_with_overlap_rounds_land_between_a_scripts_steps_and_the_scripts_meet(spawn):
     """A run with averaging.overlap: a phase's end does not wait for its round, which lands between
     two later steps of the script (daemon/attached.py, "landing"), and every member applies it."""
@@ -105,6 +106,7 @@ def test_with_overlap_rounds_land_between_a_scripts_steps_and_the_scripts_meet(s
     assert out_a[-2]["loss"] < out_a[1]["loss"] and out_b[-2]["loss"] < out_b[1]["loss"]
 
 
+@pytest.mark.heavy
 def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_on(spawn):
     a = spawn("kill-a", ["--run", "kill"])
     b = spawn("kill-b", ["--run", "kill", "--initial-peers", a.maddrs[0]])
@@ -241,6 +243,7 @@ def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
     assert status.task == "" and status.train_state == ""  # still discovery only: no run was created
 
 
+@pytest.mark.heavy
 def test_a_slow_script_ends_its_phases_at_the_straggler_budget_and_evaluations_show_in_status(spawn):
     a = spawn("budget-a", ["--run", "budget"])
     b = spawn("budget-b", ["--run", "budget", "--initial-peers", a.maddrs[0]])
