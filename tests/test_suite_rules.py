@@ -1,0 +1,56 @@
+"""The suite's own rules (tests/suite_rules.py), in a pytest run of their own on three xdist workers:
+a retry is printed in the last lines and appended to the ledger; no more than two heavy tests run at once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+RUN = """
+import os, time, pytest
+
+LOG = os.environ["RULES_LOG"]
+
+@pytest.mark.flaky(reruns=1)
+def test_fails_once():
+    if not os.path.exists(LOG + ".failed"):
+        open(LOG + ".failed", "w").close()
+        raise AssertionError("the first try fails")
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("i", range(4))
+def test_heavy(i):
+    with open(LOG, "a") as f:
+        f.write(f"{time.monotonic()} 1\\n")
+    time.sleep(3)
+    with open(LOG, "a") as f:
+        f.write(f"{time.monotonic()} -1\\n")
+"""
+
+
+def test_a_retry_is_printed_last_and_on_record_and_two_heavy_tests_run_at_most(tmp_path):
+    (tmp_path / "test_rules.py").write_text(RUN)
+    log, ledger = tmp_path / "log", tmp_path / "ledger.md"
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "-q", "-p", "no:cacheprovider"]
+        + ["-n", "3", "--dist", "loadgroup", "--flaky-ledger", str(ledger), str(tmp_path / "test_rules.py")],
+        cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "RULES_LOG": str(log)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    last = r.stdout.strip().splitlines()[-3:]
+    assert any(line.startswith("RETRIED ") and "test_fails_once" in line for line in last), last
+    assert "5 passed, 1 rerun" in last[-1], last
+    assert "test_fails_once" in ledger.read_text() and "the first try fails" in ledger.read_text()
+    running = peak = 0
+    events = sorted((float(t), int(d)) for t, d in (line.split() for line in log.read_text().splitlines()))
+    for _, d in events:  # an end at the same instant as a start sorts first (-1 < 1)
+        running += d
+        peak = max(peak, running)
+    assert len(events) == 8 and peak <= 2, events
