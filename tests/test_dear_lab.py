@@ -17,6 +17,7 @@ needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=f"network lab unavail
 
 
 @needs_lab
+@pytest.mark.heavy
 def test_tuner_replans_smaller_buckets_after_the_link_rate_drops():
     from bench.dear_tuner import parser, run
 

@@ -350,6 +350,7 @@ def lab():
 
 @needs_lab
 @pytest.mark.timeout(90)
+@pytest.mark.heavy
 def test_loss_rate_and_partition_are_real(lab):
     a = lab.add_host("a", congestion_control="reno")
     b = lab.add_host("b", LinkShape(loss_pct=10), congestion_control="reno")
@@ -391,6 +392,7 @@ def transfer_mbit(sender: Host, receiver: Host, size: int) -> float:
 
 @needs_lab
 @pytest.mark.timeout(60)
+@pytest.mark.heavy
 def test_added_rtt_is_real_carries_100_mbit_and_changes_mid_run(lab):
     """rtt_ms: each delayed host holds what it sends for rtt_ms / 2 (its delay line), so two hosts at 50
     measure about 50 ms, one at 50 and one at 0 about 25, two at 0 well under 1 ms; the delay line
@@ -433,6 +435,7 @@ def test_added_rtt_is_real_carries_100_mbit_and_changes_mid_run(lab):
 
 @needs_lab
 @pytest.mark.timeout(60)
+@pytest.mark.heavy
 def test_a_lab_measures_the_rtt_of_its_scenario_and_after_a_change():
     """The runner's part, without daemons: the RTT measured when the lab is built, and again after a
     link fault that sets rtt_ms; the report states both."""

@@ -27,6 +27,7 @@ from peerd.peers.dear.localgroup import LocalGroupRules
 
 PROBLEM = netns.environment_problem() if sys.platform == "linux" else "not Linux"
 needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=f"network lab unavailable: {PROBLEM}")
+pytestmark = pytest.mark.heavy  # figures of links: no more than one other heavy test beside it
 RATE_MBIT = 200  # the lab's tbf: burst 100 KB, a third of a train (peers/linkprobe.py)
 MEASUREMENTS = 3  # figures (not 0) of each link
 WITHIN = 30.0  # seconds of measurements of one link at most (a few hundred ms each)
@@ -34,7 +35,7 @@ WITHIN = 30.0  # seconds of measurements of one link at most (a few hundred ms e
 # One lab host: answer probes on its eth0 address (without the echo rate limit: measurements here
 # follow each other at once, not every 30 s), print "ready", wait for "go" on stdin, then measure
 # each target "ip/figures/above/seconds" (RTT first, then bandwidth) until it has `figures` figures
-# and `above` of them above the threshold, or for `seconds`; print [figure, link-bound, its trains'
+# and `above` of them above the threshold and at the sender's pace, or for `seconds`; print [figure, link-bound, its trains'
 # outcomes] per measurement as JSON, keep answering until stdin closes.
 _PROBER = """
 import asyncio, json, sys
@@ -55,7 +56,8 @@ async def main():
         ip, figures, above, seconds = target.split("/")
         address, done, deadline = f"{ip}:7400", [], loop.time() + float(seconds)
         while loop.time() < deadline and (sum(f > 0 for f, *_ in done) < int(figures)
-                                          or sum(f > LocalGroupRules().min_bandwidth for f, *_ in done) < int(above)):
+                                          or sum(f > LocalGroupRules().min_bandwidth and not link
+                                                 for f, link, _ in done) < int(above)):
             await prober.measure(ip, address)
             trains.clear()
             figure = await prober.measure_bandwidth(ip, address)
@@ -140,8 +142,10 @@ def test_a_tbf_limited_host_measures_below_the_threshold_and_unshaped_hosts_abov
         assert len(figures) >= MEASUREMENTS, measured
         assert all(f < threshold and rate / 2 < f < rate * 2 and link for f, link in figures), measured
         assert 0.9 * rate < statistics.median(f for f, _ in figures) < 1.1 * rate, measured
-    # Between the unshaped hosts: never a link limit, and above the threshold once the sender got its share.
+    # Between the unshaped hosts: above the threshold at the sender's pace once the sender got its
+    # share. Not every figure: on a busy machine the bridge forwards in softirq on a busy core and
+    # spreads a train (0.91-1.13 Gb/s read as link-bound in a ledger run, tests/FLAKY.md): there
+    # the CPU is the link, and the reading is true.
     unshaped = [(f, link) for f, link, _ in results["a"][hosts["b"].ip] if f > 0]
-    assert len(unshaped) >= MEASUREMENTS and not any(link for _, link in unshaped), unshaped
-    assert max(f for f, _ in unshaped) > threshold, unshaped
+    assert len(unshaped) >= MEASUREMENTS and any(f > threshold and not link for f, link in unshaped), unshaped
     assert net.id not in netns.labs()
