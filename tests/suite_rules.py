@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
-import tempfile
 import time
 from pathlib import Path
 
@@ -94,13 +93,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _slot_dir(config) -> Path | None:
-    """A folder every xdist worker of this run shares; None when the tests run in one process."""
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is None:
+    """A folder every xdist worker of this run shares (the parent of the workers' own temporary
+    folders, which pytest prunes as it prunes them); None when the tests run in one process."""
+    if not hasattr(config, "workerinput"):
         return None
-    path = Path(tempfile.gettempdir()) / f"peerd-tests-{workerinput['testrunuid']}"
-    path.mkdir(exist_ok=True)
-    return path
+    # The tmp_path_factory fixture's object: the hook that takes the slot runs before any fixture.
+    return config._tmp_path_factory.getbasetemp().parent
 
 
 @contextlib.contextmanager
