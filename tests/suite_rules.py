@@ -65,6 +65,7 @@ HEAVY_SLOTS = 2
 # The longest a heavy test waits for a slot (two of the longest heavy tests run back to back
 # take about 150 s on a busy machine); past it the test fails, naming the wait.
 HEAVY_WAIT_S = 900
+TRACEBACK_LINES = 12  # of each retried test's first try, printed under its RETRIED line
 LEDGER = Path(__file__).parent / "FLAKY.md"  # --flaky-ledger PATH writes another file (tests of these rules)
 
 
@@ -157,6 +158,8 @@ def pytest_terminal_summary(terminalreporter):
         crash = getattr(r.longrepr, "reprcrash", None)
         why = (crash.message if crash else str(r.longrepr)).strip().splitlines()[0][:300]
         terminalreporter.write_line(f"RETRIED {r.nodeid} ({r.when}): {why}", red=True)
+        for line in str(r.longrepr).splitlines()[-TRACEBACK_LINES:]:  # where: CI's output is all there is
+            terminalreporter.write_line(f"    {line}")
         lines.append(f"| {stamp} | `{r.nodeid}` ({r.when}) | {why.replace('|', '/')} |\n")
     with Path(terminalreporter.config.getoption("flaky_ledger")).open("a") as f:
         f.writelines(lines)

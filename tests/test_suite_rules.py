@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from tests.helpers import ROOT
+from tests.suite_rules import TRACEBACK_LINES
 
 RUN = """
 import os, time, pytest
@@ -44,9 +45,9 @@ def test_a_retry_is_printed_last_and_on_record_and_two_heavy_tests_run_at_most(t
         timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    last = r.stdout.strip().splitlines()[-3:]
+    last = r.stdout.strip().splitlines()[-(TRACEBACK_LINES + 2) :]  # RETRIED, its traceback's end, the counts
     assert any(line.startswith("RETRIED ") and "test_fails_once" in line for line in last), last
-    assert "5 passed, 1 rerun" in last[-1], last
+    assert "AssertionError: the first try fails" in last[-2] and "5 passed, 1 rerun" in last[-1], last
     assert "test_fails_once" in ledger.read_text() and "the first try fails" in ledger.read_text()
     running = peak = 0
     events = sorted((float(t), int(d)) for t, d in (line.split() for line in log.read_text().splitlines()))
