@@ -8,8 +8,8 @@ On a loaded machine the probers are descheduled in the middle of trains: the mea
 read a shaped host as fast then, and may find no train that counts (figure 0, unmeasured): each link
 is measured until MEASUREMENTS figures. An unshaped veth carries only what the sender pushes, and a
 CPU that other work slows pushes less than 1 Gb/s through veths and a bridge (0.7-0.9 Gb/s for
-seconds at a time here): that pair is measured on until one figure reads above the threshold. Both
-within WITHIN seconds."""
+seconds at a time here), and a busy core's bridge can set the pace itself: that pair is measured on
+until one figure reads above the threshold at the sender's pace. Both within WITHIN seconds."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ WITHIN = 30.0  # seconds of measurements of one link at most (a few hundred ms e
 # One lab host: answer probes on its eth0 address (without the echo rate limit: measurements here
 # follow each other at once, not every 30 s), print "ready", wait for "go" on stdin, then measure
 # each target "ip/figures/above/seconds" (RTT first, then bandwidth) until it has `figures` figures
-# and `above` of them above the threshold and at the sender's pace, or for `seconds`; print [figure, link-bound, its trains'
-# outcomes] per measurement as JSON, keep answering until stdin closes.
+# and `above` of them above the threshold and at the sender's pace, or for `seconds`; print [figure,
+# link-bound, its trains' outcomes] per measurement as JSON, keep answering until stdin closes.
 _PROBER = """
 import asyncio, json, sys
 from peerd.peers.dear.localgroup import LocalGroupRules
