@@ -661,6 +661,7 @@ class Daemon:
         return "127.0.0.1"
 
     async def _stop_run(self, handle: RunHandle) -> None:
+        handle.stopping = True  # before the cancel: a round or download the trainer starts next is not run
         if self.state_server is not None:
             self.state_server.stop_serving(handle.run_id)
         if handle.round_future is not None:

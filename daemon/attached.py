@@ -283,6 +283,7 @@ class AttachedTrainer:
         self._flat = torch.empty(len(self._served()))  # where downloads land: what peers serve
         self._sketch_plan = SketchPlan.for_run(run_id, self.numel)
         self._lock = threading.Lock()
+        self._stopping = threading.Event()  # stop() was called: downloads stop retrying
         self._has_state = False  # θ is the run's: from a checkpoint, from peers, or uploaded
         self.session: Session | None = None
         self._watcher: asyncio.Task | None = None
@@ -346,7 +347,10 @@ class AttachedTrainer:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Leave or drain: end the attachment (the process sees NOT_FOUND and re-attaches to the
-        daemon that comes next), checkpoint, remove the shared file. Blocking."""
+        daemon that comes next), checkpoint, remove the shared file. Blocking. A phase that holds the
+        lock ends soon: the daemon has cancelled its round or download (RunHandle.stopping), and a
+        download does not try again."""
+        self._stopping.set()
         if self._watcher is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._watcher.cancel)
         if not self._lock.acquire(timeout=timeout):
@@ -593,9 +597,8 @@ class AttachedTrainer:
                     )
                     self.on_sync(result)
                     return True
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or self._stopping.wait(1.0):
                 return False
-            time.sleep(1.0)
 
     def _checkpoint(self) -> None:
         state = {**self._checkpoint_state(), "samples": self.samples, "local_step": self.local_step}

@@ -83,6 +83,7 @@ class RunHandle:
     secret: RunSecret | None = None
     republisher: asyncio.Task | None = None
     round_future: concurrent.futures.Future | None = None  # the averaging round the trainer waits for
+    stopping: bool = False  # leave or drain: no round or download starts, the one in flight is cancelled
 
 
 def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, timeout: float):
@@ -90,7 +91,8 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
     trainer: runs `run_round` (one round per lane; `lanes` None: every lane; the vector travels in
     `payload`'s format, peers/collective/codec.py) on the event loop and
     waits at most `timeout` (the run's round_timeout). Rounds that time out or are cancelled
-    (leave, drain: `handle.round_future` cancelled; the result says `cancelled`) are cancelled on
+    (leave, drain: `handle.stopping` set and `handle.round_future` cancelled; the result says
+    `cancelled`; none starts once the run stops) are cancelled on
     the loop and leave the vector as it was if `restore`, else partly written
     (MoshpitAverager.average); either way `average` returns once the round has stopped writing
     into the vector, or after CANCEL_GRACE."""
@@ -99,8 +101,12 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
     def average(
         vector, weight: float, round_t: int, lanes=None, restore: bool = True, payload: str = "fp32"
     ) -> list[RoundResult]:
+        if handle.stopping:
+            return [RoundResult(round_t, 1, None, "round cancelled: the run stops", interrupted=True, cancelled=True)]
         future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore, payload), loop)
         handle.round_future = future
+        if handle.stopping:  # the stop came between the check and the publication: it missed this one
+            future.cancel()
         try:
             return future.result(timeout)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
@@ -130,6 +136,8 @@ def sync_bridge(
 
     def sync(min_step: int, out: torch.Tensor) -> FetchResult:
         nonlocal partial, buffer
+        if handle.stopping:
+            return FetchResult(ok=False, reason="state download cancelled: the run stops")
         donors = [e.peer_id for e in membership.peers() if e.step >= min_step]
         if not donors:
             return FetchResult(ok=False, reason="no live peer is ahead")
@@ -148,6 +156,8 @@ def sync_bridge(
         )
         future = asyncio.run_coroutine_threadsafe(coro, loop)
         handle.round_future = future  # cancelled like a round when the run stops
+        if handle.stopping:
+            future.cancel()
         try:
             result = future.result(SYNC_TIMEOUT + CANCEL_GRACE)
         except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):

@@ -200,7 +200,8 @@ class TaskChild(AttachedTrainer):
             logger.info("run %s: the training process waits for --min-peers daemons training", self.run_id)
             deadline = time.monotonic() + self.ready_timeout
             while not self.trainers_ready() and time.monotonic() < deadline:
-                time.sleep(TRAINERS_POLL)
+                if self._stopping.wait(TRAINERS_POLL):
+                    break
         try:
             return super().attach(pid, device, step)
         except BaseException:

@@ -13,11 +13,12 @@ import torch
 
 from peerd import PeerdError
 from peerd.attachment import THETA_TRIES, Attachment
-from peerd.daemon.attached import AttachedTrainer, SharedVector
+from peerd.daemon.attached import AttachedTrainer, AttachRefused, SharedVector
 from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.diloco import OuterSettings
 from peerd.peers.averaging import RoundResult
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.statesync import FetchResult
 from peerd.shared_file import APPLIED_OFFSET, LANDED_OFFSET, THETA_SEQ_OFFSET
 from tests.helpers import wait_for
 
@@ -93,6 +94,49 @@ def test_a_round_that_landed_while_the_process_wrote_is_settled_at_its_end_phase
         assert torch.equal(a, b), (a, b)
     assert torch.equal(taken[0], torch.full((NUMEL,), 0.25)), taken[0]
     assert torch.equal(taken[1], torch.tensor([0.5, 1.5, 2.5, 3.5])), taken[1]
+
+
+def test_a_stop_ends_an_attach_that_waits_for_the_runs_state(tmp_path):
+    """A daemon that stops while an attach waits for a download (no donor answers: ATTACH_PATIENCE,
+    60 s, of tries): the attach gives up at the stop and the stop goes on, well inside a drain."""
+    tries = []
+
+    def sync(min_step, out):
+        tries.append(min_step)
+        return FetchResult(ok=False, reason="no donor answered")
+
+    t = AttachedTrainer(
+        run_id="stop",
+        layout=(TensorSpec("w", (NUMEL,), "torch.float32"),),
+        creator=False,
+        store=CheckpointStore(tmp_path / "checkpoints"),
+        outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=True),
+        average_every=H,
+        round_timeout=10.0,
+        checkpoint_every=10_000,
+        shared_dir=tmp_path,
+        average=HalfMean(),
+        peer_steps=lambda: [10],  # a live peer ahead: the download is tried again once a second
+        sync=sync,
+    )
+    refused = []
+
+    def attach():
+        try:
+            t.attach(pid=0, device="cpu", step=0)
+        except AttachRefused as e:
+            refused.append(str(e))
+
+    attaching = threading.Thread(target=attach, name="attach")
+    attaching.start()
+    wait_for(lambda: tries, timeout=10, what="a first download")
+    stopping = threading.Thread(target=t.stop, name="stop")
+    stopping.start()
+    stopping.join(30)
+    attaching.join(30)
+    assert not stopping.is_alive() and not attaching.is_alive()
+    assert refused and "no peer served" in refused[0]
+    assert len(tries) < 10, tries  # it stopped trying at the stop, not after 60 tries
 
 
 def process_side(shared: SharedVector, numel: int) -> Attachment:

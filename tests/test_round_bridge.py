@@ -67,3 +67,15 @@ def test_an_interrupted_round_returns_after_the_vector_is_restored(loop, how):
     assert torch.equal(vector, torch.ones(4))  # the engine's restore happened before the return
     assert result.interrupted and result.round_t == 7
     assert result.cancelled == (how == "stop"), result.reason
+
+
+def test_no_round_starts_once_the_run_stops(loop):
+    """The daemon's leave or drain sets `stopping` before it cancels the round in flight: a round the
+    trainer asks for after that (its next phase's, in a drain that waits for the trainer) does not run."""
+    handle, started = Handle("r", None, None), threading.Event()
+    handle.stopping = True
+    average = round_bridge(handle, loop, engine(started), timeout=3600)
+    vector = torch.ones(4)
+    [result] = average(vector, 1.0, 8)
+    assert result.cancelled and result.round_t == 8
+    assert not started.is_set() and torch.equal(vector, torch.ones(4))
