@@ -61,7 +61,7 @@ class RunTraining:
         sketches = self.trainer.sketches  # before the step: see Announcement
         delegated, group = self.trainer.delegation  # one read: the trainer replaces the pair as a whole
         return Announcement(
-            step=self.trainer.global_step,
+            step=self.trainer.live_step,  # an attached process's phase counts up (PHASE_STEPS)
             sketches=sketches,
             dear_address=self.local_group.address if self.local_group is not None else "",
             delegated_lanes=delegated,
@@ -472,7 +472,7 @@ class Daemon:
             # peers whose trainers started, so that one that starts seconds late does not train alone.
             peers=lambda: sum(e.role != IDLE for e in membership.peers()),
             on_start=lambda: self._trainer_started(membership, loop),
-            peer_steps=lambda: [e.step for e in membership.peers()],
+            peer_steps=lambda: [e.step for e in membership.peers() if e.role != IDLE],
             sync=sync,
             on_sync=lambda result: self.metrics.observe_sync(run_id, result),
             local_group=local_group,

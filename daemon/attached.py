@@ -54,7 +54,7 @@ import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings, cancelled
-from peerd.daemon.straggler import StragglerBudget
+from peerd.daemon.straggler import MateWait, StragglerBudget, catch_up_from, rendezvous_patience
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
@@ -70,6 +70,7 @@ from peerd.shared_file import (
     HEADER_BYTES,
     LANDED_OFFSET,
     MAGIC,
+    PHASE_STEPS_OFFSET,
     THETA_SEQ_OFFSET,
     file_size,
 )
@@ -289,10 +290,13 @@ class AttachedTrainer:
         self._watcher: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state = TrainState.LOADING
-        self.global_step = self.local_step = self.resumed_from = self.synced_from = 0
-        self.samples = 0
+        # global_step: the run's step at the latest attach or EndPhase (a phase's start); the steps of
+        # the phase under way are in the shared file (PHASE_STEPS): `step` and `local_step` add them.
+        self.global_step = self._local_done = self.resumed_from = self.synced_from = 0
+        self._samples_done = 0
+        self._live = (0.0, math.nan)  # the phase under way's samples and mean loss, from the latest Renew
         self._samples_since_round = 0.0
-        self.loss = math.nan
+        self._loss_done = math.nan  # the latest phase's mean loss, from its EndPhase
         self.samples_per_second = 0.0
         self.compute_seconds = self.train_wait_seconds = 0.0
         self.error = self._passed_over = ""  # _passed_over: checkpoints load() left on disk
@@ -305,13 +309,47 @@ class AttachedTrainer:
         # DropCompute (daemon/straggler.py): the lease watch ends a slow process's phase through the
         # shared file's header; the phase begins when its attach or previous EndPhase answers.
         self._budget = StragglerBudget(inner_budget)
+        self._mates = MateWait(rendezvous_patience(round_timeout))
         self._phase_began = time.monotonic()
 
     # -- the surface the daemon uses ----------------------------------------------------------
 
     @property
+    def phase_steps(self) -> int:
+        """Steps the attached process has taken in the phase under way (PHASE_STEPS)."""
+        shared = self._shared
+        return shared.count(PHASE_STEPS_OFFSET) if shared.tensor is not None and self.session is not None else 0
+
+    @property
     def step(self) -> int:
+        """The step of the run's state this daemon holds (status, peerd_train_step): it moves at
+        phase ends and never goes back."""
         return self.global_step
+
+    @property
+    def live_step(self) -> int:
+        """The run's step as the process takes it, what the peers see announced (MateWait tells a
+        peer waiting at a boundary from one past it): the phase's steps count up to one before its
+        boundary, which the EndPhase takes."""
+        g, every = self.global_step, self.average_every
+        return min(g + self.phase_steps, (g // every + 1) * every - 1)
+
+    @property
+    def local_step(self) -> int:
+        """Steps this daemon's processes took, the phase under way's included."""
+        return self._local_done + self.phase_steps
+
+    @property
+    def samples(self) -> int:
+        """Samples this daemon's processes trained on, the phase under way's as of its latest Renew."""
+        return self._samples_done + int(self._live[0] if self.session is not None else 0)
+
+    @property
+    def loss(self) -> float:
+        """The phase under way's mean loss so far where the process can tell it without a device sync
+        (it passed floats), else the latest phase's."""
+        live = self._live[1] if self.session is not None else math.nan
+        return self._loss_done if math.isnan(live) else live
 
     @property
     def compute_fraction(self) -> float:
@@ -334,7 +372,7 @@ class AttachedTrainer:
             state = checkpoint.state
             self._resume(state)
             self.global_step = self.resumed_from = self._checkpointed = checkpoint.step
-            self.local_step, self.samples = int(state.get("local_step", 0)), int(state.get("samples", 0))
+            self._local_done, self._samples_done = int(state.get("local_step", 0)), int(state.get("samples", 0))
             self.snapshot = Snapshot(self.global_step, self._served().clone())
             self._has_state = True
             logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
@@ -390,9 +428,10 @@ class AttachedTrainer:
                         )
                     upload = True
             else:
-                self._catch_up()
+                self._catch_up(at_boundary=False)
             if step > self.global_step:  # a restart from an older checkpoint: the run's step goes on
                 self.global_step = step
+            self._shared.set_count(PHASE_STEPS_OFFSET, 0)
             self.session = Session(
                 secrets.token_hex(16), pid if pid and pid_alive(pid) else 0, device, time.monotonic()
             )
@@ -425,13 +464,16 @@ class AttachedTrainer:
         """What one EndPhase may take: a round (or the previous one, with overlap) and a download."""
         return 2 * self.round_timeout + CATCH_UP_PATIENCE + 30.0
 
-    def renew(self, token: str) -> None:
+    def renew(self, token: str, samples: float | None = None, loss: float = math.nan) -> None:
+        """The process is alive; with `samples`, a Renew's progress of the phase under way."""
         s = self.session
         if s is None or s.token != token:
             raise SessionLost(
                 f"no attachment {token[:8]}… to run {self.run_id!r}: its lease lapsed or the daemon restarted"
             )
         s.renewed = time.monotonic()
+        if samples is not None and not self._lock.locked():  # a Renew during an EndPhase is the old phase's
+            self._live = (samples, loss)
 
     def detach(self, token: str) -> None:
         with self._lock:
@@ -451,14 +493,16 @@ class AttachedTrainer:
                 self._publish_theta()
                 return PhaseEnd(self.global_step, -1, "", 0.0, False)
             self._settle(taken=self._shared.count(APPLIED_OFFSET))
-            self.local_step += steps
-            self.samples += int(samples)
+            self._shared.set_count(PHASE_STEPS_OFFSET, 0)  # the phase's steps are in global_step now
+            self._local_done += steps
+            self._samples_done += int(samples)
+            self._live = (0.0, math.nan)
             self._samples_since_round += samples
             if not math.isnan(loss):
-                self.loss = loss
+                self._loss_done = loss
             every = self.average_every
             self.global_step = (self.global_step // every + 1) * every
-            if self._catch_up():
+            if self._catch_up(at_boundary=True):
                 end = PhaseEnd(self.global_step, -1, "state downloaded from peers", 0.0, True)
             else:
                 end = self._round()
@@ -572,11 +616,19 @@ class AttachedTrainer:
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
 
-    def _catch_up(self) -> bool:
-        """Download the run's state when live peers are two rounds ahead or more (as the Trainer)."""
-        if max(self.peer_steps(), default=0) < self.global_step + 2 * self.average_every:
+    def _catch_up(self, at_boundary: bool) -> bool:
+        """Download the run's state where the next round this peer can be in is over for the peers
+        ahead (daemon/straggler.catch_up_from)."""
+        min_step = catch_up_from(self.global_step, self.average_every, self.peer_steps(), at_boundary)
+        if min_step is None:
             return False
-        return self._download(self.global_step + 1, CATCH_UP_PATIENCE)
+        logger.info(
+            "run %s: at step %d, peers at %d: downloading the run's state",
+            self.run_id,
+            self.global_step,
+            max(self.peer_steps(), default=0),
+        )
+        return self._download(min_step, CATCH_UP_PATIENCE)
 
     def _download(self, min_step: int, patience: float) -> bool:
         """Take the run's state from peers (retried once a second for `patience` s while peers are live)."""
@@ -601,11 +653,14 @@ class AttachedTrainer:
                 return False
 
     def _checkpoint(self) -> None:
-        state = {**self._checkpoint_state(), "samples": self.samples, "local_step": self.local_step}
+        state = {**self._checkpoint_state(), "samples": self._samples_done, "local_step": self._local_done}
         self.store.save(self.global_step, state, self._identity)
         self._checkpointed = self.global_step
 
     def _end_session(self, why: str) -> None:
+        if self.session is not None:  # steps computed in a phase that never ended still count (counters)
+            self._local_done, self._samples_done = self.local_step, self.samples
+            self._live = (0.0, math.nan)
         s, self.session = self.session, None
         if s is None:
             return
@@ -638,19 +693,32 @@ class AttachedTrainer:
                 self._check_budget()
 
     def _check_budget(self) -> None:
-        """End the attached process's phase now where the straggler budget says so (a phase that is
-        ending already, under the lock, is left alone)."""
-        if not self._budget.factor or not self._has_state or self._lock.locked():
+        """End the attached process's phase now where its mates would otherwise round without it
+        (MateWait) or the straggler budget says so (a phase that is ending already, under the lock,
+        is left alone)."""
+        if not self._has_state or self.session is None or self._lock.locked():
             return
-        every = self.average_every
+        every, now, steps, done = self.average_every, time.monotonic(), self.peer_steps(), self.phase_steps
         boundary = (self.global_step // every + 1) * every
-        if self._budget.over(time.monotonic(), self._phase_began, self.peer_steps(), boundary):
-            self._shared.end_phase_at(boundary)
-            logger.info(
-                "run %s: the process's phase ends before step %d: its peers are at the boundary (straggler budget)",
-                self.run_id,
-                boundary,
-            )
+        pace = (now - self._phase_began) / done if done else math.nan
+        lag = LEASE_CHECK + (0.0 if math.isnan(pace) else pace)  # the next look, then the process's next step
+        if self._mates.over(now, self.global_step + done, boundary, pace, steps, lag):
+            why = "a group mate is at the boundary and would stop waiting before this phase got there"
+        elif self._budget.over(now, self._phase_began, steps, boundary):
+            why = "its peers are at the boundary (straggler budget)"
+        else:
+            return
+        if self._shared.count(END_AT_OFFSET) == boundary:  # asked already
+            return
+        self._shared.end_phase_at(boundary)
+        logger.info(
+            "run %s: the process's phase ends at step %d of %d, before step %d: %s",
+            self.run_id,
+            done,
+            every,
+            boundary,
+            why,
+        )
 
     def _expire(self, token: str, why: str) -> None:
         with self._lock:

@@ -235,7 +235,9 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         trainer = await self._session_trainer(request.session, context)
         try:
-            trainer.renew(request.session)
+            if not (math.isfinite(request.samples) and request.samples >= 0):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "samples must be a finite count, 0 or more")
+            trainer.renew(request.session, request.samples, request.loss if request.HasField("loss") else math.nan)
         except SessionLost as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         return control_pb2.RenewResponse()

@@ -43,18 +43,18 @@ MANIFEST_TTL = 300.0  # seconds a published manifest lives without being republi
 MANIFEST_REPUBLISH = 60.0  # seconds between republications by each member
 CANCEL_GRACE = 5.0  # seconds a cancelled round may take to restore the vector it was writing
 SYNC_TIMEOUT = 120.0  # seconds one download of the run's state may take
-RENDEZVOUS_PATIENCE = (
-    10.0  # seconds a round waits for group mates still in the previous round (at most round_timeout / 3)
-)
 
 
 def rendezvous_for(membership, average_every: int, round_timeout: float):
     """The averager's `rendezvous(round_t, mates)`: announce this daemon's step, then wait for the
     mates that announce a step in either of the two previous rounds (peers/membership.py,
     RunMembership.rendezvous): one round behind, a mate trains on to this boundary; two behind, it
-    downloads the latest round's state first (Trainer._catch_up), then does the same. A mate
-    further behind is not waited for."""
-    patience = min(RENDEZVOUS_PATIENCE, round_timeout / 3)
+    downloads the latest round's state first (daemon/straggler.catch_up_from), then does the same.
+    A mate further behind is not waited for; one that would arrive after the wait ends its phase
+    early to be there (daemon/straggler.MateWait)."""
+    from peerd.daemon.straggler import rendezvous_patience
+
+    patience = rendezvous_patience(round_timeout)
 
     async def rendezvous(round_t: int, mates: list[str]) -> list[str]:
         step = round_t * average_every

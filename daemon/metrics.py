@@ -283,6 +283,12 @@ class DaemonMetrics:
             buckets=(0.01, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=r,
         )
+        self.missed = Counter(
+            "peerd_rounds_missed",
+            "Rounds (per lane) that formed no group although the grid gave this daemon live group mates.",
+            ["run"],
+            registry=r,
+        )
         self.stragglers = Counter(
             "peerd_round_stragglers", "Group mates a round stopped waiting for (still behind it).", ["run"], registry=r
         )
@@ -376,6 +382,8 @@ class DaemonMetrics:
             self.round_wait.labels(run_id).observe(result.waited)
         if result.stragglers:
             self.stragglers.labels(run_id).inc(result.stragglers)
+        if result.planned and result.group_size == 1 and not result.cancelled:
+            self.missed.labels(run_id).inc()
         for transport, (sent, received) in result.bytes_by_transport.items():
             self.sent_bytes.labels(transport).inc(sent)
             self.received_bytes.labels(transport).inc(received)

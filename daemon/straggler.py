@@ -1,16 +1,68 @@
-"""The straggler budget (DropCompute, `averaging.inner_budget`; docs/algorithms.md): when a slow
-peer's inner phase ends before its H steps.
+"""When an inner phase ends before its H steps, and when a peer behind takes the run's state:
+the rules that keep every peer in the run's rounds (docs/algorithms.md, "Rounds").
 
-One decision for both ways of training: the daemon's own trainer thread asks it between two steps
-(daemon/trainer.py), and for an attached process (daemon/attached.py) the daemon asks it on its
-lease watch and, when it says so, writes the phase's boundary into the shared file's header; the
-process reads it at each step (peerd/torch.py) and ends its phase there.
+* MateWait (always on): a peer behind its group mates ends its phase where it would otherwise reach
+  the boundary after their rendezvous stopped waiting for it (a late joiner, a restart, a slow step).
+* The straggler budget (DropCompute, `averaging.inner_budget`): a slow peer's phase ends once it
+  has run `factor` times as long as half of its peers took.
+* catch_up_from: a peer behind by a whole round downloads the run's state instead of a round that
+  would find nobody.
+
+One decision for both ways of training: the daemon's own trainer thread asks between two steps
+(daemon/trainer.py), and for an attached process (daemon/attached.py) the daemon asks on its lease
+watch and, when a phase ends, writes its boundary into the shared file's header; the process reads
+it at each step (peerd/torch.py) and ends its phase there.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+RENDEZVOUS_PATIENCE = 10.0  # seconds a round waits for group mates still before its boundary
+
+
+def rendezvous_patience(round_timeout: float) -> float:
+    """How long a round waits for mates behind it (daemon/joining.rendezvous_for): at most a third
+    of the round's timeout, so that the round itself still fits."""
+    return min(RENDEZVOUS_PATIENCE, round_timeout / 3)
+
+
+@dataclass(slots=True)
+class MateWait:
+    """A phase ends now where a live group mate is at (or past) this phase's boundary and this
+    peer, at its own pace, would reach the boundary after that mate's rendezvous (`patience`
+    seconds from when this peer first saw it there) stopped waiting: the round would go on without
+    it, and every later one too, its phases ending a constant time after the others'. A peer that
+    arrives within the wait keeps all its steps."""
+
+    patience: float
+    seen: float = math.nan  # when a mate was first seen at `seen_for`; NaN: none is there
+    seen_for: int = -1
+
+    def over(self, now: float, step: int, boundary: int, pace: float, peer_steps: list[int], lag: float) -> bool:
+        """Whether the phase at `step`, which ends at `boundary`, ends now. `pace`: this phase's
+        seconds per step so far (NaN before its first step); `lag`: seconds from this answer to
+        the round's start (a look at the table, the process's next step)."""
+        ahead = max(peer_steps, default=-1)
+        if ahead < boundary:
+            self.seen = math.nan
+            return False
+        if self.seen_for != boundary or math.isnan(self.seen):
+            self.seen, self.seen_for = now, boundary
+        if ahead > boundary or math.isnan(pace):  # already past it (its round may wait in the background)
+            return True
+        return now + (boundary - step) * pace + lag > self.seen + self.patience
+
+
+def catch_up_from(step: int, every: int, peer_steps: list[int], at_boundary: bool) -> int | None:
+    """The least step of the run's state to download now, or None: a live peer has reached the
+    boundary after the next round this peer can still be in, so that round is over for every peer
+    ahead and would find nobody. That round is this boundary's at a phase's end (`at_boundary`),
+    else the next boundary (an attach, a start). A peer up to a round behind trains on and meets
+    the others at that round (MateWait ends its phase in time)."""
+    join = step if at_boundary else (step // every + 1) * every
+    return step + 1 if max(peer_steps, default=-1) >= join + every else None
 
 
 @dataclass(slots=True)

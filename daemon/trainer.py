@@ -33,7 +33,7 @@ import torch
 from peerd.daemon.checkpoint import CheckpointStore, identity_of, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.flat import from_flat, state_tensors, to_flat
-from peerd.daemon.straggler import StragglerBudget
+from peerd.daemon.straggler import MateWait, StragglerBudget, catch_up_from, rendezvous_patience
 from peerd.peers.dear.backend import CollectiveError
 from peerd.peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peerd.peers.dear.member import RETUNE_EVERY, LocalGroupMember
@@ -143,6 +143,7 @@ class Trainer:
         self._outer: OuterLoop | None = None
         self.repair_every = outer.repair_every if outer is not None else 0
         self._budget_checked, self._budget = 0.0, StragglerBudget(inner_budget)
+        self._mates = MateWait(rendezvous_patience(round_timeout))
         self.compute_seconds = 0.0  # forward, backward and optimizer time since training began
         self.train_seconds = 0.0  # wall time since training began (TRAINING state)
         self.train_wait_seconds = 0.0  # time compute waited for averaging rounds
@@ -211,6 +212,11 @@ class Trainer:
 
     @property
     def step(self) -> int:
+        return self.global_step
+
+    @property
+    def live_step(self) -> int:
+        """What the heartbeat announces: the thread's global step moves with every step."""
         return self.global_step
 
     @property
@@ -361,12 +367,12 @@ class Trainer:
                     self._after_outer_round(landed)
                 if self._phase_over(phase_began):
                     self._flush()
-                    if not self._catch_up():  # a round among peers far ahead would find nobody
+                    if not self._catch_up(at_boundary=True):  # a round among peers far ahead would find nobody
                         self._outer_round()
                     phase_began = time.monotonic()
             elif self.average is not None and self.global_step % self.average_every == 0:
                 self._flush()
-                if self._catch_up():  # a round among peers far ahead would find nobody
+                if self._catch_up(at_boundary=True):  # a round among peers far ahead would find nobody
                     self._leave_group("state downloaded from peers")
                 else:
                     self._average_round(model, optimizer)
@@ -451,20 +457,17 @@ class Trainer:
         else:
             self.local_group.close()
 
-    def _catch_up(self) -> bool:
-        """Download the run's state if live peers are more than one round ahead; True if it did.
-
-        Peers announce their step as soon as they take it, but serve the state of their latest
-        round. A peer exactly one round ahead is at its next round's boundary, with nothing newer
-        than this trainer's next round to give, and waits there for it (the rendezvous): training
-        on to that boundary meets it, downloading would only wait out the patience of both. Peers
-        two rounds ahead have a newer round's state. A failed download is retried, once a second,
-        for at most CATCH_UP_PATIENCE seconds."""
+    def _catch_up(self, at_boundary: bool = False) -> bool:
+        """Download the run's state where the next round this trainer can be in is over for the
+        peers ahead (daemon/straggler.catch_up_from); True if it did. A failed download is retried,
+        once a second, for at most CATCH_UP_PATIENCE seconds."""
         if self.sync is None or not self.average_every:
             return False
         deadline = time.monotonic() + CATCH_UP_PATIENCE
         result = None
-        while max(self.peer_steps(), default=0) >= self.global_step + 2 * self.average_every:
+        while (
+            min_step := catch_up_from(self.global_step, self.average_every, self.peer_steps(), at_boundary)
+        ) is not None:
             if result is None:
                 logger.info(
                     "run %s: at step %d, peers at %d: downloading the run's state",
@@ -472,8 +475,8 @@ class Trainer:
                     self.global_step,
                     max(self.peer_steps()),
                 )
-            result = self.sync(self.global_step + 1, self._flat)
-            if result.ok and result.step > self.global_step:
+            result = self.sync(min_step, self._flat)
+            if result.ok and result.step >= min_step:
                 if self._outer is not None:
                     self._outer.adopt(self._flat)
                     self.snapshot = Snapshot(result.step, self._outer.outer.clone())
@@ -563,25 +566,29 @@ class Trainer:
             self._regroup(model, optimizer, results)
 
     def _phase_over(self, began: float) -> bool:
-        """Whether the inner phase ends now: at the next multiple of average_every steps, or, with a
-        straggler budget, once at least half of the other live peers announce the boundary and this
-        phase has run `inner_budget` times as long as it took them (DropCompute). An early end jumps
-        the global step to the boundary: steps count the run's synchronous steps."""
-        boundary = (self.global_step // self.average_every + 1) * self.average_every
-        if self.global_step % self.average_every == 0:
+        """Whether the inner phase ends now: at the next multiple of average_every steps, or earlier
+        where a group mate at the boundary would stop waiting before this phase got there
+        (MateWait), or, with a straggler budget, once at least half of the other live peers announce
+        the boundary and this phase has run `inner_budget` times as long as it took them
+        (DropCompute). An early end jumps the global step to the boundary: steps count the run's
+        synchronous steps."""
+        every = self.average_every
+        boundary = (self.global_step // every + 1) * every
+        if self.global_step % every == 0:
             return True
         now = time.monotonic()
-        if not self.inner_budget or now < self._budget_checked + BUDGET_CHECK:
+        if now < self._budget_checked + BUDGET_CHECK:
             return False
         self._budget_checked = now
-        if not self._budget.over(now, began, self.peer_steps(), boundary):
+        steps, done = self.peer_steps(), self.global_step % every
+        pace = (now - began) / done
+        if self._mates.over(now, self.global_step, boundary, pace, steps, BUDGET_CHECK + pace):
+            why = "a group mate is at the boundary and would stop waiting before this phase got there"
+        elif self.inner_budget and self._budget.over(now, began, steps, boundary):
+            why = "its peers are at the boundary (straggler budget)"
+        else:
             return False
-        logger.info(
-            "run %s: phase ends at step %d of %d: its peers are at the boundary (straggler budget)",
-            self.run_id,
-            self.global_step % self.average_every,
-            self.average_every,
-        )
+        logger.info("run %s: phase ends at step %d of %d: %s", self.run_id, done, every, why)
         self.global_step = boundary
         return True
 

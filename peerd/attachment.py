@@ -11,6 +11,7 @@ address from its data dir, for at most `reconnect_timeout` seconds; then PeerdEr
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import threading
@@ -33,6 +34,7 @@ from peerd.shared_file import (
     HEADER_BYTES,
     LANDED_OFFSET,
     MAGIC,
+    PHASE_STEPS_OFFSET,
     THETA_SEQ_OFFSET,
     file_size,
 )
@@ -98,6 +100,7 @@ class Attachment:
         self._stub = None
         self._map: mmap.mmap | None = None
         self._stop = threading.Event()
+        self.progress = (0.0, math.nan)  # the phase's samples and mean loss so far (stepped), for Renew
         self._renewer: threading.Thread | None = None
 
     # -- attach --------------------------------------------------------------------------------
@@ -189,6 +192,15 @@ class Attachment:
         A read from the shared file's header: cheap enough for every step."""
         return END_AT.unpack_from(self._map, END_AT_OFFSET)[0] if self._map is not None else 0
 
+    def stepped(self, steps: int, samples: float, loss: float) -> None:
+        """The phase under way has taken `steps` steps (PHASE_STEPS): the daemon's status, metrics and
+        the step it announces to its peers move with every step; a header write, no call. Its
+        `samples` and mean `loss` so far (NaN: not known without a device sync) go with the next
+        Renew."""
+        self.progress = (samples, loss)
+        if self._map is not None:
+            COUNT.pack_into(self._map, PHASE_STEPS_OFFSET, steps)
+
     def landed(self) -> int:
         """How many rounds landed between EndPhases (LANDED); a header read, cheap enough for every step."""
         return COUNT.unpack_from(self._map, LANDED_OFFSET)[0] if self._map is not None else 0
@@ -254,7 +266,11 @@ class Attachment:
             if a is None or self.lost.is_set():
                 continue
             try:
-                self._stub.Renew(control_pb2.RenewRequest(session=a.session), timeout=RENEW_TIMEOUT)
+                samples, loss = self.progress  # one read: the loop replaces the pair as a whole
+                request = control_pb2.RenewRequest(session=a.session, samples=samples)
+                if not math.isnan(loss):
+                    request.loss = loss
+                self._stub.Renew(request, timeout=RENEW_TIMEOUT)
             except grpc.RpcError as e:
                 if e.code() in AWAY and self.current is a:
                     logger.info(

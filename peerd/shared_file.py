@@ -5,6 +5,9 @@ writes it, peerd/attachment.py maps it): one definition for both sides.
     bytes 24..32   END_AT: the boundary step of a phase the daemon ends early (0: none)
     bytes 32..56   format 2, COUNT each: LANDED (rounds landed between two EndPhases), APPLIED (how
                    many of them the process's parameters hold), THETA_SEQ (odd while θ is written)
+    bytes 56..64   PHASE_STEPS, a COUNT: the steps of the phase under way (the process writes it at
+                   each step, the daemon zeroes it at each attach and EndPhase; its status,
+                   metrics and announced step move with it)
     HEADER_BYTES   the inner vector: numel float32 values in the model's layout order
     then           format 2: θ, numel float32 values
 """
@@ -17,7 +20,7 @@ HEADER_BYTES = 64
 END_AT = struct.Struct("<Q")
 END_AT_OFFSET = 24
 COUNT = struct.Struct("<Q")
-LANDED_OFFSET, APPLIED_OFFSET, THETA_SEQ_OFFSET = 32, 40, 48
+LANDED_OFFSET, APPLIED_OFFSET, THETA_SEQ_OFFSET, PHASE_STEPS_OFFSET = 32, 40, 48, 56
 
 
 def file_size(numel: int, theta: bool) -> int:

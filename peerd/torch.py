@@ -142,6 +142,11 @@ class Optimizer(torch.optim.Optimizer):
         if loss is not None:
             self._loss_sum = self._loss_sum + (loss.detach() if torch.is_tensor(loss) else float(loss))
             self._loss_count += 1
+        # The daemon's status follows each step; the loss only where reading it needs no device sync.
+        live_loss = (
+            self._loss_sum / self._loss_count if self._loss_count and not torch.is_tensor(self._loss_sum) else math.nan
+        )
+        self._attachment.stepped(self._phase_steps, self._phase_samples, live_loss)
         # At H steps, or earlier where the daemon's straggler budget (DropCompute) ends this phase.
         if self._phase_steps >= self._attached.average_every or self._attachment.phase_ends_at() == self._boundary:
             self._end_phase()

@@ -78,6 +78,7 @@ class RoundResult:
         0.0  # seconds the rendezvous waited for group mates; NaN in the other lanes of a round (counted once)
     )
     stragglers: int = 0  # group mates the rendezvous gave up on (still behind it)
+    planned: int = 0  # group mates the grid gave this lane among the live peers (0: alone in the run)
     lane: int = 0  # the slice of the state vector this round averaged (peers/dear/hierarchy.py)
     delegated: bool = False  # not a round: every lane of this daemon was averaged by its local group's other members
     # The round stopped without an outcome (an error, a timeout, a cancel) and may have written into
@@ -233,7 +234,10 @@ class MoshpitAverager:
                     interrupted=True,
                 )
 
-        results = list(await asyncio.gather(*(one(lane) for lane in mine)))
+        results = [
+            dataclasses.replace(r, planned=len(plans[lane][2]) if plans[lane] else 0)
+            for lane, r in zip(mine, await asyncio.gather(*(one(lane) for lane in mine)))
+        ]
         # The rendezvous served every lane: its wait is counted once, with the first.
         return [
             dataclasses.replace(r, waited=waited, stragglers=stragglers)

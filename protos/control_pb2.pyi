@@ -287,10 +287,14 @@ class ReportEvalResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("session",)
+    __slots__ = ("session", "samples", "loss")
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     session: str
-    def __init__(self, session: _Optional[str] = ...) -> None: ...
+    samples: float
+    loss: float
+    def __init__(self, session: _Optional[str] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
     __slots__ = ()

@@ -20,6 +20,9 @@ p.add_argument("--reconnect-timeout", type=float, default=60.0)
 p.add_argument("--budget", type=float, default=None, help="the run's averaging.inner_budget (DropCompute)")
 p.add_argument("--eval", action="store_true", help="report the loss as an evaluation at each phase's end")
 p.add_argument("--overlap", action="store_true", help="a run with averaging.overlap: rounds land between steps")
+p.add_argument("--round-timeout", type=float, default=None, help="the run's averaging.round_timeout")
+p.add_argument("--float-loss", action="store_true", help="pass the loss as a float (the daemon shows it mid-phase)")
+p.add_argument("--until", type=float, default=None, help="stop at this time.time() instead of after --steps")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -33,6 +36,7 @@ opt = peerd.torch.Optimizer(
         "average_every": args.every,
         **({"inner_budget": args.budget} if args.budget is not None else {}),
         **({"overlap": "true"} if args.overlap else {}),
+        **({"round_timeout": args.round_timeout} if args.round_timeout is not None else {}),
     },
     reconnect_timeout=args.reconnect_timeout,
 )
@@ -40,15 +44,18 @@ print(json.dumps({"attached": opt.run_step}), flush=True)
 target = torch.arange(args.dim, dtype=torch.float32) / args.dim
 phases = []  # steps of each phase this loop ended (the run's step moves at a phase's end only)
 phase_began, run_step = opt.local_step, opt.run_step
-for i in range(args.steps):
+for i in range(args.steps if args.until is None else 10**9):
+    if args.until is not None and time.time() >= args.until:
+        break
     x = torch.randn(16, args.dim)
     loss = ((model(x).squeeze(-1) - x @ target) ** 2).mean()
     loss.backward()
-    opt.step(samples=16, loss=loss)
+    opt.step(samples=16, loss=loss.item() if args.float_loss else loss)
     opt.zero_grad()
     if opt.run_step != run_step:
         phases.append(opt.local_step - phase_began)
         phase_began, run_step = opt.local_step, opt.run_step
+        print(json.dumps({"phase_end": run_step, "outcome": opt.last_outcome, "steps": phases[-1]}), flush=True)
         if args.eval:
             opt.report_eval("loss", loss.item(), higher_is_better=False)
     if (i + 1) % args.every == 0:

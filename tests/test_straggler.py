@@ -1,11 +1,61 @@
-"""The straggler budget (DropCompute; daemon/straggler.py) with a made-up clock, and the shared
-file's header through which the daemon ends an attached process's phase."""
+"""When a phase ends early and when a peer downloads the run's state (daemon/straggler.py) with a
+made-up clock: MateWait, the straggler budget (DropCompute) and catch_up_from; and the shared file's
+header through which the daemon ends an attached process's phase and reads its steps."""
 
 from __future__ import annotations
 
 from peerd.daemon.attached import SharedVector
-from peerd.daemon.straggler import StragglerBudget
+import math
+
+from peerd.daemon.straggler import MateWait, StragglerBudget, catch_up_from, rendezvous_patience
 from peerd.attachment import Attachment
+from peerd.shared_file import PHASE_STEPS_OFFSET
+
+
+def test_a_peer_behind_ends_its_phase_where_it_would_reach_the_boundary_after_its_mate_stops_waiting():
+    # Boundary 20, this phase's pace 3 s a step, 2 s from the answer to the round's start, a 10 s wait.
+    w = MateWait(patience=10.0)
+    assert not w.over(99.0, 5, 20, 3.0, [19], 2.0)  # nobody at the boundary yet
+    assert w.over(100.0, 5, 20, 3.0, [20], 2.0)  # 15 steps left: 100 + 45 + 2 > 100 + 10
+    w = MateWait(patience=10.0)
+    assert not w.over(100.0, 18, 20, 3.0, [20], 2.0)  # 2 steps: 100 + 6 + 2 <= 110, first seen at 100
+    assert not w.over(103.0, 19, 20, 3.0, [20], 2.0)  # 103 + 3 + 2 <= 110
+    assert not w.over(105.0, 19, 20, 3.0, [20], 2.0)  # 110 <= 110: it makes it
+    assert w.over(105.5, 19, 20, 3.0, [20], 2.0)  # a slow step: 110.5, counted from the first sight
+    w = MateWait(patience=10.0)
+    assert w.over(100.0, 17, 20, 3.0, [20], 2.0)  # 3 steps: 111 > 110
+    assert MateWait(10.0).over(100.0, 19, 20, 3.0, [21], 2.0)  # a mate past the boundary: now
+    assert MateWait(10.0).over(100.0, 0, 20, math.nan, [20], 2.0)  # no step yet, no pace: now
+    assert not MateWait(10.0).over(100.0, 5, 20, 3.0, [], 2.0)  # alone
+
+
+def test_a_mate_that_leaves_the_boundary_view_is_seen_anew_and_a_new_boundary_starts_over():
+    w = MateWait(patience=10.0)
+    assert not w.over(100.0, 18, 20, 3.0, [20], 2.0)  # first seen at 100
+    assert not w.over(101.0, 18, 20, 3.0, [15], 2.0)  # a view without it: forgotten
+    assert not w.over(108.0, 19, 20, 3.0, [20], 2.0)  # seen anew at 108: 108 + 3 + 2 <= 118
+    assert not w.over(108.0, 38, 40, 3.0, [40], 2.0)  # the next boundary: first seen now, 116 <= 118
+    assert w.over(109.0, 37, 40, 3.0, [40], 2.0)  # 109 + 9 + 2 = 120 > 118
+
+
+def test_a_peer_downloads_the_state_once_the_round_it_can_join_is_over_for_the_peers_ahead():
+    H = 20
+    # At a phase's end (boundary 20): a peer at 20 is in this round, one past it may still wait for
+    # this one in the background (overlap); one at the next boundary, 40, has closed it.
+    assert catch_up_from(20, H, [20], at_boundary=True) is None
+    assert catch_up_from(20, H, [39], at_boundary=True) is None
+    assert catch_up_from(20, H, [40], at_boundary=True) == 21
+    assert catch_up_from(20, H, [15, 57], at_boundary=True) == 21
+    # At a start (step 20): the next round it can be in is 40's (MateWait ends the phase early).
+    assert catch_up_from(20, H, [40], at_boundary=False) is None
+    assert catch_up_from(20, H, [59], at_boundary=False) is None
+    assert catch_up_from(20, H, [60], at_boundary=False) == 21
+    assert catch_up_from(0, H, [], at_boundary=False) is None
+
+
+def test_a_round_waits_ten_seconds_or_a_third_of_its_timeout():
+    assert rendezvous_patience(60.0) == 10.0
+    assert rendezvous_patience(9.0) == 3.0
 
 
 def test_a_phase_ends_once_half_the_peers_are_at_the_boundary_and_the_budget_has_run():
@@ -51,6 +101,9 @@ def test_the_daemon_ends_a_phase_through_the_header_and_the_process_reads_it(tmp
         shared.end_phase_at(40)
         assert attachment.phase_ends_at() == 40
         assert vector.sum().item() == 20.0  # the parameters are untouched by the header
+        attachment.stepped(7, 112.0, math.nan)  # the phase so far: steps the daemon reads, the rest for Renew
+        assert shared.count(PHASE_STEPS_OFFSET) == 7 and attachment.phase_ends_at() == 40
+        assert attachment.progress[0] == 112.0
         attachment._unmap()
     finally:
         shared.close()
