@@ -12,7 +12,10 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
   (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, overlapped rounds
   (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
   (c) alone     the same hosts, the same run, no rounds (average_every = 100000): the compute ceiling
-                under the same CPU sharing, since all hosts share this machine's cores
+                under the same CPU sharing, since all hosts share this machine's cores. It trains
+                in each daemon's thread (--no-train-process), whose checkpoint at the stop holds the
+                model as trained: an attached child's phase never ends there, and its daemon's
+                checkpoint would hold the initial parameters
   extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
                 the others' speed (the straggler budget; needs cgroup v1's cpu controller);
@@ -25,6 +28,8 @@ sent per 1,000 samples, and the eval loss of the host's final checkpoint (writte
 stops it; under DiLoCo the checkpoint's model is the outer parameters θ), evaluated here. Also one
 process trained on as many samples as (a)'s hosts took together (batch = hosts x batch). JSON lines;
 the last is the headline: utilization, (a)'s steps per host over (c)'s. Needs root (namespaces).
+Exits 1, naming them, where a setup's host took no step or its checkpoint evaluates no better than
+the untrained model (tests/test_bench_smoke.py runs --quick: a regression fails CI).
 """
 
 from __future__ import annotations
@@ -205,6 +210,27 @@ def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = Non
     return out
 
 
+def untrained(lines: dict, task_name: str) -> list[str]:
+    """What went wrong in the setups' results: a host missing, or one that took no step, or whose
+    checkpoint is not better than the untrained model (the run's seed) on the task's eval."""
+    from peerd.daemon.tasks import get_task
+
+    task = get_task(task_name)
+    hparams = task.parse_hparams({})
+    model, _ = task.build(hparams, 0)
+    first = task.evaluate(model, hparams)
+    out = []
+    for name, record in lines.items():
+        if not record["hosts"]:
+            out.append(f"{name}: no host reported")
+        for host, h in record["hosts"].items():
+            score = h["eval"]
+            better = score > first.score if first.higher_is_better else score < first.score
+            if not h["local_steps"] or math.isnan(score) or not better:
+                out.append(f"{name} {host}: {h['local_steps']} steps, eval {score} (untrained: {first.score:.4f})")
+    return out
+
+
 def _mean(line: dict, key: str) -> float:
     values = [h[key] for h in line["hosts"].values() if not (isinstance(h[key], float) and math.isnan(h[key]))]
     return statistics.fmean(values) if values else math.nan
@@ -238,7 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     diloco = {"averaging.algorithm": "diloco", "averaging.average_every": args.every}
     setups = [
         ("a_diloco", scenario("a_diloco", args, diloco)),
-        ("c_alone", scenario("c_alone", args, {"averaging.algorithm": "state", "averaging.average_every": 100_000})),
+        (
+            "c_alone",
+            scenario(
+                "c_alone",
+                args,
+                {"averaging.algorithm": "state", "averaging.average_every": 100_000},
+                daemon_args=("--no-train-process",),
+            ),
+        ),
     ]
     if not args.quick:
         setups.insert(
@@ -279,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = {}
     for name, data in [(n, d) for n, d in setups if n not in skip]:
         lines[name] = run_setup(name, data, throttle="h0" if name.endswith("throttled") else "", logs=args.logs)
+    if failed := untrained(lines, args.task):
+        for why in failed:
+            progress(f"FAILED: {why}")
+        return 1
     if "a_diloco" not in lines or "c_alone" not in lines:
         return 0  # no headline without both (a) and (c)
     a, c = lines["a_diloco"], lines["c_alone"]

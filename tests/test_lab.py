@@ -672,6 +672,30 @@ def test_a_partition_cuts_both_sides_and_the_run_re_merges_after_the_heal(tmp_pa
 
 @needs_lab
 @pytest.mark.heavy
+@pytest.mark.timeout(280)
+def test_wan_training_quick_trains_every_setup_and_evaluates_what_it_trained():
+    """bench.wan_training --quick: DiLoCo over the lab's WAN and the same hosts alone, 30 s each.
+    The benchmark itself exits 1 where a host took no step or its checkpoint evaluates no better
+    than the untrained model (the ceiling once evaluated its untrained parameters); no figure is
+    asserted here beyond that (docs/benchmarks.md holds the measured ones)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.wan_training", "--quick", "--hosts", "2", "--every", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=260,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = {rec.get("setup"): rec for rec in map(json.loads, r.stdout.splitlines())}
+    for name in ("a_diloco", "c_alone"):
+        hosts = records[name]["hosts"]
+        assert sorted(hosts) == ["h0", "h1"], records[name]
+        assert all(h["local_steps"] > 0 and h["eval"] < 6.0 for h in hosts.values()), records[name]  # bits/char
+    assert records[None]["metric"] == "utilization: steps per host, diloco over alone", records[None]
+
+
+@needs_lab
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 def test_lab_baselines_quick_prints_json_lines():
     """Smoke test of bench.lab_baselines: it runs to the end and prints the promised lines. No

@@ -333,7 +333,7 @@ class Lab:
                     raise DaemonFailed(f"host {name}: daemon exited with {d.proc.returncode}; log:\n{d.log_tail()}")
             for name, d in self._live().items():
                 sample = poll_daemon(name, d, self.scenario.run.id, 0.0)
-                if sample is not None and sample.step > 0:
+                if sample is not None and sample.local_step > 0:  # moves with every step, mid-phase too
                     waiting.discard(name)
             time.sleep(POLL_INTERVAL)
 
