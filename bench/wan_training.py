@@ -3,7 +3,8 @@ the same hosts training alone, with the same wall-clock budget.
 
     sudo .venv/bin/python -m bench.wan_training [--quick] [--hosts 3] [--seconds 150] [--rate 100]
                                                 [--rtt-ms 50] [--loss 1] [--every 50] [--task charlm]
-                                                [--extra udp10,throttled]
+                                                [--extra udp10,throttled] [--engine loss-tolerant]
+                                                [--curve [SECONDS]] [--plot FILE.png]
 
 Each setup is one `peerd lab` scenario (daemon/lab/runner.py: hosts in network namespaces on one
 bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered to a host dropped,
@@ -40,6 +41,7 @@ import os
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 import json
@@ -62,12 +64,46 @@ def line(record: dict) -> None:
 
 
 class TrainingLab(Lab):
-    """A lab run that also evaluates each host's last checkpoint before the lab is removed."""
+    """A lab run that also evaluates each host's last checkpoint before the lab is removed, and with
+    `curve_every` > 0 the newest checkpoint of every host every `curve_every` s while it trains
+    (the model the daemon holds: θ after its latest round, or the thread's model at its latest
+    checkpoint; checkpoint_every is then one phase)."""
 
     evaluations: dict[str, float]
+    curve_every: float = 0.0
+    curve: list[dict]
 
-    def _check_checkpoints(self) -> None:
-        super()._check_checkpoints()
+    def run(self):
+        self.curve, stop = [], threading.Event()
+        sampler = threading.Thread(target=self._sample, args=(stop,), name="curve", daemon=True)
+        if self.curve_every:
+            sampler.start()
+        try:
+            return super().run()
+        finally:
+            stop.set()
+            if sampler.is_alive():
+                sampler.join(60)
+
+    def _sample(self, stop: threading.Event) -> None:
+        """At t = k x curve_every after training began (a tick whose evaluations ran late is skipped)."""
+        while not stop.wait(0.2) and not self.t0:
+            pass  # not training yet
+        tick = 1
+        while not stop.wait(max(self.t0 + tick * self.curve_every - time.monotonic(), 0.0)):
+            t = time.monotonic() - self.t0
+            tick = int(t // self.curve_every) + 1
+            for name in list(self.daemons):
+                try:
+                    got = self._evaluate_latest(name)
+                except Exception as e:  # a checkpoint replaced or the lab removed meanwhile: the next tick
+                    progress(f"  curve: {name}: {type(e).__name__}: {e}")
+                    continue
+                if got is not None:
+                    step, score = got
+                    self.curve.append({"t": round(t, 1), "host": name, "step": step, "eval": round(score, 4)})
+
+    def _evaluate_latest(self, name: str) -> tuple[int, float] | None:
         from peerd.daemon.checkpoint import CheckpointStore
         from peerd.daemon.export import checkpoint_weights
         from peerd.daemon.joining import hparams_from_text
@@ -75,20 +111,28 @@ class TrainingLab(Lab):
 
         task = get_task(self.scenario.run.task)
         hparams = hparams_from_text(task, {k: v for k, v in self.scenario.run.settings.items() if "." not in k})
+        ckpt = CheckpointStore(self._data_dir(name) / "runs" / self.scenario.run.id / "checkpoints").load_latest()
+        if ckpt is None:
+            return None
+        model, _ = task.build(hparams, 0)
+        # θ by name: the thread's checkpoints hold the model and θ, a child's θ cut by the layout.
+        loaded = model.load_state_dict(checkpoint_weights(ckpt)[1], strict=False)
+        if missing := [n for n, _ in model.named_parameters() if n in loaded.missing_keys]:
+            raise RuntimeError(f"{name}'s checkpoint lacks parameters {missing}")
+        return ckpt.step, task.evaluate(model, hparams).score
+
+    def _check_checkpoints(self) -> None:
+        super()._check_checkpoints()
         self.evaluations = {}
         for name in self.daemons:
-            ckpt = CheckpointStore(self._data_dir(name) / "runs" / self.scenario.run.id / "checkpoints").load_latest()
-            if ckpt is None:
-                continue
-            model, _ = task.build(hparams, 0)
-            # θ by name: the thread's checkpoints hold the model and θ, a child's θ cut by the layout.
-            loaded = model.load_state_dict(checkpoint_weights(ckpt)[1], strict=False)
-            if missing := [n for n, _ in model.named_parameters() if n in loaded.missing_keys]:
-                raise RuntimeError(f"{name}'s checkpoint lacks parameters {missing}")
-            self.evaluations[name] = task.evaluate(model, hparams).score
+            got = self._evaluate_latest(name)
+            if got is not None:
+                self.evaluations[name] = got[1]
 
 
 def scenario(name: str, args, settings: dict, *, loss: float | None = None, daemon_args: tuple = ()) -> dict:
+    """A lab scenario of `args.hosts` hosts; with --curve every phase's end checkpoints (what the
+    curve evaluates), else only the stop."""
     hosts = [{"name": f"h{i}"} for i in range(args.hosts)]
     data = {
         "name": name,
@@ -98,7 +142,7 @@ def scenario(name: str, args, settings: dict, *, loss: float | None = None, daem
             "id": name,
             "task": args.task,
             "settings": {k: str(v) for k, v in settings.items()},
-            "checkpoint_every": 100_000,
+            "checkpoint_every": args.every if args.curve else 100_000,
             "args": ["--eval-every", "100000", "--progress-interval", "0", *daemon_args],
         },
         "link": {"rate_mbit": args.rate, "loss_pct": args.loss if loss is None else loss, "rtt_ms": args.rtt_ms},
@@ -166,9 +210,10 @@ def _throttle(lab: "TrainingLab", slow: str, group: Path, stop: threading.Event)
                 pass
 
 
-def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = None) -> dict:
+def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = None, curve: float = 0.0) -> dict:
     progress(f"{name}: {data['duration']:.0f} s of training on {len(data['host'])} hosts")
     lab = TrainingLab(parse(data, name), progress=lambda m: progress(f"  {m}"), logs=logs / name if logs else None)
+    lab.curve_every = curve
     stop, pinning, group = threading.Event(), None, None
     if throttle:
         group = _cpu_quota_group()
@@ -205,9 +250,37 @@ def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = Non
         "link": data["link"],
         "duration": round(record.duration, 1),
         "exit_codes": record.exit_codes,
+        **({"curve": lab.curve} if curve else {}),
     }
     line(out)
     return out
+
+
+def plot(lines: dict, args) -> None:
+    """Eval against time, one line per host of every setup (matplotlib: the `bench` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for k, (name, record) in enumerate(lines.items()):
+        for j, host in enumerate(sorted(record["hosts"])):
+            points = [(c["t"], c["eval"]) for c in record.get("curve", []) if c["host"] == host]
+            if points:
+                ts, evals = zip(*points)
+                ax.plot(ts, evals, color=f"C{k}", alpha=0.8, marker=".", label=name if j == 0 else None)
+    ax.set_xlabel("seconds of training (wall clock)")
+    ax.set_ylabel(f"{args.task} eval of the model each daemon holds (lower is better)")
+    ax.set_title(
+        f"{args.hosts} hosts, {args.rate:g} Mbit/s, {args.rtt_ms:g} ms RTT, {args.loss:g} % loss, H = {args.every}"
+        + (f", (a) over {args.engine}" if args.engine else "")
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=100)
+    progress(f"plot: {args.plot}")
 
 
 def untrained(lines: dict, task_name: str) -> list[str]:
@@ -239,6 +312,15 @@ def _mean(line: dict, key: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.wan_training", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="30 s per setup, (a) and (c) only: a smoke run")
+    p.add_argument(
+        "--curve",
+        type=float,
+        nargs="?",
+        const=15.0,
+        default=0.0,
+        help="evaluate every host's newest checkpoint every SECONDS (15) while it trains; each phase's end checkpoints",
+    )
+    p.add_argument("--plot", type=Path, default=None, help="with --curve: eval against time of every setup, a PNG")
     p.add_argument("--hosts", type=int, default=3)
     p.add_argument("--seconds", type=float, default=150.0)
     p.add_argument("--rate", type=float, default=100.0, help="Mbit/s per link, both directions")
@@ -246,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
+    p.add_argument("--engine", default="", help="(a)'s averaging.engine, e.g. loss-tolerant (default: the run's)")
     p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled, thread, state_thread")
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
@@ -262,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.seconds, args.single = 30.0, False
     diloco = {"averaging.algorithm": "diloco", "averaging.average_every": args.every}
+    if args.engine:
+        diloco["averaging.engine"] = args.engine
     setups = [
         ("a_diloco", scenario("a_diloco", args, diloco)),
         (
@@ -312,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     skip = {x for x in args.skip.split(",") if x}
     lines = {}
     for name, data in [(n, d) for n, d in setups if n not in skip]:
-        lines[name] = run_setup(name, data, throttle="h0" if name.endswith("throttled") else "", logs=args.logs)
+        throttle = "h0" if name.endswith("throttled") else ""
+        lines[name] = run_setup(name, data, throttle=throttle, logs=args.logs, curve=args.curve)
+    if args.plot is not None and args.curve:
+        plot(lines, args)
     if failed := untrained(lines, args.task):
         for why in failed:
             progress(f"FAILED: {why}")

@@ -118,7 +118,7 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
     from bench.wan_training import scenario
     from peerd.daemon.lab.scenario import parse
 
-    args = argparse.Namespace(hosts=3, seconds=120.0, rate=100.0, rtt_ms=50.0, loss=1.0, task="charlm")
+    args = argparse.Namespace(hosts=3, seconds=120.0, rate=100.0, rtt_ms=50.0, loss=1.0, task="charlm", every=50, curve=0.0)
     for name, settings in (
         ("a", {"averaging.algorithm": "diloco", "averaging.average_every": 50}),
         ("b", {"averaging.algorithm": "state", "averaging.average_every": 10}),
@@ -128,6 +128,9 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
         assert s.run.settings["averaging.algorithm"] == settings["averaging.algorithm"]
     thread = parse(scenario("t", args, {"averaging.algorithm": "diloco"}, daemon_args=("--no-train-process",)), "t")
     assert "--no-train-process" in thread.run.args  # --extra thread: each daemon trains in a thread of its own
+    assert s.run.checkpoint_every == 100_000  # only the stop checkpoints
+    args.curve = 15.0  # --curve: every phase's end checkpoints, the model the curve evaluates
+    assert parse(scenario("c", args, {"averaging.average_every": 50}), "c").run.checkpoint_every == 50
 
 
 @pytest.mark.heavy
