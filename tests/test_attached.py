@@ -39,8 +39,8 @@ class HalfMean:
         return [RoundResult(round_t, 2, None, "emulated")]
 
 
-def trainer(tmp_path, round_fn) -> AttachedTrainer:
-    return AttachedTrainer(
+def trainer(tmp_path, round_fn, **overrides) -> AttachedTrainer:
+    settings = dict(
         run_id="settle",
         layout=(TensorSpec("w", (NUMEL,), "torch.float32"),),
         creator=True,
@@ -52,6 +52,7 @@ def trainer(tmp_path, round_fn) -> AttachedTrainer:
         shared_dir=tmp_path,
         average=round_fn,
     )
+    return AttachedTrainer(**{**settings, **overrides})
 
 
 def second_phase(tmp_path, take: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,17 +106,11 @@ def test_a_stop_ends_an_attach_that_waits_for_the_runs_state(tmp_path):
         tries.append(min_step)
         return FetchResult(ok=False, reason="no donor answered")
 
-    t = AttachedTrainer(
+    t = trainer(
+        tmp_path,
+        HalfMean(),
         run_id="stop",
-        layout=(TensorSpec("w", (NUMEL,), "torch.float32"),),
         creator=False,
-        store=CheckpointStore(tmp_path / "checkpoints"),
-        outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=True),
-        average_every=H,
-        round_timeout=10.0,
-        checkpoint_every=10_000,
-        shared_dir=tmp_path,
-        average=HalfMean(),
         peer_steps=lambda: [10],  # a live peer ahead: the download is tried again once a second
         sync=sync,
     )

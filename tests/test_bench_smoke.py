@@ -118,7 +118,9 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
     from bench.wan_training import scenario
     from peerd.daemon.lab.scenario import parse
 
-    args = argparse.Namespace(hosts=3, seconds=120.0, rate=100.0, rtt_ms=50.0, loss=1.0, task="charlm", every=50, curve=0.0)
+    args = argparse.Namespace(
+        hosts=3, seconds=120.0, rate=100.0, rtt_ms=50.0, loss=1.0, task="charlm", every=50, curve=0.0
+    )
     for name, settings in (
         ("a", {"averaging.algorithm": "diloco", "averaging.average_every": 50}),
         ("b", {"averaging.algorithm": "state", "averaging.average_every": 10}),
