@@ -157,7 +157,9 @@ class SharedVector:
         )
 
     def count(self, offset: int) -> int:
-        return COUNT.unpack_from(self._map, offset)[0]
+        """A header count; 0 once the file is closed (the status or the lease watch may read it
+        while the daemon stops)."""
+        return 0 if self._map.closed else COUNT.unpack_from(self._map, offset)[0]
 
     def set_count(self, offset: int, value: int) -> None:
         COUNT.pack_into(self._map, offset, value)
@@ -428,7 +430,7 @@ class AttachedTrainer:
                         )
                     upload = True
             else:
-                self._catch_up(at_boundary=False)
+                self._catch_up()
             if step > self.global_step:  # a restart from an older checkpoint: the run's step goes on
                 self.global_step = step
             self._shared.set_count(PHASE_STEPS_OFFSET, 0)
@@ -502,7 +504,7 @@ class AttachedTrainer:
                 self._loss_done = loss
             every = self.average_every
             self.global_step = (self.global_step // every + 1) * every
-            if self._catch_up(at_boundary=True):
+            if self._catch_up():
                 end = PhaseEnd(self.global_step, -1, "state downloaded from peers", 0.0, True)
             else:
                 end = self._round()
@@ -616,10 +618,10 @@ class AttachedTrainer:
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
 
-    def _catch_up(self, at_boundary: bool) -> bool:
+    def _catch_up(self) -> bool:
         """Download the run's state where the next round this peer can be in is over for the peers
         ahead (daemon/straggler.catch_up_from)."""
-        min_step = catch_up_from(self.global_step, self.average_every, self.peer_steps(), at_boundary)
+        min_step = catch_up_from(self.global_step, self.average_every, self.peer_steps())
         if min_step is None:
             return False
         logger.info(

@@ -5,8 +5,8 @@ the rules that keep every peer in the run's rounds (docs/algorithms.md, "Rounds"
   the boundary after their rendezvous stopped waiting for it (a late joiner, a restart, a slow step).
 * The straggler budget (DropCompute, `averaging.inner_budget`): a slow peer's phase ends once it
   has run `factor` times as long as half of its peers took.
-* catch_up_from: a peer behind by a whole round downloads the run's state instead of a round that
-  would find nobody.
+* catch_up_from: a peer two rounds behind downloads the run's state instead of rounds that would
+  find nobody.
 
 One decision for both ways of training: the daemon's own trainer thread asks between two steps
 (daemon/trainer.py), and for an attached process (daemon/attached.py) the daemon asks on its lease
@@ -55,14 +55,13 @@ class MateWait:
         return now + (boundary - step) * pace + lag > self.seen + self.patience
 
 
-def catch_up_from(step: int, every: int, peer_steps: list[int], at_boundary: bool) -> int | None:
-    """The least step of the run's state to download now, or None: a live peer has reached the
-    boundary after the next round this peer can still be in, so that round is over for every peer
-    ahead and would find nobody. That round is this boundary's at a phase's end (`at_boundary`),
-    else the next boundary (an attach, a start). A peer up to a round behind trains on and meets
-    the others at that round (MateWait ends its phase in time)."""
-    join = step if at_boundary else (step // every + 1) * every
-    return step + 1 if max(peer_steps, default=-1) >= join + every else None
+def catch_up_from(step: int, every: int, peer_steps: list[int]) -> int | None:
+    """The least step of the run's state to download now, or None: a live peer is two rounds or more
+    ahead, so the rounds this peer could still meet are over for it. A peer less far ahead is met:
+    it waits at its boundary (the rendezvous) or, past it, MateWait ends this peer's phase at once,
+    and training on to that boundary costs less than a download (a peer exactly one round ahead has
+    no newer state to give until its round ends, and its round waits for this one)."""
+    return step + 1 if max(peer_steps, default=-1) >= step + 2 * every else None
 
 
 @dataclass(slots=True)

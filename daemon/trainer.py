@@ -367,12 +367,12 @@ class Trainer:
                     self._after_outer_round(landed)
                 if self._phase_over(phase_began):
                     self._flush()
-                    if not self._catch_up(at_boundary=True):  # a round among peers far ahead would find nobody
+                    if not self._catch_up():  # a round among peers far ahead would find nobody
                         self._outer_round()
                     phase_began = time.monotonic()
             elif self.average is not None and self.global_step % self.average_every == 0:
                 self._flush()
-                if self._catch_up(at_boundary=True):  # a round among peers far ahead would find nobody
+                if self._catch_up():  # a round among peers far ahead would find nobody
                     self._leave_group("state downloaded from peers")
                 else:
                     self._average_round(model, optimizer)
@@ -457,7 +457,7 @@ class Trainer:
         else:
             self.local_group.close()
 
-    def _catch_up(self, at_boundary: bool = False) -> bool:
+    def _catch_up(self) -> bool:
         """Download the run's state where the next round this trainer can be in is over for the
         peers ahead (daemon/straggler.catch_up_from); True if it did. A failed download is retried,
         once a second, for at most CATCH_UP_PATIENCE seconds."""
@@ -465,9 +465,7 @@ class Trainer:
             return False
         deadline = time.monotonic() + CATCH_UP_PATIENCE
         result = None
-        while (
-            min_step := catch_up_from(self.global_step, self.average_every, self.peer_steps(), at_boundary)
-        ) is not None:
+        while (min_step := catch_up_from(self.global_step, self.average_every, self.peer_steps())) is not None:
             if result is None:
                 logger.info(
                     "run %s: at step %d, peers at %d: downloading the run's state",

@@ -193,8 +193,8 @@ class Attachment:
         return END_AT.unpack_from(self._map, END_AT_OFFSET)[0] if self._map is not None else 0
 
     def stepped(self, steps: int, samples: float, loss: float) -> None:
-        """The phase under way has taken `steps` steps (PHASE_STEPS): the daemon's status, metrics and
-        the step it announces to its peers move with every step; a header write, no call. Its
+        """The phase under way has taken `steps` steps (PHASE_STEPS): the daemon's local step (status,
+        metrics) and the step it announces to its peers move with every step; a header write, no call. Its
         `samples` and mean `loss` so far (NaN: not known without a device sync) go with the next
         Renew."""
         self.progress = (samples, loss)

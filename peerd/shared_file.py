@@ -6,8 +6,8 @@ writes it, peerd/attachment.py maps it): one definition for both sides.
     bytes 32..56   format 2, COUNT each: LANDED (rounds landed between two EndPhases), APPLIED (how
                    many of them the process's parameters hold), THETA_SEQ (odd while θ is written)
     bytes 56..64   PHASE_STEPS, a COUNT: the steps of the phase under way (the process writes it at
-                   each step, the daemon zeroes it at each attach and EndPhase; its status,
-                   metrics and announced step move with it)
+                   each step, the daemon zeroes it at each attach and EndPhase; the daemon's
+                   local step, in status and metrics, and the step it announces move with it)
     HEADER_BYTES   the inner vector: numel float32 values in the model's layout order
     then           format 2: θ, numel float32 values
 """

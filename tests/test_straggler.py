@@ -38,19 +38,16 @@ def test_a_mate_that_leaves_the_boundary_view_is_seen_anew_and_a_new_boundary_st
     assert w.over(109.0, 37, 40, 3.0, [40], 2.0)  # 109 + 9 + 2 = 120 > 118
 
 
-def test_a_peer_downloads_the_state_once_the_round_it_can_join_is_over_for_the_peers_ahead():
+def test_a_peer_downloads_the_state_only_two_rounds_behind():
     H = 20
-    # At a phase's end (boundary 20): a peer at 20 is in this round, one past it may still wait for
-    # this one in the background (overlap); one at the next boundary, 40, has closed it.
-    assert catch_up_from(20, H, [20], at_boundary=True) is None
-    assert catch_up_from(20, H, [39], at_boundary=True) is None
-    assert catch_up_from(20, H, [40], at_boundary=True) == 21
-    assert catch_up_from(20, H, [15, 57], at_boundary=True) == 21
-    # At a start (step 20): the next round it can be in is 40's (MateWait ends the phase early).
-    assert catch_up_from(20, H, [40], at_boundary=False) is None
-    assert catch_up_from(20, H, [59], at_boundary=False) is None
-    assert catch_up_from(20, H, [60], at_boundary=False) == 21
-    assert catch_up_from(0, H, [], at_boundary=False) is None
+    # At step 20: a peer at 20 to 59 is met (it waits at its boundary, or MateWait ends this phase
+    # at once); one at 60 or beyond has closed the rounds this peer could still be in.
+    assert catch_up_from(20, H, [20]) is None
+    assert catch_up_from(20, H, [40]) is None  # exactly one round ahead: no newer state to give yet
+    assert catch_up_from(20, H, [59]) is None
+    assert catch_up_from(20, H, [60]) == 21
+    assert catch_up_from(20, H, [15, 77]) == 21
+    assert catch_up_from(0, H, []) is None
 
 
 def test_a_round_waits_ten_seconds_or_a_third_of_its_timeout():
