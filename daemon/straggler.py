@@ -50,8 +50,10 @@ class MateWait:
             return False
         if self.seen_for != boundary or math.isnan(self.seen):
             self.seen, self.seen_for = now, boundary
-        if ahead > boundary or math.isnan(pace):  # already past it (its round may wait in the background)
-            return True
+        if math.isnan(pace):  # no step taken yet: decide at the next look
+            return False
+        # A mate past the boundary is judged alike: in a fast run the steps peers announce are
+        # seconds old, and a phase that arrives within the wait keeps its steps.
         return now + (boundary - step) * pace + lag > self.seen + self.patience
 
 

@@ -24,8 +24,9 @@ def test_a_peer_behind_ends_its_phase_where_it_would_reach_the_boundary_after_it
     assert w.over(105.5, 19, 20, 3.0, [20], 2.0)  # a slow step: 110.5, counted from the first sight
     w = MateWait(patience=10.0)
     assert w.over(100.0, 17, 20, 3.0, [20], 2.0)  # 3 steps: 111 > 110
-    assert MateWait(10.0).over(100.0, 19, 20, 3.0, [21], 2.0)  # a mate past the boundary: now
-    assert MateWait(10.0).over(100.0, 0, 20, math.nan, [20], 2.0)  # no step yet, no pace: now
+    assert MateWait(10.0).over(100.0, 10, 20, 3.0, [25], 2.0)  # a mate past it, judged alike: 132 > 110
+    assert not MateWait(10.0).over(100.0, 19, 20, 0.01, [25], 2.0)  # a fast phase arrives in time
+    assert not MateWait(10.0).over(100.0, 0, 20, math.nan, [20], 2.0)  # no step yet: the next look decides
     assert not MateWait(10.0).over(100.0, 5, 20, 3.0, [], 2.0)  # alone
 
 
