@@ -54,7 +54,7 @@ import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings, cancelled
-from peerd.daemon.straggler import MateWait, StragglerBudget, catch_up_from, rendezvous_patience
+from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
@@ -310,8 +310,7 @@ class AttachedTrainer:
         self.eval: EvalResult | None = None  # the latest evaluation the process reported (ReportEval)
         # DropCompute (daemon/straggler.py): the lease watch ends a slow process's phase through the
         # shared file's header; the phase begins when its attach or previous EndPhase answers.
-        self._budget = StragglerBudget(inner_budget)
-        self._mates = MateWait(rendezvous_patience(round_timeout))
+        self._early = EarlyEnd.for_run(round_timeout, inner_budget)
         self._phase_began = time.monotonic()
 
     # -- the surface the daemon uses ----------------------------------------------------------
@@ -467,7 +466,10 @@ class AttachedTrainer:
         return 2 * self.round_timeout + CATCH_UP_PATIENCE + 30.0
 
     def renew(self, token: str, samples: float | None = None, loss: float = math.nan) -> None:
-        """The process is alive; with `samples`, a Renew's progress of the phase under way."""
+        """The process is alive; with `samples`, a Renew's progress of the phase under way. Raises
+        ValueError (nothing changes, the lease included) for samples that are not a count."""
+        if samples is not None and not (math.isfinite(samples) and samples >= 0):
+            raise ValueError(f"samples must be a finite count, 0 or more; got {samples}")
         s = self.session
         if s is None or s.token != token:
             raise SessionLost(
@@ -619,8 +621,8 @@ class AttachedTrainer:
         return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
 
     def _catch_up(self) -> bool:
-        """Download the run's state where the next round this peer can be in is over for the peers
-        ahead (daemon/straggler.catch_up_from)."""
+        """Download the run's state when live peers are two rounds ahead or more
+        (daemon/straggler.catch_up_from)."""
         min_step = catch_up_from(self.global_step, self.average_every, self.peer_steps())
         if min_step is None:
             return False
@@ -704,11 +706,8 @@ class AttachedTrainer:
         boundary = (self.global_step // every + 1) * every
         pace = (now - self._phase_began) / done if done else math.nan
         lag = LEASE_CHECK + (0.0 if math.isnan(pace) else pace)  # the next look, then the process's next step
-        if self._mates.over(now, self.global_step + done, boundary, pace, steps, lag):
-            why = "a group mate is at the boundary and would stop waiting before this phase got there"
-        elif self._budget.over(now, self._phase_began, steps, boundary):
-            why = "its peers are at the boundary (straggler budget)"
-        else:
+        why = self._early.why(now, self._phase_began, self.global_step + done, boundary, pace, steps, lag)
+        if not why:
             return
         if self._shared.count(END_AT_OFFSET) == boundary:  # asked already
             return

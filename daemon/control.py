@@ -235,11 +235,11 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         trainer = await self._session_trainer(request.session, context)
         try:
-            if not (math.isfinite(request.samples) and request.samples >= 0):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "samples must be a finite count, 0 or more")
             trainer.renew(request.session, request.samples, request.loss if request.HasField("loss") else math.nan)
         except SessionLost as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return control_pb2.RenewResponse()
 
     async def Detach(self, request, context):

@@ -60,7 +60,7 @@ class MateWait:
 def catch_up_from(step: int, every: int, peer_steps: list[int]) -> int | None:
     """The least step of the run's state to download now, or None: a live peer is two rounds or more
     ahead, so the rounds this peer could still meet are over for it. A peer less far ahead is met:
-    it waits at its boundary (the rendezvous) or, past it, MateWait ends this peer's phase at once,
+    it waits at its boundary (the rendezvous) or, past it, MateWait ends this peer's phase in time,
     and training on to that boundary costs less than a download (a peer exactly one round ahead has
     no newer state to give until its round ends, and its round waits for this one)."""
     return step + 1 if max(peer_steps, default=-1) >= step + 2 * every else None
@@ -89,3 +89,28 @@ class StragglerBudget:
             return False
         self.others_done = math.nan
         return True
+
+
+@dataclass(slots=True)
+class EarlyEnd:
+    """Whether a phase ends before its boundary, and why: MateWait first, then the straggler
+    budget. Both ways of training ask it (daemon/trainer.py between two steps, daemon/attached.py
+    on its lease watch)."""
+
+    mates: MateWait
+    budget: StragglerBudget
+
+    @classmethod
+    def for_run(cls, round_timeout: float, inner_budget: float) -> "EarlyEnd":
+        return cls(MateWait(rendezvous_patience(round_timeout)), StragglerBudget(inner_budget))
+
+    def why(
+        self, now: float, began: float, step: int, boundary: int, pace: float, peer_steps: list[int], lag: float
+    ) -> str:
+        """The reason the phase that began at `began` and is at `step` ends now, or "" (see
+        MateWait.over for `pace` and `lag`)."""
+        if self.mates.over(now, step, boundary, pace, peer_steps, lag):
+            return "a group mate is at the boundary and would stop waiting before this phase got there"
+        if self.budget.over(now, began, peer_steps, boundary):
+            return "its peers are at the boundary (straggler budget)"
+        return ""

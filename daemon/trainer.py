@@ -33,7 +33,7 @@ import torch
 from peerd.daemon.checkpoint import CheckpointStore, identity_of, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.flat import from_flat, state_tensors, to_flat
-from peerd.daemon.straggler import MateWait, StragglerBudget, catch_up_from, rendezvous_patience
+from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.peers.dear.backend import CollectiveError
 from peerd.peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peerd.peers.dear.member import RETUNE_EVERY, LocalGroupMember
@@ -142,8 +142,7 @@ class Trainer:
         self.outer_settings, self.inner_budget = outer, inner_budget
         self._outer: OuterLoop | None = None
         self.repair_every = outer.repair_every if outer is not None else 0
-        self._budget_checked, self._budget = 0.0, StragglerBudget(inner_budget)
-        self._mates = MateWait(rendezvous_patience(round_timeout))
+        self._budget_checked, self._early = 0.0, EarlyEnd.for_run(round_timeout, inner_budget)
         self.compute_seconds = 0.0  # forward, backward and optimizer time since training began
         self.train_seconds = 0.0  # wall time since training began (TRAINING state)
         self.train_wait_seconds = 0.0  # time compute waited for averaging rounds
@@ -458,9 +457,9 @@ class Trainer:
             self.local_group.close()
 
     def _catch_up(self) -> bool:
-        """Download the run's state where the next round this trainer can be in is over for the
-        peers ahead (daemon/straggler.catch_up_from); True if it did. A failed download is retried,
-        once a second, for at most CATCH_UP_PATIENCE seconds."""
+        """Download the run's state when live peers are two rounds ahead or more
+        (daemon/straggler.catch_up_from); True if it did. A failed download is retried, once a
+        second, for at most CATCH_UP_PATIENCE seconds."""
         if self.sync is None or not self.average_every:
             return False
         deadline = time.monotonic() + CATCH_UP_PATIENCE
@@ -580,11 +579,8 @@ class Trainer:
         self._budget_checked = now
         steps, done = self.peer_steps(), self.global_step % every
         pace = (now - began) / done
-        if self._mates.over(now, self.global_step, boundary, pace, steps, BUDGET_CHECK + pace):
-            why = "a group mate is at the boundary and would stop waiting before this phase got there"
-        elif self.inner_budget and self._budget.over(now, began, steps, boundary):
-            why = "its peers are at the boundary (straggler budget)"
-        else:
+        why = self._early.why(now, began, self.global_step, boundary, pace, steps, BUDGET_CHECK + pace)
+        if not why:
             return False
         logger.info("run %s: phase ends at step %d of %d: %s", self.run_id, done, every, why)
         self.global_step = boundary

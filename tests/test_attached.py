@@ -134,6 +134,21 @@ def test_a_stop_ends_an_attach_that_waits_for_the_runs_state(tmp_path):
     assert len(tries) < 10, tries  # it stopped trying at the stop, not after 60 tries
 
 
+def test_a_renewal_with_samples_that_are_not_a_count_is_refused_and_changes_nothing(tmp_path):
+    t = trainer(tmp_path, HalfMean())
+    try:
+        info = t.attach(pid=0, device="cpu", step=0)
+        t.renew(info.session, 48.0, 0.5)
+        assert (t.samples, t.loss) == (48, 0.5)  # the phase so far, as the process renewed it
+        renewed = t.session.renewed
+        for bad in (math.nan, math.inf, -1.0):
+            with pytest.raises(ValueError, match="finite count"):
+                t.renew(info.session, bad, 0.1)
+        assert (t.samples, t.loss, t.session.renewed) == (48, 0.5, renewed)
+    finally:
+        t.stop()
+
+
 def process_side(shared: SharedVector, numel: int) -> Attachment:
     """The process's mapping of `shared`, as Attachment.attach makes it (without a daemon to call)."""
     a = Attachment(

@@ -51,6 +51,23 @@ def test_a_peer_downloads_the_state_only_two_rounds_behind():
     assert catch_up_from(0, H, []) is None
 
 
+def test_a_round_with_live_mates_and_no_group_counts_as_missed():
+    """peerd_rounds_missed_total: the grid gave this daemon mates and no group formed. Alone in the
+    run, a round that formed a group, and one the run's stop cancelled are not missed rounds."""
+    from peerd.daemon.metrics import DaemonMetrics
+    from peerd.peers.averaging import RoundResult
+
+    m = DaemonMetrics(version="t", states=("READY",), peers_by_run=dict)
+    for result in (
+        RoundResult(1, 1, None, "no mate came", planned=2),  # missed
+        RoundResult(2, 1, None, "alone in the run", planned=0),
+        RoundResult(3, 1, None, "round cancelled: the run stops", planned=2, interrupted=True, cancelled=True),
+        RoundResult(4, 1, None, "no mate came", planned=1),  # missed
+    ):
+        m.observe_round("r", result)
+    assert m.registry.get_sample_value("peerd_rounds_missed_total", {"run": "r"}) == 2.0
+
+
 def test_a_round_waits_ten_seconds_or_a_third_of_its_timeout():
     assert rendezvous_patience(60.0) == 10.0
     assert rendezvous_patience(9.0) == 3.0
