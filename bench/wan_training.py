@@ -30,7 +30,7 @@ stops it; under DiLoCo the checkpoint's model is the outer parameters θ), evalu
 process trained on as many samples as (a)'s hosts took together (batch = hosts x batch). JSON lines;
 the last is the headline: utilization, (a)'s steps per host over (c)'s. Needs root (namespaces).
 Exits 1, naming them, where a setup's host took no step or its checkpoint evaluates no better than
-the untrained model (tests/test_bench_smoke.py runs --quick: a regression fails CI).
+the untrained model (tests/test_lab.py runs --quick --hosts 2: a regression fails CI).
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def _mean(line: dict, key: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.wan_training", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="30 s per setup, (a) and (c) only: a smoke run")
+    p.add_argument("--quick", action="store_true", help="15 s per setup, (a) and (c) only: a smoke run")
     p.add_argument(
         "--curve",
         type=float,
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.wan_training needs root (network namespaces)", file=sys.stderr)
         return 2
     if args.quick:
-        args.seconds, args.single = 30.0, False
+        args.seconds, args.single = 15.0, False
     diloco = {"averaging.algorithm": "diloco", "averaging.average_every": args.every}
     if args.engine:
         diloco["averaging.engine"] = args.engine

@@ -15,6 +15,14 @@ imports torch; this module does not.
 
 import os as _os
 
+# gRPC's fork handlers run in every fork of a process that holds gRPC channels or a server (a daemon
+# starting its training child or p2pd, a script's DataLoader workers) and, with other threads inside
+# gRPC, crash the forked child before it runs: a training child killed by SIGSEGV within a
+# millisecond of its start (tests/FLAKY.md). No process of peerd uses gRPC in a forked child (each
+# child execs), so the handlers are off unless the user's environment says otherwise. Set here: every
+# module of peerd that imports grpc is imported after this one.
+_os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 # The daemon's packages: an install puts daemon/, peers/ and protos/ inside this package as
 # peerd.daemon, peerd.peers and peerd.protos (pyproject.toml, package-dir); a checkout keeps them
 # beside it, so there the checkout's root is searched for them too (whatever is installed elsewhere).

@@ -22,7 +22,6 @@ RUN_TIMEOUT = 240.0  # seconds for the --quick run (about 50 s): 7 daemon starts
 REQUIRED = {"bench", "metric", "ours", "baseline", "ratio", "unit"}
 
 
-@pytest.mark.heavy
 def test_daemon_costs_quick_prints_json_lines():
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.daemon_costs", "--quick"],
@@ -84,7 +83,6 @@ def test_engine_benchmarks_quick_print_json_lines_with_the_headline_last(argv, h
     assert records[-1]["bench"] == argv[0].split(".")[1] and records[-1]["metric"] == headline, records[-1]
 
 
-@pytest.mark.heavy
 def test_attach_handoff_quick_prints_json_lines_with_the_headline_last():
     """bench.attach_handoff --quick: one real daemon, an attached peerd.torch.Optimizer and a second
     process over a 1M-value vector, 3 phases (about 25 s on a loaded 2-core machine); it leaves no

@@ -674,7 +674,7 @@ def test_a_partition_cuts_both_sides_and_the_run_re_merges_after_the_heal(tmp_pa
 @pytest.mark.heavy
 @pytest.mark.timeout(280)
 def test_wan_training_quick_trains_every_setup_and_evaluates_what_it_trained():
-    """bench.wan_training --quick: DiLoCo over the lab's WAN and the same hosts alone, 30 s each.
+    """bench.wan_training --quick: DiLoCo over the lab's WAN and the same hosts alone, 15 s each.
     The benchmark itself exits 1 where a host took no step or its checkpoint evaluates no better
     than the untrained model (the ceiling once evaluated its untrained parameters); no figure is
     asserted here beyond that (docs/benchmarks.md holds the measured ones)."""

@@ -57,6 +57,10 @@ def test_a_killed_training_process_is_restarted_and_training_goes_on(spawn):
     shown = peerd("status", "--control", d.control).stdout
     assert f"kc: training process: pid {again.attached_pid}, RUNNING, restarts 1" in shown, shown
     wait_for(lambda: run_status(d, "kc").step >= again.step + 100, timeout=120, what="training goes on")
+    # gRPC's fork handlers are off in the daemon (peerd/__init__.py): with them on, a fork while
+    # other threads were in gRPC logged this line and could crash the new child before its exec
+    # (tests/FLAKY.md: a restart "killed by SIGSEGV" within a millisecond of its start).
+    assert "skipping fork() handlers" not in d.log_path.read_text(errors="replace")
 
     # Only the daemon's own child attaches to its task's run, even with the task's very model.
     task = get_task("digits-mlp")
