@@ -4,6 +4,8 @@
     python -m bench.diloco_sim --setups sync,overlap,alone,single --momentum 0.9,0.5
     python -m bench.diloco_sim --setups overlap --land-after 50  # rounds land a whole phase late
     python -m bench.diloco_sim --quick                           # 200 steps, H = 25: a smoke run
+    python -m bench.diloco_sim --setups alone,overlap --first-phase 0,5 --curve-every 25 --workers 4
+                                                                 # phases of 5, 10, 20, 40, then H: θ at any moment
 
 N workers (default 3) each train their own copy of a `charlm` model (daemon/tasks/charlm.py, built
 with the same seed, each drawing its own batches) and each hold a real `peerd.daemon.diloco.OuterLoop`,
@@ -26,6 +28,13 @@ cut short by a stop: dropped (`eval_last_round_dropped`, what a daemon does) or 
 member's own outer step (`eval_last_round_own_p`, what daemons did before). JSON lines on stdout,
 one per setup with its curve (θ of worker 0 every `--eval-every` outer steps), the last the
 headline: overlap's final eval (ours) against sync's (baseline) at the first momentum listed.
+With `--curve-every N`, θ is also evaluated every N step times of wall time (`anytime`): what a
+user of the run holds at any moment, the phase's progress not yet in it. Wall time counts inner
+steps plus compute's waits for rounds (a round takes `--land-after` step times: without overlap
+compute waits for each; with overlap a phase shorter than the round in flight waits for its end);
+alone's model is sampled every N steps. `--first-phase N` makes the phases N, 2N, 4N, ... inner
+steps up to H; with several values and `alone`, the headline is the first sample time from which
+θ stays at or below alone's model, the last value listed (ours) against the first (baseline).
 Nothing of the WAN is emulated: this measures the algorithm, not the daemons
 (bench/wan_training.py does).
 """
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import functools
 import json
 import threading
@@ -108,7 +118,32 @@ def score(task: CharLM, model: torch.nn.Module, hparams: CharLMHparams) -> float
     return round(task.evaluate(model, hparams).score, 4)
 
 
-def simulate(args, overlap: bool, momentum: float) -> dict:
+def phase_lengths(every: int, first: int, steps: int) -> list[int]:
+    """The phases of `steps` inner steps: `first`, 2·first, 4·first, … steps, each at most `every`
+    (H), then H; a tail shorter than its phase has no round. first 0: every phase is H."""
+    lengths, k = [], 0
+    while sum(lengths) < steps:
+        lengths.append(min(every, first * 2**k) if first else every)
+        k += 1
+    return lengths
+
+
+class Anytime:
+    """θ's eval every `every` step times of wall time (inner steps plus compute's waits for rounds):
+    what a user of the run holds at any moment, not only at a phase's end. every 0: none."""
+
+    def __init__(self, every: int, task, hparams, model, view):
+        self.every, self.task, self.hparams, self.model, self.view = every, task, hparams, model, view
+        self.next, self.points = every, []
+
+    def at(self, wall: int) -> None:
+        while self.every and wall >= self.next:
+            with self.view():
+                self.points.append((self.next, score(self.task, self.model, self.hparams)))
+            self.next += self.every
+
+
+def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict:
     """N workers with real OuterLoops for args.steps steps; θ's eval along the way and at the end."""
     task, hparams = CharLM(), hparams_of(args)
     built = [task.build(hparams, INIT_SEED + args.seed) for _ in range(args.workers)]
@@ -119,21 +154,36 @@ def simulate(args, overlap: bool, momentum: float) -> dict:
     )
     loops = [OuterLoop(list(m.parameters()), settings, rounds.member(i), f"w{i}") for i, (m, _) in enumerate(built)]
     curve = []
-    for step in range(1, args.steps + 1):
-        for (model, optimizer), batches in zip(built, data, strict=True):
-            model.train()
-            optimizer.zero_grad(set_to_none=True)
-            task.loss(model, next(batches)).backward()
-            optimizer.step()
-        if step % args.every == args.land_after % args.every:  # the round took land_after inner steps
-            for loop in loops:
-                loop.land(wait=True)
-        if step % args.every:
-            continue  # a tail shorter than a phase has no round, as a daemon stopped mid-phase
-        round_t = step // args.every
+    anytime = Anytime(args.curve_every, task, hparams, built[0][0], loops[0].outer_params)
+    step = wall = 0  # inner steps; step times of wall time: inner steps plus compute's waits for rounds
+    land_at = None  # with overlap: the wall time at which the round in flight ends (it took land_after steps)
+    boundary = 0
+    for round_t, length in enumerate(phase_lengths(args.every, first_phase, args.steps), start=1):
+        boundary += length
+        while step < min(boundary, args.steps):
+            for (model, optimizer), batches in zip(built, data, strict=True):
+                model.train()
+                optimizer.zero_grad(set_to_none=True)
+                task.loss(model, next(batches)).backward()
+                optimizer.step()
+            step, wall = step + 1, wall + 1
+            if land_at is not None and wall >= land_at:  # the round in flight lands between two steps
+                for loop in loops:
+                    loop.land(wait=True)
+                land_at = None
+            anytime.at(wall)
+        if step < boundary:
+            break  # a tail shorter than a phase has no round, as a daemon stopped mid-phase
+        if land_at is not None:  # a phase shorter than the round in flight: compute waits for it
+            wall, land_at = max(wall, land_at), None
         repair = bool(args.repair_every and round_t % args.repair_every == 0)
-        weight = float(args.every * args.batch)
+        weight = float(length * args.batch)
         together([functools.partial(loop.end_phase, round_t, weight, repair) for loop in loops])
+        if overlap:
+            land_at = wall + args.land_after
+        else:
+            wall += args.land_after  # compute waits for the round
+        anytime.at(wall)
         if args.eval_every and round_t % args.eval_every == 0:
             with loops[0].outer_params():
                 curve.append((step, score(task, built[0][0], hparams)))
@@ -149,6 +199,8 @@ def simulate(args, overlap: bool, momentum: float) -> dict:
         ]
     for loop in loops:
         loop.close()
+    if args.curve_every:
+        extra["anytime"] = anytime.points
     return {"eval": evals[0], "evals": evals, "curve": curve, **extra}
 
 
@@ -170,16 +222,30 @@ def dropped(task, hparams, model, loop: OuterLoop, before: torch.Tensor) -> floa
     return score(task, model, hparams)
 
 
+def behind_until(run: list, alone: list) -> int:
+    """The first sample time from which the run's eval is at or below alone's at every later sample
+    of both curves (lower is better); past the last sample when the run ends behind."""
+    at = dict(alone)
+    times = [t for t, _ in run if t in at]
+    behind = [t for t, e in run if t in at and e > at[t]]
+    if not behind:
+        return times[0] if times else 0
+    later = [t for t in times if t > behind[-1]]
+    return later[0] if later else behind[-1] + 1
+
+
 def alone(args) -> dict:
     task, hparams = CharLM(), hparams_of(args)
     model, optimizer = task.build(hparams, INIT_SEED + args.seed)
     batches = task.data(hparams, PEER_SEED + 10 * args.seed)
-    model.train()
-    for _ in range(args.steps):
+    anytime = Anytime(args.curve_every, task, hparams, model, contextlib.nullcontext)
+    for step in range(1, args.steps + 1):
+        model.train()
         optimizer.zero_grad(set_to_none=True)
         task.loss(model, next(batches)).backward()
         optimizer.step()
-    return {"eval": score(task, model, hparams)}
+        anytime.at(step)
+    return {"eval": score(task, model, hparams), **({"anytime": anytime.points} if args.curve_every else {})}
 
 
 def single(args) -> dict:
@@ -212,6 +278,19 @@ def main(argv: list[str] | None = None) -> int:
         "H: at the next phase's end, the whole phase late",
     )
     p.add_argument("--eval-every", type=int, default=2, help="outer steps between two points of the curve; 0: none")
+    p.add_argument(
+        "--first-phase",
+        default="0",
+        help="comma-separated: phases of N, 2N, 4N, ... inner steps up to H (0: every phase H); "
+        "the headline compares the last listed with the first",
+    )
+    p.add_argument(
+        "--curve-every",
+        type=int,
+        default=0,
+        help="θ's eval every N step times of wall time (inner steps, plus compute's waits for rounds "
+        "that take --land-after steps), and alone's model every N steps: the anytime curve",
+    )
     p.add_argument("--d-model", type=int, default=64, help="charlm's width (its default is 128: 3x slower here)")
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--context", type=int, default=64)
@@ -224,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.every = 200, 25
     torch.set_num_threads(args.threads)
     momenta = [float(m) for m in args.momentum.split(",")]
+    firsts = [int(f) for f in args.first_phase.split(",")]
     common = {
         "seed": args.seed,
         "workers": args.workers,
@@ -236,33 +316,60 @@ def main(argv: list[str] | None = None) -> int:
         "d_model": args.d_model,
         "batch": args.batch,
         "corpus_bytes": args.corpus_bytes,
+        "curve_every": args.curve_every,
     }
+    setups = args.setups.split(",")
+    if unknown := set(setups) - {"sync", "overlap", "alone", "single"}:
+        raise SystemExit(f"unknown setup(s) {sorted(unknown)}")
+    runs = [
+        (setup, momentum, first)
+        for setup in setups
+        for momentum in (momenta if setup in ("sync", "overlap") else [None])
+        for first in (firsts if setup in ("sync", "overlap") else [None])
+    ]
     finals: dict[tuple[str, float], float] = {}
-    for setup in args.setups.split(","):
-        for momentum in momenta if setup in ("sync", "overlap") else [None]:
-            t0 = time.monotonic()
-            if setup in ("sync", "overlap"):
-                record = simulate(args, setup == "overlap", momentum)
+    anytime: dict[tuple, list] = {}
+    for setup, momentum, first in runs:
+        t0 = time.monotonic()
+        if setup in ("sync", "overlap"):
+            record = simulate(args, setup == "overlap", momentum, first)
+            if first == firsts[0]:
                 finals[(setup, momentum)] = record["eval"]
-            elif setup == "alone":
-                record = alone(args)
-            elif setup == "single":
-                record = single(args)
-            else:
-                raise SystemExit(f"unknown setup {setup!r}")
-            line = {
-                "bench": BENCH,
-                "setup": setup,
-                "momentum": momentum,
-                **record,
+        else:
+            record = alone(args) if setup == "alone" else single(args)
+        anytime[(setup, momentum, first)] = record.get("anytime", [])
+        line = {
+            "bench": BENCH,
+            "setup": setup,
+            "momentum": momentum,
+            "first_phase": first,
+            **record,
+            **common,
+            "seconds": round(time.monotonic() - t0, 1),
+            "metric": "bits_per_char",
+        }
+        print(json.dumps(line), flush=True)
+        progress(
+            BENCH, f"{setup} momentum {momentum} first phase {first}: {record['eval']} bits/char ({line['seconds']} s)"
+        )
+    m, alone_curve = momenta[0], anytime.get(("alone", None, None))
+    setup = next((x for x in ("overlap", "sync") if x in setups), None)
+    if len(firsts) > 1 and alone_curve and setup:
+        # The run's first moment from which θ is at or below alone's model at every later sample:
+        # short first phases (ours, the last listed) against every phase H (the first listed).
+        ours, base = (behind_until(anytime[(setup, m, f)], alone_curve) for f in (firsts[-1], firsts[0]))
+        emit(
+            result(
+                BENCH,
+                f"step_times_until_at_or_below_alone_{setup}_first_phase_{firsts[-1]}_vs_{firsts[0]}",
+                ours,
+                base,
+                "step times",
+                note="lower is better; θ sampled every --curve-every step times of wall time",
                 **common,
-                "seconds": round(time.monotonic() - t0, 1),
-                "metric": "bits_per_char",
-            }
-            print(json.dumps(line), flush=True)
-            progress(BENCH, f"{setup} momentum {momentum}: {record['eval']} bits/char ({line['seconds']} s)")
-    m = momenta[0]
-    if ("overlap", m) in finals and ("sync", m) in finals:
+            )
+        )
+    elif ("overlap", m) in finals and ("sync", m) in finals:
         emit(
             result(
                 BENCH,

@@ -56,14 +56,13 @@ PROCESS_FILES = LAB_FILES | {
     "test_udp_training.py",
     "test_your_loop.py",
 }
-# A test that keeps the cores busy (several training daemons, a lab or a benchmark that trains: its
-# processes' CPU time about half its wall time or more) is marked `heavy` by hand: at most HEAVY_SLOTS
-# of them run at once across the xdist workers, and the rest of the suite spreads over the workers
-# meanwhile. Tests that start several processes but mostly wait (scripts of slow steps, a lease or a
-# budget running out: CPU 0.2-0.4 of wall) are not heavy: they held a slot for 4 of the suite's
-# 11.5 minutes while the cores had room (measured per test, issue 24). Two: three at once on 2 cores is what made tests that pass on a quiet
+# A test that starts several daemons, a lab or a benchmark's processes is marked `heavy` by hand: at
+# most HEAVY_SLOTS of them run at once across the xdist workers, and the rest of the suite spreads
+# over the workers meanwhile. Two: three at once on 2 cores is what made tests that pass on a quiet
 # machine fail on a busy one (tests/FLAKY.md). A test with one daemon (and its p2pd and training
-# child) is not heavy: slots for those made the heavy tests the whole suite's critical path.
+# child) is not heavy: slots for those made the heavy tests the whole suite's critical path. Tests
+# that start several processes but mostly wait (scripts of slow steps, a lease running out) stay
+# heavy: their timing needs the cores (run 22 in tests/FLAKY.md freed six of them: slower, 2 retries).
 HEAVY_SLOTS = 2
 # The longest a heavy test waits for a slot (two of the longest heavy tests run back to back
 # take about 150 s on a busy machine); past it the test fails, naming the wait.

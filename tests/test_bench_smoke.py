@@ -22,6 +22,7 @@ RUN_TIMEOUT = 240.0  # seconds for the --quick run (about 50 s): 7 daemon starts
 REQUIRED = {"bench", "metric", "ours", "baseline", "ratio", "unit"}
 
 
+@pytest.mark.heavy
 def test_daemon_costs_quick_prints_json_lines():
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.daemon_costs", "--quick"],
@@ -83,6 +84,7 @@ def test_engine_benchmarks_quick_print_json_lines_with_the_headline_last(argv, h
     assert records[-1]["bench"] == argv[0].split(".")[1] and records[-1]["metric"] == headline, records[-1]
 
 
+@pytest.mark.heavy
 def test_attach_handoff_quick_prints_json_lines_with_the_headline_last():
     """bench.attach_handoff --quick: one real daemon, an attached peerd.torch.Optimizer and a second
     process over a 1M-value vector, 3 phases (about 25 s on a loaded 2-core machine); it leaves no
@@ -187,3 +189,32 @@ def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
     assert REQUIRED <= records[-1].keys(), records[-1]
     for r in records[:2]:
         assert len(set(r["evals"])) == 1, r  # every worker ends with the same θ
+
+
+def test_diloco_sim_phases_double_up_to_h_and_the_anytime_headline_compares_them(capsys):
+    """bench.diloco_sim's phase schedule (exact lengths), the rule that reads when a run's θ stays
+    at or below alone, and a run of both schedules with the anytime curve and its headline."""
+    from bench import diloco_sim
+
+    assert diloco_sim.phase_lengths(50, 5, 200) == [5, 10, 20, 40, 50, 50, 50]
+    assert diloco_sim.phase_lengths(50, 0, 120) == [50, 50, 50]
+    alone = [(10, 4.0), (20, 3.5), (30, 3.2), (40, 3.0)]
+    assert diloco_sim.behind_until([(10, 8.3), (20, 3.4), (30, 3.3), (40, 2.9)], alone) == 40  # behind at 30
+    assert diloco_sim.behind_until([(10, 3.9), (20, 3.5), (30, 3.1), (40, 2.9)], alone) == 10  # never behind
+    assert diloco_sim.behind_until([(10, 3.9), (20, 3.6)], alone[:2]) == 21  # behind at its last sample
+    argv = ["--setups", "alone,overlap", "--first-phase", "0,2", "--curve-every", "2", "--steps", "8"]
+    argv += ["--every", "4", "--land-after", "1", "--workers", "2", "--d-model", "16", "--n-layers", "1"]
+    argv += ["--context", "8", "--batch", "4", "--eval-every", "0"]
+    assert diloco_sim.main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r.get("setup"), r.get("first_phase")) for r in records] == [
+        ("alone", None),
+        ("overlap", 0),
+        ("overlap", 2),
+        (None, None),
+    ]
+    assert [t for t, _ in records[0]["anytime"]] == [2, 4, 6, 8]
+    assert [t for t, _ in records[1]["anytime"]] == [2, 4, 6, 8]
+    assert records[1]["anytime"][0][1] == records[1]["anytime"][1][1]  # θ has not moved in the first phase
+    assert records[2]["anytime"][0][1] != records[2]["anytime"][1][1]  # a first phase of 2 steps moved it
+    assert records[-1]["metric"] == "step_times_until_at_or_below_alone_overlap_first_phase_2_vs_0", records[-1]

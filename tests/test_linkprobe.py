@@ -324,7 +324,10 @@ def test_trains_on_loopback_and_a_descheduled_sender_costs_one_more_train():
             # A busy machine may deschedule the sender in more trains: allow for many.
             figure = await a.measure_bandwidth("b", b.address, count=64, most=30)
             assert outcomes[0] == "paused" and outcomes.count("counted") == 3 and "unanswered" not in outcomes, outcomes
-            assert figure > 1e7 and not a.stats["b"].bandwidth_link_bound, a.stats["b"]
+            # Not whether it reads as link-bound: on a busy machine the receiver, descheduled, spreads
+            # the echoes wider than the sender spread the train, a true reading of that path
+            # (tests/FLAKY.md, run 22); the rule is checked on exact timestamps above (test_an_unshaped_link_…).
+            assert figure > 1e7, a.stats["b"]
             assert [r.bandwidth for r in a.reports()] == [figure]
         finally:
             a.close(), b.close()

@@ -85,6 +85,7 @@ def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls
     assert weights.keys() == ma.keys() and all(torch.equal(weights[k], ma[k]) for k in ma)
 
 
+@pytest.mark.heavy
 def test_with_overlap_rounds_land_between_a_scripts_steps_and_the_scripts_meet(spawn):
     """A run with averaging.overlap: a phase's end does not wait for its round, which lands between
     two later steps of the script (daemon/attached.py, "landing"), and every member applies it."""
@@ -107,6 +108,7 @@ def test_with_overlap_rounds_land_between_a_scripts_steps_and_the_scripts_meet(s
         assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.heavy
 def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
     """Three scripts attach at different moments: the second later than a round waits for a mate
     behind it (4 s, a third of round_timeout), the third more than a phase (10 s) late. Each
@@ -155,6 +157,7 @@ def test_status_and_metrics_follow_a_scripts_steps_in_the_middle_of_a_phase(spaw
         p.wait()
 
 
+@pytest.mark.heavy
 def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_on(spawn):
     a = spawn("kill-a", ["--run", "kill"])
     b = spawn("kill-b", ["--run", "kill", "--initial-peers", a.maddrs[0]])
@@ -291,6 +294,7 @@ def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
     assert status.task == "" and status.train_state == ""  # still discovery only: no run was created
 
 
+@pytest.mark.heavy
 def test_a_slow_script_ends_its_phases_at_the_straggler_budget_and_evaluations_show_in_status(spawn):
     a = spawn("budget-a", ["--run", "budget"])
     b = spawn("budget-b", ["--run", "budget", "--initial-peers", a.maddrs[0]])
