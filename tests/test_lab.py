@@ -436,6 +436,16 @@ def test_added_rtt_is_real_carries_100_mbit_and_changes_mid_run(lab):
 @needs_lab
 @pytest.mark.timeout(60)
 @pytest.mark.heavy
+def applied(measured: dict, set_ms: float) -> bool:
+    """The RTT the lab set is on the path: the fastest probe takes it (a missing delay reads about
+    0.05 ms, a doubled one twice it). The median also holds the userspace delay line's scheduling,
+    which a loaded machine adds (27.2 ms for 20 in run 24 of tests/FLAKY.md, min 20.6)."""
+    low = measured["min_ms"]
+    return (
+        measured["set_ms"] == set_ms and set_ms - 0.3 < low < set_ms + 5 and low <= measured["median_ms"] < 2 * set_ms
+    )
+
+
 def test_a_lab_measures_the_rtt_of_its_scenario_and_after_a_change():
     """The runner's part, without daemons: the RTT measured when the lab is built, and again after a
     link fault that sets rtt_ms; the report states both."""
@@ -452,13 +462,12 @@ def test_a_lab_measures_the_rtt_of_its_scenario_and_after_a_change():
     try:
         lab._build()
         rtt = lab.record.rtt
-        assert rtt["a"]["to"] == "b" and rtt["a"]["set_ms"] == 20 and 19.7 < rtt["a"]["median_ms"] < 26, rtt
-        assert rtt["c"]["to"] == "a" and rtt["c"]["set_ms"] == 40 and 39.7 < rtt["c"]["median_ms"] < 49, rtt
+        assert rtt["a"]["to"] == "b" and applied(rtt["a"], 20) and rtt["c"]["to"] == "a" and applied(rtt["c"], 40), rtt
         lab.t0 = time.monotonic()
         lab._apply(Fault(at=0, action="link", hosts=("b",), link={"rtt_ms": 40.0}))
         lab.probes[0].join(30)
         after = lab.record.events[0].rtt["b"]
-        assert after["to"] == "c" and after["set_ms"] == 40 and 39.7 < after["median_ms"] < 49, after
+        assert after["to"] == "c" and applied(after, 40), after
         lab.record.delay_lines = lab.net.delay_stats()
         assert set(lab.record.delay_lines) == {"a", "c", "b"}  # b has one since the change
     finally:
