@@ -48,6 +48,13 @@ class _Signals:
         self.count += 1
         self.first = self.first or signal.Signals(signum).name
 
+    def done(self) -> None:
+        """Every daemon is stopped: later signals are ignored. Python puts the default handlers back
+        as it exits, so an impatient second Ctrl-C that lands then would kill the demo (exit -2)
+        after it had stopped everything cleanly; an ignored signal is left ignored."""
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+
     def sleep(self, seconds: float) -> bool:
         """Sleep until `seconds` have passed or a signal came; returns whether one came."""
         deadline = time.monotonic() + seconds
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:  # whatever happened, no daemon outlives the demo
         _say(f"stopping {len(daemons)} daemons; a second Ctrl-C kills them")
         codes = stop_all(daemons, hurry=lambda: signals.count >= 2)
+        signals.done()
     _summary(daemons, finals, codes, reason, time.monotonic() - started, base)
     return 0 if not failed and all(c == 0 for c in codes) else 1
 
