@@ -173,7 +173,12 @@ def hash_coords(peer_id: str, shape: GridShape, *, run_id: str, epoch: int) -> C
 def group_key(run_id: str, round_t: int, coords: Coords, shape: GridShape) -> str:
     """The DHT key under which the members of one group of round `round_t` find each other: the
     coordinates with dimension round_t mod d masked out. The shape is part of the key, so peers that
-    disagree about it never meet; so is the round, so a late peer cannot join a later round's group.
+    disagree about it never meet (their coordinates would not be one grid's); so is the round, so a
+    late peer cannot join a later round's group. A one-dimensional grid, one group of every live
+    peer, is named "all" whatever its size: peers whose views differ by a peer that joined or left
+    within a heartbeat or two (one sees 3 peers, another 2) meet there, and matchmaking settles who
+    is in (the view's direct path, else the DHT read: peers/matchmaking.py). With its size in the key
+    a peer attached just before a phase's end split that round in two.
 
     `run_id` names the run's namespace; for a run with a secret, pass the same opaque identifier
     the run's membership key uses, so that group keys do not reveal the run either.
@@ -184,7 +189,7 @@ def group_key(run_id: str, round_t: int, coords: Coords, shape: GridShape) -> st
         raise ValueError(f"coordinates {coords} are not in a {shape} grid")
     masked = round_t % shape.d
     cells = ".".join("*" if k == masked else str(c) for k, c in enumerate(coords))
-    return f"peerd/v1/run/{run_id}/moshpit/{shape}/{round_t}/{cells}"
+    return f"peerd/v1/run/{run_id}/moshpit/{shape if shape.d > 1 else 'all'}/{round_t}/{cells}"
 
 
 def group_members(

@@ -231,6 +231,10 @@ def test_group_key_masks_the_dimension_of_the_round():
     assert group_key(RUN, 1, (1, 2, 0), shape) != group_key(RUN, 4, (1, 2, 0), shape)  # the round counts
     assert group_key(RUN, 0, (1, 2), GridShape((4, 3))) != group_key(RUN, 0, (1, 2), GridShape((3, 3)))
     assert group_key(RUN, 7, (5,), GridShape((9,))) == group_key(RUN, 7, (0,), GridShape((9,)))
+    # One group of all: views of 2 and 3 peers (a peer just joined) name the same group.
+    assert group_key(RUN, 7, (1,), GridShape((2,))) == group_key(RUN, 7, (2,), GridShape((3,)))
+    assert group_key(RUN, 7, (1,), GridShape((2,))) == f"peerd/v1/run/{RUN}/moshpit/all/7/*"
+    assert group_key(RUN, 7, (1,), GridShape((3,))) != group_key(RUN, 7, (1, 0), GridShape((3, 2)))
     for bad in [(4, 0, 0), (0, 0), (-1, 0, 0)]:
         with pytest.raises(ValueError):
             group_key(RUN, 0, bad, shape)
