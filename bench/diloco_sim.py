@@ -29,7 +29,9 @@ member's own outer step (`eval_last_round_own_p`, what daemons did before). JSON
 one per setup with its curve (θ of worker 0 every `--eval-every` outer steps), the last the
 headline: overlap's final eval (ours) against sync's (baseline) at the first momentum listed.
 With `--curve-every N`, θ is also evaluated every N step times of wall time (`anytime`): what a
-user of the run holds at any moment, the phase's progress not yet in it. Wall time counts inner
+user of the run holds at any moment, the phase's progress not yet in it; and worker 0's inner
+parameters (`anytime_inner`: θ plus that worker's progress since the round in flight began, the
+model that peer holds). Wall time counts inner
 steps plus compute's waits for rounds (a round takes `--land-after` step times: without overlap
 compute waits for each; with overlap a phase shorter than the round in flight waits for its end);
 alone's model is sampled every N steps. `--first-phase N` makes the phases N, 2N, 4N, ... inner
@@ -155,6 +157,9 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
     loops = [OuterLoop(list(m.parameters()), settings, rounds.member(i), f"w{i}") for i, (m, _) in enumerate(built)]
     curve = []
     anytime = Anytime(args.curve_every, task, hparams, built[0][0], loops[0].outer_params)
+    # The model worker 0 holds (its inner parameters x: θ plus its progress since the round in
+    # flight began): what that peer would hand a user at that moment.
+    inner = Anytime(args.curve_every, task, hparams, built[0][0], contextlib.nullcontext)
     step = wall = 0  # inner steps; step times of wall time: inner steps plus compute's waits for rounds
     land_at = None  # with overlap: the wall time at which the round in flight ends (it took land_after steps)
     boundary = 0
@@ -172,6 +177,7 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
                     loop.land(wait=True)
                 land_at = None
             anytime.at(wall)
+            inner.at(wall)
         if step < boundary:
             break  # a tail shorter than a phase has no round, as a daemon stopped mid-phase
         if land_at is not None:  # a phase shorter than the round in flight: compute waits for it
@@ -184,6 +190,7 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
         else:
             wall += args.land_after  # compute waits for the round
         anytime.at(wall)
+        inner.at(wall)
         if args.eval_every and round_t % args.eval_every == 0:
             with loops[0].outer_params():
                 curve.append((step, score(task, built[0][0], hparams)))
@@ -201,6 +208,7 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
         loop.close()
     if args.curve_every:
         extra["anytime"] = anytime.points
+        extra["anytime_inner"] = inner.points
     return {"eval": evals[0], "evals": evals, "curve": curve, **extra}
 
 

@@ -217,4 +217,8 @@ def test_diloco_sim_phases_double_up_to_h_and_the_anytime_headline_compares_them
     assert [t for t, _ in records[1]["anytime"]] == [2, 4, 6, 8]
     assert records[1]["anytime"][0][1] == records[1]["anytime"][1][1]  # θ has not moved in the first phase
     assert records[2]["anytime"][0][1] != records[2]["anytime"][1][1]  # a first phase of 2 steps moved it
+    # Worker 0's inner model is alone's until the first round lands (same seed, same batches), after
+    # which it holds the landed θ plus its own progress.
+    assert records[1]["anytime_inner"][:2] == records[0]["anytime"][:2], (records[1], records[0])
+    assert records[1]["anytime_inner"][2:] != records[0]["anytime"][2:], (records[1], records[0])
     assert records[-1]["metric"] == "step_times_until_at_or_below_alone_overlap_first_phase_2_vs_0", records[-1]
