@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
     p.add_argument("--every", type=int, default=50, help="H: inner steps per phase (averaging.average_every)")
     p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--payload", default="int8", choices=["int8", "fp16", "fp32"])
+    p.add_argument("--payload", default="int8", choices=["int8", "int4", "int2", "fp16", "fp32"])
     p.add_argument("--repair-every", type=int, default=25)
     p.add_argument(
         "--land-after",
