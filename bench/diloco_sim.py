@@ -37,6 +37,9 @@ compute waits for each; with overlap a phase shorter than the round in flight wa
 alone's model is sampled every N steps. `--first-phase N` makes the phases N, 2N, 4N, ... inner
 steps up to H; with several values and `alone`, the headline is the first sample time from which
 θ stays at or below alone's model, the last value listed (ours) against the first (baseline).
+`--payload arctopk` sends each round as ARC-Top-K (peers/collective/arctopk.py; not yet a run's
+payload): the members' sketches averaged, then `--density` of the rows (`--row` values each) in
+`--values` format, error feedback in the sketch's residual; repair rounds stay dense.
 Nothing of the WAN is emulated: this measures the algorithm, not the daemons
 (bench/wan_training.py does).
 """
@@ -51,6 +54,7 @@ import json
 import threading
 import time
 
+import numpy as np
 import torch
 
 from bench.common import emit, progress, result
@@ -58,7 +62,7 @@ from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
 from peerd.daemon.flat import from_flat
 from peerd.daemon.tasks.charlm import CharLM, CharLMHparams
 from peerd.peers.averaging import RoundResult
-from peerd.peers.collective import codec
+from peerd.peers.collective import arctopk, codec
 
 BENCH = "diloco_sim"
 INIT_SEED = 1  # every worker builds the same model, as every peer of a run does (the run's seed), plus --seed
@@ -96,6 +100,40 @@ class Rounds:
             self.own[i] = vector.clone()
             self.barrier.wait()
             return [RoundResult(round_t, self.barrier.parties, None, "emulated: every member meets")]
+
+        return average
+
+
+class ArcTopK:
+    """`--payload arctopk`: each member's round as ARC-Top-K sends it (peers/collective/arctopk.py):
+    the sketch of its vector plus residual averaged first (fp32: exact), then the k rows every member
+    derives from it, in `--values` format, averaged; the member's OuterLoop sees the mean at those
+    rows and zeros elsewhere (its own payload is fp32: this class keeps the error feedback)."""
+
+    def __init__(self, n: int, numel: int, args):
+        self.sketches, self.values = Rounds(n), Rounds(n)
+        self.v = arctopk.sketch_matrix(args.seed, args.row, args.rank)
+        self.k = arctopk.keep(numel, args.density, args.row)
+        self.residuals = [np.zeros(numel, np.float32) for _ in range(n)]
+        self.row, self.fmt, self.repair_every = args.row, args.values, args.repair_every
+        self.own: dict[int, torch.Tensor] = {}  # each member's payload of the latest round, before the round
+
+    def member(self, i: int):
+        to_sketches, to_values = self.sketches.member(i), self.values.member(i)
+
+        def average(vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+            if self.repair_every and round_t % self.repair_every == 0:  # a repair round averages θ, densely
+                return to_values(vector, weight, round_t, fmt)
+            self.own[i] = vector.clone()
+            x = vector.numpy()
+            owed = x + self.residuals[i]
+            mine = torch.from_numpy(arctopk.sketch(owed, self.v).reshape(-1))
+            to_sketches(mine, weight, round_t, "fp32")
+            rows = arctopk.select(mine.numpy().reshape(-1, self.v.shape[1]), self.k)
+            values = torch.from_numpy(arctopk.split(owed, rows, self.fmt, self.residuals[i], self.row))
+            results = to_values(values, weight, round_t, self.fmt)  # the mean, encoded as an owner does
+            arctopk.scatter(values.numpy(), rows, x, self.row)
+            return results
 
         return average
 
@@ -150,9 +188,11 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
     task, hparams = CharLM(), hparams_of(args)
     built = [task.build(hparams, INIT_SEED + args.seed) for _ in range(args.workers)]
     data = [task.data(hparams, PEER_SEED + 10 * args.seed + i) for i in range(args.workers)]
-    rounds = Rounds(args.workers)
+    numel = sum(p.numel() for p in built[0][0].parameters())
+    rounds = ArcTopK(args.workers, numel, args) if args.payload == "arctopk" else Rounds(args.workers)
+    payload = "fp32" if args.payload == "arctopk" else args.payload
     settings = OuterSettings(
-        lr=args.outer_lr, momentum=momentum, payload=args.payload, overlap=overlap, repair_every=args.repair_every
+        lr=args.outer_lr, momentum=momentum, payload=payload, overlap=overlap, repair_every=args.repair_every
     )
     loops = [OuterLoop(list(m.parameters()), settings, rounds.member(i), f"w{i}") for i, (m, _) in enumerate(built)]
     curve = []
@@ -276,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
     p.add_argument("--every", type=int, default=50, help="H: inner steps per phase (averaging.average_every)")
     p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--payload", default="int8", choices=["int8", "fp16", "fp32"])
+    p.add_argument("--payload", default="int8", choices=["int8", "int4", "int2", "fp16", "fp32", "arctopk"])
+    p.add_argument("--density", type=float, default=0.01, help="arctopk: the fraction of rows a round sends")
+    p.add_argument("--row", type=int, default=arctopk.ROW, help="arctopk: values per row, the unit of selection")
+    p.add_argument("--rank", type=int, default=arctopk.RANK, help="arctopk: sketch values per row")
+    p.add_argument(
+        "--values", default="int8", choices=["int8", "int4", "int2", "fp32"], help="arctopk: the rows' format"
+    )
     p.add_argument("--repair-every", type=int, default=25)
     p.add_argument(
         "--land-after",
@@ -319,6 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         "every": args.every,
         "outer_lr": args.outer_lr,
         "payload": args.payload,
+        **(
+            {"density": args.density, "row": args.row, "rank": args.rank, "values": args.values}
+            if args.payload == "arctopk"
+            else {}
+        ),
         "repair_every": args.repair_every,
         "land_after": args.land_after,
         "d_model": args.d_model,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import faulthandler
 import json
@@ -24,6 +25,7 @@ from pathlib import Path
 import grpc
 
 from peerd.daemon import __version__
+from peerd.daemon import plan as plan_mod
 from peerd.daemon.client import ControlClient, as_dict, control_address
 from peerd.daemon.config import OPTIONS, RENAMED_FLAGS, ConfigError, client_defaults, default_of, load_config
 from peerd.daemon.tables import columns
@@ -415,6 +417,45 @@ def _cmd_health(args) -> int:
 # ---- peerd export (issue 16; reads the data dir's files, talks to no daemon) ---------------------------
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="bytes per outer step, round time and compute fraction of each payload",
+        description="Numbers to plan a run with, before it starts: for the model's parameter count, a step "
+        "time and a link, each payload's bytes per outer step (what one member sends), the round's "
+        "duration, the compute fraction at H steps per phase, and the smallest H whose phase hides "
+        "the round. The round's duration is a model fitted to the lab's bench.round_cost: fixed "
+        f"{plan_mod.FIXED_S} s + {plan_mod.FIXED_RTTS} RTTs + 2(g-1)/g of the payload at the link's rate; "
+        "loss and slower peers make real rounds longer (docs/benchmarks.md).",
+    )
+    p.add_argument("--params", type=float, required=True, help="the model's parameter count (e.g. 1e9)")
+    p.add_argument("--step-seconds", type=float, required=True, help="seconds one inner step takes")
+    p.add_argument("--mbit", type=float, required=True, help="each peer's link rate, Mbit/s")
+    p.add_argument("--rtt-ms", type=float, default=50.0, help="round-trip time between peers (default 50)")
+    p.add_argument("--every", type=int, default=50, help="H: inner steps per phase (default 50, the run default)")
+    p.add_argument("--group", type=int, default=2, help="members of a round's group (default 2)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="phases wait for their round")
+    p.add_argument("--json", action="store_true", help="one JSON line per payload instead of the table")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args) -> int:
+    if not (math.isfinite(args.params) and args.params == int(args.params)):
+        return _fail(2, f"--params must be a whole number, not {args.params}")
+    try:
+        plans = plan_mod.plan(
+            int(args.params), args.step_seconds, args.mbit, args.rtt_ms, args.every, args.group, args.overlap
+        )
+    except ValueError as e:
+        return _fail(2, str(e))
+    if args.json:
+        for p in plans:
+            print(json.dumps(dataclasses.asdict(p)))
+    else:
+        print(plan_mod.table(plans, args.every, args.overlap))
+    return 0
+
+
 def _add_export(sub) -> None:
     p = sub.add_parser(
         "export",
@@ -579,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_health)
     _add_export(sub)
+    _add_plan(sub)
     _add_lab(sub)
     return parser
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from peerd.peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
 from peerd.peers.clock import now
+from peerd.peers.collective.group import PAYLOADS
 from peerd.peers.identity import Identity
 from peerd.peers.run_ids import RunSecret, run_dht_key
 from peerd.protos import records_pb2
@@ -55,8 +56,9 @@ class AveragingSettings:
     # (docs/benchmarks.md, "Outer momentum").
     outer_momentum: float = 0.5
     # How a pseudo-gradient travels: "int8" (8-bit values with a float32 scale per block of 64),
-    # "fp16" or "fp32"; with error feedback, so quantization loses nothing over time
-    # (peers/collective/codec.py). The engines' AllReduceSettings.payload.
+    # "int4" and "int2" (4 and 2 bits a value, the same blocks), "fp16" or "fp32"; with error
+    # feedback, so quantization loses nothing over time (peers/collective/codec.py). The engines'
+    # AllReduceSettings.payload.
     payload: str = "int8"
     # A round runs on the network while the next inner steps compute, and its result lands as soon
     # as it ends (Streaming DiLoCo; daemon/diloco.py): compute waits only for a round longer than a
@@ -77,8 +79,8 @@ class AveragingSettings:
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "state"):
             raise ValueError(f"algorithm must be diloco or state, got {self.algorithm!r}")
-        if self.payload not in ("int8", "fp16", "fp32"):
-            raise ValueError(f"payload must be int8, fp16 or fp32, got {self.payload!r}")
+        if self.payload not in PAYLOADS:
+            raise ValueError(f"payload must be one of {', '.join(PAYLOADS)}, got {self.payload!r}")
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

@@ -191,6 +191,22 @@ def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
         assert len(set(r["evals"])) == 1, r  # every worker ends with the same θ
 
 
+def test_diloco_sim_arctopk_keeps_every_worker_on_one_theta(capsys):
+    """bench.diloco_sim --payload arctopk on a tiny model: both setups run, every worker ends with the
+    same θ, and θ moved (the rows sent are applied)."""
+    from bench import diloco_sim
+
+    argv = ["--setups", "sync,overlap", "--payload", "arctopk", "--density", "0.25", "--row", "128", "--steps", "8"]
+    argv += ["--every", "4", "--land-after", "1", "--workers", "2", "--d-model", "16", "--n-layers", "1"]
+    argv += ["--context", "8", "--batch", "4", "--eval-every", "1"]
+    assert diloco_sim.main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r.get("setup") for r in records] == ["sync", "overlap", None]
+    for r in records[:2]:
+        assert r["density"] == 0.25 and r["row"] == 128 and len(set(r["evals"])) == 1, r
+        assert r["curve"][0][1] != r["curve"][-1][1], r
+
+
 def test_diloco_sim_phases_double_up_to_h_and_the_anytime_headline_compares_them(capsys):
     """bench.diloco_sim's phase schedule (exact lengths), the rule that reads when a run's θ stays
     at or below alone, and a run of both schedules with the anytime curve and its headline."""

@@ -715,11 +715,11 @@ def test_a_member_killed_or_frozen_mid_round_leaves_survivors_in_agreement(sig):
 # ---- compressed payloads (codec.py) -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("payload, ratio", [("fp16", 0.5), ("int8", 0.2656)])
+@pytest.mark.parametrize("payload, ratio", [("fp16", 0.5), ("int8", 0.2656), ("int4", 0.1406), ("int2", 0.0781)])
 def test_compressed_payloads_give_the_mean_within_the_bound_in_identical_bytes_for_fewer_bytes(payload, ratio):
     """Four members, the same inputs through fp32 and through the compressed payload: every member
     holds the same bytes (one digest), within the documented bound of the float32 mean, and sends
-    about `ratio` of fp32's bytes (int8: 1 + 4/64 bytes per value)."""
+    about `ratio` of fp32's bytes (int8: 1 + 4/64 bytes per value, int4 1/2 + 4/64, int2 1/4 + 4/64)."""
     n, numel = 4, 50_001
     xs = [torch.randn(numel) * (1 + 10 * (i == 2)) for i in range(n)]
     ws = [1.0, 2.0, 3.0, 4.0]

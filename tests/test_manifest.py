@@ -107,6 +107,15 @@ def test_invalid_averaging_engines(kw):
         AveragingSettings(**kw)
 
 
+def test_every_payload_of_the_codec_is_a_runs_choice_and_travels_in_its_manifest(ids):
+    a, _ = ids
+    for payload in ("fp32", "fp16", "int8", "int4", "int2"):
+        m = manifest(a, averaging=AveragingSettings(payload=payload))
+        assert decode_manifest(encode_manifest(m, a, None), run_id=m.run_id, secret=None, subkey=a.peer_id) == m
+    with pytest.raises(ValueError, match="int4, int2"):
+        AveragingSettings(payload="int3")
+
+
 def test_choose_the_earliest(ids):
     a, b = ids
     early = RunManifest(run_id="r", task="x", creator=b.peer_id, created_at=1.0)

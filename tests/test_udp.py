@@ -590,11 +590,12 @@ def test_a_member_whose_udp_path_fails_gets_its_data_over_the_reliable_link_and_
 # ---- compressed payloads (codec.py) -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("payload, ratio", [("fp16", 0.5), ("int8", 0.266)])
+@pytest.mark.parametrize("payload, ratio", [("fp16", 0.5), ("int8", 0.266), ("int4", 0.1407), ("int2", 0.0781)])
 def test_compressed_payloads_over_udp_give_the_mean_within_the_bound_in_identical_bytes(payload, ratio):
     """Four members over real UDP, the same inputs through fp32 and through the compressed payload:
     COMPLETED with one digest, identical bytes, within the documented bound of the float32 mean,
-    about `ratio` of fp32's bytes; a datagram holds whole int8 blocks (1,280 values in 1,444 bytes)."""
+    about `ratio` of fp32's bytes; a datagram holds whole blocks (int8: 1,280 values in 1,444 bytes;
+    int4 2,432 in 1,452; int2 4,416 in 1,464)."""
     n, numel = 4, 50_001
     xs = [torch.randn(numel) * (1 + 10 * (i == 1)) for i in range(n)]
     ws = [1.0, 2.0, 3.0, 4.0]
@@ -616,7 +617,7 @@ def test_compressed_payloads_over_udp_give_the_mean_within_the_bound_in_identica
     async def main():
         _, fp32_bytes, fp32_stride = await one("fp32")
         got, sent, stride = await one(payload)
-        assert (fp32_stride, stride) == (347, 1280 if payload == "int8" else 694)
+        assert (fp32_stride, stride) == (347, {"fp16": 694, "int8": 1280, "int4": 2432, "int2": 4416}[payload])
         assert np.all(np.abs(got - expect) <= mean_bound(xs, payload))
         assert abs(sent / fp32_bytes - ratio) < 0.01, sent / fp32_bytes
 

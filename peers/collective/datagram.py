@@ -12,7 +12,7 @@ Layout (little-endian; `OVERHEAD` = 84 bytes around the payload):
 |     16 |    8 | round    | Q    | round number; also selects the key the tag is checked with       |
 |     24 |    2 | shard    | H    | shard the payload belongs to                                     |
 |     26 |    2 | code     | H    | DONE: the Kind of the phase it ends; data: the payload's format: |
-|        |      |          |      | 0 = float32, else its wire.DType (FLOAT16, INT8_BLOCK)           |
+|        |      |          |      | 0 = float32, else its wire.DType (FLOAT16, INT8/4/2_BLOCK)  |
 |     28 |    4 | count    | I    | values in the payload (DONE: 0)                                  |
 |     32 |    8 | offset   | Q    | element offset of the payload in its shard; DONE: packets sent   |
 |     40 |    8 | weight   | d    | CONTRIBUTION: sender's weight; RESULT: total weight in the packet |
@@ -58,7 +58,7 @@ MIN_DATAGRAM = OVERHEAD + 4  # room for one value
 KEY_CACHE = 4  # round keys kept: the round in progress, the next, and a little slack
 _KINDS = {k.value: k for k in (Kind.CONTRIBUTION, Kind.RESULT, Kind.DONE)}
 _PHASES = (Kind.CONTRIBUTION.value, Kind.RESULT.value)
-_FORMATS = {0: DType.FLOAT32, DType.FLOAT16.value: DType.FLOAT16, DType.INT8_BLOCK.value: DType.INT8_BLOCK}
+_FORMATS = {0: DType.FLOAT32} | {d.value: d for d in DType if d not in (DType.BYTES, DType.FLOAT32)}
 
 
 class DatagramError(ValueError):

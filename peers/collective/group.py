@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from peerd.peers.collective.wire import INT8_BLOCK, run_tag
+from peerd.peers.collective.codec import Format
+from peerd.peers.collective.wire import BLOCK, run_tag
 
-PAYLOADS = ("fp32", "fp16", "int8")  # codec.Format's values
+PAYLOADS = tuple(f.value for f in Format)  # fp32, fp16, int8, int4, int2
 MAX_GROUP = 64  # RESULT headers carry contributors as a 64-bit mask; Moshpit groups are far smaller
 
 
@@ -87,8 +88,8 @@ class AllReduceSettings:
             raise ValueError("chunk_elements must be at least 1")
         if self.payload not in PAYLOADS:
             raise ValueError(f"payload must be one of {', '.join(PAYLOADS)}, not {self.payload!r}")
-        if self.payload == "int8" and self.chunk_elements % INT8_BLOCK:
-            raise ValueError(f"with int8 payloads chunk_elements must be a multiple of {INT8_BLOCK}")
+        if Format(self.payload).alignment > 1 and self.chunk_elements % BLOCK:
+            raise ValueError(f"with {self.payload} payloads chunk_elements must be a multiple of {BLOCK}")
         if self.connect_timeout > self.contribute_timeout:
             raise ValueError("connect_timeout must not exceed contribute_timeout: links open before owners reduce")
         if self.contribute_timeout >= self.gather_timeout:

@@ -53,7 +53,7 @@ from peerd.peers.collective.codec import Codec, Format
 from peerd.peers.collective.group import Group, chunk_bounds, shard_bounds
 from peerd.peers.collective.rounds import Phase, bits
 from peerd.peers.collective.transport import Action, Inbound
-from peerd.peers.collective.wire import INT8_BLOCK, Header, WireError
+from peerd.peers.collective.wire import BLOCK, Header, WireError
 from peerd.peers.events import PeerEvents
 
 
@@ -126,7 +126,7 @@ class InboxBuffers:
 
     @classmethod
     def new(cls, numel: int, size: int, chunk: int) -> "InboxBuffers":
-        longest = max(e - s for align in (1, INT8_BLOCK) for s, e in shard_bounds(numel, size, align))
+        longest = max(e - s for align in (1, BLOCK) for s, e in shard_bounds(numel, size, align))
         return cls(
             key=(numel, size, chunk),
             backup=torch.zeros(numel, dtype=torch.float32),

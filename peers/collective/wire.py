@@ -20,9 +20,10 @@ Layout (little-endian, 72 bytes, struct format `HEADER_FORMAT`):
 |     56 |    8 | weight   | d    | CONTRIBUTION: the sender's weight; RESULT: total weight included |
 |     64 |    8 | mask     | Q    | RESULT: bit i set = member i's contribution is included          |
 
-Payload formats (DType): FLOAT32 (count * 4 bytes), FLOAT16 (count * 2), INT8_BLOCK (the vector in
-blocks of `INT8_BLOCK` values at absolute positions, each a float32 scale then one int8 per value:
-4 * ceil(count / INT8_BLOCK) + count bytes; codec.py), BYTES (verdicts).
+Payload formats (DType): FLOAT32 (count * 4 bytes), FLOAT16 (count * 2), the block formats (the
+vector in blocks of `BLOCK` values at absolute positions, each a float32 scale then its values:
+INT8_BLOCK one byte per value, INT4_BLOCK two values per byte, INT2_BLOCK four; a block's bytes are
+4 + ceil(values * bits / 8); codec.py), BYTES (verdicts).
 
 `decode` checks only what needs no context (magic, version, kind, dtype, length = payload_size);
 whether a header fits the group and the round is decided where it is received (inbox.py and its
@@ -56,24 +57,29 @@ class DType(enum.IntEnum):
     BYTES = 0  # opaque bytes (VERDICT payloads)
     FLOAT32 = 1  # IEEE 754 binary32, little-endian
     FLOAT16 = 2  # IEEE 754 binary16, little-endian (codec.py)
-    INT8_BLOCK = 3  # blocks of INT8_BLOCK values: a float32 scale, then int8 values (codec.py)
+    INT8_BLOCK = 3  # blocks of BLOCK values: a float32 scale, then int8 values (codec.py)
+    INT4_BLOCK = 4  # blocks of BLOCK values: a float32 scale, then 4-bit values, two per byte (codec.py)
+    INT2_BLOCK = 5  # blocks of BLOCK values: a float32 scale, then 2-bit codes, four per byte (codec.py)
 
 
-INT8_BLOCK = 64  # values per int8 block: shard, chunk and packet bounds are multiples of it (codec.py)
-DTYPE_SIZE = {DType.BYTES: 1, DType.FLOAT32: 4, DType.FLOAT16: 2}  # bytes per element, INT8_BLOCK aside
+BLOCK = 64  # values per block of the block formats: shard, chunk and packet bounds are multiples of it
+DTYPE_SIZE = {DType.BYTES: 1, DType.FLOAT32: 4, DType.FLOAT16: 2}  # bytes per element, block formats aside
+BLOCK_BITS = {DType.INT8_BLOCK: 8, DType.INT4_BLOCK: 4, DType.INT2_BLOCK: 2}  # bits per value of a block format
 
 
 def payload_size(dtype: DType, count: int) -> int:
-    """Bytes of a payload of `count` elements; an INT8_BLOCK payload starts on a block boundary."""
-    if dtype is DType.INT8_BLOCK:
-        return count + 4 * -(-count // INT8_BLOCK)
+    """Bytes of a payload of `count` elements; a block format's payload starts on a block boundary
+    (only its last block may be shorter than BLOCK)."""
+    if (bits := BLOCK_BITS.get(dtype)) is not None:
+        full, tail = divmod(count, BLOCK)
+        return full * (4 + BLOCK * bits // 8) + (4 + -(-tail * bits // 8) if tail else 0)
     return count * DTYPE_SIZE[dtype]
 
 
 def payload_fit(dtype: DType, nbytes: int) -> int:
-    """The most elements, whole INT8_BLOCK blocks for that format, whose payload fits in nbytes."""
-    if dtype is DType.INT8_BLOCK:
-        return nbytes // (INT8_BLOCK + 4) * INT8_BLOCK
+    """The most elements, whole blocks for a block format, whose payload fits in nbytes."""
+    if (bits := BLOCK_BITS.get(dtype)) is not None:
+        return nbytes // (4 + BLOCK * bits // 8) * BLOCK
     return nbytes // DTYPE_SIZE[dtype]
 
 

@@ -1,0 +1,76 @@
+"""`peerd plan`: the model's arithmetic with exact values, and the command's output and refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from peerd.daemon.plan import FIXED_RTTS, FIXED_S, plan, round_seconds
+from tests.helpers import ROOT
+
+
+def test_a_1b_model_at_100_mbit_exact_values():
+    """1e9 parameters, 1 s steps, 100 Mbit/s, 50 ms, two members: int8's payload is 1.0625e9 bytes
+    (a 4-byte scale per 64 values), each member sends half of it twice, and the round takes the
+    fixed cost plus 85 s."""
+    plans = {p.payload: p for p in plan(10**9, 1.0, 100.0, 50.0, every=50)}
+    assert list(plans) == ["int2", "int4", "int8", "fp16", "fp32"]  # smallest bytes first
+    int8 = plans["int8"]
+    assert int8.bytes_per_outer_step == 1_062_500_000
+    assert int8.round_s == round(FIXED_S + FIXED_RTTS * 0.05 + 85.0, 3) == 85.655
+    assert int8.compute_fraction == round(50 / 85.655, 4)  # overlap: compute waits for the rest
+    assert int8.hiding_every == 103  # 1.2 x 85.655 s of 1 s steps
+    assert plans["fp32"].bytes_per_outer_step == 4 * 10**9 and plans["int2"].bytes_per_outer_step == 312_500_000
+    without = {p.payload: p for p in plan(10**9, 1.0, 100.0, 50.0, every=50, overlap=False)}
+    assert without["int8"].compute_fraction == round(50 / (50 + 85.655), 4)
+    assert all(p.compute_fraction == 1.0 for p in plan(10**9, 1.0, 100.0, 50.0, every=400) if p.payload != "fp32")
+
+
+def test_a_group_of_g_sends_2_g_minus_1_over_g_of_the_vector():
+    assert round_seconds(10**6, 4, 8.0, 0.0) == pytest.approx(FIXED_S + 1.5)  # 1.5 MB at 1 MB/s
+    assert plan(64, 1.0, 1.0, 0.0, every=1, group=4)[-1].bytes_per_outer_step == 384  # fp32: 256 x 1.5
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"params": 0}, "params"),
+        ({"every": 0}, "every"),
+        ({"group": 1}, "group"),
+        ({"step_s": 0.0}, "step_s"),
+        ({"mbit": float("nan")}, "mbit"),
+        ({"rtt_ms": -1.0}, "rtt_ms"),
+    ],
+)
+def test_bad_input_is_refused_naming_it(kw, message):
+    args = {"params": 100, "step_s": 1.0, "mbit": 10.0, "rtt_ms": 0.0, "every": 10} | kw
+    with pytest.raises(ValueError, match=message):
+        plan(**args)
+
+
+def peerd(*argv: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "peerd.daemon.cli", *argv]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_the_command_prints_a_table_or_json_lines_and_refuses_bad_input():
+    base = ["plan", "--params", "1e9", "--step-seconds", "1", "--mbit", "100", "--every", "50"]
+    out = peerd(*base)
+    assert out.returncode == 0, out.stderr
+    rows = out.stdout.splitlines()
+    assert rows[0].split()[:2] == ["PAYLOAD", "BYTES/OUTER"] and rows[3].split()[:3] == ["int8", "1.06", "GB"]
+    out = peerd(*base, "--json")
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines[2] == {
+        "payload": "int8",
+        "bytes_per_outer_step": 1_062_500_000,
+        "round_s": 85.655,
+        "compute_fraction": round(50 / 85.655, 4),
+        "hiding_every": 103,
+    }
+    for bad in (["--params", "1.5"], ["--mbit", "0"], ["--group", "1"]):
+        out = peerd(*base, *bad)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.strip(), out
