@@ -63,6 +63,7 @@ from peerd.daemon.flat import from_flat
 from peerd.daemon.tasks.charlm import CharLM, CharLMHparams
 from peerd.peers.averaging import RoundResult
 from peerd.peers.collective import arctopk, codec
+from peerd.peers.phases import Phases
 
 BENCH = "diloco_sim"
 INIT_SEED = 1  # every worker builds the same model, as every peer of a run does (the run's seed), plus --seed
@@ -159,13 +160,11 @@ def score(task: CharLM, model: torch.nn.Module, hparams: CharLMHparams) -> float
 
 
 def phase_lengths(every: int, first: int, steps: int) -> list[int]:
-    """The phases of `steps` inner steps: `first`, 2·first, 4·first, … steps, each at most `every`
-    (H), then H; a tail shorter than its phase has no round. first 0: every phase is H."""
-    lengths, k = [], 0
-    while sum(lengths) < steps:
-        lengths.append(min(every, first * 2**k) if first else every)
-        k += 1
-    return lengths
+    """The phases of `steps` inner steps, as a run's (peers/phases.py): `first`, 2·first, 4·first, …
+    steps, each at most `every` (H), then H; a tail shorter than its phase has no round. first 0:
+    every phase is H."""
+    phases = Phases(every, first)
+    return [phases.length(phases.end(r)) for r in range(phases.round_of(steps - 1) + 1)]
 
 
 class Anytime:

@@ -151,7 +151,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         p2p=node.p2p,
         reliable_links="auto",
         events=events,
-        rendezvous=rendezvous_for(membership, averaging.average_every, averaging.round_timeout),
+        rendezvous=rendezvous_for(membership, averaging.phases, averaging.round_timeout),
     )
 
     async def run_round(vector, weight, round_t, lanes, restore, payload):  # as daemon/app.py's
@@ -167,7 +167,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
 
     def ours(round_t: int) -> bool:
         nonlocal step
-        step = round_t * averaging.average_every  # the trainer's step at this round's boundary
+        step = averaging.phases.end(round_t)  # the trainer's step at this round's boundary
         matchmaker.last = None
         t0 = time.perf_counter()
         r = average(x, float(rank + 1), round_t)[0]

@@ -408,7 +408,7 @@ class Daemon:
             udp_rate_bps=self.config.network.udp_rate_mbit * 1e6 or None,
             events=self.metrics.peer_events(),
             rendezvous=run_setup.rendezvous_for(
-                membership, manifest.averaging.average_every, manifest.averaging.round_timeout
+                membership, manifest.averaging.phases, manifest.averaging.round_timeout
             ),
             lanes=manifest.averaging.lanes,
         )
@@ -567,7 +567,7 @@ class Daemon:
                 on_foreign=lambda path, why: self.reject("checkpoint_foreign"),
             ),
             outer=run_setup.outer_settings(manifest.averaging),
-            average_every=manifest.averaging.average_every,
+            phases=manifest.averaging.phases,
             round_timeout=manifest.averaging.round_timeout,
             checkpoint_every=train.checkpoint_every,
             shared_dir=shared,

@@ -59,6 +59,7 @@ from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.phases import Phases
 from peerd.peers.sketch import HISTORY, SketchPlan
 from peerd.peers.statesync import FetchResult, Snapshot
 from peerd.shared_file import (
@@ -118,7 +119,7 @@ class AttachInfo:
     shared_path: str
     numel: int
     step: int
-    average_every: int
+    phases: Phases
     lease_seconds: float
     phase_timeout: float
     upload: bool  # the process writes its parameters and calls EndPhase with 0 steps: they become θ
@@ -241,7 +242,7 @@ class AttachedTrainer:
         creator: bool,
         store: CheckpointStore,
         outer: OuterSettings,
-        average_every: int,
+        phases: Phases,
         round_timeout: float,
         checkpoint_every: int,
         shared_dir: Path,
@@ -257,7 +258,7 @@ class AttachedTrainer:
         numel: int | None = None,
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
-        self.average_every, self.round_timeout, self.checkpoint_every = average_every, round_timeout, checkpoint_every
+        self.phases, self.round_timeout, self.checkpoint_every = phases, round_timeout, checkpoint_every
         self.average, self.on_round, self.peer_steps, self.sync, self.on_sync = (
             average,
             on_round,
@@ -332,8 +333,8 @@ class AttachedTrainer:
         """The run's step as the process takes it, what the peers see announced (MateWait tells a
         peer waiting at a boundary from one past it): the phase's steps count up to one before its
         boundary, which the EndPhase takes."""
-        g, every = self.global_step, self.average_every
-        return min(g + self.phase_steps, (g // every + 1) * every - 1)
+        g = self.global_step
+        return min(g + self.phase_steps, self.phases.next_end(g) - 1)
 
     @property
     def local_step(self) -> int:
@@ -454,7 +455,7 @@ class AttachedTrainer:
             str(self._shared.path),
             self.numel,
             self.global_step,
-            self.average_every,
+            self.phases,
             self.lease_seconds,
             self.phase_timeout,
             upload,
@@ -504,8 +505,7 @@ class AttachedTrainer:
             self._samples_since_round += samples
             if not math.isnan(loss):
                 self._loss_done = loss
-            every = self.average_every
-            self.global_step = (self.global_step // every + 1) * every
+            self.global_step = self.phases.next_end(self.global_step)
             if self._catch_up():
                 end = PhaseEnd(self.global_step, -1, "state downloaded from peers", 0.0, True)
             else:
@@ -551,8 +551,8 @@ class AttachedTrainer:
 
     def _round(self) -> PhaseEnd:
         """The phase's round, the process's vector in the shared file: DiLoCo's outer step."""
-        outer, every = self._outer, self.average_every
-        round_t = self.global_step // every
+        outer = self._outer
+        round_t = self.phases.round_of(self.global_step)
         sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
         self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
         repair = bool(outer.settings.repair_every and round_t % outer.settings.repair_every == 0)
@@ -623,7 +623,7 @@ class AttachedTrainer:
     def _catch_up(self) -> bool:
         """Download the run's state when live peers are two rounds ahead or more
         (daemon/straggler.catch_up_from)."""
-        min_step = catch_up_from(self.global_step, self.average_every, self.peer_steps())
+        min_step = catch_up_from(self.global_step, self.phases, self.peer_steps())
         if min_step is None:
             return False
         logger.info(
@@ -702,8 +702,8 @@ class AttachedTrainer:
         is left alone)."""
         if not self._has_state or self.session is None or self._lock.locked():
             return
-        every, now, steps, done = self.average_every, time.monotonic(), self.peer_steps(), self.phase_steps
-        boundary = (self.global_step // every + 1) * every
+        now, steps, done = time.monotonic(), self.peer_steps(), self.phase_steps
+        boundary = self.phases.next_end(self.global_step)
         pace = (now - self._phase_began) / done if done else math.nan
         lag = LEASE_CHECK + (0.0 if math.isnan(pace) else pace)  # the next look, then the process's next step
         why = self._early.why(now, self._phase_began, self.global_step + done, boundary, pace, steps, lag)
@@ -716,7 +716,7 @@ class AttachedTrainer:
             "run %s: the process's phase ends at step %d of %d, before step %d: %s",
             self.run_id,
             done,
-            every,
+            self.phases.length(self.global_step),
             boundary,
             why,
         )

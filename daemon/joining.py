@@ -24,6 +24,7 @@ from peerd.peers.clock import now
 from peerd.peers.envelope import RecordRejected
 from peerd.peers.manifest import AveragingSettings, RunManifest, TensorSpec, layout_mismatch
 from peerd.peers.node import PeerNode
+from peerd.peers.phases import Phases
 from peerd.peers.run_ids import RunSecret
 from peerd.peers.statesync import FetchResult, fetch_state
 
@@ -45,7 +46,7 @@ CANCEL_GRACE = 5.0  # seconds a cancelled round may take to restore the vector i
 SYNC_TIMEOUT = 120.0  # seconds one download of the run's state may take
 
 
-def rendezvous_for(membership, average_every: int, round_timeout: float):
+def rendezvous_for(membership, phases: Phases, round_timeout: float):
     """The averager's `rendezvous(round_t, mates)`: announce this daemon's step, then wait for the
     mates that announce a step in either of the two previous rounds (peers/membership.py,
     RunMembership.rendezvous): one round behind, a mate trains on to this boundary; two behind, it
@@ -57,8 +58,7 @@ def rendezvous_for(membership, average_every: int, round_timeout: float):
     patience = rendezvous_patience(round_timeout)
 
     async def rendezvous(round_t: int, mates: list[str]) -> list[str]:
-        step = round_t * average_every
-        behind = await membership.rendezvous(mates, step, step - 2 * average_every, patience)
+        behind = await membership.rendezvous(mates, phases.end(round_t), phases.end(round_t - 2), patience)
         if behind:
             logger.info(
                 "run %s: round %d goes on without %d group mate(s) still behind it",
@@ -448,7 +448,7 @@ def make_trainer(
         checkpoint_every=train.checkpoint_every,
         eval_every=train.eval_every,
         max_steps=train.max_steps,
-        average_every=manifest.averaging.average_every,
+        phases=manifest.averaging.phases,
         lanes=manifest.averaging.lanes,
         round_timeout=manifest.averaging.round_timeout,
         average=average,

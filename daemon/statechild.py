@@ -69,7 +69,7 @@ class StateChild(TaskChild):
     def _round(self) -> PhaseEnd:
         """The state round of the phase's end, on the vector in place."""
         vector, began = self._shared.tensor, time.monotonic()
-        round_t = self.global_step // self.average_every
+        round_t = self.phases.round_of(self.global_step)
         sketch = self._sketch_plan.take(vector[: self._sketch_plan.size].numpy(), self.global_step)
         self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
         # The vector before its round, in the download buffer (both run under the lock): restore=False, as

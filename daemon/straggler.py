@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from peerd.peers.phases import Phases
+
 RENDEZVOUS_PATIENCE = 10.0  # seconds a round waits for group mates still before its boundary
 
 
@@ -57,13 +59,13 @@ class MateWait:
         return now + (boundary - step) * pace + lag > self.seen + self.patience
 
 
-def catch_up_from(step: int, every: int, peer_steps: list[int]) -> int | None:
+def catch_up_from(step: int, phases: Phases, peer_steps: list[int]) -> int | None:
     """The least step of the run's state to download now, or None: a live peer is two rounds or more
     ahead, so the rounds this peer could still meet are over for it. A peer less far ahead is met:
     it waits at its boundary (the rendezvous) or, past it, MateWait ends this peer's phase in time,
     and training on to that boundary costs less than a download (a peer exactly one round ahead has
     no newer state to give until its round ends, and its round waits for this one)."""
-    return step + 1 if max(peer_steps, default=-1) >= step + 2 * every else None
+    return step + 1 if max(peer_steps, default=-1) >= phases.ahead(step, 2) else None
 
 
 @dataclass(slots=True)

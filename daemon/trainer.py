@@ -5,14 +5,14 @@ trainer's counters (plain attributes, written by the thread only) for status and
 
 The run's *state vector* is one flat float32 vector: the parameters, then each parameter's
 floating-point optimizer state (momentum, Adam moments) in a fixed order, the same layout on every
-peer. Every `average_every` steps the thread copies the state into it and hands it to `average` (a
+peer. At every phase's end (peers/phases.py) the thread copies the state into it and hands it to `average` (a
 Moshpit round run on the event loop, see peers/averaging.py); a COMPLETED round's result replaces
 the state, a PARTIAL one (UDP engine) replaces it where its packets arrived (the engine has already
 left this daemon's own values elsewhere), an ABORTED one leaves it as it was. The vector left after each round is published as this
 daemon's snapshot, which peers that fell behind download (peers/statesync.py).
 
 Steps: `global_step` is the step of the state this daemon holds: it counts the run's synchronous
-steps (every peer takes the same `average_every` local steps per round, and a round only groups
+steps (every peer takes the same local steps per round, and a round only groups
 peers of the same round number), jumps forward when the state is downloaded from peers, and never
 goes backwards. `local_step` counts the optimizer steps this daemon computed itself.
 (docs/algorithms.md)
@@ -39,6 +39,7 @@ from peerd.peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, h
 from peerd.peers.dear.member import RETUNE_EVERY, LocalGroupMember
 from peerd.peers.dear.schedule import DeAR, DeARSettings
 from peerd.peers.averaging import Average, RoundResult
+from peerd.peers.phases import Phases
 from peerd.peers.sketch import HISTORY, ParamSketch, SketchPlan
 from peerd.peers.statesync import FetchResult, Snapshot
 from peerd.daemon.tasks import EvalResult, Hparams, Task
@@ -121,7 +122,7 @@ class Trainer:
         checkpoint_every: int,
         eval_every: int,
         max_steps: int,
-        average_every: int = 0,
+        phases: Phases | None = None,
         lanes: int = 1,
         round_timeout: float = 30.0,
         average: Average | None = None,
@@ -154,7 +155,7 @@ class Trainer:
         self._last_overlap = math.nan  # overlap ratio of the latest DeAR group, once dropped
         self.ready_to_train, self.ready_timeout = ready_to_train, ready_timeout
         self.run_id, self.task, self.hparams = run_id, task, hparams
-        self.average_every, self.average = average_every, average
+        self.phases, self.average = phases, average  # phases None: no rounds
         self.lanes, self.round_timeout = lanes, round_timeout
         self._exchange: LaneExchange | None = None  # the active DeAR group's buffers around its WAN rounds
         # Set by the trainer thread as a DeAR group forms and drops, each replaced as a whole; read by
@@ -369,7 +370,7 @@ class Trainer:
                     if not self._catch_up():  # a round among peers far ahead would find nobody
                         self._outer_round()
                     phase_began = time.monotonic()
-            elif self.average is not None and self.global_step % self.average_every == 0:
+            elif self.average is not None and self._at_boundary():
                 self._flush()
                 if self._catch_up():  # a round among peers far ahead would find nobody
                     self._leave_group("state downloaded from peers")
@@ -460,11 +461,11 @@ class Trainer:
         """Download the run's state when live peers are two rounds ahead or more
         (daemon/straggler.catch_up_from); True if it did. A failed download is retried, once a
         second, for at most CATCH_UP_PATIENCE seconds."""
-        if self.sync is None or not self.average_every:
+        if self.sync is None or self.phases is None:
             return False
         deadline = time.monotonic() + CATCH_UP_PATIENCE
         result = None
-        while (min_step := catch_up_from(self.global_step, self.average_every, self.peer_steps())) is not None:
+        while (min_step := catch_up_from(self.global_step, self.phases, self.peer_steps())) is not None:
             if result is None:
                 logger.info(
                     "run %s: at step %d, peers at %d: downloading the run's state",
@@ -504,7 +505,7 @@ class Trainer:
         # Before the round, when peers have drifted furthest and all stand at this same step.
         sketch = self._sketch_plan.take(self._flat[: self._sketch_plan.size].numpy(), self.global_step)
         self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
-        round_t, weight = self.global_step // self.average_every, float(self._samples_since_round)
+        round_t, weight = self.phases.round_of(self.global_step), float(self._samples_since_round)
         lg, gathered, broke = self.local_group, False, ""
         if self._dear is not None and lg is not None and self._exchange is not None:
             done = hierarchical_round(
@@ -563,35 +564,39 @@ class Trainer:
             self._regroup(model, optimizer, results)
 
     def _phase_over(self, began: float) -> bool:
-        """Whether the inner phase ends now: at the next multiple of average_every steps, or earlier
+        """Whether the inner phase ends now: at its boundary (peers/phases.py), or earlier
         where a group mate at the boundary would stop waiting before this phase got there
         (MateWait), or, with a straggler budget, once at least half of the other live peers announce
         the boundary and this phase has run `inner_budget` times as long as it took them
         (DropCompute). An early end jumps the global step to the boundary: steps count the run's
         synchronous steps."""
-        every = self.average_every
-        boundary = (self.global_step // every + 1) * every
-        if self.global_step % every == 0:
+        if self._at_boundary():
             return True
+        boundary = self.phases.next_end(self.global_step)
         now = time.monotonic()
         if now < self._budget_checked + BUDGET_CHECK:
             return False
         self._budget_checked = now
-        steps, done = self.peer_steps(), self.global_step % every
+        steps, done = self.peer_steps(), self.global_step - self.phases.end(self.phases.round_of(self.global_step))
         pace = (now - began) / done
         why = self._early.why(now, began, self.global_step, boundary, pace, steps, BUDGET_CHECK + pace)
         if not why:
             return False
-        logger.info("run %s: phase ends at step %d of %d: %s", self.run_id, done, every, why)
+        length = self.phases.length(self.global_step)
+        logger.info("run %s: phase ends at step %d of %d: %s", self.run_id, done, length, why)
         self.global_step = boundary
         return True
+
+    def _at_boundary(self) -> bool:
+        """Whether the global step is at a phase's end (the thread's step counts one by one)."""
+        return self.phases.end(self.phases.round_of(self.global_step)) == self.global_step
 
     @torch.no_grad()
     def _outer_round(self) -> None:
         """The end of an inner phase under DiLoCo: its pseudo-gradient goes to this boundary's round
         and, with overlap, the previous round lands if it has not yet (daemon/diloco.py)."""
-        outer, every = self._outer, self.average_every
-        round_t, weight = self.global_step // every, float(self._samples_since_round)
+        outer = self._outer
+        round_t, weight = self.phases.round_of(self.global_step), float(self._samples_since_round)
         repair = bool(self.repair_every and round_t % self.repair_every == 0)
         applied = outer.end_phase(round_t, weight, repair)
         self._samples_since_round = 0  # counted in this round, or (no group) in this member's own step

@@ -24,6 +24,7 @@ import tenacity
 import torch
 
 from peerd import PeerdError
+from peerd.peers.phases import Phases
 from peerd.protos import control_pb2, control_pb2_grpc
 from peerd.shared_file import (
     APPLIED_OFFSET,
@@ -70,7 +71,7 @@ class Attached:
     vector: torch.Tensor  # float32, numel values in layout order, over the shared file
     theta: torch.Tensor | None  # with overlap (format 2): the run's parameters θ, as the daemon last wrote them
     step: int
-    average_every: int
+    phases: Phases  # where the run's phases end (its average_every and first_phase)
     lease_seconds: float
     phase_timeout: float
     upload: bool
@@ -138,7 +139,7 @@ class Attachment:
             vector,
             theta,
             response.step,
-            response.average_every,
+            Phases(response.average_every, response.first_phase),
             response.lease_seconds,
             response.phase_timeout,
             response.upload,

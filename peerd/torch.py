@@ -1,7 +1,7 @@
 """`peerd.torch.Optimizer`: wrap your optimizer, keep your loop (docs/your-loop.md).
 
-Every `opt.step()` is an inner step of your own optimizer, on your model, on its device. Every
-`average_every` steps (the run's H) the phase ends: the parameters are copied to the daemon's
+Every `opt.step()` is an inner step of your own optimizer, on your model, on its device. After
+a phase's steps (the run's H; the first phases shorter, peers/phases.py) the phase ends: the parameters are copied to the daemon's
 shared vector (one host copy; pinned in place where CUDA is present), the daemon averages the
 phase's pseudo-gradient with its peers and takes the outer step (DiLoCo), and the run's parameters
 are copied back into the model. Nothing else crosses: the inner optimizer's state stays here (but
@@ -97,7 +97,7 @@ class Optimizer(torch.optim.Optimizer):
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
         self._phase_began = time.monotonic()
-        self._boundary = 0
+        self._boundary = self._phase_length = 0  # set by _new_phase once attached
         self._vector: torch.Tensor | None = None
         self._landed = 0  # the landed rounds the parameters hold (daemon/attached.py, "landing")
         self._pinned = 0  # the page-locked address of the shared vector (CUDA models); 0: pageable
@@ -147,8 +147,9 @@ class Optimizer(torch.optim.Optimizer):
             self._loss_sum / self._loss_count if self._loss_count and not torch.is_tensor(self._loss_sum) else math.nan
         )
         self._attachment.stepped(self._phase_steps, self._phase_samples, live_loss)
-        # At H steps, or earlier where the daemon's straggler budget (DropCompute) ends this phase.
-        if self._phase_steps >= self._attached.average_every or self._attachment.phase_ends_at() == self._boundary:
+        # At the phase's length (peers/phases.py), or earlier where the daemon ends it (MateWait, the
+        # straggler budget).
+        if self._phase_steps >= self._phase_length or self._attachment.phase_ends_at() == self._boundary:
             self._end_phase()
         return result
 
@@ -175,8 +176,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def _new_phase(self) -> None:
         self._phase_steps, self._phase_samples, self._loss_sum, self._loss_count = 0, 0.0, 0.0, 0
-        every = self._attached.average_every
-        self._boundary = (self.run_step // every + 1) * every  # the run's step at this phase's end
+        phases = self._attached.phases
+        self._boundary = phases.next_end(self.run_step)  # the run's step at this phase's end
+        self._phase_length = phases.length(self.run_step)
         self._phase_began = time.monotonic()
 
     @property

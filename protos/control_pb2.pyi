@@ -221,7 +221,7 @@ class AttachRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., settings: _Optional[_Mapping[str, str]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload")
+    __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload", "first_phase")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SHARED_PATH_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class AttachResponse(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PHASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PHASE_FIELD_NUMBER: _ClassVar[int]
     session: str
     shared_path: str
     numel: int
@@ -238,7 +239,8 @@ class AttachResponse(_message.Message):
     lease_seconds: float
     phase_timeout: float
     upload: bool
-    def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ...) -> None: ...
+    first_phase: int
+    def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ..., first_phase: _Optional[int] = ...) -> None: ...
 
 class EndPhaseRequest(_message.Message):
     __slots__ = ("session", "steps", "samples", "loss", "compute_seconds")

@@ -14,6 +14,7 @@ p.add_argument("--run", required=True)
 p.add_argument("--daemon", required=True)
 p.add_argument("--steps", type=int, default=200)
 p.add_argument("--every", type=int, default=10)
+p.add_argument("--first-phase", type=int, default=0, help="the run's averaging.first_phase; -1: the run's default")
 p.add_argument("--sleep", type=float, default=0.0, help="seconds per step: a slow loop that spans an event")
 p.add_argument("--dim", type=int, default=8)
 p.add_argument("--reconnect-timeout", type=float, default=60.0)
@@ -34,6 +35,7 @@ opt = peerd.torch.Optimizer(
     model=model,
     settings={
         "average_every": args.every,
+        **({"first_phase": args.first_phase} if args.first_phase >= 0 else {}),
         **({"inner_budget": args.budget} if args.budget is not None else {}),
         **({"overlap": "true"} if args.overlap else {}),
         **({"round_timeout": args.round_timeout} if args.round_timeout is not None else {}),

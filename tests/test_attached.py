@@ -18,6 +18,7 @@ from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.diloco import OuterSettings
 from peerd.peers.averaging import RoundResult
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.phases import Phases
 from peerd.peers.statesync import FetchResult
 from peerd.shared_file import APPLIED_OFFSET, LANDED_OFFSET, THETA_SEQ_OFFSET
 from tests.helpers import wait_for
@@ -46,7 +47,7 @@ def trainer(tmp_path, round_fn, **overrides) -> AttachedTrainer:
         creator=True,
         store=CheckpointStore(tmp_path / "checkpoints"),
         outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=True),
-        average_every=H,
+        phases=Phases(H),
         round_timeout=10.0,
         checkpoint_every=10_000,
         shared_dir=tmp_path,

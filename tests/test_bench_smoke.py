@@ -207,12 +207,12 @@ def test_diloco_sim_arctopk_keeps_every_worker_on_one_theta(capsys):
         assert r["curve"][0][1] != r["curve"][-1][1], r
 
 
-def test_diloco_sim_phases_double_up_to_h_and_the_anytime_headline_compares_them(capsys):
-    """bench.diloco_sim's phase schedule (exact lengths), the rule that reads when a run's θ stays
+def test_diloco_sim_phases_are_the_runs_and_the_anytime_headline_compares_them(capsys):
+    """bench.diloco_sim's phase schedule (a run's, peers/phases.py: exact lengths), the rule that reads when a run's θ stays
     at or below alone, and a run of both schedules with the anytime curve and its headline."""
     from bench import diloco_sim
 
-    assert diloco_sim.phase_lengths(50, 5, 200) == [5, 10, 20, 40, 50, 50, 50]
+    assert diloco_sim.phase_lengths(50, 5, 200) == [5, 10, 20, 15, 50, 50, 50]
     assert diloco_sim.phase_lengths(50, 0, 120) == [50, 50, 50]
     alone = [(10, 4.0), (20, 3.5), (30, 3.2), (40, 3.0)]
     assert diloco_sim.behind_until([(10, 8.3), (20, 3.4), (30, 3.3), (40, 2.9)], alone) == 40  # behind at 30

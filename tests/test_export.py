@@ -27,6 +27,7 @@ from peerd.daemon.tasks import Batch, EvalResult, Hparams, Task, generator, get_
 from peerd.daemon.trainer import Trainer, TrainState
 from peerd.peers.averaging import RoundResult
 from peerd.peers.manifest import AveragingSettings
+from peerd.peers.phases import Phases
 from tests.helpers import wait_for
 
 BN_TASK = "export-bn"
@@ -93,7 +94,7 @@ def train(
         checkpoint_every=checkpoint_every,
         eval_every=eval_every,
         max_steps=max_steps,
-        average_every=4,
+        phases=Phases(4),
         average=alone,
         outer=outer_settings(AveragingSettings(algorithm=algorithm, average_every=4)),
     )
@@ -315,7 +316,7 @@ def test_export_while_the_trainer_writes_checkpoints(tmp_path):
         checkpoint_every=1,
         eval_every=10_000,
         max_steps=30,
-        average_every=4,
+        phases=Phases(4),
         average=alone,
         outer=outer_settings(AveragingSettings(average_every=4)),
     )

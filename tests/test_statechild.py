@@ -17,6 +17,7 @@ from peerd.daemon.statechild import StateChild
 from peerd.daemon.tasks import get_task
 from peerd.peers.averaging import RoundResult
 from peerd.peers.dear.hierarchy import lane_bounds
+from peerd.peers.phases import Phases
 from peerd.torch import from_vector, to_vector
 
 H = 5
@@ -49,7 +50,7 @@ def state_child(tmp_path, average) -> StateChild:
         identity={"run_id": "sv", "task": "digits-mlp", "hparams": {}, "layout": "x"},
         store=CheckpointStore(tmp_path / "checkpoints"),
         outer=None,
-        average_every=H,
+        phases=Phases(H),
         round_timeout=10.0,
         checkpoint_every=10_000,
         shared_dir=tmp_path,

@@ -9,6 +9,7 @@ import math
 
 from peerd.daemon.straggler import MateWait, StragglerBudget, catch_up_from, rendezvous_patience
 from peerd.attachment import Attachment
+from peerd.peers.phases import Phases
 from peerd.shared_file import PHASE_STEPS_OFFSET
 
 
@@ -40,7 +41,7 @@ def test_a_mate_that_leaves_the_boundary_view_is_seen_anew_and_a_new_boundary_st
 
 
 def test_a_peer_downloads_the_state_only_two_rounds_behind():
-    H = 20
+    H = Phases(20)
     # At step 20: a peer at 20 to 59 is met (it waits at its boundary, or MateWait ends this phase
     # at once); one at 60 or beyond has closed the rounds this peer could still be in.
     assert catch_up_from(20, H, [20]) is None
