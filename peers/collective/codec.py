@@ -89,11 +89,11 @@ _DTYPE = {
 class _Levels:
     """A block format's levels: a block's scale is max|x| / top, and a value is level * scale, its
     level the nearest of the format's (whole numbers in [-top, top], or with `midrise`, the half
-    numbers -1.5 ... 1.5); `bits` per value on the wire."""
+    numbers -1.5 ... 1.5). Its `bits` per value are wire.BLOCK_BITS', which sizes the payloads."""
 
-    def __init__(self, bits: int, top: float, midrise: bool = False):
-        self.bits, self.top, self.midrise = bits, np.float32(top), midrise
-        self.per_byte = 8 // bits
+    def __init__(self, dtype: DType, top: float, midrise: bool = False):
+        self.dtype, self.bits, self.top, self.midrise = dtype, BLOCK_BITS[dtype], np.float32(top), midrise
+        self.per_byte = 8 // self.bits
         self.tiny = float(top) * float(np.finfo(np.float32).tiny)  # blocks below this are sent as zeros
 
     def nearest(self, ratio: np.ndarray) -> None:
@@ -134,9 +134,12 @@ class _Levels:
 
 
 _LEVELS = {
-    DType.INT8_BLOCK: _Levels(8, 127),
-    DType.INT4_BLOCK: _Levels(4, 7),
-    DType.INT2_BLOCK: _Levels(2, 1.5, midrise=True),
+    levels.dtype: levels
+    for levels in (
+        _Levels(DType.INT8_BLOCK, 127),
+        _Levels(DType.INT4_BLOCK, 7),
+        _Levels(DType.INT2_BLOCK, 1.5, midrise=True),
+    )
 }
 
 
