@@ -26,15 +26,15 @@ Blocks sit at absolute positions of the vector an engine averages (block k = ele
 the last block may be shorter), and the engines cut shards, chunks and packets on block bounds
 (`alignment`): a lost datagram spoils only its own blocks, and encoding a vector that is already a
 decoded one gives back the same bytes (the scale is max|level * s| / 127, / 7 or / 1.5 again,
-exactly: tests/test_codec.py checks every float32 mantissa), so the engine's encoding of a vector prepared by `with_feedback` loses
-nothing more. The error of a value is at most s / 2 of its block.
+exactly: tests/test_codec.py checks every float32 mantissa), so the engine's encoding of a vector
+prepared by `with_feedback` loses nothing more. The error of a value is at most s / 2 of its block.
 
 Odd blocks. A block whose largest magnitude is below Q * 2^-126 (Q = 127, 7 or 1.5: float32's
-smallest normal, so that scales stay normal numbers) is sent with scale 0: zeros. A block holding NaN or Inf, or whose
-scale would exceed `MAX_SCALE`, cannot be encoded: it is sent with a NaN scale and zero values, and
-its receiver refuses the message it is in (`codec_bad_scale`): the sender's chunk (reliable engine)
-or packet (UDP engine) is left out, as a NaN in a float32 contribution is (`contribution_nonfinite`);
-its other chunks or packets, and the other members', are not touched.
+smallest normal, so that scales stay normal numbers) is sent with scale 0: zeros. A block holding
+NaN or Inf, or whose scale would exceed `MAX_SCALE`, cannot be encoded: it is sent with a NaN scale
+and zero values, and its receiver refuses the message it is in (`codec_bad_scale`): the sender's
+chunk (reliable engine) or packet (UDP engine) is left out, as a NaN in a float32 contribution is
+(`contribution_nonfinite`); its other chunks or packets, and the other members', are not touched.
 
 Checks on decode (`WireError`, counted by the engines as rejections): a payload whose size is not
 `size(count)` (`codec_bad_size`), a scale that is NaN, Inf, negative or above `MAX_SCALE`
