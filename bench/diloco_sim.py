@@ -315,13 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=600, help="inner steps per worker")
     p.add_argument("--every", type=int, default=50, help="H: inner steps per phase (averaging.average_every)")
     p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--payload", default="int8", choices=["int8", "int4", "int2", "fp16", "fp32", "arctopk"])
+    formats = [f.value for f in codec.Format]  # a run's payloads, as peers/collective/group.py's PAYLOADS
+    p.add_argument("--payload", default="int8", choices=[*formats, "arctopk"])
     p.add_argument("--density", type=float, default=0.01, help="arctopk: the fraction of rows a round sends")
     p.add_argument("--row", type=int, default=arctopk.ROW, help="arctopk: values per row, the unit of selection")
     p.add_argument("--rank", type=int, default=arctopk.RANK, help="arctopk: sketch values per row")
-    p.add_argument(
-        "--values", default="int8", choices=["int8", "int4", "int2", "fp32"], help="arctopk: the rows' format"
-    )
+    row_formats = [f for f in formats if f != codec.Format.FP16.value]  # all but fp16, which was never offered
+    p.add_argument("--values", default="int8", choices=row_formats, help="arctopk: the rows' format")
     p.add_argument("--repair-every", type=int, default=25)
     p.add_argument(
         "--land-after",

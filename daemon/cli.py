@@ -1,7 +1,7 @@
 """`peerd`: start a daemon, talk to a running one over its control API, or export a run's weights.
 
 Exit codes: 0 success; 1 the daemon or the request failed; 2 bad usage or configuration
-(one line on stderr, no traceback).
+(one line on stderr, no traceback); 141 stdout's reader left before the output ended (`| head`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import socket
 import sys
@@ -626,6 +627,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a reader that left fails this flush within the try
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # another pipe's: a failure to report
+        # stdout's reader left (`peerd plan --json | head -1`): end quietly, with the status of a command
+        # killed by SIGPIPE. stdout points at /dev/null, so that Python's flush at exit has nothing to fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reader has closed it (poll says POLLERR or POLLHUP)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout without a file descriptor
+        return False
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

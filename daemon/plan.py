@@ -42,10 +42,15 @@ class PayloadPlan:
     hiding_every: int  # the smallest H whose phase is MARGIN x the round (with overlap)
 
 
+def member_sends(vector_bytes: int, group: int) -> float:
+    """Bytes one member sends in a round of `group` members on a payload of `vector_bytes`: (g - 1)/g
+    of it, twice; not a whole number where g does not divide it (`plan` rounds it up)."""
+    return 2 * (group - 1) / group * vector_bytes
+
+
 def round_seconds(vector_bytes: int, group: int, mbit: float, rtt_ms: float) -> float:
     """The round's duration by the model above."""
-    sent = 2 * (group - 1) / group * vector_bytes
-    return FIXED_S + FIXED_RTTS * rtt_ms / 1000 + sent * 8 / (mbit * 1e6)
+    return FIXED_S + FIXED_RTTS * rtt_ms / 1000 + member_sends(vector_bytes, group) * 8 / (mbit * 1e6)
 
 
 def plan(
@@ -66,7 +71,7 @@ def plan(
         took = round_seconds(size, group, mbit, rtt_ms)
         phase = every * step_s
         fraction = phase / max(phase, took) if overlap else phase / (phase + took)
-        sent = math.ceil(2 * (group - 1) / group * size)
+        sent = math.ceil(member_sends(size, group))
         hiding = max(1, math.ceil(MARGIN * took / step_s))
         out.append(PayloadPlan(fmt.value, sent, round(took, 3), round(fraction, 4), hiding))
     return sorted(out, key=lambda p: p.bytes_per_outer_step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -74,3 +75,23 @@ def test_the_command_prints_a_table_or_json_lines_and_refuses_bad_input():
     for bad in (["--params", "1.5"], ["--mbit", "0"], ["--group", "1"]):
         out = peerd(*base, *bad)
         assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.strip(), out
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_a_reader_that_left_gets_no_traceback(buffered):
+    """`peerd plan --json | head -1`, its reader gone before the command prints (so that the write
+    fails every time, not only when the reader wins a race): the command ends quietly with 141, as one
+    killed by SIGPIPE, whether a print fails (unbuffered) or the flush at the end (buffered)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    argv = ["plan", "--params", "1e9", "--step-seconds", "1", "--mbit", "100", "--json"]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        cmd = [sys.executable, "-m", "peerd.daemon.cli", *argv]
+        out = subprocess.run(cmd, cwd=ROOT, env=env, stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
+    assert out.returncode == 141, out

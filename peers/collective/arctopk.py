@@ -26,8 +26,10 @@ residual and is added to the next round's vector (`split`). The paper's EF21M (m
 feedback) is not used: the outer optimizer's momentum sits after the average already.
 
 Bytes per value, for `density` d of the rows: the sketch, r values per row, plus d of the values,
-each in its payload's format: with row 1024, r 4 and int8 for both, about 0.004 + d x 1.06 bytes;
-at d = 0.01, 0.015 bytes per value, 270x fewer than float32's 4.
+each in the format its all-reduce uses. bench.diloco_sim (the one caller yet) averages the sketch as
+fp32 (4 r / row bytes per value) and the rows in `--values` format: with row 1024, r 4 and int8 rows
+(1 + 4/64 bytes a value), about 0.016 + d x 1.06 bytes; at d = 0.01, 0.026 bytes per value, 150x
+fewer than float32's 4 (an int8 sketch would make it 0.004 + d x 1.06: 270x at d = 0.01).
 """
 
 from __future__ import annotations

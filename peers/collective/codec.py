@@ -26,15 +26,15 @@ Blocks sit at absolute positions of the vector an engine averages (block k = ele
 the last block may be shorter), and the engines cut shards, chunks and packets on block bounds
 (`alignment`): a lost datagram spoils only its own blocks, and encoding a vector that is already a
 decoded one gives back the same bytes (the scale is max|level * s| / 127, / 7 or / 1.5 again,
-exactly: tests/test_codec.py checks every float32 mantissa), so the engine's encoding of a vector prepared by `with_feedback` loses
-nothing more. The error of a value is at most s / 2 of its block.
+exactly: tests/test_codec.py checks every float32 mantissa), so the engine's encoding of a vector
+prepared by `with_feedback` loses nothing more. The error of a value is at most s / 2 of its block.
 
 Odd blocks. A block whose largest magnitude is below Q * 2^-126 (Q = 127, 7 or 1.5: float32's
-smallest normal, so that scales stay normal numbers) is sent with scale 0: zeros. A block holding NaN or Inf, or whose
-scale would exceed `MAX_SCALE`, cannot be encoded: it is sent with a NaN scale and zero values, and
-its receiver refuses the message it is in (`codec_bad_scale`): the sender's chunk (reliable engine)
-or packet (UDP engine) is left out, as a NaN in a float32 contribution is (`contribution_nonfinite`);
-its other chunks or packets, and the other members', are not touched.
+smallest normal, so that scales stay normal numbers) is sent with scale 0: zeros. A block holding
+NaN or Inf, or whose scale would exceed `MAX_SCALE`, cannot be encoded: it is sent with a NaN scale
+and zero values, and its receiver refuses the message it is in (`codec_bad_scale`): the sender's
+chunk (reliable engine) or packet (UDP engine) is left out, as a NaN in a float32 contribution is
+(`contribution_nonfinite`); its other chunks or packets, and the other members', are not touched.
 
 Checks on decode (`WireError`, counted by the engines as rejections): a payload whose size is not
 `size(count)` (`codec_bad_size`), a scale that is NaN, Inf, negative or above `MAX_SCALE`
@@ -89,11 +89,11 @@ _DTYPE = {
 class _Levels:
     """A block format's levels: a block's scale is max|x| / top, and a value is level * scale, its
     level the nearest of the format's (whole numbers in [-top, top], or with `midrise`, the half
-    numbers -1.5 ... 1.5); `bits` per value on the wire."""
+    numbers -1.5 ... 1.5). Its `bits` per value are wire.BLOCK_BITS', which sizes the payloads."""
 
-    def __init__(self, bits: int, top: float, midrise: bool = False):
-        self.bits, self.top, self.midrise = bits, np.float32(top), midrise
-        self.per_byte = 8 // bits
+    def __init__(self, dtype: DType, top: float, midrise: bool = False):
+        self.dtype, self.bits, self.top, self.midrise = dtype, BLOCK_BITS[dtype], np.float32(top), midrise
+        self.per_byte = 8 // self.bits
         self.tiny = float(top) * float(np.finfo(np.float32).tiny)  # blocks below this are sent as zeros
 
     def nearest(self, ratio: np.ndarray) -> None:
@@ -134,9 +134,12 @@ class _Levels:
 
 
 _LEVELS = {
-    DType.INT8_BLOCK: _Levels(8, 127),
-    DType.INT4_BLOCK: _Levels(4, 7),
-    DType.INT2_BLOCK: _Levels(2, 1.5, midrise=True),
+    levels.dtype: levels
+    for levels in (
+        _Levels(DType.INT8_BLOCK, 127),
+        _Levels(DType.INT4_BLOCK, 7),
+        _Levels(DType.INT2_BLOCK, 1.5, midrise=True),
+    )
 }
 
 
