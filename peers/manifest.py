@@ -34,11 +34,10 @@ FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AveragingSettings:
     average_every: int = 50  # local (inner) optimizer steps between two averaging rounds: DiLoCo's H
-    # The first phase's length: the phases are first_phase, 2x, 4x, ... steps up to average_every,
-    # then average_every (peers/phases.py), so that the run's model is averaged early: in simulation
-    # its mean gap to a worker alone over 500 step times was +0.007 to +0.033 bits/char against +0.36
-    # with every phase H (docs/algorithms.md, "The first phases"); the cost is the extra rounds.
-    # 0: every phase is average_every.
+    # The first phase's length: the first average_every steps are cut into phases of first_phase,
+    # 2x, 4x, ... steps and the rest, then every phase is average_every (peers/phases.py), so that
+    # the run's model is averaged early (docs/algorithms.md, "Training: DiLoCo"); the cost is the
+    # extra rounds. 0: every phase is average_every.
     first_phase: int = 5
     max_group_size: int = 16  # largest Moshpit group; sizes the virtual grid
     round_timeout: float = 30.0  # seconds a round may take before members abort it

@@ -5,11 +5,13 @@ one process trained on the same samples; a late joiner downloads the outer state
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
 from peerd.daemon.client import ControlClient
 from peerd.daemon.tasks import get_task, train_single_process
+from peerd.peers.manifest import AveragingSettings
 from tests.helpers import TRAINING, scrape, wait_for
 
 pytestmark = pytest.mark.heavy
@@ -25,7 +27,10 @@ def status(d, run: str):
 
 @TRAINING
 def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn, training):
-    steps, every, batch = 600, 50, 32  # the default H
+    steps, batch = 600, 32
+    rounds = AveragingSettings().phases.round_of(
+        steps
+    )  # the default schedule: 15 rounds (H = 50, first phases 5, 10, 20, 15)
     create = ["--task", "digits-mlp", "--set", "optimizer=sgd", "--set", "lr=0.05"]
     args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY, *training]
     a = spawn("dl-a", [*args, *create])
@@ -51,12 +56,12 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
         assert r.eval_score >= 0.97 * single, (r.eval_score, single)
         m = scrape(d.metrics_url)
         completed.append(m[("peerd_rounds_total", (("outcome", "completed"), ("run", "dl")))])
-        assert completed[-1] >= steps // every // 2, m
+        assert completed[-1] >= rounds // 2, m
         assert 0 < m[("peerd_train_compute_fraction", (("run", "dl"),))] <= 1
     # Every round completed on every member: every member ends at the same θ, hence the same score
     # (the final evaluation is taken after the last round landed). A round that one member missed
     # under load leaves it its own outer step until the next repair round (every 25 by default).
-    if completed == [steps // every] * len(daemons):
+    if completed == [rounds] * len(daemons):
         assert len({r.eval_score for r in finals}) == 1, [r.eval_score for r in finals]
     for d in daemons:
         assert d.stop() == 0
@@ -120,3 +125,52 @@ def test_diloco_trains_on_through_a_kill_and_a_late_joiner_realigns_by_the_repai
         watch.stop()
     for d in (a, b, late):
         assert d.stop() == 0, d.log_tail(30)  # 1: its drain outlasted drain_timeout (tests/FLAKY.md)
+
+
+WINDOW = 40.0  # seconds from the launch of all six daemons to their stop
+
+
+def evaluate_latest(d, run: str) -> tuple[int, float, float]:
+    """(step, accuracy, eval loss) of the checkpoint a daemon wrote when it stopped: the run's model
+    (under DiLoCo θ, the outer parameters every member of a completed round shares)."""
+    from peerd.daemon.checkpoint import CheckpointStore
+    from peerd.daemon.export import checkpoint_weights
+
+    task = get_task("digits-mlp")
+    hparams = task.parse_hparams({})
+    ckpt = CheckpointStore(d.data_dir / "runs" / run / "checkpoints").load_latest()
+    assert ckpt is not None, d.log_tail(30)
+    model, _ = task.build(hparams, 0)
+    loaded = model.load_state_dict(checkpoint_weights(ckpt)[1], strict=False)
+    assert not [n for n, _ in model.named_parameters() if n in loaded.missing_keys], loaded
+    result = task.evaluate(model, hparams)
+    return ckpt.step, result.score, result.loss
+
+
+def test_three_daemons_with_the_defaults_beat_the_same_daemons_alone_at_equal_wall_time(spawn):
+    """Issue 25: three daemons in one run with the defaults of new runs (DiLoCo, H = 50 with short
+    first phases, overlap, int8) against three daemons that each train alone (no rounds at all: the
+    compute ceiling), all six launched at once on the same machine and stopped at once after WINDOW
+    seconds; the run's model (θ, from the stop's checkpoint) against each one's own. Equal wall
+    time, so that the run pays for its rounds and its wait for peers; a busy machine slows both."""
+    from peerd.daemon.procs import stop_all
+
+    common = ["--task", "digits-mlp", "--eval-every", "100000", "--torch-threads", "1", *FAST_DISCOVERY]
+    a = spawn("beat-a", ["--run", "beat", "--min-peers", "3", *common])
+    run = [a] + [
+        spawn(f"beat-{n}", ["--run", "beat", "--min-peers", "3", "--initial-peers", a.maddrs[0], *common], wait=False)
+        for n in "bc"
+    ]
+    plain = ["--set", "averaging.algorithm=state", "--set", "averaging.average_every=100000"]
+    plain += ["--set", "averaging.first_phase=0"]
+    alone = [spawn(f"alone-{n}", ["--run", f"alone-{n}", *common, *plain], wait=False) for n in "abc"]
+    launched = time.monotonic()
+    for d in [*run[1:], *alone]:
+        d.wait_ready()
+    time.sleep(max(0.0, launched + WINDOW - time.monotonic()))
+    assert stop_all([*run, *alone]) == [0] * 6
+    ours = [evaluate_latest(d, "beat") for d in run]
+    theirs = [evaluate_latest(d, f"alone-{n}") for d, n in zip(alone, "abc")]
+    print(f"run (step, accuracy, loss): {ours}\nalone: {theirs}")
+    loss_run, loss_alone = (sum(r[2] for r in rs) / 3 for rs in (ours, theirs))
+    assert loss_run < loss_alone, (ours, theirs)
