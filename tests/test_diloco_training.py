@@ -1,6 +1,7 @@
 """Three real daemons train digits-mlp with the default algorithm (DiLoCo: inner steps, int8
 pseudo-gradients with error feedback, an outer Nesterov step, daemon/diloco.py) and reach the accuracy of
-one process trained on the same samples; a late joiner downloads the outer state and catches up."""
+one process trained on the same samples; a late joiner downloads the outer state and catches up;
+three daemons in a run with the defaults beat the same daemons alone at equal wall time."""
 
 from __future__ import annotations
 
@@ -128,16 +129,17 @@ def test_diloco_trains_on_through_a_kill_and_a_late_joiner_realigns_by_the_repai
 
 
 WINDOW = 40.0  # seconds from the launch of all six daemons to their stop
+TASK, HPARAMS = "charlm", {"d_model": "32", "n_layers": "1", "n_heads": "2", "context": "32"}  # a light charlm
 
 
 def evaluate_latest(d, run: str) -> tuple[int, float, float]:
-    """(step, accuracy, eval loss) of the checkpoint a daemon wrote when it stopped: the run's model
+    """(step, score, eval loss) of the checkpoint a daemon wrote when it stopped: the run's model
     (under DiLoCo θ, the outer parameters every member of a completed round shares)."""
     from peerd.daemon.checkpoint import CheckpointStore
     from peerd.daemon.export import checkpoint_weights
 
-    task = get_task("digits-mlp")
-    hparams = task.parse_hparams({})
+    task = get_task(TASK)
+    hparams = task.parse_hparams({k: int(v) for k, v in HPARAMS.items()})
     ckpt = CheckpointStore(d.data_dir / "runs" / run / "checkpoints").load_latest()
     assert ckpt is not None, d.log_tail(30)
     model, _ = task.build(hparams, 0)
@@ -149,28 +151,36 @@ def evaluate_latest(d, run: str) -> tuple[int, float, float]:
 
 def test_three_daemons_with_the_defaults_beat_the_same_daemons_alone_at_equal_wall_time(spawn):
     """Issue 25: three daemons in one run with the defaults of new runs (DiLoCo, H = 50 with short
-    first phases, overlap, int8) against three daemons that each train alone (no rounds at all: the
-    compute ceiling), all six launched at once on the same machine and stopped at once after WINDOW
-    seconds; the run's model (θ, from the stop's checkpoint) against each one's own. Equal wall
-    time, so that the run pays for its rounds and its wait for peers; a busy machine slows both."""
+    first phases, overlap, int8, the straggler budget) against the same daemons alone (each its own
+    run with the same defaults: its rounds find nobody and it takes its own outer steps), all six
+    launched at once on one machine and stopped at once WINDOW seconds later: the run's model (θ,
+    from the stop's checkpoint) against theirs. Equal wall time: the run pays for its rounds and
+    its wait for peers, and a busy machine slows both sides alike.
+
+    Measured (bits/char, the run's θ against the mean of the three alone; 2026-11-28, 2 cores):
+    quiet 2.562 against 2.649; one core held busy 2.683 against 2.694 and 2.690 against 2.727;
+    two cores held busy 2.687 against 2.758. The bound is the measured claim itself: the run's
+    model is better than the mean of the daemons alone. (Each daemon alone training the state
+    algorithm, its rounds no-ops, did worse still: 2.79, 2.78, 2.79 against the run's 2.54.)"""
     from peerd.daemon.procs import stop_all
 
-    common = ["--task", "digits-mlp", "--eval-every", "100000", "--torch-threads", "1", *FAST_DISCOVERY]
+    common = ["--task", TASK, *(a for k, v in HPARAMS.items() for a in ("--set", f"{k}={v}"))]
+    common += ["--eval-every", "100000", "--torch-threads", "1", *FAST_DISCOVERY]
     a = spawn("beat-a", ["--run", "beat", "--min-peers", "3", *common])
     run = [a] + [
         spawn(f"beat-{n}", ["--run", "beat", "--min-peers", "3", "--initial-peers", a.maddrs[0], *common], wait=False)
         for n in "bc"
     ]
-    plain = ["--set", "averaging.algorithm=state", "--set", "averaging.average_every=100000"]
-    plain += ["--set", "averaging.first_phase=0"]
-    alone = [spawn(f"alone-{n}", ["--run", f"alone-{n}", *common, *plain], wait=False) for n in "abc"]
+    alone = [spawn(f"alone-{n}", ["--run", f"alone-{n}", *common], wait=False) for n in "abc"]
     launched = time.monotonic()
     for d in [*run[1:], *alone]:
         d.wait_ready()
     time.sleep(max(0.0, launched + WINDOW - time.monotonic()))
-    assert stop_all([*run, *alone]) == [0] * 6
+    codes = stop_all([*run, *alone])
+    assert None not in codes, codes  # none had to be killed: each wrote its checkpoint as it stopped
     ours = [evaluate_latest(d, "beat") for d in run]
     theirs = [evaluate_latest(d, f"alone-{n}") for d, n in zip(alone, "abc")]
-    print(f"run (step, accuracy, loss): {ours}\nalone: {theirs}")
-    loss_run, loss_alone = (sum(r[2] for r in rs) / 3 for rs in (ours, theirs))
-    assert loss_run < loss_alone, (ours, theirs)
+    print(f"run (step, bits/char, loss): {ours}\nalone: {theirs}")
+    run_score, alone_score = (sum(r[1] for r in rs) / 3 for rs in (ours, theirs))
+    assert all(r[0] > 0 for r in ours + theirs), (ours, theirs)  # every one trained
+    assert run_score < alone_score, (ours, theirs)  # bits/char: lower is better
