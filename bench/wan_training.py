@@ -12,7 +12,7 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
 
   (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, overlapped rounds
   (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
-  (c) alone     the same hosts, the same run, no rounds (average_every = 100000): the compute ceiling
+  (c) alone     the same hosts, the same run, no rounds (average_every = 100000, first_phase = 0): the compute ceiling
                 under the same CPU sharing, since all hosts share this machine's cores. It trains
                 in each daemon's thread (--no-train-process), whose checkpoint at the stop holds the
                 model as trained: an attached child's phase never ends there, and its daemon's
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             scenario(
                 "c_alone",
                 args,
-                {"averaging.algorithm": "state", "averaging.average_every": 100_000},
+                {"averaging.algorithm": "state", "averaging.average_every": 100_000, "averaging.first_phase": 0},
                 daemon_args=("--no-train-process",),
             ),
         ),
