@@ -18,6 +18,7 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
                 model as trained: an attached child's phase never ends there, and its daemon's
                 checkpoint would hold the initial parameters
   extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
+                h_from_start: (a) without the short first phases (averaging.first_phase=0);
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
                 the others' speed (the straggler budget; needs cgroup v1's cpu controller);
                 thread: (a) with each daemon training in a thread of its own (--no-train-process;
@@ -329,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=50, help="DiLoCo's H: inner steps per outer step")
     p.add_argument("--task", default="charlm")
     p.add_argument("--engine", default="", help="(a)'s averaging.engine, e.g. loss-tolerant (default: the run's)")
-    p.add_argument("--extra", default="", help="comma-separated: udp10, sync, throttled, thread, state_thread")
+    p.add_argument(
+        "--extra", default="", help="comma-separated: udp10, sync, h_from_start, throttled, thread, state_thread"
+    )
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
     p.add_argument(
@@ -370,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
                 (
                     "a_diloco_udp10",
                     scenario("a_diloco_udp10", args, {**diloco, "averaging.engine": "loss-tolerant"}, loss=10.0),
+                )
+            )
+        elif e == "h_from_start":
+            setups.append(
+                (
+                    "a_diloco_h_from_start",
+                    scenario("a_diloco_h_from_start", args, {**diloco, "averaging.first_phase": 0}),
                 )
             )
         elif e == "sync":
