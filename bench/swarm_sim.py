@@ -12,9 +12,10 @@ N(0, 1); a group averages its members exactly. Three scenarios, each over --seed
 * "p=0.005": each peer freezes with probability 0.5 % per round, for --freeze-seconds around the
   round's start (it neither heartbeats nor answers, keeps its value, and is back before the next
   round): the paper's failure model, through heartbeats, views and matchmaking timeouts;
-* "churn": a volunteer swarm over --churn-rounds rounds: peers join (Poisson, --join-rate per minute,
-  each taking a live peer's vector as its state download would), leave (--leave-rate of the live
-  peers per minute, with the LEFT record and goodbyes of RunMembership.leave) and freeze as above.
+* "churn": a volunteer swarm of --churn-peers over --churn-rounds rounds: peers join (Poisson,
+  --join-rate per minute, each taking a live peer's vector as its state download would), leave
+  (--leave-rate of the live peers per minute: half with the LEFT record and goodbyes of
+  RunMembership.leave, --crash-share without a word) and freeze as above.
   Its error is measured against the live peers' own mean.
 
 Reported per scenario: the share of peer-rounds whose group was full (as large as the peer's own view
@@ -98,6 +99,7 @@ class SwarmSettings:
     round_interval: float = 10.0  # seconds of simulated time between two rounds' starts (a phase)
     join_rate: float = 0.0  # peers joining per minute, Poisson
     leave_rate: float = 0.0  # share of the live peers leaving per minute
+    crash_share: float = 0.5  # of the leavers: gone without a goodbye (killed, a machine lost)
     freeze_prob: float = 0.0  # per peer and round: frozen around the round's start
     freeze_seconds: float = 5.0  # how long a freeze lasts, from 0.5 s before the round's start
     refresh_phases: int = 4  # peers refresh at refresh_interval * (k + phase / refresh_phases)
@@ -343,8 +345,14 @@ class Swarm:
         view.table.expire(t)
 
     def leave(self, peer: Peer) -> None:
-        """RunMembership.leave: a LEFT record in the DHT, and a goodbye that every table applies at once."""
+        """RunMembership.leave: a LEFT record in the DHT, and a goodbye that every table applies at
+        once; or, for a share crash_share of the leavers, a crash: nothing, and the tables drop the
+        peer once its heartbeat has not advanced for peer_ttl."""
         t, d = self.clock(), self.settings.discovery
+        if self.rng.random() < self.settings.crash_share:
+            peer.gone, peer.left = True, t
+            self.detach(peer)
+            return
         record = MemberRecord(RUN_ID, peer.identity.peer_id, (), "sim", TRAINER, MemberState.LEFT, t)
         self.dht.store(peer.identity.peer_id, "leave", self.key, peer.identity.peer_id, record, t + d.peer_ttl)
         peer.gone, peer.left = True, t
@@ -589,6 +597,7 @@ def scenarios(args: argparse.Namespace) -> dict[str, SwarmSettings]:
             stop_at_target=False,
             join_rate=args.join_rate,
             leave_rate=args.leave_rate,
+            crash_share=args.crash_share,
             freeze_prob=args.freeze_prob,
             **common,
         ),
@@ -613,6 +622,7 @@ def main() -> None:
     parser.add_argument(
         "--leave-rate", type=float, default=1 / 60, help="churn: share of live peers leaving per minute"
     )
+    parser.add_argument("--crash-share", type=float, default=0.5, help="churn: leavers that leave no goodbye")
     parser.add_argument("--freeze-prob", type=float, default=0.005, help="churn: per peer and round")
     parser.add_argument("--freeze-seconds", type=float, default=5.0)
     parser.add_argument("--refresh-phases", type=int, default=4)

@@ -55,15 +55,30 @@ def test_a_volunteer_swarm_joining_leaving_and_freezing_still_forms_groups():
     summary = summarize(stats, swarm)
     joined = len(swarm.peers) - 1000
     left = sum(p.gone for p in swarm.peers.values())
-    assert joined >= 5 and left >= 5  # churn happened: measured 18 joined, 18 left
-    # Measured 0.775 full, 0.666 as planned, 0.017 without a group (seeds 0-3: 0.74-0.78, 0.64-0.68,
-    # 0.004-0.017). A joiner seen by some tables and not yet by others shifts the coordinates of
-    # about half the peers in those views: their groups differ from the plan, and peers that reach
-    # a leader after it decided get none (LATE, GROUP_FULL).
-    assert summary.full_share >= 0.7
-    assert summary.as_planned_share >= 0.6
+    said_goodbye = swarm.dht.by_op["leave"]  # the others crashed
+    assert joined >= 5 and said_goodbye >= 2 and left - said_goodbye >= 2  # measured 18, 6 and 5
+    # Measured at this seed 0.856 full, 0.856 as planned, none without a group; over seeds 0-3
+    # 0.66-0.86, 0.48-0.86 and 0-0.02. A joiner seen by some tables and not yet by others shifts
+    # the coordinates of about half the peers in those views: their groups differ from the plan,
+    # and peers that reach a leader after it decided get none (LATE, GROUP_FULL). A crashed peer
+    # leaves its group one short until the tables drop it, peer_ttl after its last heartbeat.
+    assert summary.full_share >= 0.6
+    assert summary.as_planned_share >= 0.4
     assert summary.no_group_share <= 0.04
-    assert summary.max_views <= 3  # joiners' tables catch up within a refresh or two: measured 2
+    # The tables at the end: every peer that joined a heartbeat and a refresh ago is in them, no peer
+    # that left (said goodbye, or crashed peer_ttl and a refresh ago) is.
+    d, t = settings.discovery, swarm.clock()
+    settled = {
+        p
+        for p, peer in swarm.peers.items()
+        if not peer.gone and peer.joined < t - d.heartbeat_interval * 2 - d.refresh_interval
+    }
+    departed = {p for p, peer in swarm.peers.items() if peer.gone and peer.left < t - d.peer_ttl - d.refresh_interval}
+    tables = [v.table for v in swarm.views if any(not swarm.peers[p].frozen for p in v.holders)]
+    for table in tables:
+        ids = {e.peer_id for e in table.entries()}
+        assert settled <= ids and not departed & ids
+    assert summary.max_views <= 3  # joiners' tables catch up within a refresh or two: measured 1
     assert all(max(r.got) <= 32 for r in stats)  # matchmaking caps a group at G even when views differ
-    assert summary.final_error <= 1e-6  # averaging goes on through the churn: measured 9.4e-8
-    assert summary.requests_per_peer_minute <= DHT_PER_PEER_MINUTE  # measured 107.6
+    assert summary.final_error <= 1e-6  # averaging goes on through the churn: measured 1.2e-8
+    assert summary.requests_per_peer_minute <= DHT_PER_PEER_MINUTE  # measured 106.9
