@@ -35,7 +35,7 @@ What runs for real and what is driven through pure functions:
   clock `now()` reads the virtual clock.
 * membership: the real `PeerTable` (observe, expire, LEFT records) fed with real `MemberRecord`s,
   on RunMembership's schedule (a heartbeat store every heartbeat_interval, a refresh get every
-  refresh_interval, expiry after peer_ttl, a goodbye to every table on leaving). RunMembership
+  refresh_interval, expiry after peer_ttl, a goodbye to every table when leaving politely). RunMembership
   itself is not run: it seals and opens every record (1,000 readers x 1,000 RSA signatures per
   second), so records are stored unsealed. Peers are split into --refresh-phases phases; peers of
   one phase that saw the same records share one table (`View`) as long as their tables would be
@@ -43,8 +43,10 @@ What runs for real and what is driven through pure functions:
   until its table equals its phase's again. The daemon's rendezvous is counted (its first poll, a
   heartbeat and a get) but not waited on: every peer reaches the round's step at the same moment.
   Rejoin pings (RunMembership.rejoin) are not simulated.
-* the grid: the real `grid_shape`, `view_coords` (epoch = round // d, as peers/averaging.py) and
-  `group_key` on each peer's own view (its table's trainers plus itself).
+* the grid: the real `grid_shape`, `view_coords` (epoch = round // d) and `group_key` on each peer's
+  own view (its table's trainers plus itself): the few lines of peers/averaging.py's `average` that
+  plan a round are re-stated in `Swarm.plans` (`average` needs tensors and a collective engine).
+  The all-reduce is replaced by the exact mean of the members that received the group.
 """
 
 from __future__ import annotations
