@@ -5,8 +5,8 @@ trainer's counters (plain attributes, written by the thread only) for status and
 
 The run's *state vector* is one flat float32 vector: the parameters, then each parameter's
 floating-point optimizer state (momentum, Adam moments) in a fixed order, the same layout on every
-peer. At every phase's end (peers/phases.py) the thread copies the state into it and hands it to `average` (a
-Moshpit round run on the event loop, see peers/averaging.py); a COMPLETED round's result replaces
+peer. At every phase's end (peers/phases.py) the thread copies the state into it and hands it to
+`average` (a Moshpit round run on the event loop, see peers/averaging.py); a COMPLETED round's result replaces
 the state, a PARTIAL one (UDP engine) replaces it where its packets arrived (the engine has already
 left this daemon's own values elsewhere), an ABORTED one leaves it as it was. The vector left after each round is published as this
 daemon's snapshot, which peers that fell behind download (peers/statesync.py).

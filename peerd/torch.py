@@ -1,10 +1,10 @@
 """`peerd.torch.Optimizer`: wrap your optimizer, keep your loop (docs/your-loop.md).
 
-Every `opt.step()` is an inner step of your own optimizer, on your model, on its device. After
-a phase's steps (the run's H; the first phases shorter, peers/phases.py) the phase ends: the parameters are copied to the daemon's
-shared vector (one host copy; pinned in place where CUDA is present), the daemon averages the
-phase's pseudo-gradient with its peers and takes the outer step (DiLoCo), and the run's parameters
-are copied back into the model. Nothing else crosses: the inner optimizer's state stays here (but
+Every `opt.step()` is an inner step of your own optimizer, on your model, on its device. After a
+phase's steps (the run's H; the first phases shorter, peers/phases.py) the phase ends: the
+parameters are copied to the daemon's shared vector (one host copy; pinned in place where CUDA is
+present), the daemon averages the phase's pseudo-gradient with its peers and takes the outer step
+(DiLoCo), and the run's parameters are copied back into the model. Nothing else crosses: the inner optimizer's state stays here (but
 for a built-in task's state run, whose child hands it over too: `state_vector`).
 With overlap (the run's `averaging.overlap`), the phase's end does not wait for its round: the
 round runs while the next phase computes; when it ends the daemon writes the new θ to the shared
