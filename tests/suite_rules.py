@@ -105,39 +105,49 @@ def _slot_dir(config) -> Path | None:
 
 
 @contextlib.contextmanager
-def _heavy_slot(config, nodeid: str):
-    """Hold one of HEAVY_SLOTS flock()ed files for the test's whole protocol (retry included); the
-    kernel drops the lock if the worker dies."""
+def _heavy_slots(config, nodeid: str, count: int):
+    """Hold `count` of HEAVY_SLOTS flock()ed files for the test's whole protocol (retry included);
+    the kernel drops the locks if the worker dies. A test that takes them all holds the slots it got
+    while it waits for the rest, and looks more often than a one-slot test, so that a stream of
+    those does not keep it waiting."""
     folder = _slot_dir(config)
     if folder is None:
         yield
         return
     deadline = time.monotonic() + HEAVY_WAIT_S
-    while True:
-        for i in range(HEAVY_SLOTS):
-            f = open(folder / f"slot{i}", "a")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.close()
-                continue
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-                f.close()
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{nodeid}: no heavy-test slot free within {HEAVY_WAIT_S} s")
-        time.sleep(0.2)
+    held: dict[int, object] = {}
+    try:
+        while True:
+            for i in range(HEAVY_SLOTS):
+                if i in held or len(held) == count:
+                    continue
+                f = open(folder / f"slot{i}", "a")
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    f.close()
+                    continue
+                held[i] = f
+            if len(held) == count:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{nodeid}: {count} heavy-test slot(s) not free within {HEAVY_WAIT_S} s")
+            time.sleep(0.2 if count == 1 else 0.05)
+        yield
+    finally:
+        for f in held.values():
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     # Outside pytest-timeout's wrapper: the wait for a slot is not part of the test's 300 s.
-    if item.get_closest_marker("heavy") is None:
+    marker = item.get_closest_marker("heavy")
+    if marker is None:
         return (yield)
-    with _heavy_slot(item.config, item.nodeid):
+    # heavy(slots=2): a test that loads the machine as two heavy tests do runs with no other beside it.
+    with _heavy_slots(item.config, item.nodeid, min(HEAVY_SLOTS, int(marker.kwargs.get("slots", 1)))):
         return (yield)
 
 

@@ -128,7 +128,7 @@ def test_diloco_trains_on_through_a_kill_and_a_late_joiner_realigns_by_the_repai
         assert d.stop() == 0, d.log_tail(30)  # 1: its drain outlasted drain_timeout (tests/FLAKY.md)
 
 
-WINDOW = 40.0  # seconds from the launch of all six daemons to their stop
+WINDOW = 30.0  # seconds from the moment all six daemons train to their stop
 TASK, HPARAMS = "charlm", {"d_model": "32", "n_layers": "1", "n_heads": "2", "context": "32"}  # a light charlm
 
 
@@ -149,19 +149,25 @@ def evaluate_latest(d, run: str) -> tuple[int, float, float]:
     return ckpt.step, result.score, result.loss
 
 
+@pytest.mark.heavy(slots=2)  # six daemons and their children: no other heavy test beside them
 def test_three_daemons_with_the_defaults_beat_the_same_daemons_alone_at_equal_wall_time(spawn):
     """Issue 25: three daemons in one run with the defaults of new runs (DiLoCo, H = 50 with short
     first phases, overlap, int8, the straggler budget) against the same daemons alone (each its own
     run with the same defaults: its rounds find nobody and it takes its own outer steps), all six
-    launched at once on one machine and stopped at once WINDOW seconds later: the run's model (θ,
-    from the stop's checkpoint) against theirs. Equal wall time: the run pays for its rounds and
-    its wait for peers, and a busy machine slows both sides alike.
+    launched at once on one machine and stopped at once WINDOW seconds after all six train: the
+    run's model (θ, from the stop's checkpoint) against theirs. Equal wall time: the run pays for
+    its rounds, and a busy machine slows both sides alike.
 
     Measured (bits/char, the run's θ against the mean of the three alone; 2026-11-28, 2 cores):
-    quiet 2.562 against 2.649; one core held busy 2.683 against 2.694 and 2.690 against 2.727;
-    two cores held busy 2.687 against 2.758. The bound is the measured claim itself: the run's
-    model is better than the mean of the daemons alone. (Each daemon alone training the state
-    algorithm, its rounds no-ops, did worse still: 2.79, 2.78, 2.79 against the run's 2.54.)"""
+    this window, quiet 2.506 against 2.579, one core held busy 2.570 against 2.669; a window of 40 s
+    from the launch (about 30 s of training), quiet 2.562 against 2.649 and 2.573 against 2.677, one
+    core busy 2.683 against 2.694 and 2.690 against 2.727, two cores busy 2.687 against 2.758. In
+    the suite it had 40 s from the launch first and its daemons did not all train within them (a
+    loaded machine): hence the window from the moment all six train, and slots=2. The bound is the
+    measured claim itself: the run's model is better than the mean of the daemons alone. (Each
+    daemon alone training the state algorithm, its rounds no-ops, did worse still: 2.79, 2.78, 2.79
+    against the run's 2.54.)
+    """
     from peerd.daemon.procs import stop_all
 
     common = ["--task", TASK, *(a for k, v in HPARAMS.items() for a in ("--set", f"{k}={v}"))]
@@ -172,10 +178,13 @@ def test_three_daemons_with_the_defaults_beat_the_same_daemons_alone_at_equal_wa
         for n in "bc"
     ]
     alone = [spawn(f"alone-{n}", ["--run", f"alone-{n}", *common], wait=False) for n in "abc"]
-    launched = time.monotonic()
     for d in [*run[1:], *alone]:
         d.wait_ready()
-    time.sleep(max(0.0, launched + WINDOW - time.monotonic()))
+    # The window opens once all six train (a loaded machine may take a minute to get there); the
+    # daemons alone, which wait for no peer, have trained a little longer by then.
+    runs = [(d, "beat") for d in run] + [(d, f"alone-{n}") for d, n in zip(alone, "abc")]
+    wait_for(lambda: all(status(d, r).local_step > 0 for d, r in runs), timeout=180, what="all six train")
+    time.sleep(WINDOW)
     codes = stop_all([*run, *alone])
     assert None not in codes, codes  # none had to be killed: each wrote its checkpoint as it stopped
     ours = [evaluate_latest(d, "beat") for d in run]

@@ -1,5 +1,6 @@
 """The suite's own rules (tests/suite_rules.py), in a pytest run of their own on three xdist workers:
-a retry is printed in the last lines and appended to the ledger; no more than two heavy tests run at once."""
+a retry is printed in the last lines and appended to the ledger; no more than two heavy tests run at once,
+and a test marked heavy(slots=2) with none beside it."""
 
 from __future__ import annotations
 
@@ -29,10 +30,19 @@ def test_heavy(i):
     time.sleep(3)
     with open(LOG, "a") as f:
         f.write(f"{time.monotonic()} -1\\n")
+
+@pytest.mark.heavy(slots=2)
+def test_heavy_alone():
+    with open(LOG, "a") as f:
+        f.write(f"{time.monotonic()} 2\\n")
+    time.sleep(3)
+    with open(LOG, "a") as f:
+        f.write(f"{time.monotonic()} -2\\n")
 """
 
 
 def test_a_retry_is_printed_last_and_on_record_and_two_heavy_tests_run_at_most(tmp_path):
+    """Heavy tests count one slot each, heavy(slots=2) two: at no moment do more than two run."""
     (tmp_path / "test_rules.py").write_text(RUN)
     log, ledger = tmp_path / "log", tmp_path / "ledger.md"
     r = subprocess.run(
@@ -47,11 +57,11 @@ def test_a_retry_is_printed_last_and_on_record_and_two_heavy_tests_run_at_most(t
     assert r.returncode == 0, r.stdout + r.stderr
     last = r.stdout.strip().splitlines()[-(TRACEBACK_LINES + 2) :]  # RETRIED, its traceback's end, the counts
     assert any(line.startswith("RETRIED ") and "test_fails_once" in line for line in last), last
-    assert "AssertionError: the first try fails" in last[-2] and "5 passed, 1 rerun" in last[-1], last
+    assert "AssertionError: the first try fails" in last[-2] and "6 passed, 1 rerun" in last[-1], last
     assert "test_fails_once" in ledger.read_text() and "the first try fails" in ledger.read_text()
     running = peak = 0
     events = sorted((float(t), int(d)) for t, d in (line.split() for line in log.read_text().splitlines()))
-    for _, d in events:  # an end at the same instant as a start sorts first (-1 < 1)
+    for _, d in events:  # an end at the same instant as a start sorts first (-2 < -1 < 1 < 2)
         running += d
         peak = max(peak, running)
-    assert len(events) == 8 and peak <= 2, events
+    assert len(events) == 10 and peak <= 2, events
