@@ -50,6 +50,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -323,7 +324,11 @@ class Scale:
         pending = set(range(len(self.daemons)))
         while pending:
             for i in sorted(pending):
-                if {p.peer_id for p in self.clients[i].list_peers(run).peers} == want[i]:
+                try:
+                    listed = {p.peer_id for p in self.clients[i].list_peers(run).peers}
+                except grpc.RpcError:  # a busy daemon missed one call: the next sweep asks again
+                    continue
+                if listed == want[i]:
                     pending.discard(i)  # tables only grow here: nobody leaves or goes silent
             if pending and time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"{len(pending)} of {len(self.daemons)} daemons miss peers after {timeout:.0f} s")
@@ -362,7 +367,7 @@ class Scale:
         for c in self.clients:
             try:
                 out.append(next((r for r in c.status().runs if r.run_id == RUN), None))
-            except Exception:  # a busy daemon missed one poll: the next sweep reads it
+            except grpc.RpcError:  # a busy daemon missed one poll: the next sweep reads it
                 out.append(None)
         return out
 
@@ -530,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             try:
                 lines = scale.measure(n)
-            except (TimeoutError, RuntimeError, OSError) as e:
+            except (TimeoutError, RuntimeError, OSError, grpc.RpcError) as e:
                 progress(BENCH, f"N = {n} failed: {type(e).__name__}: {e}")
                 lines = [
                     result(
