@@ -70,6 +70,7 @@ SEES_TARGET = 3 * HEARTBEAT  # issue 28: every daemon sees every other within 3 
 DAEMON_ARGS = ["--torch-threads", "1", "--eval-every", "1000", "--checkpoint-every", "1000", "--progress-interval", "0"]
 CALL_TIMEOUT = 5.0  # seconds for one Status or ListPeers call (a loaded machine answers slowly)
 JOIN_TIMEOUT = 60.0  # seconds for one JoinRun: a DHT read of the manifest, the first creates it; torch loads
+IDLE_SETTLE = 5.0  # seconds between every daemon listing every other and the idle window: starts settle
 POLL = 0.5  # seconds between two sweeps of status calls while training (rounds are seconds apart)
 
 
@@ -89,6 +90,11 @@ DISCOVERY_TIMEOUT = 60.0  # seconds from the last ready to every daemon listing 
 
 
 # ---- process trees, machine ---------------------------------------------------------------------
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """Median and largest of per-daemon figures, rounded for the JSON lines."""
+    return {"median": round(median(xs), 4), "max": round(max(xs), 4)}
 
 
 def tree(daemon: LocalDaemon) -> dict[str, list[psutil.Process]]:
@@ -182,8 +188,7 @@ class Window:
         return {
             "seconds": round(seconds, 1),
             "cpu_core_share_per_tree": {
-                part: {"median": median([s[part] for s in shares]), "max": max(s[part] for s in shares)}
-                for part in ("daemon", "p2pd", "training", "tree")
+                part: spread([s[part] for s in shares]) for part in ("daemon", "p2pd", "training", "tree")
             },
             "machine": {
                 "cores": cores,
@@ -196,9 +201,8 @@ class Window:
                 "loadavg_1m": round(os.getloadavg()[0], 2),
             },
             "dht_requests_per_daemon_per_minute": {
-                "median": median(totals),
-                "max": max(totals),
-                "by_op_median": {op: median([x[op] for x in per_minute]) for op in sorted(per_minute[0])},
+                **spread(totals),
+                "by_op_median": {op: round(median([x[op] for x in per_minute]), 1) for op in sorted(per_minute[0])},
             },
         }
 
@@ -387,6 +391,7 @@ class Scale:
         self.start(n)
         sees_s = self.wait_mutual(IDLE_RUN, DISCOVERY_TIMEOUT)
         progress(BENCH, f"N = {n}: every daemon lists every other {sees_s:.1f} s after the last was ready")
+        time.sleep(IDLE_SETTLE)
         idle = Window(self.daemons)
         time.sleep(self.args.idle_seconds)
         idle_figures = idle.close()
@@ -435,7 +440,6 @@ class Scale:
         # Durations from the end scrape alone: the counters start at the join, a few rounds before the window.
         duration = counted_after["duration"]
         common = {"n": n, "grid": str(shape), "max_group_size": self.args.max_group_size}
-        tree = lambda rss, part: {"median": median([r[part] for r in rss]), "max": max(r[part] for r in rss)}  # noqa: E731
         return [
             result(
                 BENCH,
@@ -446,7 +450,7 @@ class Scale:
                 **common,
                 heartbeat_s=HEARTBEAT,
                 note="seconds from the last daemon ready to every daemon listing every other (ListPeers, "
-                "polled 10 times a second); baseline: the issue's target, 3 heartbeats; lower is better",
+                "swept every 0.1 s); baseline: the issue's target, 3 heartbeats; lower is better",
             ),
             result(
                 BENCH,
@@ -456,7 +460,7 @@ class Scale:
                 "cores",
                 **common,
                 **idle,
-                rss_mib={part: tree(idle_rss, part) for part in ("daemon", "p2pd", "tree")},
+                rss_mib={part: spread([r[part] for r in idle_rss]) for part in ("daemon", "p2pd", "tree")},
                 note="median over daemons of the CPU of daemon + p2pd, as a share of one core, idle in a run "
                 "with no task (heartbeats and table reads only); baseline: the issue's target 0.02; "
                 "the machine's figures say what else ran",
@@ -477,7 +481,7 @@ class Scale:
                 ),
                 seconds_to_join=round(joined, 1),
                 seconds_to_train=round(to_train, 1),
-                rss_mib={part: tree(train_rss, part) for part in ("daemon", "p2pd", "training", "tree")},
+                rss_mib={part: spread([r[part] for r in train_rss]) for part in ("daemon", "p2pd", "training", "tree")},
                 note="median over daemons of the CPU of daemon + p2pd + training process while training, as "
                 "a share of one core; no baseline; the task's steps are paced to steps_per_second "
                 "(paced-digits), else take what the cores leave",
@@ -492,7 +496,7 @@ class Scale:
                 rounds_polled=len(polled),
                 rounds_counted=sum(rounds),
                 full_rounds=full_rounds,
-                rounds_per_daemon={"median": median(rounds), "min": min(rounds), "max": max(rounds)},
+                rounds_per_daemon={**spread(rounds), "min": min(rounds)},
                 completed_share=round(sum(completed) / sum(rounds), 3) if sum(rounds) else None,
                 outcomes={k: sum(o.get(k, 0) for o in outcomes) for k in sorted({k for o in outcomes for k in o})},
                 missed=sum(a - b for a, b in zip(counted_after["missed"], counted_before["missed"])),
@@ -503,7 +507,7 @@ class Scale:
                 task=self.args.task,
                 steps_per_second=self.args.steps_per_second if self.args.task == paced_task.NAME else None,
                 poll_s=POLL,
-                note="share of the rounds seen by status polls (every daemon, every POLL s) that completed "
+                note=f"share of the rounds seen by status polls (every daemon, every {POLL} s) that completed "
                 f"with the grid's full group (grid {shape} of {n} peers: sides[t mod d] members in round t); "
                 "rounds_counted: peerd_rounds_total over the window; round_duration_s: quantiles of "
                 "peerd_round_duration_seconds (rounds that formed a group, matchmaking excluded), all "
