@@ -258,7 +258,7 @@ def round_metrics(metrics: list[dict]) -> dict:
     """Rounds by outcome per daemon, and the round durations of all daemons together, from /metrics."""
     outcomes, buckets, missed, steps = [], collections.Counter(), [], []
     for m in metrics:
-        mine = collections.Counter()
+        mine, counts = collections.Counter(), collections.Counter()  # a series not created yet reads 0
         for (name, labels), v in m.items():
             labels = dict(labels)
             if labels.get("run") != RUN:
@@ -267,11 +267,11 @@ def round_metrics(metrics: list[dict]) -> dict:
                 mine[labels["outcome"]] += v
             elif name == "peerd_round_duration_seconds_bucket":
                 buckets[float(labels["le"])] += v
-            elif name == "peerd_rounds_missed_total":
-                missed.append(v)
-            elif name == "peerd_local_steps_total":
-                steps.append(v)
+            elif name in ("peerd_rounds_missed_total", "peerd_local_steps_total"):
+                counts[name] += v
         outcomes.append(dict(mine))
+        missed.append(counts["peerd_rounds_missed_total"])
+        steps.append(counts["peerd_local_steps_total"])
     return {"outcomes": outcomes, "duration": histogram_quantiles(dict(buckets)), "missed": missed, "steps": steps}
 
 
