@@ -70,6 +70,7 @@ SEES_TARGET = 3 * HEARTBEAT  # issue 28: every daemon sees every other within 3 
 DAEMON_ARGS = ["--torch-threads", "1", "--eval-every", "1000", "--checkpoint-every", "1000", "--progress-interval", "0"]
 CALL_TIMEOUT = 5.0  # seconds for one Status or ListPeers call (a loaded machine answers slowly)
 JOIN_TIMEOUT = 60.0  # seconds for one JoinRun: a DHT read of the manifest, the first creates it; torch loads
+DISCOVERY_TIMEOUT = 60.0  # seconds from the last ready to every daemon listing every other: 30 heartbeats
 IDLE_SETTLE = 5.0  # seconds between every daemon listing every other and the idle window: starts settle
 POLL = 0.5  # seconds between two sweeps of status calls while training (rounds are seconds apart)
 
@@ -84,9 +85,6 @@ def train_timeout(n: int) -> float:
     """Seconds from the joins to all N daemons training: torch loads in N daemons and N training
     processes (about 4 s of CPU each), then the processes wait for each other (--min-peers)."""
     return 90.0 + 10.0 * n
-
-
-DISCOVERY_TIMEOUT = 60.0  # seconds from the last ready to every daemon listing every other: 30 heartbeats
 
 
 # ---- process trees, machine ---------------------------------------------------------------------
