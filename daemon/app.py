@@ -581,11 +581,21 @@ class Daemon:
         )
         return cls(**{**settings, **kwargs})
 
-    async def attach(self, run_id: str, pid: int, device: str, layout: tuple, settings: dict[str, str], step: int):
-        """A training process attaches to a run this daemon is in (docs/your-loop.md). The first
-        attach to a run with no manifest creates it with the process's model. Raises UnknownRun,
-        RunRefused (another model, a task's run, other settings), AttachRefused (one process per
-        run per daemon, or no state to start from), RuntimeError when not READY."""
+    async def attach(
+        self,
+        run_id: str,
+        pid: int,
+        device: str,
+        layout: tuple,
+        settings: dict[str, str],
+        step: int,
+        group_size: int = 1,
+    ):
+        """A training process attaches to a run this daemon is in (docs/your-loop.md); several
+        processes attached to one run are its local group (daemon/attached.py). The first attach to
+        a run with no manifest creates it with the process's model. Raises UnknownRun, RunRefused
+        (another model, a task's run, other settings), AttachRefused (no state to start from),
+        RuntimeError when not READY."""
         from peerd.daemon.attached import SCRIPT_RUN_DEFAULTS, AttachedTrainer, AttachRefused
         from peerd.daemon.taskchild import TaskChild
         from peerd.peers.manifest import check_layout
@@ -612,7 +622,7 @@ class Daemon:
         trainer = handle.trainer
         if not isinstance(trainer, AttachedTrainer):
             raise AttachRefused(f"run {run_id!r} is not trained by scripts on this daemon")
-        return await asyncio.to_thread(trainer.attach, pid, device, step)
+        return await asyncio.to_thread(trainer.attach, pid, device, step, group_size)
 
     def attached_trainers(self) -> list:
         """The AttachedTrainers of this daemon's runs (daemon/attached.py; a task's child's too)."""
@@ -746,6 +756,7 @@ class Daemon:
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device
+                    r.attached_processes, r.attached_group_epoch = len(tr.members), tr.group_epoch
                 if (child := getattr(tr, "child", None)) is not None:  # daemon/taskchild.py
                     r.train_process_state, r.train_process_restarts = child.state.value, child.restarts
             runs.append(r)

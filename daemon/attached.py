@@ -32,8 +32,17 @@ averages it without an outer loop (daemon/statechild.py).
                the attachment within LEASE_CHECK s: the daemon checkpoints, announces the role
                "idle" and takes no part in the run's rounds until a process attaches again.
 
-One process per run per daemon: a second attach is refused while the first lives (a second process
-on one machine starts a daemon of its own, with its own --data-dir).
+    group      Several processes may attach to one run (torchrun's processes, one per GPU): they are the
+               run's local group on this daemon, one WAN peer. The daemon forms the group and hands
+               each process its place (epoch, rank, size, the rendezvous file of a torch.distributed
+               FileStore); the processes average their gradients at every step among themselves
+               (peerd/local_group.py), so that they hold the same parameters. The leader (rank 0)
+               hands the phase's parameters over and its EndPhase runs the round; the others'
+               EndPhase waits for the leader's of the same boundary and answers the same. A process
+               that attaches later, exits, lapses or detaches moves the group's epoch (GROUP_EPOCH in
+               the shared file): the members see it at their next step and Regroup, taking the
+               leader's parameters and optimizer state. The first process of a group that expects
+               others (AttachRequest.group_size) waits up to GROUP_FORM_WAIT s for them.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +76,8 @@ from peerd.shared_file import (
     COUNT,
     END_AT,
     END_AT_OFFSET,
+    GROUP_EPOCH,
+    GROUP_EPOCH_OFFSET,
     HEADER,
     HEADER_BYTES,
     LANDED_OFFSET,
@@ -81,6 +92,7 @@ logger = logging.getLogger(__name__)
 LEASE_SECONDS = 6.0  # an attachment ends this long after its last Renew (the process renews every 2 s)
 LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pid
 ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
+GROUP_FORM_WAIT = 30.0  # seconds the first of a group's expected processes waits for the others
 # The shared file's layout (header, counts, θ) is peerd/shared_file.py's, the process's too. END_AT
 # is written by the daemon only: the boundary step of the phase the straggler budget ends now (0:
 # none). The process compares it with its own phase's boundary at each step, so a value left from an
@@ -98,7 +110,7 @@ SCRIPT_RUN_DEFAULTS = {"averaging.overlap": "false", "averaging.inner_budget": "
 
 
 class AttachRefused(Exception):
-    """The attach cannot be taken as asked (another process is attached, no state to start from)."""
+    """The attach cannot be taken as asked (no state to start from, the daemon stops)."""
 
 
 class SessionLost(Exception):
@@ -114,6 +126,16 @@ class Session:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupSlot:
+    """A process's place in its daemon's local group (control.proto LocalGroup)."""
+
+    epoch: int
+    rank: int
+    size: int
+    store: str
+
+
+@dataclass(frozen=True, slots=True)
 class AttachInfo:
     session: str
     shared_path: str
@@ -123,6 +145,7 @@ class AttachInfo:
     lease_seconds: float
     phase_timeout: float
     upload: bool  # the process writes its parameters and calls EndPhase with 0 steps: they become θ
+    group: GroupSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +155,7 @@ class PhaseEnd:
     outcome: str
     waited: float
     downloaded: bool
+    group_epoch: int = 0
 
 
 class SharedVector:
@@ -171,6 +195,14 @@ class SharedVector:
         self.theta.copy_(theta)
         self.set_count(THETA_SEQ_OFFSET, seq + 2)
 
+    def set_group_epoch(self, epoch: int) -> None:
+        if not self._map.closed:
+            GROUP_EPOCH.pack_into(self._map, GROUP_EPOCH_OFFSET, epoch)
+
+    def store(self, epoch: int) -> Path:
+        """The rendezvous file of the local group's `epoch` (beside the vector: remove_stale takes it)."""
+        return self.path.with_name(f"{self.path.name}.group-{epoch}")
+
     def end_phase_at(self, boundary: int) -> None:
         """Ask the process to end the phase whose boundary is `boundary` at its next step."""
         if not self._map.closed:  # closed: the daemon stops
@@ -183,6 +215,8 @@ class SharedVector:
         except BufferError:  # a tensor view is still alive somewhere; the unlink frees it with the process
             pass
         self.path.unlink(missing_ok=True)
+        for store in self.path.parent.glob(f"{self.path.name}.group-*"):
+            store.unlink(missing_ok=True)
 
 
 def shared_directory(fallback: Path) -> Path:
@@ -289,7 +323,16 @@ class AttachedTrainer:
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # stop() was called: downloads stop retrying
         self._has_state = False  # θ is the run's: from a checkpoint, from peers, or uploaded
-        self.session: Session | None = None
+        # The local group: the attached processes in rank order (members[0], the leader, is `session`),
+        # its epoch, and the latest phase end (its boundary and answer) for the others' EndPhase.
+        # Guarded by _group, taken after _lock where both are (never the other way round).
+        self.members: list[Session] = []
+        self.group_epoch = 0
+        self._group = threading.Condition()
+        self._founding = False  # an attach is setting the run's state up for a first process
+        self._forming_until = 0.0  # the group's first processes are still expected until then
+        self._expected = 1
+        self._ended: tuple[int, PhaseEnd] = (-1, PhaseEnd(0, -1, "", 0.0, False))
         self._watcher: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state = TrainState.LOADING
@@ -315,6 +358,12 @@ class AttachedTrainer:
         self._phase_began = time.monotonic()
 
     # -- the surface the daemon uses ----------------------------------------------------------
+
+    @property
+    def session(self) -> Session | None:
+        """The attached process that hands the phases over (the local group's leader); None: none."""
+        members = self.members
+        return members[0] if members else None
 
     @property
     def phase_steps(self) -> int:
@@ -406,17 +455,65 @@ class AttachedTrainer:
 
     # -- the attached process -----------------------------------------------------------------
 
-    def attach(self, pid: int, device: str, step: int) -> AttachInfo:
-        """A process attaches (blocking: may download the run's state from peers first)."""
+    def attach(self, pid: int, device: str, step: int, group_size: int = 1) -> AttachInfo:
+        """A process attaches (blocking: may download the run's state from peers first). The first
+        (no live process attached) sets the run's state up; the next ones join its local group."""
+        s = Session(secrets.token_hex(16), pid if pid and pid_alive(pid) else 0, device, time.monotonic())
+        deadline = time.monotonic() + ATTACH_PATIENCE + GROUP_FORM_WAIT
+        with self._group:
+            while self._founding:  # another attach sets the state up: join the group it founds
+                if self._stopping.is_set() or not self._group.wait(max(deadline - time.monotonic(), 0.0)):
+                    raise AttachRefused(f"run {self.run_id!r}: the first process's attach did not end; try again")
+            gone = self._drop_gone()
+            founder = not self.members
+            self._founding = founder
+            if not founder:
+                self.members.append(s)
+                if time.monotonic() < self._forming_until:
+                    self._group.notify_all()  # the group forms: its epoch takes this process too
+                else:
+                    self._new_epoch(f"process {pid} joins")
+        if founder:
+            try:
+                upload = self._found(s, step, gone, group_size)
+            finally:
+                with self._group:
+                    self._founding = False
+                    self._group.notify_all()
+        else:
+            upload = False
+            logger.info(
+                "run %s: process %d (%s) joins the local group at step %d", self.run_id, pid, device, self.global_step
+            )
+        with self._group:  # the group's first processes: until all expected are here, or the wait's end
+            self._group.wait_for(
+                lambda: time.monotonic() >= self._forming_until or len(self.members) >= self._expected,
+                timeout=max(self._forming_until - time.monotonic(), 0.0),
+            )
+            if self._forming_until:  # formed: the leases run from now (the processes renew once answered)
+                self._forming_until = 0.0
+                for m in self.members:
+                    m.renewed = time.monotonic()
+                self._group.notify_all()
+            if s not in self.members:
+                raise AttachRefused(f"run {self.run_id!r}: the attachment ended while it formed; attach again")
+            return AttachInfo(
+                s.token,
+                str(self._shared.path),
+                self.numel,
+                self.global_step,
+                self.phases,
+                self.lease_seconds,
+                self.phase_timeout,
+                upload,
+                self._slot(s),
+            )
+
+    def _found(self, s: Session, step: int, gone: list[Session], group_size: int) -> bool:
+        """The run's first live process: the run's state for it (and its group). Returns `upload`."""
         with self._lock:
-            s = self.session
-            if s is not None and (not s.pid or pid_alive(s.pid)) and time.monotonic() - s.renewed < self.lease_seconds:
-                raise AttachRefused(
-                    f"run {self.run_id!r} already has a training process attached to this daemon (pid {s.pid}); "
-                    "one per run per daemon: start another daemon with its own --data-dir for a second process"
-                )
-            if s is not None:
-                self._end_session("another process attaches")
+            if gone:  # the last processes went without the watch seeing it
+                self._end_session("another process attaches", gone[0])
             # The vector holds what the last process wrote at its last EndPhase: a move since then is
             # added, whether that process took it into its own parameters or not.
             self._settle(taken=0)
@@ -434,9 +531,11 @@ class AttachedTrainer:
             if step > self.global_step:  # a restart from an older checkpoint: the run's step goes on
                 self.global_step = step
             self._shared.set_count(PHASE_STEPS_OFFSET, 0)
-            self.session = Session(
-                secrets.token_hex(16), pid if pid and pid_alive(pid) else 0, device, time.monotonic()
-            )
+            with self._group:
+                self.members = [s]
+                self._expected = max(group_size, 1)
+                self._forming_until = time.monotonic() + GROUP_FORM_WAIT if group_size > 1 else 0.0
+                self._new_epoch(f"process {s.pid} attaches")
             self.state = TrainState.TRAINING
             self.error = self._passed_over
             self._publish_theta()
@@ -445,21 +544,72 @@ class AttachedTrainer:
         logger.info(
             "run %s: process %d attached (%s) at step %d%s",
             self.run_id,
-            pid,
-            device,
+            s.pid,
+            s.device,
             self.global_step,
             "; it uploads the run's first parameters" if upload else "",
         )
-        return AttachInfo(
-            self.session.token,
-            str(self._shared.path),
-            self.numel,
-            self.global_step,
-            self.phases,
-            self.lease_seconds,
-            self.phase_timeout,
-            upload,
+        return upload
+
+    # -- the local group (under _group) ---------------------------------------------------------
+
+    def _slot(self, s: Session) -> GroupSlot:
+        return GroupSlot(
+            self.group_epoch, self.members.index(s), len(self.members), str(self._shared.store(self.group_epoch))
         )
+
+    def _member(self, token: str) -> Session:
+        for m in self.members:
+            if m.token == token:
+                return m
+        raise SessionLost(
+            f"no attachment {token[:8]}… to run {self.run_id!r}: its lease lapsed or the daemon restarted"
+        )
+
+    def _gone(self, m: Session) -> str:
+        """Why member `m` is gone ("" while it lives; its lease waits while the group forms)."""
+        now = time.monotonic()
+        if now - m.renewed > self.lease_seconds and now >= self._forming_until:
+            return "its lease lapsed"
+        if m.pid and not pid_alive(m.pid):
+            return f"process {m.pid} exited"
+        return ""
+
+    def _drop_gone(self) -> list[Session]:
+        """Take the members that are gone out of the group (a new epoch where some remain)."""
+        gone = [m for m in self.members if self._gone(m)]
+        if gone:
+            self.members = [m for m in self.members if m not in gone]
+            if self.members:
+                self._new_epoch(f"{len(gone)} process(es) gone")
+        return gone
+
+    def _new_epoch(self, why: str) -> None:
+        self.group_epoch += 1
+        self._shared.set_group_epoch(self.group_epoch)
+        # The epoch before last is over: its members have formed the last one or given it up.
+        self._shared.store(self.group_epoch - 2).unlink(missing_ok=True)
+        self._group.notify_all()
+        logger.info(
+            "run %s: local group epoch %d: %d process(es) %s (%s)",
+            self.run_id,
+            self.group_epoch,
+            len(self.members),
+            [m.pid for m in self.members],
+            why,
+        )
+
+    def regroup(self, token: str, epoch: int) -> GroupSlot:
+        """A member's group broke (a collective failed) or changed: its place in an epoch after
+        `epoch`. Where the daemon's epoch is still `epoch`, the members gone are taken out and a new
+        epoch begins with the rest (a member alive but stuck is taken out when its lease lapses)."""
+        with self._group:
+            s = self._member(token)
+            if self.group_epoch <= epoch:
+                self._drop_gone()
+                if self.group_epoch <= epoch:
+                    self._new_epoch(f"process {s.pid}'s group broke")
+            return self._slot(s)
 
     @property
     def phase_timeout(self) -> float:
@@ -471,25 +621,44 @@ class AttachedTrainer:
         ValueError (nothing changes, the lease included) for samples that are not a count."""
         if samples is not None and not (math.isfinite(samples) and samples >= 0):
             raise ValueError(f"samples must be a finite count, 0 or more; got {samples}")
-        s = self.session
-        if s is None or s.token != token:
-            raise SessionLost(
-                f"no attachment {token[:8]}… to run {self.run_id!r}: its lease lapsed or the daemon restarted"
-            )
-        s.renewed = time.monotonic()
-        if samples is not None and not self._lock.locked():  # a Renew during an EndPhase is the old phase's
+        with self._group:
+            s = self._member(token)
+            s.renewed = time.monotonic()
+            leader = s is self.members[0]
+        # The leader's progress is the group's (its steps and samples are the group's); a Renew during
+        # an EndPhase is the old phase's.
+        if samples is not None and leader and not self._lock.locked():
             self._live = (samples, loss)
 
     def detach(self, token: str) -> None:
         with self._lock:
-            if self.session is not None and self.session.token == token:
-                self._end_session("the process detached")
+            with self._group:
+                s = next((m for m in self.members if m.token == token), None)
+                if s is None:
+                    return
+                if len(self.members) > 1:
+                    self.members.remove(s)
+                    self._new_epoch(f"process {s.pid} detached")
+                    return
+            self._end_session("the process detached")
 
-    def end_phase(self, token: str, steps: int, samples: float, loss: float, compute_seconds: float) -> PhaseEnd:
-        """The process ended an inner phase of `steps` steps; its parameters are in the vector."""
+    def end_phase(
+        self, token: str, steps: int, samples: float, loss: float, compute_seconds: float, boundary: int = 0
+    ) -> PhaseEnd:
+        """The process ended an inner phase of `steps` steps whose end is the run's step `boundary`
+        (0: not said); the leader's parameters are in the vector. Another member of the local group
+        waits for the leader's EndPhase of that boundary and gets its answer."""
+        with self._group:
+            s = self._member(token)
+            s.renewed = time.monotonic()
+            if s is not self.members[0]:
+                return self._follow(s, boundary)
         began = time.monotonic()
         with self._lock:
             self.renew(token)
+            done, last = self._ended
+            if boundary and boundary <= done:  # ended already (by a leader that left since): the same answer
+                return replace(last, group_epoch=self.group_epoch)
             if not self._has_state:  # the upload asked at attach: the process's parameters become θ
                 if self._outer is not None:
                     self._outer.reset_from_params()
@@ -513,12 +682,32 @@ class AttachedTrainer:
             if self.global_step - self._checkpointed >= self.checkpoint_every:
                 self._checkpoint()
             self._publish_theta()
+            with self._group:
+                self._ended = (self.global_step, end)
+                self._group.notify_all()
+                end = replace(end, group_epoch=self.group_epoch)
         self._phase_began = time.monotonic()
         wall = self._phase_began - began
         self.compute_seconds += compute_seconds
         self.train_wait_seconds += wall
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
         return end
+
+    def _follow(self, s: Session, boundary: int) -> PhaseEnd:
+        """Under _group: a member other than the leader at its phase's end waits for the leader's
+        EndPhase of `boundary` (bounded by phase_timeout) and answers the same. Where the leader
+        leaves first, the answer's step is the phase's start: regroup and end the phase again."""
+        leader, deadline = self.members[0], time.monotonic() + self.phase_timeout
+        ok = self._group.wait_for(
+            lambda: self._ended[0] >= boundary or not self.members or self.members[0] is not leader,
+            timeout=self.phase_timeout,
+        )
+        if s not in self.members:
+            raise SessionLost(f"run {self.run_id!r}: this process left the local group (its lease lapsed)")
+        if self._ended[0] >= boundary:
+            return replace(self._ended[1], group_epoch=self.group_epoch)
+        why = "the local group's leader left" if ok else f"no EndPhase of the leader in {deadline:.0f} s"
+        return PhaseEnd(self.global_step, -1, why, 0.0, False, self.group_epoch)
 
     def report_eval(self, token: str, result: EvalResult) -> None:
         """The process evaluated the run's model: status and peerd_eval_score show it."""
@@ -661,11 +850,16 @@ class AttachedTrainer:
         self.store.save(self.global_step, state, self._identity)
         self._checkpointed = self.global_step
 
-    def _end_session(self, why: str) -> None:
+    def _end_session(self, why: str, last: Session | None = None) -> None:
+        """Under _lock: the run's last process is gone (`last`, where the group let it go already),
+        or the daemon stops: land, checkpoint, announce idle."""
         if self.session is not None:  # steps computed in a phase that never ended still count (counters)
             self._local_done, self._samples_done = self.local_step, self.samples
             self._live = (0.0, math.nan)
-        s, self.session = self.session, None
+        with self._group:
+            s = self.session or last
+            self.members = []
+            self._group.notify_all()
         if s is None:
             return
         moves = self._moves
@@ -686,13 +880,9 @@ class AttachedTrainer:
         """End the attachment whose lease lapsed or whose process exited."""
         while True:
             await asyncio.sleep(LEASE_CHECK)
-            s = self.session
-            if s is None:
-                continue
-            lapsed = time.monotonic() - s.renewed > self.lease_seconds
-            if lapsed or (s.pid and not pid_alive(s.pid)):
-                why = "its lease lapsed" if lapsed else f"process {s.pid} exited"
-                await asyncio.to_thread(self._expire, s.token, why)
+            gone = [(m, why) for m in list(self.members) if (why := self._gone(m))]
+            if gone:
+                await asyncio.to_thread(self._expire, gone)
             else:
                 self._check_budget()
 
@@ -721,7 +911,18 @@ class AttachedTrainer:
             why,
         )
 
-    def _expire(self, token: str, why: str) -> None:
+    def _expire(self, gone: list[tuple[Session, str]]) -> None:
+        """Members gone: the group goes on without them, or the attachment ends with the last."""
+        tokens = {m.token for m, _ in gone}
+        with self._group:
+            if any(m.token not in tokens for m in self.members):
+                before = len(self.members)
+                self.members = [m for m in self.members if m.token not in tokens]
+                if len(self.members) < before:
+                    self._new_epoch("; ".join(f"process {m.pid}: {why}" for m, why in gone))
+                return
         with self._lock:
-            if self.session is not None and self.session.token == token:
-                self._end_session(why)
+            with self._group:  # an attach may have come meanwhile
+                if not self.members or any(m.token not in tokens for m in self.members):
+                    return
+            self._end_session(gone[0][1])

@@ -270,6 +270,8 @@ def _cmd_status(args) -> int:
                 if r.attached_pid
                 else "none (peerd.torch.Optimizer attaches one)"
             )
+            if r.attached_processes > 1:
+                who += f", leading a local group of {r.attached_processes} (epoch {r.attached_group_epoch})"
             print(f"{r.run_id}: attached process: {who}")
         if r.train_process_state:
             pid = f"pid {r.attached_pid}, " if r.attached_pid else ""

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 GRPC_HARD_LIMIT = 1024 * 1024  # grpc refuses larger messages before any handler runs
 MALFORMED_LOG_INTERVAL = 60.0  # seconds between two log lines about requests that do not parse
+MAX_GROUP_SIZE = 1024  # processes an attach may say its local group expects
 
 
 class UnknownRun(KeyError):
@@ -168,7 +169,13 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         layout = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in request.layout)
         try:
             info = await self.daemon.attach(
-                run_id, request.pid, request.device[:64], layout, dict(request.settings), request.step
+                run_id,
+                request.pid,
+                request.device[:64],
+                layout,
+                dict(request.settings),
+                request.step,
+                min(request.group_size, MAX_GROUP_SIZE),
             )
         except UnknownRun as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0]))
@@ -189,6 +196,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             lease_seconds=info.lease_seconds,
             phase_timeout=info.phase_timeout,
             upload=info.upload,
+            group=_group(info.group),
         )
 
     async def EndPhase(self, request, context):
@@ -204,12 +212,29 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 max(request.samples, 0.0),
                 request.loss,
                 max(request.compute_seconds, 0.0),
+                request.boundary,
             )
         except SessionLost as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         return control_pb2.EndPhaseResponse(
-            step=end.step, round=end.round_t, outcome=end.outcome, waited_seconds=end.waited, downloaded=end.downloaded
+            step=end.step,
+            round=end.round_t,
+            outcome=end.outcome,
+            waited_seconds=end.waited,
+            downloaded=end.downloaded,
+            group_epoch=end.group_epoch,
         )
+
+    async def Regroup(self, request, context):
+        from peerd.daemon.attached import SessionLost
+
+        await self._check(request, context)
+        trainer = await self._session_trainer(request.session, context)
+        try:
+            slot = await asyncio.to_thread(trainer.regroup, request.session, request.epoch)
+        except SessionLost as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return control_pb2.RegroupResponse(group=_group(slot))
 
     async def ReportEval(self, request, context):
         from peerd.daemon.attached import SessionLost
@@ -251,12 +276,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
     async def _session_trainer(self, session: str, context):
         for trainer in self.daemon.attached_trainers():
-            s = trainer.session
-            if s is not None and s.token == session:
+            if any(m.token == session for m in trainer.members):
                 return trainer
         await context.abort(
             grpc.StatusCode.NOT_FOUND, "no such attachment: its lease lapsed or the daemon restarted; attach again"
         )
+
+
+def _group(slot) -> control_pb2.LocalGroup:
+    return control_pb2.LocalGroup(epoch=slot.epoch, rank=slot.rank, size=slot.size, store=slot.store)
 
 
 class HealthServicer(health_async.HealthServicer):

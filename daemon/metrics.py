@@ -153,7 +153,7 @@ class _TrainingCollector(Collector):
         )
         attached = GaugeMetricFamily(
             "peerd_train_attached",
-            "1 while a training process is attached to the run (peerd.torch), else 0; "
+            "Training processes attached to the run (peerd.torch; several: its local group), 0 while none; "
             "only for runs trained by scripts.",
             labels=["run"],
         )
@@ -171,7 +171,7 @@ class _TrainingCollector(Collector):
             if not r.train_state:  # discovery only: nothing trains
                 continue
             if not r.task:
-                attached.add_metric([r.run_id], 1 if r.attached_pid else 0)
+                attached.add_metric([r.run_id], r.attached_processes)
             if r.train_process_state:
                 for child in ChildState:
                     process_state.add_metric([r.run_id, child.value], 1 if r.train_process_state == child.value else 0)

@@ -189,7 +189,7 @@ class TaskChild(AttachedTrainer):
                 logger.error("run %s: the training process was not reaped in time", self.run_id)
         super().stop(timeout)
 
-    def attach(self, pid: int, device: str, step: int):
+    def attach(self, pid: int, device: str, step: int, group_size: int = 1):
         """As a script's attach, except that the first one (no state yet) waits, announced as
         training, until --min-peers daemons of the run announce a training process (at most
         --min-peers-timeout): the thread's trainers start together once the peers are there, and
@@ -203,7 +203,7 @@ class TaskChild(AttachedTrainer):
                 if self._stopping.wait(TRAINERS_POLL):
                     break
         try:
-            return super().attach(pid, device, step)
+            return super().attach(pid, device, step, group_size)
         except BaseException:
             self.on_role(self.session is not None)
             raise

@@ -1,14 +1,20 @@
 """Your own training loop on a peerd run: a small character-level transformer on Python's own source.
 
     peerd start --run my-run --data-dir /tmp/peerd-a              # the daemon: network, rounds, metrics
-    python examples/your_loop.py --run my-run --daemon /tmp/peerd-a --steps 600
+    python examples/your_loop.py my-run --daemon /tmp/peerd-a --steps 600
 
-Run the pair on every machine (other daemons with --initial-peers). Everything below is plain
-PyTorch except the two lines marked "peerd". docs/your-loop.md says what they do.
+Run the pair on every machine (other daemons with --initial-peers). On a machine of several GPUs,
+one process per GPU, all attached to the one daemon (its local group, one peer of the run):
+
+    torchrun --nproc-per-node 8 examples/your_loop.py my-run --daemon /tmp/peerd-a
+
+Everything below is plain PyTorch except the two lines marked "peerd". docs/your-loop.md says what
+they do.
 """
 
 import argparse
 import math
+import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -19,7 +25,7 @@ import torch.nn.functional as F
 import peerd.torch
 
 p = argparse.ArgumentParser()
-p.add_argument("--run", required=True)
+p.add_argument("run", help="the run's ID (as `peerd start --run` and `peerd export` take it)")
 p.add_argument("--daemon", required=True, help="the daemon's --data-dir")
 p.add_argument("--steps", type=int, default=600)
 p.add_argument("--every", type=int, default=50, help="inner steps per outer step (for a run this creates)")
@@ -27,7 +33,10 @@ p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu
 p.add_argument("--seed", type=int, default=0, help="data order; the run's parameters come from the run")
 p.add_argument("--save", help="write the model's state_dict here at the end")
 args = p.parse_args()
-torch.manual_seed(args.seed)
+RANK = int(os.environ.get("LOCAL_RANK", "0"))  # torchrun's process on this machine (0 under plain python)
+if args.device == "cuda":
+    args.device = f"cuda:{RANK}"
+torch.manual_seed(args.seed + RANK)  # each process its own data order
 torch.set_num_threads(1)
 
 # A text every machine with Python has: the standard library's top-level modules, as bytes.
@@ -74,7 +83,11 @@ opt = peerd.torch.Optimizer(
     settings={"average_every": args.every},
 )
 schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / 50))
-print(f"attached at run step {opt.run_step}; eval {evaluate(model):.3f} bits/char", flush=True)
+print(
+    f"attached at run step {opt.run_step} (rank {opt.group_rank} of {opt.group_size}); "
+    f"eval {evaluate(model):.3f} bits/char",
+    flush=True,
+)
 
 for step in range(args.steps):
     x, y = batch(train, torch.randint(0, len(train) - CONTEXT - 2, (BATCH,)))
@@ -93,6 +106,6 @@ for step in range(args.steps):
 
 print(f"done: run step {opt.run_step}; eval {evaluate(model):.3f} bits/char", flush=True)
 opt.close()
-if args.save:
+if args.save and RANK == 0:
     torch.save(model.state_dict(), args.save)
 sys.exit(0)

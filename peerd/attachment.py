@@ -31,6 +31,8 @@ from peerd.shared_file import (
     COUNT,
     END_AT,
     END_AT_OFFSET,
+    GROUP_EPOCH,
+    GROUP_EPOCH_OFFSET,
     HEADER,
     HEADER_BYTES,
     LANDED_OFFSET,
@@ -66,6 +68,20 @@ def control_address(daemon: str | os.PathLike | None, control: str | None) -> st
 
 
 @dataclass(frozen=True, slots=True)
+class Slot:
+    """This process's place in its daemon's local group (control.proto LocalGroup)."""
+
+    epoch: int
+    rank: int
+    size: int
+    store: str  # the epoch's rendezvous file (torch.distributed.FileStore)
+
+    @classmethod
+    def of(cls, group: control_pb2.LocalGroup) -> "Slot":
+        return cls(group.epoch, group.rank, max(group.size, 1), group.store)
+
+
+@dataclass(frozen=True, slots=True)
 class Attached:
     session: str
     vector: torch.Tensor  # float32, numel values in layout order, over the shared file
@@ -75,6 +91,7 @@ class Attached:
     lease_seconds: float
     phase_timeout: float
     upload: bool
+    group: Slot
 
 
 class Attachment:
@@ -91,8 +108,10 @@ class Attachment:
         device: str,
         attach_timeout: float,
         reconnect_timeout: float,
+        group_size: int = 1,
     ):
         self.run, self.daemon, self.control = run, daemon, control
+        self.group_size = group_size  # processes of this machine expected in the local group
         self.layout, self.settings, self.device = layout, settings, device
         self.attach_timeout, self.reconnect_timeout = attach_timeout, reconnect_timeout
         self.current: Attached | None = None
@@ -130,7 +149,13 @@ class Attachment:
     def _attach_once(self, step: int) -> Attached:
         self._connect()
         request = control_pb2.AttachRequest(
-            run_id=self.run, pid=os.getpid(), device=self.device, layout=self.layout, settings=self.settings, step=step
+            run_id=self.run,
+            pid=os.getpid(),
+            device=self.device,
+            layout=self.layout,
+            settings=self.settings,
+            step=step,
+            group_size=self.group_size,
         )
         response = self._stub.Attach(request, timeout=self.attach_timeout)
         vector, theta = self._map_vector(response.shared_path, response.numel)
@@ -143,6 +168,7 @@ class Attachment:
             response.lease_seconds,
             response.phase_timeout,
             response.upload,
+            Slot.of(response.group),
         )
         self.lost.clear()
         if self._renewer is None:
@@ -202,6 +228,23 @@ class Attachment:
         if self._map is not None:
             COUNT.pack_into(self._map, PHASE_STEPS_OFFSET, steps)
 
+    def group_epoch(self) -> int:
+        """The epoch of the local group the daemon has formed (GROUP_EPOCH): another than this
+        process's group's means regroup. A header read."""
+        return GROUP_EPOCH.unpack_from(self._map, GROUP_EPOCH_OFFSET)[0] if self._map is not None else 0
+
+    def regroup(self, epoch: int) -> Slot:
+        """This process's place in the local group after `epoch` (blocks while the daemon forms it).
+        Raises Lost when the attachment ended (attach again), PeerdError for anything else."""
+        request = control_pb2.RegroupRequest(session=self.current.session, epoch=epoch)
+        try:
+            return Slot.of(self._stub.Regroup(request, timeout=self.current.phase_timeout).group)
+        except grpc.RpcError as e:
+            if e.code() in AWAY:
+                self.lost.set()
+                raise Lost(e.details()) from None
+            raise self._error(e) from None
+
     def landed(self) -> int:
         """How many rounds landed between EndPhases (LANDED); a header read, cheap enough for every step."""
         return COUNT.unpack_from(self._map, LANDED_OFFSET)[0] if self._map is not None else 0
@@ -228,13 +271,19 @@ class Attachment:
         raise PeerdError(f"run {self.run}: θ in the shared file kept changing for {THETA_TRIES} copies")
 
     def end_phase(
-        self, steps: int, samples: float, loss: float, compute_seconds: float
+        self, steps: int, samples: float, loss: float, compute_seconds: float, boundary: int = 0
     ) -> control_pb2.EndPhaseResponse:
-        """The parameters are in the vector: the run's outer step. Raises Lost when the attachment
-        ended (attach again), PeerdError for anything else."""
+        """The parameters are in the vector (the leader's, in a local group): the run's outer step
+        for the phase that ends at the run's step `boundary`. Raises Lost when the attachment ended
+        (attach again), PeerdError for anything else."""
         a = self.current
         request = control_pb2.EndPhaseRequest(
-            session=a.session, steps=steps, samples=samples, loss=loss, compute_seconds=compute_seconds
+            session=a.session,
+            steps=steps,
+            samples=samples,
+            loss=loss,
+            compute_seconds=compute_seconds,
+            boundary=boundary,
         )
         try:
             return self._stub.EndPhase(request, timeout=a.phase_timeout)

@@ -2,6 +2,8 @@
 writes it, peerd/attachment.py maps it): one definition for both sides.
 
     bytes 0..20    HEADER: MAGIC, the format (1, or 2 with overlap), numel
+    bytes 20..24   GROUP_EPOCH: the epoch of the local group the daemon has formed (the processes
+                   attached to the run; a member whose group has another regroups)
     bytes 24..32   END_AT: the boundary step of a phase the daemon ends early (0: none)
     bytes 32..56   format 2, COUNT each: LANDED (rounds landed between two EndPhases), APPLIED (how
                    many of them the process's parameters hold), THETA_SEQ (odd while θ is written)
@@ -17,6 +19,8 @@ import struct
 MAGIC = b"PEERDSHM"
 HEADER = struct.Struct("<8sIQ")  # magic, format, numel; padded to HEADER_BYTES
 HEADER_BYTES = 64
+GROUP_EPOCH = struct.Struct("<I")
+GROUP_EPOCH_OFFSET = 20
 END_AT = struct.Struct("<Q")
 END_AT_OFFSET = 24
 COUNT = struct.Struct("<Q")

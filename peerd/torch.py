@@ -11,6 +11,15 @@ round runs while the next phase computes; when it ends the daemon writes the new
 file, and the next `step()` moves the parameters by θ − s (s: where the averaged phase ended, which
 the shared vector holds until the next phase's end). `run_parameters()` puts θ in the model for
 an evaluation.
+
+Several processes of one machine (torchrun's, one per GPU) that attach to one daemon for one run
+are its local group, one WAN peer (docs/your-loop.md, "Several processes per machine"): at every
+step they average their gradients in one Gloo all-reduce (peerd/local_group.py) before the inner
+step, so that they hold the same parameters; the leader (rank 0) hands the phase over, the others
+take the run's parameters when its EndPhase answers. A digest of the parameters at each phase's
+end checks that they are the same (a mismatch raises: the group breaks loudly). A member that
+comes or goes moves the group's epoch; the members regroup at the same step and take the leader's
+parameters, optimizer state and counters.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import contextlib
 import logging
 import math
 import mmap
+import os
 import time
 import weakref
 from typing import Any, Callable
@@ -27,13 +37,19 @@ from typing import Any, Callable
 import torch
 
 from peerd import PeerdError
-from peerd.attachment import Attachment, Lost
+from peerd.attachment import Attachment, Lost, Slot
 from peerd.protos import control_pb2
 
 logger = logging.getLogger(__name__)
 
+GROUP_EXTRAS = 4  # values after the gradients in a group's all-reduce: samples, epoch, end now, landed
+DEAR_BUCKET_BYTES = 1 << 20  # DeAR's first fusion target; its tuner moves it (docs/dear.md)
+DEAR_RETUNE_EVERY = 100  # steps between two of DeAR's fusion re-tunings (all members at the same step)
+
 ATTACH_TIMEOUT = 180.0  # seconds one Attach may take: it may download the run's state from peers
 RECONNECT_TIMEOUT = 120.0  # seconds a daemon that went away (restart) is waited for
+GROUP_TIMEOUT = 60.0  # seconds one collective of the local group may take (a stalled member breaks it)
+REGROUP_TRIES = 5  # epochs a process tries to form before it gives up (PeerdError)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -49,6 +65,15 @@ class Optimizer(torch.optim.Optimizer):
     round; 1 per step when not given), `loss` its training loss (a tensor is fine: it is read once
     per phase, never synchronizing the device per step). `param_groups`, `state` and `zero_grad`
     are the inner optimizer's: LR schedulers, gradient clipping and GradScaler work as without peerd.
+
+    `group_size`: processes of this machine that attach to the run together (torchrun's
+    LOCAL_WORLD_SIZE, the default where it is set, else 1); the first waits a bounded time for the
+    others so that they start as one local group. `group_timeout` bounds each of the group's
+    collectives. In a group, a step's `closure` is called once, before the gradients are averaged.
+    `dear=True` (needs `model`): in a group, the gradients' all-reduce runs under DeAR, overlapped
+    with backward and the next forward (docs/dear.md), instead of one all-reduce after backward;
+    then gradients are not in `p.grad` after backward (whole-model clipping sees none), and each
+    bucket's update is applied in the next forward.
     """
 
     def __init__(
@@ -63,6 +88,10 @@ class Optimizer(torch.optim.Optimizer):
         attach_timeout: float = ATTACH_TIMEOUT,
         reconnect_timeout: float = RECONNECT_TIMEOUT,
         state_vector: bool = False,
+        group_size: int | None = None,
+        group_timeout: float = GROUP_TIMEOUT,
+        dear: bool = False,
+        dear_bucket_bytes: float = DEAR_BUCKET_BYTES,
     ):
         # torch.optim.Optimizer.__init__ is not called: the inner optimizer holds the groups and state.
         self.inner = optimizer
@@ -88,7 +117,16 @@ class Optimizer(torch.optim.Optimizer):
             device=self.device,
             attach_timeout=attach_timeout,
             reconnect_timeout=reconnect_timeout,
+            group_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if group_size is None else group_size,
         )
+        self.group_timeout = group_timeout
+        if dear and model is None:
+            raise ValueError("dear=True needs model=: DeAR's hooks go on the model's modules")
+        self.model, self._use_dear, self.dear_bucket_bytes = model, dear, dear_bucket_bytes
+        self._dear = None  # peerd.peers.dear.schedule.DeAR while a group of more than one trains with it
+        self._slot = Slot(0, 0, 1, "")  # this process's place in the local group (the daemon's answer)
+        self._collective = None  # peerd.local_group.Collective where the group has more than one process
+        self._grads: torch.Tensor | None = None  # the all-reduce's buffer: gradients, then GROUP_EXTRAS values
         self.run = run
         self.run_step = 0  # the run's step as the daemon last answered (DiLoCo: counts inner steps)
         self.local_step = 0  # steps this process took
@@ -134,11 +172,21 @@ class Optimizer(torch.optim.Optimizer):
         run overlaps them). Returns what the inner optimizer's step returns."""
         if self._attachment.lost.is_set():
             self._reattach()
-        result = self.inner.step(closure) if closure is not None else self.inner.step()
-        self._land()
+        samples = 1.0 if samples is None else float(samples)
+        a = self._attachment
+        if self._collective is None:
+            result = self.inner.step(closure) if closure is not None else self.inner.step()
+            epoch, end_now, landed = a.group_epoch(), a.phase_ends_at() == self._boundary, a.landed()
+        else:
+            result = closure() if closure is not None else None
+            shared = self._group_step(samples)
+            if shared is None:  # the group broke: no member takes this step; the group re-formed
+                return result
+            samples, epoch, end_now, landed = shared
+        self._land(landed)
         self.local_step += 1
         self._phase_steps += 1
-        self._phase_samples += 1.0 if samples is None else float(samples)
+        self._phase_samples += samples  # in a group: the group's
         if loss is not None:
             self._loss_sum = self._loss_sum + (loss.detach() if torch.is_tensor(loss) else float(loss))
             self._loss_count += 1
@@ -146,21 +194,110 @@ class Optimizer(torch.optim.Optimizer):
         live_loss = (
             self._loss_sum / self._loss_count if self._loss_count and not torch.is_tensor(self._loss_sum) else math.nan
         )
-        self._attachment.stepped(self._phase_steps, self._phase_samples, live_loss)
+        if self._slot.rank == 0:
+            a.stepped(self._phase_steps, self._phase_samples, live_loss)
         # At the phase's length (peers/phases.py), or earlier where the daemon ends it (MateWait, the
         # straggler budget).
-        if self._phase_steps >= self._phase_length or self._attachment.phase_ends_at() == self._boundary:
+        if self._phase_steps >= self._phase_length or end_now:
             self._end_phase()
+        # A member came or went: every member of the group sees it at this step (the leader's view),
+        # after the phase's end, so that a process joining takes the counters of the phase under way.
+        if epoch > self._slot.epoch:
+            self._regroup()
         return result
+
+    def _group_step(self, samples: float) -> tuple[float, int, bool, int] | None:
+        """The local group's step: the members' mean gradient, and the inner step on it (with DeAR,
+        the all-gathers queued, each bucket's update applied in the next forward); then what every
+        member must act on alike, in one all-reduce: the step's samples (summed: the group's) and
+        the leader's view of the shared file (the group's epoch, an early end of the phase, the
+        landed rounds). Without DeAR the gradients ride in that all-reduce. None: the group broke
+        (a member exited or stalled): no member takes the step, and the group is formed again."""
+        from peerd.local_group import GroupBroke
+        from peerd.peers.dear.backend import CollectiveError
+
+        a, leader = self._attachment, self._slot.rank == 0
+        extras = [samples, a.group_epoch(), a.phase_ends_at() == self._boundary, a.landed()]
+        if not leader:
+            extras[1:] = [0.0, 0.0, 0.0]
+        n = 0 if self._dear is not None else self._vector.numel()
+        if self._grads is None or self._grads.numel() != n + GROUP_EXTRAS:
+            self._grads = torch.empty(n + GROUP_EXTRAS, dtype=torch.float32)
+        buffer = self._grads
+        try:
+            with torch.no_grad():
+                if self._dear is not None:
+                    self._dear.step()
+                else:
+                    self._gather_gradients(buffer)
+                buffer[n:] = torch.tensor(extras)
+                self._collective.sum_(buffer)
+                samples, epoch, end_now, landed = buffer[n:].tolist()
+                if self._dear is None:
+                    buffer[:n] /= self._slot.size
+                    self._scatter_gradients(buffer)
+                    self.inner.step()
+                elif int(landed) > self._landed:  # the round's move is added to the updated parameters
+                    self._dear.flush()
+        except (GroupBroke, CollectiveError) as e:
+            logger.warning("peerd: run %s: the local group broke (%s); forming it again", self.run, e)
+            self._regroup()
+            return None
+        return samples, int(epoch), end_now > 0, int(landed)
+
+    def _gather_gradients(self, buffer: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            k = p.numel()
+            if p.grad is None:
+                buffer[offset : offset + k].zero_()
+            else:
+                buffer[offset : offset + k].view_as(p).copy_(p.grad)
+            offset += k
+
+    def _scatter_gradients(self, buffer: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            k = p.numel()
+            mean = buffer[offset : offset + k].view_as(p)
+            if p.grad is None:
+                p.grad = mean.to(device=p.device, dtype=p.dtype)
+            else:
+                p.grad.copy_(mean)
+            offset += k
 
     def _end_phase(self) -> None:
         compute = time.monotonic() - self._phase_began
         loss = float(self._loss_sum) / self._loss_count if self._loss_count else math.nan
-        self._land()
-        self._write()
-        try:
-            end = self._attachment.end_phase(self._phase_steps, self._phase_samples, loss, compute)
-        except Lost:
+        if self._dear is not None:  # every bucket's update applied: the parameters are the phase's
+            from peerd.peers.dear.backend import CollectiveError
+
+            try:
+                self._dear.flush()
+            except CollectiveError as e:
+                logger.warning("peerd: run %s: the local group broke at a phase's end (%s)", self.run, e)
+                self._regroup()
+        if self._collective is not None:
+            self._check_same()
+        lost = False
+        for _ in range(REGROUP_TRIES):
+            if self._slot.rank == 0:  # the leader hands the phase's parameters over (the others hold the same)
+                self._land(self._attachment.landed())
+                self._write()
+            try:
+                end = self._attachment.end_phase(
+                    self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary
+                )
+            except Lost:
+                lost = True
+                break
+            if end.step >= self._boundary or end.group_epoch == self._slot.epoch:
+                break
+            # The group's leader left before ending the phase: regroup; the new leader ends it.
+            self._regroup()
+        else:
+            raise PeerdError(f"run {self.run}: the local group changed {REGROUP_TRIES} times at one phase's end")
+        if lost:
             logger.warning(
                 "peerd: run %s: the daemon went away at a phase's end; attaching again "
                 "(this phase's %d steps of progress are dropped, the step count goes on)",
@@ -176,10 +313,125 @@ class Optimizer(torch.optim.Optimizer):
 
     def _new_phase(self) -> None:
         self._phase_steps, self._phase_samples, self._loss_sum, self._loss_count = 0, 0.0, 0.0, 0
+        self._phase_bounds()
+        self._phase_began = time.monotonic()
+
+    def _phase_bounds(self) -> None:
         phases = self._attached.phases
         self._boundary = phases.next_end(self.run_step)  # the run's step at this phase's end
         self._phase_length = phases.length(self.run_step)
-        self._phase_began = time.monotonic()
+
+    # -- the local group ------------------------------------------------------------------------
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in its daemon's local group (0: the leader; 0 alone)."""
+        return self._slot.rank
+
+    @property
+    def group_size(self) -> int:
+        """Processes in this process's local group (1: alone)."""
+        return self._slot.size
+
+    def _regroup(self) -> None:
+        """The group changed or broke: this process's place in the daemon's next epoch."""
+        try:
+            slot = self._attachment.regroup(self._slot.epoch)
+        except Lost:
+            self._reattach()
+            return
+        self._join(slot)
+
+    def _join(self, slot: Slot) -> None:
+        """Form the group of `slot` and take its leader's parameters, optimizer state and counters."""
+        from peerd.local_group import Collective, GroupBroke
+
+        for _ in range(REGROUP_TRIES):
+            self._close_group()
+            self._slot = slot
+            if slot.size == 1:
+                return
+            try:
+                self._collective = Collective(
+                    slot,
+                    self.group_timeout,
+                    self._attached.phase_timeout,
+                    superseded=lambda: self._attachment.group_epoch() > slot.epoch,
+                    data=self._use_dear,
+                )
+                self._take_leaders()
+                if self._use_dear:
+                    self._dear = self._start_dear()
+            except GroupBroke as e:
+                logger.warning("peerd: run %s: local group epoch %d: %s; forming it again", self.run, slot.epoch, e)
+                slot = self._attachment.regroup(slot.epoch)
+                continue
+            logger.info(
+                "peerd: run %s: local group epoch %d: rank %d of %d", self.run, slot.epoch, slot.rank, slot.size
+            )
+            return
+        raise PeerdError(f"run {self.run}: the local group did not form in {REGROUP_TRIES} epochs")
+
+    def _start_dear(self):
+        """DeAR over the group's data backend: bucketed reduce-scatters from backward hooks, each
+        bucket's all-gather awaited (and its update applied) in the next forward (docs/dear.md)."""
+        from peerd.peers.dear.gloo import GlooCollective
+        from peerd.peers.dear.schedule import DeAR, DeARSettings
+
+        gloo = GlooCollective(timeout=self.group_timeout, backend=self._collective.data)
+        settings = DeARSettings(bucket_bytes=self.dear_bucket_bytes, retune_every=DEAR_RETUNE_EVERY, hooks_raise=False)
+        return DeAR(self.model, self.inner, gloo, settings)
+
+    def _close_group(self) -> None:
+        """Leave this epoch's group: DeAR's pending updates applied where it is healthy, hooks off."""
+        if self._dear is not None:
+            dear, self._dear = self._dear, None
+            try:
+                dear.close()
+            except Exception as e:  # a broken group's last flush: the next epoch re-syncs
+                logger.info("peerd: run %s: DeAR's last flush: %s", self.run, e)
+            dear.collective.close()
+        if self._collective is not None:
+            self._collective.close()
+            self._collective = None
+
+    @property
+    def dear_overlap_ratio(self) -> float:
+        """With DeAR: the share of the group's communication hidden behind compute; NaN without."""
+        return self._dear.overlap_ratio if self._dear is not None else math.nan
+
+    def _take_leaders(self) -> None:
+        c = self._collective
+        counters = torch.tensor(
+            [self.run_step, self._phase_steps, self._phase_samples, self._landed], dtype=torch.float64
+        )
+        c.broadcast_(counters)
+        flat = torch.empty(self._vector.numel(), dtype=torch.float32)
+        if c.leader:
+            to_vector(self.params, flat, False)
+        c.broadcast_(flat)
+        state = c.broadcast_state(self.inner.state_dict() if c.leader else None)
+        if not c.leader:
+            from_vector(flat, self.params, False)
+            self.inner.load_state_dict(state)
+            run_step, self._phase_steps, self._phase_samples, landed = counters.tolist()
+            self.run_step, self._phase_steps, self._landed = int(run_step), int(self._phase_steps), int(landed)
+            self._phase_bounds()
+
+    def _check_same(self) -> None:
+        """At a phase's end: every member of the group holds the same parameters, or PeerdError."""
+        from peerd.local_group import GroupBroke
+
+        try:
+            same, digest = self._collective.same(self.params)
+        except GroupBroke:
+            return  # the leader's EndPhase goes on; the next step's collective regroups
+        if not same:
+            raise PeerdError(
+                f"run {self.run}: the local group's processes hold different parameters at the phase's end "
+                f"(rank {self._slot.rank}'s digest {digest:016x}): every member must step on the same "
+                "gradients (a step skipped on one member, e.g. by a GradScaler that found inf, breaks that)"
+            )
 
     @property
     def landed_rounds(self) -> int:
@@ -224,6 +476,7 @@ class Optimizer(torch.optim.Optimizer):
             self._read()
         self._landed = self._attachment.held()
         self._new_phase()
+        self._join(a.group)
         logger.info(
             "peerd: attached to run %s at step %d (%s)",
             self.run,
@@ -234,17 +487,18 @@ class Optimizer(torch.optim.Optimizer):
     def _reattach(self) -> None:
         self._attach()
 
-    def _land(self) -> None:
-        """If a round landed since the parameters last took one: x ← x + (θ − s). Between two
-        EndPhases the daemon writes θ only when a round lands, and then LANDED: θ is whole here."""
+    def _land(self, landed: int) -> None:
+        """If a round landed since the parameters last took one (`landed`: LANDED as read, by the
+        leader in a group): x ← x + (θ − s). Between two EndPhases the daemon writes θ only when a
+        round lands, and then LANDED: θ is whole here."""
         theta = self._attached.theta
         if theta is None:
             return
-        landed = self._attachment.landed()
         if landed > self._landed:
             move_by(self.params, theta, self._vector, bool(self._pinned))
             self._landed = landed
-            self._attachment.took(landed)
+            if self._slot.rank == 0:
+                self._attachment.took(landed)
 
     @contextlib.contextmanager
     def run_parameters(self):
@@ -308,6 +562,7 @@ class Optimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Detach: the daemon checkpoints and stops taking part in rounds for this process. The
         steps of an unfinished phase are not averaged. Idempotent."""
+        self._close_group()
         self._attachment.close()
         unpin(self._pinned)
         self._pinned = 0

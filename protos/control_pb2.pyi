@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "samples", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class RunStatus(_message.Message):
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_PID_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
     SYNCED_FROM_FIELD_NUMBER: _ClassVar[int]
@@ -88,13 +90,15 @@ class RunStatus(_message.Message):
     algorithm: str
     attached_pid: int
     attached_device: str
+    attached_processes: int
+    attached_group_epoch: int
     samples: int
     resumed_from: int
     synced_from: int
     train_process_state: str
     train_process_restarts: int
     local_group_reason: str
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., samples: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")
@@ -198,7 +202,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("run_id", "pid", "device", "layout", "settings", "step")
+    __slots__ = ("run_id", "pid", "device", "layout", "settings", "step", "group_size")
     class SettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -212,16 +216,30 @@ class AttachRequest(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     pid: int
     device: str
     layout: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     settings: _containers.ScalarMap[str, str]
     step: int
-    def __init__(self, run_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., settings: _Optional[_Mapping[str, str]] = ..., step: _Optional[int] = ...) -> None: ...
+    group_size: int
+    def __init__(self, run_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., settings: _Optional[_Mapping[str, str]] = ..., step: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
+
+class LocalGroup(_message.Message):
+    __slots__ = ("epoch", "rank", "size", "store")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    rank: int
+    size: int
+    store: str
+    def __init__(self, epoch: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload", "first_phase")
+    __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload", "first_phase", "group")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SHARED_PATH_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +249,7 @@ class AttachResponse(_message.Message):
     PHASE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
     FIRST_PHASE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     session: str
     shared_path: str
     numel: int
@@ -240,35 +259,40 @@ class AttachResponse(_message.Message):
     phase_timeout: float
     upload: bool
     first_phase: int
-    def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ..., first_phase: _Optional[int] = ...) -> None: ...
+    group: LocalGroup
+    def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ..., first_phase: _Optional[int] = ..., group: _Optional[_Union[LocalGroup, _Mapping]] = ...) -> None: ...
 
 class EndPhaseRequest(_message.Message):
-    __slots__ = ("session", "steps", "samples", "loss", "compute_seconds")
+    __slots__ = ("session", "steps", "samples", "loss", "compute_seconds", "boundary")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     session: str
     steps: int
     samples: float
     loss: float
     compute_seconds: float
-    def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    boundary: int
+    def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., boundary: _Optional[int] = ...) -> None: ...
 
 class EndPhaseResponse(_message.Message):
-    __slots__ = ("step", "round", "outcome", "waited_seconds", "downloaded")
+    __slots__ = ("step", "round", "outcome", "waited_seconds", "downloaded", "group_epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DOWNLOADED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     outcome: str
     waited_seconds: float
     downloaded: bool
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., outcome: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., downloaded: _Optional[bool] = ...) -> None: ...
+    group_epoch: int
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., outcome: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., downloaded: _Optional[bool] = ..., group_epoch: _Optional[int] = ...) -> None: ...
 
 class ReportEvalRequest(_message.Message):
     __slots__ = ("session", "metric", "score", "higher_is_better", "loss")
@@ -311,3 +335,17 @@ class DetachRequest(_message.Message):
 class DetachResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RegroupRequest(_message.Message):
+    __slots__ = ("session", "epoch")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    epoch: int
+    def __init__(self, session: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RegroupResponse(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: LocalGroup
+    def __init__(self, group: _Optional[_Union[LocalGroup, _Mapping]] = ...) -> None: ...

@@ -84,6 +84,11 @@ class ControlStub:
                 request_serializer=peerd_dot_protos_dot_control__pb2.DetachRequest.SerializeToString,
                 response_deserializer=peerd_dot_protos_dot_control__pb2.DetachResponse.FromString,
                 _registered_method=True)
+        self.Regroup = channel.unary_unary(
+                '/peerd.control.v1.Control/Regroup',
+                request_serializer=peerd_dot_protos_dot_control__pb2.RegroupRequest.SerializeToString,
+                response_deserializer=peerd_dot_protos_dot_control__pb2.RegroupResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -163,6 +168,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Regroup(self, request, context):
+        """A process of a local group saw its group break (a collective failed) or change (the shared
+        file's group epoch moved): returns its place in the group's next epoch, once the daemon has
+        formed it. NOT_FOUND: the process is no longer attached (attach again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +229,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Detach,
                     request_deserializer=peerd_dot_protos_dot_control__pb2.DetachRequest.FromString,
                     response_serializer=peerd_dot_protos_dot_control__pb2.DetachResponse.SerializeToString,
+            ),
+            'Regroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Regroup,
+                    request_deserializer=peerd_dot_protos_dot_control__pb2.RegroupRequest.FromString,
+                    response_serializer=peerd_dot_protos_dot_control__pb2.RegroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +506,33 @@ class Control:
             '/peerd.control.v1.Control/Detach',
             peerd_dot_protos_dot_control__pb2.DetachRequest.SerializeToString,
             peerd_dot_protos_dot_control__pb2.DetachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Regroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/peerd.control.v1.Control/Regroup',
+            peerd_dot_protos_dot_control__pb2.RegroupRequest.SerializeToString,
+            peerd_dot_protos_dot_control__pb2.RegroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

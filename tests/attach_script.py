@@ -24,10 +24,24 @@ p.add_argument("--overlap", action="store_true", help="a run with averaging.over
 p.add_argument("--round-timeout", type=float, default=None, help="the run's averaging.round_timeout")
 p.add_argument("--float-loss", action="store_true", help="pass the loss as a float (the daemon shows it mid-phase)")
 p.add_argument("--until", type=float, default=None, help="stop at this time.time() instead of after --steps")
+p.add_argument("--seed", type=int, default=0, help="the data's order (the model's first parameters: seed 0)")
+p.add_argument("--dear", action="store_true", help="in a local group, the gradients' all-reduce under DeAR")
+p.add_argument(
+    "--dear-bucket-bytes", type=float, default=1 << 20, help="DeAR's fusion target (0: a bucket per parameter)"
+)
+p.add_argument("--layers", type=int, default=1, help="linear layers (two: a model of several modules for DeAR)")
+p.add_argument("--group-size", type=int, default=None, help="processes expected in the local group (torchrun's)")
+p.add_argument("--save", default=None, help="write the model's state_dict here at the end")
 args = p.parse_args()
 
 torch.manual_seed(0)
-model = torch.nn.Linear(args.dim, 1)
+model = (
+    torch.nn.Linear(args.dim, 1)
+    if args.layers == 1
+    else torch.nn.Sequential(
+        *[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers - 1)], torch.nn.Linear(args.dim, 1)
+    )
+)
 opt = peerd.torch.Optimizer(
     torch.optim.SGD(model.parameters(), lr=0.05),
     run=args.run,
@@ -41,7 +55,11 @@ opt = peerd.torch.Optimizer(
         **({"round_timeout": args.round_timeout} if args.round_timeout is not None else {}),
     },
     reconnect_timeout=args.reconnect_timeout,
+    dear=args.dear,
+    group_size=args.group_size,
+    dear_bucket_bytes=args.dear_bucket_bytes,
 )
+torch.manual_seed(args.seed)
 print(json.dumps({"attached": opt.run_step}), flush=True)
 target = torch.arange(args.dim, dtype=torch.float32) / args.dim
 phases = []  # steps of each phase this loop ended (the run's step moves at a phase's end only)
@@ -57,7 +75,18 @@ for i in range(args.steps if args.until is None else 10**9):
     if opt.run_step != run_step:
         phases.append(opt.local_step - phase_began)
         phase_began, run_step = opt.local_step, opt.run_step
-        print(json.dumps({"phase_end": run_step, "outcome": opt.last_outcome, "steps": phases[-1]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "phase_end": run_step,
+                    "outcome": opt.last_outcome,
+                    "steps": phases[-1],
+                    "group": [opt.group_rank, opt.group_size],
+                    "dear_overlap": opt.dear_overlap_ratio,  # NaN without DeAR
+                }
+            ),
+            flush=True,
+        )
         if args.eval:
             opt.report_eval("loss", loss.item(), higher_is_better=False)
     if (i + 1) % args.every == 0:
@@ -67,6 +96,8 @@ for i in range(args.steps if args.until is None else 10**9):
         )
     time.sleep(args.sleep)
 opt.close()
+if args.save:
+    torch.save(model.state_dict(), args.save)
 print(
     json.dumps({"done": opt.run_step, "local_step": opt.local_step, "phases": phases, "landed": opt.landed_rounds}),
     flush=True,

@@ -198,3 +198,72 @@ def test_a_copy_of_theta_is_taken_again_when_the_daemon_wrote_it_meanwhile(tmp_p
     finally:
         a._unmap()
         shared.close()
+
+
+def test_processes_attached_to_one_run_are_one_local_group_led_by_the_first(tmp_path):
+    """The daemon's half of a local group: a second attach joins (a new epoch, rank 1, one rendezvous
+    file per epoch), the follower's EndPhase answers the leader's of the same boundary, a follower
+    whose leader leaves before ending the phase is told to regroup (the step unmoved) and, leader
+    then, ends it; a Regroup after a break moves the epoch once for all who ask."""
+    rounds = HalfMean()
+    t = trainer(tmp_path, rounds, outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False))
+    try:
+        first = t.attach(pid=0, device="cpu", step=0)
+        assert first.upload and (first.group.epoch, first.group.rank, first.group.size) == (1, 0, 1)
+        t._shared.tensor.copy_(torch.ones(NUMEL))
+        t.end_phase(first.session, 0, 0.0, math.nan, 0.0)
+        second = t.attach(pid=0, device="cpu", step=0)
+        assert not second.upload and (second.group.epoch, second.group.rank, second.group.size) == (2, 1, 2)
+        assert second.group.store.endswith(".group-2") and second.group.store != first.group.store
+        assert [m.token for m in t.members] == [first.session, second.session] and t.session.token == first.session
+
+        # The follower's EndPhase of boundary H waits for the leader's and answers the same.
+        answers = []
+        follower = threading.Thread(target=lambda: answers.append(t.end_phase(second.session, H, 8.0, 1.0, 0.1, H)))
+        follower.start()
+        follower.join(0.3)
+        assert follower.is_alive() and 1 not in rounds.handed  # nothing yet: the leader has not ended it
+        led = t.end_phase(first.session, H, 16.0, 1.0, 0.1, H)
+        follower.join(10)
+        assert answers == [led] and led.step == H and led.round_t == 1 and led.group_epoch == 2
+        assert list(rounds.handed) == [1] and t.step == H  # one round for the group, one step count
+
+        # A break: both ask to regroup from epoch 2; one new epoch, the same places.
+        slots = [t.regroup(first.session, 2), t.regroup(second.session, 2)]
+        assert [(s.epoch, s.rank, s.size) for s in slots] == [(3, 0, 2), (3, 1, 2)]
+
+        # The leader detaches before ending the next phase: the waiting follower is told to regroup,
+        # its step unmoved; it leads the group of one then, and its EndPhase ends the phase.
+        answers.clear()
+        follower = threading.Thread(target=lambda: answers.append(t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H)))
+        follower.start()
+        follower.join(0.3)
+        t.detach(first.session)
+        follower.join(10)
+        assert answers[0].step == H and answers[0].group_epoch == 4 and "leader left" in answers[0].outcome
+        assert t.regroup(second.session, 3) == t._slot(t.members[0])  # epoch 4 formed already: its place
+        again = t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H)
+        assert again.step == 2 * H and list(rounds.handed) == [1, 2]
+        # The same boundary again (a leader that ended it and left): answered, no second round.
+        assert t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H).step == 2 * H and list(rounds.handed) == [1, 2]
+    finally:
+        t.stop()
+    assert not list(tmp_path.glob("*.group-*"))  # the rendezvous files go with the vector
+
+
+def test_the_first_of_a_group_that_expects_others_waits_for_them_and_all_get_one_epoch(tmp_path):
+    t = trainer(tmp_path, HalfMean())
+    try:
+        infos = []
+        leader = threading.Thread(target=lambda: infos.append(t.attach(pid=0, device="cpu", step=0, group_size=3)))
+        leader.start()
+        wait_for(lambda: t.members, timeout=10, what="the first attach")
+        others = [threading.Thread(target=lambda: infos.append(t.attach(pid=0, device="cpu", step=0))) for _ in (1, 2)]
+        for o in others:
+            o.start()
+        for th in (leader, *others):
+            th.join(20)
+        assert sorted((i.group.epoch, i.group.rank, i.group.size) for i in infos) == [(1, 0, 3), (1, 1, 3), (1, 2, 3)]
+        assert [i.upload for i in sorted(infos, key=lambda i: i.group.rank)] == [True, False, False]
+    finally:
+        t.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -50,23 +51,46 @@ def lines(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def run_status_peer(daemon) -> str:
+    with ControlClient(daemon.control) as c:
+        return c.status().peer_id
+
+
 def run_status(daemon, run: str):
     with ControlClient(daemon.control) as c:
         return next(r for r in c.status().runs if r.run_id == run)
 
 
 @pytest.mark.heavy
-def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls(spawn, tmp_path):
+def test_the_example_trains_on_two_daemons_one_under_torchrun_their_models_agree_and_the_loss_falls(spawn, tmp_path):
+    """examples/your_loop.py unchanged under `torchrun --nproc-per-node 2` on daemon a (its local
+    group: one WAN peer; docs/your-loop.md) and under `python` on daemon b: all three train, the
+    loss falls, and the two daemons' models are one θ."""
     a = spawn("loop-a", ["--run", "loop"])
     b = spawn("loop-b", ["--run", "loop", "--initial-peers", a.maddrs[0]])
-    common = ["--run", "loop", "--steps", 120, "--every", 20]
-    pa = script(*common, "--daemon", a.data_dir, "--seed", 1, "--save", tmp_path / "a.pt", path=EXAMPLE)
+    common = ["loop", "--steps", 120, "--every", 20]
+    pa = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE)]
+        + [*map(str, common), "--daemon", str(a.data_dir), "--seed", "1", "--save", str(tmp_path / "a.pt")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     pb = script(*common, "--daemon", b.data_dir, "--seed", 2, "--save", tmp_path / "b.pt", path=EXAMPLE)
+    wait_for(lambda: run_status(a, "loop").attached_processes == 2, timeout=120, what="a's local group of 2")
+    with ControlClient(b.control) as c:  # the group is one peer of the run
+        assert [p.peer_id for p in c.list_peers("loop").peers] == [run_status_peer(a)]
     outs = [finish(pa, 240), finish(pb, 240)]
-    for out in outs:
-        first = float(re.search(r"attached at run step \d+; eval ([\d.]+)", out).group(1))
-        last = float(re.search(r"done: run step 120; eval ([\d.]+)", out).group(1))
-        assert last < first - 1.0, out  # bits per character
+    assert sorted(re.findall(r"\(rank (\d) of (\d)\)", outs[0])) == [("0", "2"), ("1", "2")], outs[0]
+    assert re.findall(r"\(rank (\d) of (\d)\)", outs[1]) == [("0", "1")], outs[1]
+    for out, processes in zip(outs, (2, 1)):
+        firsts = [float(x) for x in re.findall(r"attached at run step \d+ \(rank \d of \d\); eval ([\d.]+)", out)]
+        lasts = [float(x) for x in re.findall(r"done: run step 120; eval ([\d.]+)", out)]
+        assert len(firsts) == len(lasts) == processes, out
+        assert all(last < first - 1.0 for first, last in zip(firsts, lasts)), out  # bits per character
+        assert len(set(lasts)) == 1, out  # a group's processes hold the same parameters
         assert "round completed" in out, out
     # After a completed round every member holds the same θ (the same mean applied to the same
     # outer state; docs/your-loop.md): the two copies are equal, not only close.
@@ -75,6 +99,7 @@ def test_the_example_trains_on_two_daemons_their_models_agree_and_the_loss_falls
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
     status = run_status(a, "loop")
     assert status.step == 120 and status.attached_pid == 0 and status.task == ""
+    assert status.last_round_outcome == "completed" and status.group_size == 2  # a's group and b
     # A run a script created waits for its rounds (daemon/attached.py, SCRIPT_RUN_DEFAULTS).
     kept = (a.data_dir / "runs" / "loop" / "manifest").read_bytes()
     assert decode_manifest(kept, run_id="loop", secret=None, subkey=None).averaging.overlap is False
@@ -181,6 +206,80 @@ def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_o
     assert steps == sorted(steps) and out[-1]["local_step"] == 1000
 
 
+@pytest.mark.heavy
+def test_a_killed_member_of_a_local_group_leaves_it_the_other_goes_on_and_a_new_process_joins(spawn):
+    """Two processes attached to one daemon's run are one local group; its leader killed mid-step:
+    the other goes on (leading a group of one) within the op timeout plus a phase, the run's step
+    never goes backwards, and a process attached later joins the group in the middle of a phase."""
+    a = spawn("grp", ["--run", "grp"])
+    common = ["--run", "grp", "--daemon", a.data_dir, "--every", 10, "--sleep", 0.02]
+    leader = script(*common, "--steps", 100_000)
+    assert json.loads(leader.stdout.readline()) == {"attached": 0}
+    other = script(*common, "--steps", 100_000)
+    seen = []
+
+    def status(predicate):
+        s = run_status(a, "grp")
+        seen.append(s.step)
+        return predicate(s)
+
+    wait_for(
+        lambda: status(lambda s: s.attached_processes == 2 and s.attached_pid == leader.pid),
+        timeout=60,
+        what="a group of 2",
+    )
+    epoch = run_status(a, "grp").attached_group_epoch
+    wait_for(lambda: status(lambda s: s.step >= seen[0] + 20), timeout=60, what="the group trains")
+    leader.kill()
+    leader.wait()
+    killed = time.monotonic()
+    wait_for(
+        lambda: status(lambda s: s.attached_processes == 1 and s.attached_pid == other.pid), timeout=30, what="one left"
+    )
+    left = seen[-1]
+    wait_for(lambda: status(lambda s: s.step >= left + 20), timeout=60, what="the other trains on, leading")
+    assert time.monotonic() - killed < 60 + 30  # GROUP_TIMEOUT plus slack: a kill is seen at once
+    late = script(*common, "--steps", 45)
+    wait_for(lambda: status(lambda s: s.attached_processes == 2), timeout=60, what="the late process joins")
+    out = lines(finish(late, 120))
+    assert out[0]["attached"] > 0 and out[-1]["local_step"] == 45, out
+    assert run_status(a, "grp").attached_group_epoch > epoch + 1
+    other.kill()
+    other.wait()
+    assert seen == sorted(seen), seen  # the run's step never went backwards
+
+
+@pytest.mark.heavy
+def test_a_local_group_under_dear_ends_with_the_parameters_of_one_all_reduce_after_backward(spawn, tmp_path):
+    """Two processes of one daemon's local group, started together, each with its own data: once
+    with the all-reduce of the gradients after backward, once under DeAR with a bucket per parameter
+    (reduce-scatters from backward hooks, each all-gather awaited and its update applied in the next
+    forward; docs/dear.md). Same first parameters, same data: the four models are equal bit for bit
+    at the end (fp32 on the CPU; the mean of two is one addition either way)."""
+    a = spawn("dear", ["--run", "plain", "--run", "dear"])
+    outs = {}
+    for run, extra in (("plain", []), ("dear", ["--dear", "--dear-bucket-bytes", 0])):
+        common = ["--run", run, "--daemon", a.data_dir, "--every", 10, "--steps", 40, "--layers", 3, *extra]
+        first = script(*common, "--group-size", 2, "--seed", 1, "--save", tmp_path / f"{run}-0.pt")
+        second = script(*common, "--group-size", 2, "--seed", 2, "--save", tmp_path / f"{run}-1.pt")
+        outs[run] = [lines(finish(first, 120)), lines(finish(second, 120))]
+    for run, pair in outs.items():
+        ranks = []
+        for out in pair:
+            losses = [o["loss"] for o in out if "loss" in o]
+            assert out[-1]["done"] == 40 and losses[-1] < losses[0], (run, out)
+            ends = [o for o in out if "phase_end" in o]
+            ranks.append(ends[0]["group"][0])
+            assert [o["group"] for o in ends] == [[ranks[-1], 2]] * 4, (run, ends)  # one group throughout
+            assert all(math.isnan(o["dear_overlap"]) != (run == "dear") for o in ends), (run, ends)
+        assert sorted(ranks) == [0, 1], (run, ranks)
+    models = {p.stem: torch.load(p, weights_only=True) for p in tmp_path.glob("*.pt")}
+    assert len(models) == 4 and len(models["plain-0"]) == 6
+    reference = models["plain-0"]
+    for name, model in models.items():
+        assert all(torch.equal(model[k], reference[k]) for k in reference), name
+
+
 def test_a_daemon_restarted_under_a_script_is_reattached_and_the_step_goes_on(spawn):
     a = spawn("restart-a", ["--run", "again"])
     p = script(
@@ -233,11 +332,6 @@ def test_a_model_that_does_not_match_the_run_is_refused_naming_the_first_mismatc
         ):
             peerd.torch.Optimizer(
                 torch.optim.SGD(other.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=other
-            )
-        # A second process (here: a second attach) on the same daemon and run is refused while one lives.
-        with pytest.raises(peerd.PeerdError, match="already has a training process attached"):
-            peerd.torch.Optimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1), run="shape", daemon=a.data_dir, model=model
             )
     wait_for(lambda: run_status(a, "shape").attached_pid == 0, timeout=10, what="detached")
     # A process that would hand over its optimizer's state too (a state run's child) to a run whose

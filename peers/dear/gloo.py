@@ -5,6 +5,9 @@
     ...
     collective.close()                        # before dist.destroy_process_group()
 
+or over a Gloo backend built without the default group (a local group of peerd.torch processes,
+peerd/local_group.py): `GlooCollective(timeout=T, backend=dist.ProcessGroupGloo(store, r, n, options))`.
+
 Reduce-scatter is `all_to_all_single` plus a local sum: gloo's own `reduce_scatter` runs a full
 all-reduce underneath, so it moves twice the bytes (measured on this machine, 32 MiB over two
 processes: 43 ms against 11-14 ms for the all-to-all). All-gather is `all_gather_single` with the
@@ -41,6 +44,8 @@ class GlooCollective(CollectiveBase):
     """Collective over a gloo process group (the default one unless `group` is given).
 
     `timeout` must be the process group's own timeout: it is what `wait` bounds each op by.
+    `backend`: a ProcessGroupGloo of its own (not registered with torch.distributed), used
+    through its own methods.
     `min_seconds` is a seam for benchmarks that emulate a slower link: an op of b bytes lasts at
     least min_seconds(b), the thread sleeping the rest (off the CPU, as a wire would be)."""
 
@@ -49,12 +54,13 @@ class GlooCollective(CollectiveBase):
         *,
         timeout: float,
         group: dist.ProcessGroup | None = None,
+        backend: dist.ProcessGroupGloo | None = None,
         min_seconds: Callable[[int], float] | None = None,
     ):
         super().__init__()
-        self.group, self.timeout, self.min_seconds = group, timeout, min_seconds
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group, self.backend, self.timeout, self.min_seconds = group, backend, timeout, min_seconds
+        self.world = backend.size() if backend is not None else dist.get_world_size(group)
+        self.rank = backend.rank() if backend is not None else dist.get_rank(group)
         self._scratch = torch.empty(0)  # all-to-all output; one op at a time, so one buffer
         self._queue: queue.SimpleQueue[Handle | None] = queue.SimpleQueue()
         self._error = ""  # set once, by the thread or by wait(); the collective is broken after it
@@ -101,11 +107,17 @@ class GlooCollective(CollectiveBase):
         flat, world = handle.flat, self.world
         mine = shard(flat, world, self.rank)
         if handle.half is Half.ALL_GATHER:
-            dist.all_gather_single(flat, mine, group=self.group)
+            if self.backend is not None:
+                self.backend._allgather_base(flat, mine.clone()).wait()  # the input may not alias the output
+            else:
+                dist.all_gather_single(flat, mine, group=self.group)
             return
         if self._scratch.numel() < flat.numel():
             self._scratch = torch.empty(flat.numel())  # grows to the largest bucket once, then reused
         received = self._scratch[: flat.numel()]
-        dist.all_to_all_single(received, flat, group=self.group)  # row j: rank j's slice of my shard
+        if self.backend is not None:  # row j: rank j's slice of my shard
+            self.backend.alltoall_base(received, flat, [], []).wait()
+        else:
+            dist.all_to_all_single(received, flat, group=self.group)
         torch.sum(received.view(world, -1), dim=0, out=mine)
         mine.div_(world)

@@ -73,6 +73,10 @@ class DeARSettings:
     mode: Mode = Mode.DEAR
     bucket_bytes: float = 1 << 20  # fusion target (buckets.py); 0: one parameter per bucket; inf: one bucket
     retune_every: int = 0  # steps between automatic retune() calls (every rank at the same steps); 0: never
+    # False: a CollectiveError met in a hook (inside the model's forward or backward) is recorded in
+    # `error` and the hook returns; step() or flush() raises it (a caller that cannot catch inside
+    # its user's forward: peerd.torch's local group, which regroups and re-syncs then).
+    hooks_raise: bool = True
 
     def __post_init__(self) -> None:
         if not self.bucket_bytes >= 0:
@@ -198,7 +202,7 @@ class DeAR:
         for b in plan.buckets:
             for p, view in zip(b.params, self._views[b.index]):
                 self._hooks.append(
-                    p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b.index, view))
+                    p.register_post_accumulate_grad_hook(self._guard(functools.partial(self._on_grad, b.index, view)))
                 )
         if self.mode is Mode.DEAR:
             owned: dict[nn.Module, list[int]] = {}
@@ -206,7 +210,23 @@ class DeAR:
                 for m in b.modules:
                     owned.setdefault(m, []).append(b.index)
             for m, indices in owned.items():
-                self._hooks.append(m.register_forward_pre_hook(functools.partial(self._before_forward, tuple(indices))))
+                self._hooks.append(
+                    m.register_forward_pre_hook(self._guard(functools.partial(self._before_forward, tuple(indices))))
+                )
+
+    def _guard(self, hook):
+        """`hook`, or with hooks_raise off, `hook` that records a CollectiveError and returns."""
+        if self.settings.hooks_raise:
+            return hook
+
+        def guarded(*args):
+            try:
+                return hook(*args)
+            except CollectiveError as e:
+                self.error = self.error or str(e)
+                return None
+
+        return guarded
 
     def _remove_hooks(self) -> None:
         for h in self._hooks:

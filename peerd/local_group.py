@@ -1,0 +1,121 @@
+"""The collective of a local group: the training processes attached to one daemon for one run
+(daemon/attached.py forms the group; docs/your-loop.md, "Several processes per machine").
+
+Each process takes its place (peerd.attachment.Slot: epoch, rank, size, the epoch's rendezvous
+file) from its daemon and builds a torch.distributed Gloo process group of its own over a
+FileStore: no `init_process_group`, so that a script's own torch.distributed, if any, is left
+alone, and a group can be re-formed (a new epoch, a new store) when a member comes or goes, which a
+default process group cannot. Tensors are staged on the CPU (Gloo); the members are on one machine,
+so the group's traffic stays on loopback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from peerd.attachment import Slot
+
+DIGEST_BITS = 62  # a digest and its negation both fit an int64
+RENDEZVOUS_POLL = 0.05  # seconds between two looks for an epoch's members
+
+
+class GroupBroke(Exception):
+    """A collective of the local group failed (a member exited, stalled past the op timeout, or
+    left for a new epoch): regroup."""
+
+
+class Collective:
+    """One epoch of a local group: all-reduce, broadcast and a digest check over Gloo. `rendezvous`
+    bounds the wait for the epoch's members to arrive (a member may be inside a long EndPhase),
+    `timeout` every collective after that; the wait gives up as soon as `superseded()` (the
+    daemon formed a newer epoch: a member of this one left meanwhile)."""
+
+    def __init__(
+        self, slot: Slot, timeout: float, rendezvous: float, superseded: Callable[[], bool], data: bool = False
+    ):
+        """`data`: also a second Gloo backend, `self.data`, for DeAR's gradient buckets (its ops run in
+        a thread of their own, so they must not share a backend with this one's)."""
+        self.slot = slot
+        self.data: dist.ProcessGroupGloo | None = None
+        try:
+            store = dist.PrefixStore(f"peerd/{slot.epoch}/", dist.FileStore(slot.store, slot.size))
+            store.set(f"here/{slot.rank}", "1")
+            everyone, deadline = [f"here/{r}" for r in range(slot.size)], time.monotonic() + rendezvous
+            while not store.check(everyone):
+                if superseded():
+                    raise GroupBroke(f"epoch {slot.epoch} was superseded before it formed")
+                if time.monotonic() > deadline:
+                    raise GroupBroke(f"epoch {slot.epoch}: not every member arrived within {rendezvous:.0f} s")
+                time.sleep(RENDEZVOUS_POLL)
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            options._timeout = timedelta(seconds=timeout)
+            self._group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), slot.rank, slot.size, options)
+            if data:
+                self.data = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), slot.rank, slot.size, options)
+        except RuntimeError as e:
+            raise GroupBroke(f"epoch {slot.epoch} did not form: {_first_line(e)}") from None
+
+    @property
+    def leader(self) -> bool:
+        return self.slot.rank == 0
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        """In place: the members' sum (a CPU tensor)."""
+        self._wait(self._group.allreduce([tensor]))
+
+    def broadcast_(self, tensor: torch.Tensor) -> None:
+        """In place: the leader's values (a CPU tensor)."""
+        self._wait(self._group.broadcast(tensor, 0))
+
+    def broadcast_state(self, state: dict | None) -> dict:
+        """The leader's `state` (any torch.save-able dict) on every member."""
+        if self.leader:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.broadcast_(size)
+        if not self.leader:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self.broadcast_(data)
+        return state if self.leader else torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+    def same(self, tensors: list[torch.Tensor]) -> tuple[bool, int]:
+        """Whether every member holds bit-identical `tensors` (a digest of their bytes, compared in one
+        all-reduce); and this member's digest."""
+        h = hashlib.blake2b(digest_size=8)
+        for t in tensors:
+            h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        mine = int.from_bytes(h.digest(), "little") >> (64 - DIGEST_BITS)
+        extremes = torch.tensor([mine, -mine], dtype=torch.int64)
+        self._wait(self._group.allreduce([extremes], _max()))
+        return int(extremes[0]) == -int(extremes[1]), mine
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise GroupBroke(_first_line(e)) from None
+
+    def close(self) -> None:
+        self._group = self.data = None
+
+
+def _max():
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MAX
+    return options
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
