@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import hashlib
 import heapq
 import itertools
@@ -216,14 +215,6 @@ class SimNode:
             return response
 
 
-def _copy_table(table: PeerTable) -> PeerTable:
-    """A copy that the original's later refreshes leave alone (entries are flat; deepcopy is slow)."""
-    out = PeerTable(table.self_peer_id, table.ttl)
-    out._entries = {e.peer_id: copy.copy(e) for e in table.entries()}
-    out._departed = dict(table._departed)
-    return out
-
-
 class View:
     """One PeerTable and the peers that hold it: they refresh at the same moments and would hold
     equal tables, so one refresh serves them all (each is charged its own get)."""
@@ -365,7 +356,7 @@ class Swarm:
     def freeze(self, peer: Peer) -> None:
         """A stopped daemon: no heartbeats, no refreshes, no answers; it keeps the table it had."""
         if peer.view is not None and len(peer.view.holders) > 1:
-            own = View(_copy_table(peer.view.table), peer.phase)
+            own = View(peer.view.table.copy(), peer.phase)
             self.move(peer, own)
         peer.frozen = True
         self._schedule(self.clock() + self.settings.freeze_seconds, "thaw", peer.identity.peer_id)

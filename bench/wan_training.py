@@ -19,6 +19,8 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
                 checkpoint would hold the initial parameters
   extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
                 h_from_start: (a) without the short first phases (averaging.first_phase=0);
+                local_groups: (a) on half the hosts, each training in two processes (--train-processes 2:
+                a local group, one WAN peer; docs/your-loop.md): the same processes as (a), half the peers;
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
                 the others' speed (the straggler budget; needs cgroup v1's cpu controller);
                 thread: (a) with each daemon training in a thread of its own (--no-train-process;
@@ -131,10 +133,12 @@ class TrainingLab(Lab):
                 self.evaluations[name] = got[1]
 
 
-def scenario(name: str, args, settings: dict, *, loss: float | None = None, daemon_args: tuple = ()) -> dict:
-    """A lab scenario of `args.hosts` hosts; with --curve every phase's end checkpoints (what the
-    curve evaluates), else only the stop."""
-    hosts = [{"name": f"h{i}"} for i in range(args.hosts)]
+def scenario(
+    name: str, args, settings: dict, *, loss: float | None = None, daemon_args: tuple = (), hosts: int = 0
+) -> dict:
+    """A lab scenario of `hosts` hosts (`args.hosts` unless given); with --curve every phase's end
+    checkpoints (what the curve evaluates), else only the stop."""
+    hosts = [{"name": f"h{i}"} for i in range(hosts or args.hosts)]
     data = {
         "name": name,
         "duration": args.seconds,
@@ -331,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="charlm")
     p.add_argument("--engine", default="", help="(a)'s averaging.engine, e.g. loss-tolerant (default: the run's)")
     p.add_argument(
-        "--extra", default="", help="comma-separated: udp10, sync, h_from_start, throttled, thread, state_thread"
+        "--extra",
+        default="",
+        help="comma-separated: udp10, sync, h_from_start, local_groups, throttled, thread, state_thread",
     )
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
@@ -382,6 +388,15 @@ def main(argv: list[str] | None = None) -> int:
                     scenario("a_diloco_h_from_start", args, {**diloco, "averaging.first_phase": 0}),
                 )
             )
+        elif e == "local_groups":
+            groups = scenario(
+                "a_diloco_local_groups",
+                args,
+                diloco,
+                daemon_args=("--train-processes", "2"),
+                hosts=max(args.hosts // 2, 1),
+            )
+            setups.append(("a_diloco_local_groups", groups))
         elif e == "sync":
             setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
         elif e == "thread":

@@ -528,6 +528,7 @@ class Daemon:
             layout=layout,
             identity=identity,
             argv=argv,
+            processes=train.train_processes,
             outer=outer,
             max_steps=train.max_steps,
             ready=lambda: len(membership.table) + 1 >= train.min_peers,

@@ -697,7 +697,7 @@ class AttachedTrainer:
         """Under _group: a member other than the leader at its phase's end waits for the leader's
         EndPhase of `boundary` (bounded by phase_timeout) and answers the same. Where the leader
         leaves first, the answer's step is the phase's start: regroup and end the phase again."""
-        leader, deadline = self.members[0], time.monotonic() + self.phase_timeout
+        leader = self.members[0]
         ok = self._group.wait_for(
             lambda: self._ended[0] >= boundary or not self.members or self.members[0] is not leader,
             timeout=self.phase_timeout,
@@ -706,7 +706,7 @@ class AttachedTrainer:
             raise SessionLost(f"run {self.run_id!r}: this process left the local group (its lease lapsed)")
         if self._ended[0] >= boundary:
             return replace(self._ended[1], group_epoch=self.group_epoch)
-        why = "the local group's leader left" if ok else f"no EndPhase of the leader in {deadline:.0f} s"
+        why = "the local group's leader left" if ok else f"no EndPhase of the leader in {self.phase_timeout:.0f} s"
         return PhaseEnd(self.global_step, -1, why, 0.0, False, self.group_epoch)
 
     def report_eval(self, token: str, result: EvalResult) -> None:

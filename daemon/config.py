@@ -34,6 +34,7 @@ MAX_PEER_TTL = MAX_RECORD_TTL / 2
 
 
 UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108, with the final NUL)
+MAX_TRAIN_PROCESSES = 64  # training processes per --task run: a bound, not a target (each is a process)
 MAX_RUNS_LIMIT = 1024  # the largest max_runs accepted: a bound, not a target (each run costs DHT traffic)
 
 
@@ -126,6 +127,8 @@ class TrainConfig:
     # attached like a script; docs/your-loop.md); false: in a thread of the daemon. Runs with a DeAR local
     # group (--local-group) keep the thread (docs/your-loop.md, "Not yet").
     train_process: bool = True
+    # Training processes per --task run in children (their daemon's local group, one WAN peer).
+    train_processes: int = 1
 
     def __post_init__(self) -> None:
         for item in self.set:
@@ -133,6 +136,10 @@ class TrainConfig:
                 raise ConfigError(f"set: {item!r} is not KEY=VALUE")
         if not 1 <= self.torch_threads <= 256:
             raise ConfigError(f"torch_threads must be in 1..256, got {self.torch_threads}")
+        if not 1 <= self.train_processes <= MAX_TRAIN_PROCESSES:
+            raise ConfigError(f"train_processes must be in 1..{MAX_TRAIN_PROCESSES}, got {self.train_processes}")
+        if self.train_processes > 1 and not self.train_process:
+            raise ConfigError("train_processes above 1 needs train_process (the children; not the daemon's thread)")
         for name in ("checkpoint_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -309,6 +316,13 @@ OPTIONS: tuple[Option, ...] = (
         "attached like a script (the default; --no-train-process: in a thread of the daemon); costs a "
         "Python process per run and a shared-memory hand-over of the parameters (averaging.algorithm=state: and "
         "the optimizer's state) per round; runs with a DeAR local group (--local-group) keep the thread",
+    ),
+    Option(
+        "train.train_processes",
+        "training processes per --task run, each with its own data: this daemon's local group, one peer of the "
+        "run, averaging their gradients every step (docs/your-loop.md); costs a process and a gradient "
+        "all-reduce over loopback per step each",
+        "N",
     ),
 )
 

@@ -95,7 +95,8 @@ def optimizer_without_dynamo() -> Iterator[None]:
 
 
 def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> list[str]:
-    """The child's command line: the run's task, hyper-parameters and seed, this daemon's limits."""
+    """The child's command line: the run's task, hyper-parameters and seed, this daemon's limits
+    (each of --train-processes adds its --rank: TaskChild)."""
     argv = [sys.executable, "-m", "peerd.daemon.taskproc", "--run", manifest.run_id, "--task", manifest.task]
     argv += ["--daemon", str(data_dir), "--seed", str(init_seed)]
     argv += ["--average-every", str(manifest.averaging.average_every), "--max-steps", str(train.max_steps)]
@@ -104,6 +105,8 @@ def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> 
     argv += ["--state", str(data_dir / "runs" / manifest.run_id / STATE_FILE)]
     if manifest.averaging.algorithm == "state":
         argv += ["--state-vector"]
+    if train.train_processes > 1:
+        argv += ["--group-size", str(train.train_processes)]
     for key, value in sorted(manifest.hparams.items()):
         argv += ["--set", f"{key}={value}"]
     return argv
@@ -123,6 +126,7 @@ class TaskChild(AttachedTrainer):
         trainers_ready: Callable[[], bool] = lambda: True,
         ready_timeout: float = 0.0,
         max_restarts: int = MAX_RESTARTS,
+        processes: int = 1,
         **attached,
     ):
         self.max_steps = max_steps
@@ -130,20 +134,28 @@ class TaskChild(AttachedTrainer):
         # daemons with a training process before its first attach goes on (`trainers_ready`).
         self.ready, self.trainers_ready, self.ready_timeout = ready, trainers_ready, ready_timeout
         self._starter: asyncio.Task | None = None
-        self.child = Supervisor(
-            f"run {attached['run_id']}: training process", argv, cwd=SOURCE_ROOT, max_restarts=max_restarts
-        )
+        # --train-processes: one child per rank, each supervised on its own (a local group: daemon/attached.py).
+        self.children = [
+            Supervisor(
+                f"run {attached['run_id']}: training process" + (f" {rank}" if processes > 1 else ""),
+                argv + (["--rank", str(rank)] if processes > 1 else []),
+                cwd=SOURCE_ROOT,
+                max_restarts=max_restarts,
+            )
+            for rank in range(processes)
+        ]
+        self.child = self.children[0]  # status shows the first's state and restarts
         super().__init__(creator=True, **attached)  # every daemon derives the run's first parameters alike
 
     @property
     def state(self) -> TrainState:
-        child = self.child.state
-        if child is ChildState.FAILED:
+        states = {c.state for c in self.children}
+        if ChildState.FAILED in states:
             return TrainState.FAILED
-        if child is ChildState.EXITED:
+        if states == {ChildState.EXITED}:
             done = self.max_steps and self.global_step >= self.max_steps
             return TrainState.FINISHED if done else TrainState.STOPPED
-        if self._state is TrainState.STOPPED and child in (ChildState.RUNNING, ChildState.RESTARTING):
+        if self._state is TrainState.STOPPED and states & {ChildState.RUNNING, ChildState.RESTARTING}:
             return TrainState.LOADING  # the child starts (again) and has not attached yet
         return self._state
 
@@ -153,8 +165,9 @@ class TaskChild(AttachedTrainer):
 
     @property
     def error(self) -> str:
-        if self.child.state in (ChildState.FAILED, ChildState.RESTARTING):
-            return f"training process {self.child.error}"
+        for c in self.children:
+            if c.state in (ChildState.FAILED, ChildState.RESTARTING):
+                return f"training process {c.error}"
         return self._error
 
     @error.setter
@@ -170,13 +183,14 @@ class TaskChild(AttachedTrainer):
         deadline = time.monotonic() + self.ready_timeout
         while not self.ready() and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        self.child.start()
+        for c in self.children:
+            c.start()
 
     async def _stop_child(self) -> None:
         if self._starter is not None:
             self._starter.cancel()  # no start after the stop
             await asyncio.gather(self._starter, return_exceptions=True)
-        await self.child.stop(CHILD_STOP_GRACE)
+        await asyncio.gather(*(c.stop(CHILD_STOP_GRACE) for c in self.children))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the child (SIGTERM, SIGKILL after CHILD_STOP_GRACE), then the attachment. Blocking:
@@ -210,7 +224,7 @@ class TaskChild(AttachedTrainer):
 
     def check_child(self, pid: int, layout: tuple[TensorSpec, ...]) -> None:
         """Refuse (RunRefused) an attach that is not this daemon's child with the task's model."""
-        if pid != self.child.pid:
+        if pid not in {c.pid for c in self.children}:
             raise RunRefused(
                 f"run {self.run_id!r} trains task {self._identity['task']!r} in a process of its daemon "
                 f"(pid {self.child.pid}); a script attaches to a run created by a script (another run ID)"

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state", type=Path, default=None, help="the inner optimizer's state file (resumed if present)")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0, help="the model's initialization (a run this process creates)")
+    p.add_argument("--rank", type=int, default=0, help="this process among --group-size (its own data stream)")
+    p.add_argument("--group-size", type=int, default=None, help="processes the daemon starts for the run together")
     p.add_argument(
         "--state-vector",
         action="store_true",
@@ -96,13 +98,16 @@ def train(args: argparse.Namespace) -> int:
         model=model,
         settings={"average_every": args.average_every},
         state_vector=args.state_vector,
+        group_size=args.group_size,
     )
     text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
     identity = identity_of(args.run, task.name, text, model)
     if args.state is not None and args.state.exists():
         load_state(opt, args.state, identity)
-    # Each daemon its own stream of samples (as the trainer thread), a new one after a restart.
-    data = task.data(hparams, seed_from(args.run, str(args.daemon.resolve()), str(opt.run_step)))
+    # Each daemon its own stream of samples (as the trainer thread), a new one after a restart; each
+    # process of a local group (--rank) its own.
+    rank = [str(args.rank)] if args.rank else []
+    data = task.data(hparams, seed_from(args.run, str(args.daemon.resolve()), str(opt.run_step), *rank))
     evaluated = saved = phase_step = opt.run_step
     reported = False  # an evaluation in status from this process (a run resumed at --max-steps has none yet)
     try:
@@ -115,19 +120,19 @@ def train(args: argparse.Namespace) -> int:
             opt.step(samples=batch.samples, loss=loss)
             if opt.run_step == phase_step:  # within a phase: the model holds this process's own progress
                 continue
-            phase_step = opt.run_step  # a phase ended: evaluate, save
-            if opt.run_step - evaluated >= args.eval_every:
+            phase_step = opt.run_step  # a phase ended: evaluate, save (a local group's leader: they are one model)
+            if opt.run_step - evaluated >= args.eval_every and opt.group_rank == 0:
                 report(task, hparams, model, opt)
                 evaluated, reported = opt.run_step, True
-            if args.state is not None and opt.run_step - saved >= args.checkpoint_every:
+            if args.state is not None and opt.run_step - saved >= args.checkpoint_every and opt.group_rank == 0:
                 save_state(opt, args.state, identity)
                 saved = opt.run_step
-        if evaluated != opt.run_step or not reported:
+        if (evaluated != opt.run_step or not reported) and opt.group_rank == 0:
             report(task, hparams, model, opt)
-        if args.state is not None:
+        if args.state is not None and opt.group_rank == 0:
             save_state(opt, args.state, identity)
     except SystemExit:  # SIGTERM (main): the daemon stops the run; its thread would checkpoint too
-        if args.state is not None:
+        if args.state is not None and opt.group_rank == 0:
             save_state(opt, args.state, identity)
         raise
     finally:

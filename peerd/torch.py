@@ -291,9 +291,10 @@ class Optimizer(torch.optim.Optimizer):
             except Lost:
                 lost = True
                 break
-            if end.step >= self._boundary or end.group_epoch == self._slot.epoch:
+            if end.step >= self._boundary:
                 break
-            # The group's leader left before ending the phase: regroup; the new leader ends it.
+            # The group's leader left (or did not end the phase within the daemon's phase timeout):
+            # regroup; the group's leader then ends it.
             self._regroup()
         else:
             raise PeerdError(f"run {self.run}: the local group changed {REGROUP_TRIES} times at one phase's end")
@@ -364,7 +365,11 @@ class Optimizer(torch.optim.Optimizer):
                     self._dear = self._start_dear()
             except GroupBroke as e:
                 logger.warning("peerd: run %s: local group epoch %d: %s; forming it again", self.run, slot.epoch, e)
-                slot = self._attachment.regroup(slot.epoch)
+                try:
+                    slot = self._attachment.regroup(slot.epoch)
+                except Lost:
+                    self._reattach()
+                    return
                 continue
             logger.info(
                 "peerd: run %s: local group epoch %d: rank %d of %d", self.run, slot.epoch, slot.rank, slot.size
@@ -414,6 +419,8 @@ class Optimizer(torch.optim.Optimizer):
         if not c.leader:
             from_vector(flat, self.params, False)
             self.inner.load_state_dict(state)
+            if self._state_vector:  # load_state_dict replaced the state's tensors: hand over the new ones
+                self._tensors = self._vector_tensors()
             run_step, self._phase_steps, self._phase_samples, landed = counters.tolist()
             self.run_step, self._phase_steps, self._landed = int(run_step), int(self._phase_steps), int(landed)
             self._phase_bounds()

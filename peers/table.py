@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 
 from peerd.peers.records import LinkReport, MemberRecord, MemberState, ParamSketch
@@ -91,3 +93,10 @@ class PeerTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def copy(self) -> "PeerTable":
+        """A copy that this table's later observations and expiries leave alone."""
+        out = PeerTable(self.self_peer_id, self.ttl)
+        out._entries = {pid: copy.copy(e) for pid, e in self._entries.items()}
+        out._departed = dict(self._departed)
+        return out

@@ -53,3 +53,15 @@ def test_self_is_never_listed():
     t = PeerTable("me", ttl=10)
     assert t.observe(rec("me", 100), now=100) == "self"
     assert len(t) == 0
+
+
+def test_a_copy_keeps_its_entries_and_departures_while_the_original_moves_on():
+    t = PeerTable("me", ttl=10)
+    t.observe(rec("p", 100), now=100)
+    t.observe(rec("q", 100), now=100)
+    t.observe(rec("q", 101, MemberState.LEFT), now=101)
+    c = t.copy()
+    t.observe(rec("p", 105), now=105)  # p's entry moves in the original only
+    assert t.expire(now=112) == [] and c.expire(now=112) == ["p"]
+    assert c.observe(rec("q", 100.5), now=113) == "stale"  # q's departure was copied
+    assert [e.peer_id for e in t.entries()] == ["p"] and len(c) == 0

@@ -101,6 +101,30 @@ def test_a_training_process_that_always_fails_stops_at_the_bound_and_health_says
         d.kill_group()
 
 
+@pytest.mark.heavy
+def test_a_task_run_trains_in_a_local_group_of_children_one_peer_of_the_run(spawn):
+    """--train-processes 2: the daemon starts two children for its DiLoCo task run, each with its
+    own data, which are its local group (one WAN peer; docs/your-loop.md); with a second daemon
+    training in one child, the rounds complete with two peers and both reach --max-steps."""
+    common = ["--run", "tg", "--max-steps", "60", "--min-peers", "2", "--eval-every", "1000", "--torch-threads", "1"]
+    task = ["--task", "digits-mlp", "--set", "averaging.average_every=20", "--train-processes", "2"]
+    a = spawn("tg-a", [*common, *task])
+    b = spawn("tg-b", [*common, "--initial-peers", a.maddrs[0]])
+    r = wait_for(lambda: (s := run_status(a, "tg")).attached_processes == 2 and s, timeout=120, what="two children")
+    assert r.attached_pid not in (0, a.pid) and r.attached_group_epoch >= 1, r
+    with ControlClient(b.control) as c:
+        assert len(c.list_peers("tg").peers) == 1  # the group is one peer of the run
+    done = [
+        wait_for(lambda: (s := run_status(d, "tg")).train_state == "FINISHED" and s, timeout=180, what="60 steps")
+        for d in (a, b)
+    ]
+    for r in done:
+        assert r.step == 60 and r.train_process_state == "EXITED", r
+        assert (r.last_round_outcome, r.group_size) == ("completed", 2), r
+    assert done[0].last_round_digest == done[1].last_round_digest
+    assert done[0].eval_metric == "accuracy" and done[0].eval_score > 0.5, done[0]  # the group's leader reports
+
+
 def test_a_state_run_with_a_local_group_keeps_the_thread_and_says_why(spawn):
     args = ["--run", "st", "--task", "digits-mlp", "--max-steps", "20", "--set", "averaging.algorithm=state"]
     d = spawn("state-run", [*args, "--set", "averaging.average_every=10", "--local-group", "rack", *PROCESS])
