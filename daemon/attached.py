@@ -616,9 +616,10 @@ class AttachedTrainer:
         """What one EndPhase may take: a round (or the previous one, with overlap) and a download."""
         return 2 * self.round_timeout + CATCH_UP_PATIENCE + 30.0
 
-    def renew(self, token: str, samples: float | None = None, loss: float = math.nan) -> None:
-        """The process is alive; with `samples`, a Renew's progress of the phase under way. Raises
-        ValueError (nothing changes, the lease included) for samples that are not a count."""
+    def renew(self, token: str, samples: float | None = None, loss: float = math.nan, boundary: int = 0) -> None:
+        """The process is alive; with `samples`, a Renew's progress of the phase ending at the run's
+        step `boundary` (0: not said), taken if that is the phase under way. Raises ValueError
+        (nothing changes, the lease included) for samples that are not a count."""
         if samples is not None and not (math.isfinite(samples) and samples >= 0):
             raise ValueError(f"samples must be a finite count, 0 or more; got {samples}")
         with self._group:
@@ -627,7 +628,8 @@ class AttachedTrainer:
             leader = s is self.members[0]
         # The leader's progress is the group's (its steps and samples are the group's); a Renew during
         # an EndPhase is the old phase's.
-        if samples is not None and leader and not self._lock.locked():
+        under_way = not boundary or boundary == self.phases.next_end(self.global_step)
+        if samples is not None and leader and under_way and not self._lock.locked():
             self._live = (samples, loss)
 
     def detach(self, token: str) -> None:

@@ -261,7 +261,12 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         await self._check(request, context)
         trainer = await self._session_trainer(request.session, context)
         try:
-            trainer.renew(request.session, request.samples, request.loss if request.HasField("loss") else math.nan)
+            trainer.renew(
+                request.session,
+                request.samples,
+                request.loss if request.HasField("loss") else math.nan,
+                request.boundary,
+            )
         except SessionLost as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except ValueError as e:

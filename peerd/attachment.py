@@ -120,7 +120,7 @@ class Attachment:
         self._stub = None
         self._map: mmap.mmap | None = None
         self._stop = threading.Event()
-        self.progress = (0.0, math.nan)  # the phase's samples and mean loss so far (stepped), for Renew
+        self.progress = (0.0, math.nan, 0)  # the phase's samples, mean loss so far and boundary (stepped), for Renew
         self._renewer: threading.Thread | None = None
 
     # -- attach --------------------------------------------------------------------------------
@@ -219,12 +219,12 @@ class Attachment:
         A read from the shared file's header: cheap enough for every step."""
         return END_AT.unpack_from(self._map, END_AT_OFFSET)[0] if self._map is not None else 0
 
-    def stepped(self, steps: int, samples: float, loss: float) -> None:
-        """The phase under way has taken `steps` steps (PHASE_STEPS): the daemon's local step (status,
-        metrics) and the step it announces to its peers move with every step; a header write, no call. Its
-        `samples` and mean `loss` so far (NaN: not known without a device sync) go with the next
-        Renew."""
-        self.progress = (samples, loss)
+    def stepped(self, steps: int, samples: float, loss: float, boundary: int = 0) -> None:
+        """The phase under way (ending at the run's step `boundary`) has taken `steps` steps
+        (PHASE_STEPS): the daemon's local step (status, metrics) and the step it announces to its
+        peers move with every step; a header write, no call. Its `samples` and mean `loss` so far
+        (NaN: not known without a device sync) go with the next Renew."""
+        self.progress = (samples, loss, boundary)
         if self._map is not None:
             COUNT.pack_into(self._map, PHASE_STEPS_OFFSET, steps)
 
@@ -316,8 +316,8 @@ class Attachment:
             if a is None or self.lost.is_set():
                 continue
             try:
-                samples, loss = self.progress  # one read: the loop replaces the pair as a whole
-                request = control_pb2.RenewRequest(session=a.session, samples=samples)
+                samples, loss, boundary = self.progress  # one read: the loop replaces it as a whole
+                request = control_pb2.RenewRequest(session=a.session, samples=samples, boundary=boundary)
                 if not math.isnan(loss):
                     request.loss = loss
                 self._stub.Renew(request, timeout=RENEW_TIMEOUT)

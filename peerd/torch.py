@@ -195,7 +195,7 @@ class Optimizer(torch.optim.Optimizer):
             self._loss_sum / self._loss_count if self._loss_count and not torch.is_tensor(self._loss_sum) else math.nan
         )
         if self._slot.rank == 0:
-            a.stepped(self._phase_steps, self._phase_samples, live_loss)
+            a.stepped(self._phase_steps, self._phase_samples, live_loss, self._boundary)
         # At the phase's length (peers/phases.py), or earlier where the daemon ends it (MateWait, the
         # straggler budget).
         if self._phase_steps >= self._phase_length or end_now:

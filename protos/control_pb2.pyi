@@ -313,14 +313,16 @@ class ReportEvalResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("session", "samples", "loss")
+    __slots__ = ("session", "samples", "loss", "boundary")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     session: str
     samples: float
     loss: float
-    def __init__(self, session: _Optional[str] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
+    boundary: int
+    def __init__(self, session: _Optional[str] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., boundary: _Optional[int] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
     __slots__ = ()

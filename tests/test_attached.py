@@ -150,6 +150,25 @@ def test_a_renewal_with_samples_that_are_not_a_count_is_refused_and_changes_noth
         t.stop()
 
 
+def test_a_renewal_of_a_phase_that_has_ended_is_not_taken_for_the_next_ones_progress(tmp_path):
+    """A Renew sent before an EndPhase and handled after it carries the ended phase's samples: with
+    its boundary, the daemon leaves the new phase's progress alone (samples would count twice)."""
+    t = trainer(tmp_path, HalfMean(), outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False))
+    try:
+        info = t.attach(pid=0, device="cpu", step=0)
+        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # the upload
+        t.renew(info.session, 32.0, 0.5, H)  # the first phase so far
+        assert t.samples == 32
+        t.end_phase(info.session, H, 32.0, 0.5, 0.1, H)
+        assert t.samples == 32 and t.step == H
+        t.renew(info.session, 32.0, 0.5, H)  # late: the phase that ended
+        assert t.samples == 32
+        t.renew(info.session, 16.0, 0.5, 2 * H)  # the phase under way
+        assert t.samples == 48
+    finally:
+        t.stop()
+
+
 def process_side(shared: SharedVector, numel: int) -> Attachment:
     """The process's mapping of `shared`, as Attachment.attach makes it (without a daemon to call)."""
     a = Attachment(
