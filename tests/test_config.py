@@ -38,6 +38,8 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path):
         ({"network.data_path": "carrier-pigeon"}, "not one of auto, reliable, udp"),
         ({"network.reliable_links": "reliable"}, "not one of auto, tcp, libp2p"),
         ({"discovery.peer_ttl": "4"}, "at most half of peer_ttl"),
+        ({"train.train_processes": "0"}, "train_processes must be in 1..64"),
+        ({"train.train_processes": "2", "train.train_process": "false"}, "needs train_process"),
     ],
 )
 def test_bad_values(cli, message):

@@ -20,7 +20,7 @@ import peerd
 import peerd.torch
 from peerd.daemon.client import ControlClient
 from peerd.peers.manifest import decode_manifest
-from tests.helpers import scrape, wait_for
+from tests.helpers import peerd as peerd_cli, scrape, wait_for
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,6 +229,9 @@ def test_a_killed_member_of_a_local_group_leaves_it_the_other_goes_on_and_a_new_
         what="a group of 2",
     )
     epoch = run_status(a, "grp").attached_group_epoch
+    shown = peerd_cli("status", "--control", a.control).stdout
+    assert f"grp: attached process: pid {leader.pid} (cpu), leading a local group of 2 (epoch {epoch})" in shown, shown
+    assert scrape(a.metrics_url)[("peerd_train_attached", (("run", "grp"),))] == 2
     wait_for(lambda: status(lambda s: s.step >= seen[0] + 20), timeout=60, what="the group trains")
     leader.kill()
     leader.wait()
