@@ -284,6 +284,20 @@ def register_paced_task(base: Path) -> Path:
     return folder
 
 
+def full_size(shape, t: int) -> int:
+    """The group size of round t on the grid `shape` when every view holds all peers: sides[t mod d]."""
+    return shape.sides[t % shape.d]
+
+
+def classify(seen: list[dict[int, tuple[str, int]]], shape) -> list[tuple[int, bool]]:
+    """(grid dimension, completed with a full group) for every polled round of every daemon."""
+    return [
+        (t % shape.d, outcome == "completed" and size == full_size(shape, t))
+        for s in seen
+        for t, (outcome, size) in s.items()
+    ]
+
+
 # ---- one N ---------------------------------------------------------------------------------------
 
 
@@ -383,6 +397,18 @@ class Scale:
                 raise TimeoutError(f"not all {n} daemons training after {train_timeout(n):.0f} s: {states}")
             time.sleep(POLL)
 
+    def poll_rounds(self, seconds: float) -> list[dict[int, tuple[str, int]]]:
+        """Per daemon, round -> (outcome, group size) of every round its status showed as the last one,
+        polled every POLL s for `seconds` (a round lasts seconds: a poll sees each)."""
+        seen: list[dict[int, tuple[str, int]]] = [{} for _ in self.daemons]
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for i, r in enumerate(self.statuses()):
+                if r is not None and r.last_round_outcome:
+                    seen[i][r.last_round] = (r.last_round_outcome, r.group_size)
+            time.sleep(POLL)
+        return seen
+
     def measure(self, n: int) -> list[dict]:
         shape = grid_shape(n, self.args.max_group_size)
         progress(BENCH, f"N = {n}: starting (grid {shape})")
@@ -406,13 +432,7 @@ class Scale:
         )
         before = [scrape(d) for d in self.daemons]
         training = Window(self.daemons)
-        seen: list[dict[int, tuple[str, int]]] = [{} for _ in self.daemons]  # round -> (outcome, group size)
-        end = time.monotonic() + self.args.seconds
-        while time.monotonic() < end:
-            for i, r in enumerate(self.statuses()):
-                if r is not None and r.last_round_outcome:
-                    seen[i][r.last_round] = (r.last_round_outcome, r.group_size)
-            time.sleep(POLL)
+        seen = self.poll_rounds(self.args.seconds)
         training_figures = training.close()
         train_rss = [rss_mib(d) for d in self.daemons]
         after = [scrape(d) for d in self.daemons]
@@ -428,13 +448,12 @@ class Scale:
         ]
         rounds = [sum(o.values()) for o in outcomes]
         completed = [o.get("completed", 0) for o in outcomes]
-        full = lambda t: shape.sides[t % shape.d]  # noqa: E731
         polled = [(t, outcome, size) for s in seen for t, (outcome, size) in s.items()]
-        full_rounds = sum(outcome == "completed" and size == full(t) for t, outcome, size in polled)
+        full_rounds = sum(full for _, full in classify(seen, shape))
         share = round(full_rounds / len(polled), 3) if polled else None
         sizes: dict[int, dict[int, int]] = {}
         for t, _, size in polled:
-            sizes.setdefault(full(t), collections.Counter())[size] += 1
+            sizes.setdefault(full_size(shape, t), collections.Counter())[size] += 1
         # Durations from the end scrape alone: the counters start at the join, a few rounds before the window.
         duration = counted_after["duration"]
         common = {"n": n, "grid": str(shape), "max_group_size": self.args.max_group_size}

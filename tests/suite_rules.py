@@ -45,6 +45,7 @@ PROCESS_FILES = LAB_FILES | {
     "test_progress.py",
     "test_prometheus.py",
     "test_restart.py",
+    "test_scale.py",
     "test_start_checks.py",
     "test_statesync.py",
     "test_stopping.py",

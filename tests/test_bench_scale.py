@@ -1,6 +1,6 @@
 """bench.scale's pure parts: histogram quantiles, CPU shares, and the paced task's registration.
 
-The benchmark itself starts N daemons for minutes; no test runs it (docs/benchmarks.md, "Scale").
+The benchmark's machinery with eight daemons: tests/test_scale.py (docs/benchmarks.md, "Scale").
 """
 
 from __future__ import annotations
