@@ -157,6 +157,12 @@ class _TrainingCollector(Collector):
             "only for runs trained by scripts.",
             labels=["run"],
         )
+        epochs = CounterMetricFamily(
+            "peerd_train_group_epochs",
+            "Epochs of the run's local group of attached processes: each attach, join, exit, lapsed lease, "
+            "detach or broken collective begins one (the daemon's log says why); only for runs trained by scripts.",
+            labels=["run"],
+        )
         process_state = GaugeMetricFamily(
             "peerd_train_process_state",
             "1 for the current state of the run's training process (--train-process), 0 for the others.",
@@ -172,6 +178,7 @@ class _TrainingCollector(Collector):
                 continue
             if not r.task:
                 attached.add_metric([r.run_id], r.attached_processes)
+                epochs.add_metric([r.run_id], r.attached_group_epoch)
             if r.train_process_state:
                 for child in ChildState:
                     process_state.add_metric([r.run_id, child.value], 1 if r.train_process_state == child.value else 0)
@@ -215,6 +222,7 @@ class _TrainingCollector(Collector):
             compute,
             waited,
             attached,
+            epochs,
             process_state,
             restarts,
         )

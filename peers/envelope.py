@@ -7,7 +7,9 @@ Every check that fails raises RecordRejected with the reason counted in peerd_re
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 from enum import Enum
 
 from cryptography.exceptions import InvalidTag
@@ -20,6 +22,14 @@ from peerd.protos import records_pb2
 
 FORMAT_VERSION = 1
 MAX_ENVELOPE_BYTES = 16 * 1024  # a record is about 1 KiB; anything far larger is hostile
+# Envelopes whose signature verified, by their exact bytes -> signer, the most recent last. The same
+# record arrives many times: from each DHT node a read asks, at every refresh (every second), until
+# its writer's next heartbeat; an RSA check and a peer ID cost about 0.1 ms, and they were a third of
+# an idle daemon's CPU (docs/benchmarks.md, "Scale"). Bytes that verified once verify again: the cache
+# changes no answer. Bounded: 4,096 records of at most 16 KiB (about 4 MiB at 1 KiB a record).
+_VERIFIED: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+_VERIFIED_LOCK = threading.Lock()  # the DHT's loop and the control handlers' threads both check records
+VERIFIED_CACHE = 4096
 
 
 class RecordKind(Enum):
@@ -60,9 +70,18 @@ def verified(data: object, subkey: str | None) -> tuple[records_pb2.Envelope, st
         raise RecordRejected("record_version", f"format version {envelope.format_version}")
     if envelope.kind not in {k.value for k in RecordKind}:
         raise RecordRejected("record_malformed", f"unknown record kind {envelope.kind}")
-    if not verify(envelope.public_key, _signed_bytes(envelope), envelope.signature):
-        raise RecordRejected("record_signature", "signature does not verify")
-    signer = peer_id_from_public_key(envelope.public_key)
+    with _VERIFIED_LOCK:
+        signer = _VERIFIED.get(data)
+        if signer is not None:
+            _VERIFIED.move_to_end(data)
+    if signer is None:
+        if not verify(envelope.public_key, _signed_bytes(envelope), envelope.signature):
+            raise RecordRejected("record_signature", "signature does not verify")
+        signer = peer_id_from_public_key(envelope.public_key)
+        with _VERIFIED_LOCK:
+            _VERIFIED[data] = signer
+            while len(_VERIFIED) > VERIFIED_CACHE:
+                _VERIFIED.popitem(last=False)
     if subkey is not None and subkey != signer:
         raise RecordRejected("record_forged", "stored under another peer's slot")
     return envelope, signer

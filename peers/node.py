@@ -25,6 +25,14 @@ from peerd.peers.validator import PeerdRecordValidator
 logger = logging.getLogger(__name__)
 
 BOOTSTRAP_RETRY = 0.5  # seconds between two rounds of pings to the initial peers while none answered
+# hivemind's DHT caching is for keys read rarely: after a read it stores what it found on the nearest
+# node that lacked it (cache_nearest) and re-reads a used value shortly before it expires
+# (cache_refresh_before_expiry). peerd reads its keys itself, every refresh_interval, and every
+# member stores its own record every heartbeat: both were extra requests to every node for nothing.
+# Together with a read that asks the num_replicas nodes a value is stored on (PeerNode.get) instead of
+# bucket_size (20, every node of a swarm under 20), they cut an idle daemon's CPU by 40 % at 16
+# daemons on one machine (docs/benchmarks.md, "Scale").
+DHT_CACHING = {"cache_nearest": 0, "cache_refresh_before_expiry": 0}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +92,7 @@ class PeerNode:
                         wait_timeout=settings.request_timeout,
                         bootstrap_timeout=settings.startup_timeout,
                         ensure_bootstrap_success=False,  # one ping each; _bootstrap pings again
+                        **DHT_CACHING,
                     )
                     if settings.initial_peers:
                         await cls._bootstrap(dht, settings.initial_peers)
@@ -126,14 +135,19 @@ class PeerNode:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
     async def get(self, key: str) -> dict[str, tuple[Any, float]]:
-        """Latest subkey -> (value, expiration) of a dictionary key; {} if absent or on failure."""
-        found = await self._request("get", self.dht.get(key, latest=True))
+        """Latest subkey -> (value, expiration) of a dictionary key; {} if absent or on failure. The
+        search keeps the num_replicas nodes nearest the key, the nodes every store writes to, and
+        merges their subkeys (hivemind's default keeps bucket_size, 20)."""
+        found = await self._request("get", self.dht.get(key, latest=True, beam_size=self.dht.num_replicas))
         if found is None or not isinstance(found.value, dict):
             return {}
         return {str(sub): (v.value, v.expiration_time) for sub, v in found.value.items()}
 
     async def store(self, key: str, subkey: str, value: bytes, expiration: float) -> bool:
-        return bool(await self._request("store", self.dht.store(key, value, expiration, subkey=subkey)))
+        """Store one subkey on the num_replicas nodes nearest the key, found by a search that keeps
+        that many (hivemind's default keeps bucket_size, 20: every node of a swarm under 20)."""
+        stored = self.dht.store(key, value, expiration, subkey=subkey, beam_size=self.dht.num_replicas)
+        return bool(await self._request("store", stored))
 
     async def ping(self, peer_id: str) -> bool:
         """Ping a peer's DHT node; on an answer each side adds the other to its routing table. This is

@@ -42,6 +42,7 @@ PROCESS_FILES = LAB_FILES | {
     "test_membership.py",
     "test_membership_clock.py",
     "test_node_bootstrap.py",
+    "test_node_requests.py",
     "test_progress.py",
     "test_prometheus.py",
     "test_restart.py",

@@ -7,6 +7,7 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
+from peerd.peers import envelope as envelope_module
 from peerd.peers.envelope import RecordKind, seal
 from peerd.peers.events import PeerEvents
 from peerd.peers.identity import Identity
@@ -92,6 +93,25 @@ def test_tampered_signature(alice):
     env = records_pb2.Envelope.FromString(seal_record(record(alice), alice, None))
     env.payload = env.payload.replace(b"0.1.0", b"9.9.9")
     rejected("record_signature", env.SerializeToString())
+
+
+def test_a_verified_envelope_is_checked_once_and_a_tampered_copy_still_refused(alice, monkeypatch):
+    data = seal_record(record(alice), alice, None)
+    calls = []
+    real = envelope_module.verify
+    monkeypatch.setattr(envelope_module, "verify", lambda *a: calls.append(1) or real(*a))
+    assert open_envelope(data, run_id="r1", secret=None, subkey=alice.peer_id, now=NOW) == record(alice)
+    assert open_envelope(data, run_id="r1", secret=None, subkey=alice.peer_id, now=NOW) == record(alice)
+    assert len(calls) == 1  # the second read of the same bytes: no RSA check
+    env = records_pb2.Envelope.FromString(data)
+    env.payload = env.payload.replace(b"0.1.0", b"9.9.9")
+    rejected("record_signature", env.SerializeToString())  # other bytes: checked, and refused
+    assert len(calls) == 2
+    rejected("record_forged", data, subkey="someone-else")  # the cached signer is still held to its slot
+    monkeypatch.setattr(envelope_module, "VERIFIED_CACHE", 2)
+    for ts in (NOW + 1, NOW + 2, NOW + 3):
+        open_envelope(seal_record(record(alice, ts=ts), alice, None), run_id="r1", secret=None, subkey=None, now=NOW)
+    assert len(envelope_module._VERIFIED) == 2  # bounded: the oldest dropped
 
 
 @pytest.mark.parametrize(

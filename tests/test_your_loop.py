@@ -232,6 +232,7 @@ def test_a_killed_member_of_a_local_group_leaves_it_the_other_goes_on_and_a_new_
     shown = peerd_cli("status", "--control", a.control).stdout
     assert f"grp: attached process: pid {leader.pid} (cpu), leading a local group of 2 (epoch {epoch})" in shown, shown
     assert scrape(a.metrics_url)[("peerd_train_attached", (("run", "grp"),))] == 2
+    assert scrape(a.metrics_url)[("peerd_train_group_epochs_total", (("run", "grp"),))] == epoch
     wait_for(lambda: status(lambda s: s.step >= seen[0] + 20), timeout=60, what="the group trains")
     leader.kill()
     leader.wait()
@@ -239,6 +240,7 @@ def test_a_killed_member_of_a_local_group_leaves_it_the_other_goes_on_and_a_new_
     wait_for(
         lambda: status(lambda s: s.attached_processes == 1 and s.attached_pid == other.pid), timeout=30, what="one left"
     )
+    assert scrape(a.metrics_url)[("peerd_train_group_epochs_total", (("run", "grp"),))] > epoch  # the kill began one
     left = seen[-1]
     wait_for(lambda: status(lambda s: s.step >= left + 20), timeout=60, what="the other trains on, leading")
     assert time.monotonic() - killed < 60 + 30  # GROUP_TIMEOUT plus slack: a kill is seen at once
