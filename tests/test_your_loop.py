@@ -314,6 +314,30 @@ def test_a_daemon_restarted_under_a_script_is_reattached_and_the_step_goes_on(sp
     assert status.step == out[-1]["done"] and status.attached_pid == 0
 
 
+@pytest.mark.heavy
+def test_a_daemon_restarted_under_a_local_group_is_reattached_by_both_processes_as_one_group(spawn):
+    """The new daemon's epochs start over: the processes must not wait for an epoch after their old one."""
+    a = spawn("restart-g", ["--run", "regrp"])
+    # 1,200 steps of at least 0.05 s: a minute or more, so that both train long after the restart.
+    common = ["--run", "regrp", "--daemon", a.data_dir, "--every", 10, "--sleep", 0.05, "--reconnect-timeout", 90]
+    first = script(*common, "--steps", 1200)
+    assert json.loads(first.stdout.readline()) == {"attached": 0}
+    second = script(*common, "--steps", 1200)
+    wait_for(lambda: run_status(a, "regrp").attached_processes == 2, timeout=60, what="a group of 2")
+    wait_for(lambda: run_status(a, "regrp").step >= 30, timeout=60, what="a few phases")
+    before = run_status(a, "regrp").step
+    assert a.stop() == 0
+    a.start()
+    wait_for(lambda: run_status(a, "regrp").attached_processes == 2, timeout=120, what="both attached again")
+    wait_for(lambda: run_status(a, "regrp").step >= before + 30, timeout=120, what="the group trains on")
+    outs = [lines(finish(p, 240)) for p in (first, second)]
+    for out in outs:
+        steps = [x["run_step"] for x in out if "run_step" in x]
+        assert steps == sorted(steps), steps  # the run's step never goes backwards for either process
+        after = [x["group"] for x in out if "phase_end" in x and x["phase_end"] > before]
+        assert [2] in [g[1:] for g in after], out  # a phase after the restart ended in a group of two
+
+
 def test_a_model_that_does_not_match_the_run_is_refused_naming_the_first_mismatch(spawn):
     a = spawn("layout", ["--run", "shape"])
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
