@@ -318,7 +318,6 @@ class AttachedTrainer:
         # latest one's move θ − s (for an EndPhase to add where the process did not).
         self._moves = self._settled = 0
         self._move = torch.empty(self.numel) if overlap else None
-        self._flat = torch.empty(len(self._served()))  # where downloads land: what peers serve
         self._sketch_plan = SketchPlan.for_run(run_id, self.numel)
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # stop() was called: downloads stop retrying
@@ -830,11 +829,13 @@ class AttachedTrainer:
         if self.sync is None:
             return False
         deadline = time.monotonic() + patience
+        # Where a download lands (what peers serve: 4 or 8 bytes a parameter), only while downloading.
+        flat = torch.empty(len(self._served()))
         while True:
             if self.peer_steps():
-                result = self.sync(min_step, self._flat)
+                result = self.sync(min_step, flat)
                 if result.ok and result.step >= min_step:
-                    self._adopt(self._flat)
+                    self._adopt(flat)
                     self.snapshot = Snapshot(result.step, self._served().clone())
                     self.global_step = max(self.global_step, result.step)
                     self.synced_from = result.step

@@ -167,7 +167,7 @@ def sync_bridge(
             handle.round_future = None
         if result.ok and result.tensor is not None and result.tensor.numel() == out.numel():
             out.copy_(result.tensor)
-            partial = None
+            partial = buffer = None  # kept only for a resume: a daemon that caught up holds no copy
         elif result.ok:
             return FetchResult(
                 ok=False, reason=f"the run's state has {result.tensor.numel()} values, ours {out.numel()}"

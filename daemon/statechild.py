@@ -40,6 +40,7 @@ class StateChild(TaskChild):
         super().__init__(numel=sum(t.numel() for t in self._tensors), **child)  # its `outer`: None
         self._params_numel = sum(t.numel() for t in self._tensors[: self._n_params])
         self._sketch_plan = SketchPlan.for_run(self.run_id, self._params_numel)  # of the parameters, as the thread's
+        self._before = torch.empty(self.numel)  # the vector before its round (written every round)
 
     def _served(self) -> torch.Tensor:
         return self._shared.tensor
@@ -72,9 +73,9 @@ class StateChild(TaskChild):
         round_t = self.phases.round_of(self.global_step)
         sketch = self._sketch_plan.take(vector[: self._sketch_plan.size].numpy(), self.global_step)
         self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
-        # The vector before its round, in the download buffer (both run under the lock): restore=False, as
-        # the thread, and a lane the round may have left partly written is put back from there.
-        before = self._flat
+        # The vector before its round: restore=False, as the thread, and a lane the round may have left
+        # partly written is put back from there.
+        before = self._before
         before.copy_(vector)
         results = self.average(vector, float(self._samples_since_round), round_t, None, restore=False)
         bounds = lane_bounds(self.numel, self.lanes)
