@@ -119,6 +119,7 @@ class Attachment:
         self._channel: grpc.Channel | None = None
         self._stub = None
         self._map: mmap.mmap | None = None
+        self._mapped: tuple[str, int, int] | None = None  # the shared file's path, device and inode
         self._stop = threading.Event()
         self.progress = (0.0, math.nan, 0)  # the phase's samples, mean loss so far and boundary (stepped), for Renew
         self._renewer: threading.Thread | None = None
@@ -194,8 +195,9 @@ class Attachment:
             mapped = mmap.mmap(
                 f.fileno(), file_size(numel, version == 2), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             )
+            st = os.fstat(f.fileno())
         self._unmap()
-        self._map = mapped
+        self._map, self._mapped = mapped, (path, st.st_dev, st.st_ino)
         vector = torch.frombuffer(mapped, dtype=torch.float32, offset=HEADER_BYTES, count=numel)
         theta = (
             torch.frombuffer(mapped, dtype=torch.float32, offset=HEADER_BYTES + 4 * numel, count=numel)
@@ -232,6 +234,18 @@ class Attachment:
         """The epoch of the local group the daemon has formed (GROUP_EPOCH): another than this
         process's group's means regroup. A header read."""
         return GROUP_EPOCH.unpack_from(self._map, GROUP_EPOCH_OFFSET)[0] if self._map is not None else 0
+
+    def replaced(self) -> bool:
+        """Whether the shared file this process maps is no longer the daemon's (the daemon stopped or
+        restarted: a new daemon starts its epochs over, so group_epoch() alone would not say)."""
+        if self._mapped is None:
+            return True
+        path, dev, ino = self._mapped
+        try:
+            st = os.stat(path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != (dev, ino)
 
     def regroup(self, epoch: int) -> Slot:
         """This process's place in the local group after `epoch` (blocks while the daemon forms it).

@@ -35,7 +35,7 @@ class Collective:
     """One epoch of a local group: all-reduce, broadcast and a digest check over Gloo. `rendezvous`
     bounds the wait for the epoch's members to arrive (a member may be inside a long EndPhase),
     `timeout` every collective after that; the wait gives up as soon as `superseded()` (the
-    daemon formed a newer epoch: a member of this one left meanwhile)."""
+    daemon formed a newer epoch: a member of this one left meanwhile; or the daemon stopped)."""
 
     def __init__(
         self, slot: Slot, timeout: float, rendezvous: float, superseded: Callable[[], bool], data: bool = False
@@ -45,7 +45,12 @@ class Collective:
         self.slot = slot
         self.data: dist.ProcessGroupGloo | None = None
         try:
-            store = dist.PrefixStore(f"peerd/{slot.epoch}/", dist.FileStore(slot.store, slot.size))
+            files = dist.FileStore(slot.store, slot.size)
+            # Gloo's connection of the members waits on this store with its timeout (5 minutes by
+            # default): a member gone meanwhile (the daemon stopped and removed the file) held the
+            # others that long before they regrouped.
+            files.set_timeout(timedelta(seconds=timeout))
+            store = dist.PrefixStore(f"peerd/{slot.epoch}/", files)
             store.set(f"here/{slot.rank}", "1")
             everyone, deadline = [f"here/{r}" for r in range(slot.size)], time.monotonic() + rendezvous
             while not store.check(everyone):

@@ -357,7 +357,7 @@ class Optimizer(torch.optim.Optimizer):
                     slot,
                     self.group_timeout,
                     self._attached.phase_timeout,
-                    superseded=lambda: self._attachment.group_epoch() > slot.epoch,
+                    superseded=lambda: self._attachment.group_epoch() > slot.epoch or self._attachment.replaced(),
                     data=self._use_dear,
                 )
                 self._take_leaders()
