@@ -2,7 +2,7 @@
 travel as one dense vector through an ordinary all-reduce (no indices on the wire, no all-gather).
 
     V = sketch_matrix(seed, ROW, r)                # the same on every member (a seed the run shares)
-    owed = x + residual                            # this phase's vector and what earlier rounds kept
+    owed = owe(x, residual, decay)                 # this phase's vector and what earlier rounds kept
     s = sketch(owed, V)                            # rows x r: this member's sketch
     ...all-reduce s (mean)...
     rows = select(mean_s, k)                       # the same k rows on every member
@@ -96,6 +96,15 @@ def scatter(values: np.ndarray, rows: np.ndarray, out: np.ndarray, row: int = RO
     grid[rows] = values.reshape(len(rows), row)
     if len(out) % row:
         out[:] = grid.reshape(-1)[: len(out)]
+
+
+def owe(x: np.ndarray, residual: np.ndarray, decay: float = 1.0) -> np.ndarray:
+    """What a member sketches and sends from: this phase's vector plus `decay` (SparseLoCo's β) times
+    its residual. Below 1, progress a row kept for n rounds counts β^n, so a row that waits is not
+    sent with every phase's re-learned copy of the same progress; 1: the whole residual."""
+    if not 0 <= decay <= 1:
+        raise ValueError(f"decay must be in [0, 1], not {decay!r}")
+    return x + np.float32(decay) * residual
 
 
 def split(owed: np.ndarray, rows: np.ndarray, fmt: Format | str, residual: np.ndarray, row: int = ROW) -> np.ndarray:
