@@ -39,7 +39,8 @@ steps up to H; with several values and `alone`, the headline is the first sample
 θ stays at or below alone's model, the last value listed (ours) against the first (baseline).
 `--payload arctopk` sends each round as ARC-Top-K (peers/collective/arctopk.py; not yet a run's
 payload): the members' sketches averaged, then `--density` of the rows (`--row` values each) in
-`--values` format, error feedback in the sketch's residual; repair rounds stay dense.
+`--values` format, error feedback in each member's residual, weighted by `--decay` each round (β: 1,
+the residual whole, diverges; docs/benchmarks.md); repair rounds stay dense.
 Nothing of the WAN is emulated: this measures the algorithm, not the daemons
 (bench/wan_training.py does).
 """
