@@ -27,8 +27,9 @@ decayed error feedback). β = 1, the whole residual, diverges under DiLoCo (docs
 does not move at a row left out, so each next phase, starting again from θ, learns the row's
 progress again and adds it to the residual once more, and a row that waits n rounds goes out with
 n copies of it. β < 1 keeps at most 1 / (1 - β) copies: in bench.diloco_sim β = 0.5 with outer
-momentum 0 trains at every density tried (0.01 to 0.25), β = 0.95 (SparseLoCo's) still overshoots
-at 0.05 and 0.1. The paper's EF21M (momentum error feedback) is not used.
+momentum 0 trains at every density tried (0.01 to 0.5), though behind dense int8, and β = 0.95
+(SparseLoCo's) still overshoots at 0.05 and 0.1. The paper's EF21M (momentum error feedback) is not
+used (nor tried).
 
 Bytes per value, for `density` d of the rows: the sketch, r values per row, plus d of the values,
 each in the format its all-reduce uses. bench.diloco_sim (the one caller yet) averages the sketch as
