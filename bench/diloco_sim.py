@@ -39,7 +39,8 @@ steps up to H; with several values and `alone`, the headline is the first sample
 θ stays at or below alone's model, the last value listed (ours) against the first (baseline).
 `--payload arctopk` sends each round as ARC-Top-K (peers/collective/arctopk.py; not yet a run's
 payload): the members' sketches averaged, then `--density` of the rows (`--row` values each) in
-`--values` format, error feedback in the sketch's residual; repair rounds stay dense.
+`--values` format, error feedback in each member's residual, weighted by `--decay` each round (β: 1,
+the residual whole, diverges; docs/benchmarks.md); repair rounds stay dense.
 Nothing of the WAN is emulated: this measures the algorithm, not the daemons
 (bench/wan_training.py does).
 """
@@ -116,7 +117,7 @@ class ArcTopK:
         self.v = arctopk.sketch_matrix(args.seed, args.row, args.rank)
         self.k = arctopk.keep(numel, args.density, args.row)
         self.residuals = [np.zeros(numel, np.float32) for _ in range(n)]
-        self.row, self.fmt, self.repair_every = args.row, args.values, args.repair_every
+        self.row, self.fmt, self.repair_every, self.decay = args.row, args.values, args.repair_every, args.decay
         self.own: dict[int, torch.Tensor] = {}  # each member's payload of the latest round, before the round
 
     def member(self, i: int):
@@ -127,7 +128,7 @@ class ArcTopK:
                 return to_values(vector, weight, round_t, fmt)
             self.own[i] = vector.clone()
             x = vector.numpy()
-            owed = x + self.residuals[i]
+            owed = arctopk.owe(x, self.residuals[i], self.decay)
             mine = torch.from_numpy(arctopk.sketch(owed, self.v).reshape(-1))
             to_sketches(mine, weight, round_t, "fp32")
             rows = arctopk.select(mine.numpy().reshape(-1, self.v.shape[1]), self.k)
@@ -322,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=arctopk.RANK, help="arctopk: sketch values per row")
     row_formats = [f for f in formats if f != codec.Format.FP16.value]  # all but fp16, which was never offered
     p.add_argument("--values", default="int8", choices=row_formats, help="arctopk: the rows' format")
+    p.add_argument("--decay", type=float, default=1.0, help="arctopk: β, each round's weight of the residual")
     p.add_argument("--repair-every", type=int, default=25)
     p.add_argument(
         "--land-after",
@@ -365,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "outer_lr": args.outer_lr,
         "payload": args.payload,
         **(
-            {"density": args.density, "row": args.row, "rank": args.rank, "values": args.values}
+            {"density": args.density, "row": args.row, "rank": args.rank, "values": args.values, "decay": args.decay}
             if args.payload == "arctopk"
             else {}
         ),

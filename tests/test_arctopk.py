@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from peerd.peers.collective import arctopk
-from peerd.peers.collective.arctopk import gather, keep, scatter, select, sketch, sketch_matrix, split
+from peerd.peers.collective.arctopk import gather, keep, owe, scatter, select, sketch, sketch_matrix, split
 
 ROW = 128  # two codec blocks: small vectors in these tests
 
@@ -102,3 +102,30 @@ def test_error_feedback_over_200_rounds_delivers_what_every_member_owed():
     assert chosen == {0, 1, 2, 3}  # not only the large row
     assert np.abs(delivered - total).max() < 1e-5 * rounds  # measured: 1.3e-4 (float32 sums)
     assert max(np.abs(r).max() for r in residuals) < 5 * max(np.abs(x).max() for x in xs)  # measured: 1.2
+
+
+def test_decay_1_is_the_residual_whole_and_below_1_a_waiting_rows_residual_stays_bounded():
+    """decay 1 owes x + residual bit for bit (the error feedback before decay existed); below 1 a row
+    never sent, whose phases each add the same c (the progress θ never took), holds
+    c (1 - β^n) / (1 - β) after n rounds, at most c / (1 - β), where decay 1 holds n c."""
+    rng = np.random.default_rng(3)
+    x, residual = (rng.standard_normal(3 * ROW).astype(np.float32) for _ in range(2))
+    assert np.array_equal(owe(x, residual), x + residual) and np.array_equal(owe(x, residual, 1.0), x + residual)
+    assert np.array_equal(owe(x, residual, 0.0), x)
+    kept = residual.copy()
+    split(owe(np.zeros_like(x), residual, 0.5), np.array([0]), "fp32", residual, ROW)
+    assert np.array_equal(residual[ROW:], np.float32(0.5) * kept[ROW:])  # a round with nothing new halves what waits
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="decay"):
+            owe(x, residual, bad)
+    c = np.full(3 * ROW, 0.01, np.float32)
+    rows = np.array([0])  # rows 1 and 2 wait every round
+    for decay, rounds in ((1.0, 50), (0.9, 50), (0.5, 50)):
+        residual = np.zeros(3 * ROW, np.float32)
+        for _ in range(rounds):
+            sent = split(owe(c, residual, decay), rows, "fp32", residual, ROW)
+            assert np.array_equal(sent, c[:ROW])  # row 0 is sent whole every round: nothing of it waits
+        waiting = residual[ROW:]
+        expected = rounds * 0.01 if decay == 1 else 0.01 * (1 - decay**rounds) / (1 - decay)
+        assert np.allclose(waiting, expected, rtol=1e-4), (decay, waiting[0], expected)
+        assert np.all(residual[:ROW] == 0)
