@@ -111,13 +111,14 @@ def test_the_example_trains_on_two_daemons_one_under_torchrun_their_models_agree
 
 
 @pytest.mark.heavy
+@pytest.mark.heavy  # its rounds must end within a phase: beside eight daemons (tests/test_scale.py) they did not
 def test_with_overlap_rounds_land_between_a_scripts_steps_and_the_scripts_meet(spawn):
     """A run with averaging.overlap: a phase's end does not wait for its round, which lands between
     two later steps of the script (daemon/attached.py, "landing"), and every member applies it."""
     a = spawn("ov-a", ["--run", "ov"])
     b = spawn("ov-b", ["--run", "ov", "--initial-peers", a.maddrs[0]])
-    # A phase of 10 steps takes 1 s; a round on loopback well under that.
-    common = ["--run", "ov", "--every", 10, "--sleep", 0.1, "--steps", 120, "--overlap"]
+    # A phase of 10 steps takes 1.5 s; a round on loopback well under that.
+    common = ["--run", "ov", "--every", 10, "--sleep", 0.15, "--steps", 120, "--overlap"]
     pa = script(*common, "--daemon", a.data_dir)
     assert json.loads(pa.stdout.readline()) == {"attached": 0}
     pb = script(*common, "--daemon", b.data_dir)
