@@ -29,9 +29,9 @@ BOOTSTRAP_RETRY = 0.5  # seconds between two rounds of pings to the initial peer
 # node that lacked it (cache_nearest) and re-reads a used value shortly before it expires
 # (cache_refresh_before_expiry). peerd reads its keys itself, every refresh_interval, and every
 # member stores its own record every heartbeat: both were extra requests to every node for nothing.
-# Together with a read that asks the num_replicas nodes a value is stored on (PeerNode.get) instead of
-# bucket_size (20, every node of a swarm under 20), they cut an idle daemon's CPU by 40 % at 16
-# daemons on one machine (docs/benchmarks.md, "Scale").
+# Together with reads and stores that search for the num_replicas nodes a value is stored on
+# (PeerNode.get, PeerNode.store) instead of bucket_size (20: every node of a swarm under 20), they cut
+# an idle daemon tree's CPU by more than half at 16 daemons on one machine (docs/benchmarks.md, "Scale").
 DHT_CACHING = {"cache_nearest": 0, "cache_refresh_before_expiry": 0}
 
 
