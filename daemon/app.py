@@ -737,6 +737,7 @@ class Daemon:
             if tr is not None:
                 lr, div, lg, session = tr.last_round, m.divergence(), tr.local_group, tr.session
                 r.train_state, r.step, r.loss, r.samples = tr.state.value, tr.step, tr.loss, tr.samples
+                r.samples_averaged = int(tr.samples_averaged)
                 r.samples_per_second, r.error, r.local_step = tr.samples_per_second, tr.error, tr.local_step
                 if tr.eval is not None:
                     r.eval_metric, r.eval_score = tr.eval.metric, tr.eval.score

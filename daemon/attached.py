@@ -339,6 +339,7 @@ class AttachedTrainer:
         # the phase under way are in the shared file (PHASE_STEPS): `step` and `local_step` add them.
         self.global_step = self._local_done = self.resumed_from = self.synced_from = 0
         self._samples_done = 0
+        self.samples_averaged = 0.0  # samples of phases a round with mates applied (RunStatus.samples_averaged)
         self._live = (0.0, math.nan)  # the phase under way's samples and mean loss, from the latest Renew
         self._samples_since_round = 0.0
         self._loss_done = math.nan  # the latest phase's mean loss, from its EndPhase
@@ -759,6 +760,7 @@ class AttachedTrainer:
         self.last_round = results[0]
         if any(r.applied for r in results):
             self.param_distance_to_group_mean = self._outer.distance
+            self.samples_averaged += applied.weight
         self.snapshot = Snapshot(self.global_step, self._served().clone())
         for result in results:
             self.on_round(result)

@@ -89,6 +89,7 @@ class Applied:
     results: list
     waited: float
     repaired: bool = False  # the round averaged θ itself
+    weight: float = 0.0  # the samples of the phase the round averaged
 
 
 def cancelled(results: list[RoundResult]) -> bool:
@@ -125,7 +126,8 @@ class OuterLoop:
         self.residual = torch.zeros(n)  # error feedback: quantization error carried to the next phase
         self.scratch = torch.empty(n)
         self._pending: concurrent.futures.Future | None = None
-        self._pending_round: tuple[int, bool] = (0, False)  # (round_t, repair) of the pending round
+        # (round_t, repair, weight) of the pending round
+        self._pending_round: tuple[int, bool, float] = (0, False, 0.0)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"peerd-round-{name}")
         self.distance = float("nan")  # at the latest applied round: this member's distance to the group's mean
         self.reset_from_params()
@@ -181,7 +183,7 @@ class OuterLoop:
                     codec.with_feedback(self.payload[a:b].numpy(), self.residual[a:b].numpy(), self.settings.payload)
         fmt = "fp32" if repair else self.settings.payload
         if self.settings.overlap:
-            self._pending_round = (round_t, repair)
+            self._pending_round = (round_t, repair, weight)
             self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)
             if self.on_round_done is not None:
                 self._pending.add_done_callback(lambda future: self.on_round_done())
@@ -194,7 +196,7 @@ class OuterLoop:
             self._apply(repair)
         from_flat(self.theta, self.params)
         self.start.copy_(self.theta)
-        return Applied(round_t, results, waited, repair)
+        return Applied(round_t, results, waited, repair, weight)
 
     @torch.no_grad()
     def land(self, wait: bool = False) -> Applied | None:
@@ -208,7 +210,7 @@ class OuterLoop:
         t0 = time.monotonic()
         results = self._pending.result()
         waited = time.monotonic() - t0
-        round_t, repair = self._pending_round
+        round_t, repair, weight = self._pending_round
         self._pending = None
         if not cancelled(results):
             self._apply(repair)
@@ -216,7 +218,7 @@ class OuterLoop:
             self.scratch.sub_(self.start).add_(self.theta)  # θ − (s − x)
             from_flat(self.scratch, self.params)
             self.start.copy_(self.theta)
-        return Applied(round_t, results, waited, repair)
+        return Applied(round_t, results, waited, repair, weight)
 
     @torch.no_grad()
     def land_into(self, move: torch.Tensor, wait: bool = False) -> Applied | None:
@@ -230,12 +232,12 @@ class OuterLoop:
             return None
         pending, self._pending = self._pending, None
         results = pending.result()
-        round_t, repair = self._pending_round
+        round_t, repair, weight = self._pending_round
         if not cancelled(results):
             self._apply(repair)
             torch.sub(self.theta, self.start, out=move)
             self.start.copy_(self.theta)
-        return Applied(round_t, results, 0.0, repair)
+        return Applied(round_t, results, 0.0, repair, weight)
 
     def _apply(self, repaired: bool) -> None:
         """The round's result is in `payload` (its mean where it applied, this member's own values

@@ -117,6 +117,11 @@ class _TrainingCollector(Collector):
         samples = CounterMetricFamily(
             "peerd_samples", "Training samples this daemon processed in the run.", labels=["run"]
         )
+        averaged = CounterMetricFamily(
+            "peerd_samples_averaged",
+            "Samples of phases whose round with at least one mate applied: what reached the run's shared model.",
+            labels=["run"],
+        )
         score = GaugeMetricFamily(
             "peerd_eval_score", "Latest evaluation score of the run (see docs/metrics.md).", labels=["run"]
         )
@@ -196,6 +201,7 @@ class _TrainingCollector(Collector):
                 to_mean.add_metric([r.run_id], r.param_distance_to_group_mean)
             loss.add_metric([r.run_id], r.loss)
             samples.add_metric([r.run_id], r.samples)
+            averaged.add_metric([r.run_id], r.samples_averaged)
             if r.eval_metric:
                 score.add_metric([r.run_id], r.eval_score)
             wan_share.add_metric([r.run_id], r.wan_share)
@@ -211,6 +217,7 @@ class _TrainingCollector(Collector):
             local,
             loss,
             samples,
+            averaged,
             score,
             divergence,
             to_mean,

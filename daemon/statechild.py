@@ -86,6 +86,7 @@ class StateChild(TaskChild):
         if any(r.applied for r in results):
             n = self._params_numel
             self.param_distance_to_group_mean = math.sqrt(float(torch.sub(vector[:n], before[:n]).square_().sum()))
+            self.samples_averaged += self._samples_since_round
             self._samples_since_round = 0.0  # otherwise they count toward the next round's weight
         # The group's mean after a completed round, else this daemon's own state (as the thread's).
         self.snapshot = Snapshot(self.global_step, vector.clone())

@@ -198,6 +198,7 @@ class Trainer:
         self.synced_from = 0  # global step of the last state downloaded from peers (0: never)
         self.loss = math.nan
         self.samples = 0
+        self.samples_averaged = 0.0  # samples of phases a round with mates applied (RunStatus.samples_averaged)
         self.samples_per_second = 0.0
         self.eval: EvalResult | None = None
         self.error = ""
@@ -547,6 +548,7 @@ class Trainer:
                 self.param_distance_to_group_mean = distance(self._flat, self._tensors[: self._n_params])
             from_flat(self._flat, self._tensors)
         if applied:
+            self.samples_averaged += weight
             self._samples_since_round = 0  # otherwise they count toward the next round's weight
         # What peers download: the group's mean after a completed round (the same bytes on every
         # member, so several donors can serve it), else this daemon's own state (after a PARTIAL
@@ -616,6 +618,7 @@ class Trainer:
         self.last_round = results[0]
         if any(r.applied for r in results):
             self.param_distance_to_group_mean = outer.distance
+            self.samples_averaged += applied.weight
         self._log_incomplete(results, previous, applied.round_t)
         self.snapshot = Snapshot(self.global_step, outer.outer.clone())
         for result in results:

@@ -58,6 +58,15 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
         m = scrape(d.metrics_url)
         completed.append(m[("peerd_rounds_total", (("outcome", "completed"), ("run", "dl")))])
         assert completed[-1] >= rounds // 2, m
+        # Samples reach the shared model through the rounds that applied them: all of them when every
+        # round completed (the last lands at the finish).
+        averaged, trained = (
+            m[("peerd_samples_averaged_total", (("run", "dl"),))],
+            m[("peerd_samples_total", (("run", "dl"),))],
+        )
+        assert 0 < averaged <= trained == steps * batch, m
+        if completed[-1] == rounds:
+            assert averaged == trained, m
         assert 0 < m[("peerd_train_compute_fraction", (("run", "dl"),))] <= 1
     # Every round completed on every member: every member ends at the same θ, hence the same score
     # (the final evaluation is taken after the last round landed). A round that one member missed

@@ -38,6 +38,7 @@ def test_a_daemon_trains_checkpoints_and_resumes(spawn, training):
     m = scrape(d.metrics_url)
     assert m[("peerd_train_step", (("run", "digits"),))] == 300
     assert m[("peerd_samples_total", (("run", "digits"),))] == 300 * 32
+    assert m[("peerd_samples_averaged_total", (("run", "digits"),))] == 0  # alone: no round had a mate
     assert m[("peerd_eval_score", (("run", "digits"),))] == pytest.approx(r.eval_score)
     assert d.stop() == 0
     checkpoints = sorted((d.data_dir / "runs" / "digits" / "checkpoints").glob("ckpt-*.peerd"))

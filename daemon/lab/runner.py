@@ -190,7 +190,8 @@ def poll_daemon(name: str, d: LocalDaemon, run_id: str, t: float) -> Sample | No
 
 
 def scrape(url: str, run_id: str) -> dict[str, float]:
-    """The run's round counts by outcome, its divergence, and the engine's byte counters."""
+    """The run's round counts by outcome, its divergence, samples (trained, and averaged into the run's
+    model), compute fraction and the engine's byte counters."""
     with urllib.request.urlopen(url, timeout=POLL_TIMEOUT) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
@@ -206,6 +207,8 @@ def scrape(url: str, run_id: str) -> dict[str, float]:
                 out["compute_fraction"] = s.value
             elif s.name == "peerd_samples_total":
                 out["samples"] = s.value
+            elif s.name == "peerd_samples_averaged_total":
+                out["samples_averaged"] = s.value
             elif s.name in ("peerd_sent_bytes_total", "peerd_received_bytes_total", "peerd_state_sync_bytes_total"):
                 key = s.name.removeprefix("peerd_").removesuffix("_total")
                 out[key] = out.get(key, 0.0) + s.value
