@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,11 +174,12 @@ class Network:
 
     def create(self) -> "Network":
         """The bridge first: its alias names the lab's owner and work dir (`peerd lab clean` reads it)."""
-        self.subnet_k = _free_subnet()
-        sh("ip", "link", "add", self.name, "type", "bridge")
-        sh("ip", "link", "set", self.name, "alias", f"{OWNER_TAG} {_owner(os.getpid())} {self.dir}")
-        self.dir.mkdir(mode=0o700)
-        sh("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.name)
+        with _SUBNETS:  # two labs of one process (bench.churn) never pick the same free subnet
+            self.subnet_k = _free_subnet()
+            sh("ip", "link", "add", self.name, "type", "bridge")
+            sh("ip", "link", "set", self.name, "alias", f"{OWNER_TAG} {_owner(os.getpid())} {self.dir}")
+            self.dir.mkdir(mode=0o700)
+            sh("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.name)
         sh("ip", "link", "set", self.name, "up")
         script = f"add table bridge {self.name}\nadd chain bridge {self.name} forward {{ type filter hook forward priority 0; policy accept; }}\n"
         sh("nft", "-f", "-", input=script)
@@ -474,6 +476,9 @@ def _wait_for_file(path: Path, ok, timeout: float, what: str, proc: subprocess.P
         if time.monotonic() > deadline:
             raise LabError(f"waiting for {what}: nothing after {timeout:.0f} s")
         time.sleep(0.01)
+
+
+_SUBNETS = threading.Lock()  # held from choosing a free subnet until the bridge holds its address
 
 
 def _free_subnet() -> int:

@@ -215,6 +215,10 @@ def scrape(url: str, run_id: str) -> dict[str, float]:
     return out
 
 
+class LabAborted(RuntimeError):
+    """Lab.abort() was called while the lab ran."""
+
+
 class Lab:
     """One scenario run. `run()` returns the Record; the network is gone when it returns or raises."""
 
@@ -226,6 +230,7 @@ class Lab:
         self.state: dict[str, str] = {h.name: "not started" for h in scenario.hosts}
         self.t0 = 0.0
         self.probes: list[threading.Thread] = []  # RTT measurements after link faults, joined at the end
+        self.aborted = threading.Event()  # set by abort(): run() stops waiting and removes the lab
 
     def run(self) -> Record:
         collector = None
@@ -338,7 +343,7 @@ class Lab:
                 sample = poll_daemon(name, d, self.scenario.run.id, 0.0)
                 if sample is not None and sample.local_step > 0:  # moves with every step, mid-phase too
                     waiting.discard(name)
-            time.sleep(POLL_INTERVAL)
+            self._wait(POLL_INTERVAL)
 
     def _live(self) -> dict[str, LocalDaemon]:
         """Running, unfrozen daemons that are ready (a daemon that is starting is checked, not waited for)."""
@@ -355,10 +360,18 @@ class Lab:
                 live[name] = d
         return live
 
+    def abort(self) -> None:
+        """From another thread: run() raises LabAborted at its next wait and removes the lab."""
+        self.aborted.set()
+
     def _sleep_until(self, at: float) -> None:
         # The schedule's clock, not synchronization: faults happen at their times whatever the daemons do.
         while (left := self.t0 + at - time.monotonic()) > 0:
-            time.sleep(min(left, 1.0))
+            self._wait(min(left, 1.0))
+
+    def _wait(self, seconds: float) -> None:
+        if self.aborted.wait(seconds):
+            raise LabAborted("the lab was aborted")
 
     # ---- the schedule -----------------------------------------------------------------------------
 
