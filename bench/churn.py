@@ -19,6 +19,8 @@ what one lab loses is the protocol's, not CPU the other took.
 the targets turning over the hosts, and its last host joins late, at 3.5 x --every s (in `none`
 every host is there from the start). Per run, over the schedule:
 
+* availability: the share of host-seconds the schedule leaves a host up and unfrozen (a cut-off
+  host counts as up); goodput's ratio over it is what the protocol loses beyond the faults themselves.
 * goodput: samples that reached the run's model per second. Counted by each daemon as
   peerd_samples_averaged_total (the samples of phases whose round with mates applied; a phase lost
   to a kill, trained alone behind a cut, or thrown away by a catch-up download is not counted),
@@ -163,7 +165,7 @@ def goodput(record: Record) -> dict[str, Any]:
 
 
 def frozen_windows(record: Record) -> dict[str, list[tuple[float, float]]]:
-    """Per host, the (start, end) of each time it was frozen (or down: killed until restarted)."""
+    """Per host, the (start, end) of each time it was frozen, or down (killed until restarted)."""
     windows: dict[str, list[tuple[float, float]]] = {}
     opened: dict[tuple[str, str], float] = {}
     for e in record.events:
@@ -177,6 +179,17 @@ def frozen_windows(record: Record) -> dict[str, list[tuple[float, float]]]:
     for (h, _), start in opened.items():
         windows.setdefault(h, []).append((start, record.duration))
     return windows
+
+
+def availability(record: Record) -> float:
+    """The share of host-seconds in which a host ran unfrozen (or, cut off, ran on its side): what
+    the schedule itself leaves, whatever the protocol does. Goodput over it is the protocol's part."""
+    hosts, duration = record.scenario.hosts, record.duration
+    if not hosts or not duration:
+        return 0.0
+    lost = sum(h.join_at for h in hosts)
+    lost += sum(b - a for windows in frozen_windows(record).values() for a, b in windows)
+    return 1.0 - lost / (len(hosts) * duration)
 
 
 def longest_stall(record: Record) -> dict[str, Any]:
@@ -223,6 +236,7 @@ def summary(name: str, record: Record) -> dict[str, Any]:
         "seconds": round(record.duration, 1),
         "faults": len(record.events),
         "goodput": round(g["per_second"], 1),
+        "availability": round(availability(record), 3),
         "samples_averaged": round(g["samples_averaged"]),
         "samples_trained": round(g["samples_trained"]),
         "samples_averaged_per_host": g["per_host"],
@@ -340,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
             n["goodput"],
             "samples/s",
             target=GOODPUT_TARGET,
+            # What the schedule leaves (host-seconds up and unfrozen), and the ratio over it: the protocol's part.
+            availability=f["availability"],
+            of_available=round(f["goodput"] / n["goodput"] / f["availability"], 3)
+            if n["goodput"] and f["availability"]
+            else None,
             nothing_lost=not (f["step_regressions"] or f["torn_checkpoints"]),
         )
     )

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from bench.churn import detection_s, goodput, longest_stall, scenario, schedule
+from bench.churn import availability, detection_s, goodput, longest_stall, scenario, schedule
 from peerd.daemon.lab.runner import DAEMON_DEFAULTS, Event, Record, Sample
 from peerd.daemon.lab.scenario import parse
 from tests.helpers import ROOT
@@ -133,6 +133,8 @@ def test_the_longest_stall_leaves_out_a_hosts_frozen_time_and_a_restarts_recover
         sample(35, "c", 60, pid=2),
     ]
     assert longest_stall(record) == {"seconds": 7.5, "host": "b", "t": 12.0, "after": "freeze a at 10.0 s"}
+    # Of 3 x 40 host-seconds, a was frozen 10 and c down 2.
+    assert availability(record) == pytest.approx(1 - 12 / 120)
 
 
 @needs_lab
