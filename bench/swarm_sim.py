@@ -3,7 +3,7 @@
     python -m bench.swarm_sim [--peers 1024] [--seeds 3] [--join-rate 17] [--leave-rate 0.0167] ...
 
 No sockets and no real time: every peer lives in one process, on an asyncio loop whose clock jumps
-to the next timer (tests/vclock.py), over a simulated DHT (a dict of key -> subkey -> (value,
+to the next timer (bench/vclock.py), over a simulated DHT (a dict of key -> subkey -> (value,
 expiration), stores and gets counted per peer). Each peer holds a vector of DIM values drawn from
 N(0, 1); a group averages its members exactly. Three scenarios, each over --seeds seeds:
 
@@ -80,7 +80,7 @@ from peerd.peers.node import NodeSettings
 from peerd.peers.records import MemberRecord, MemberState
 from peerd.peers.run_ids import run_dht_key
 from peerd.peers.table import PeerTable
-from tests.vclock import VirtualTimeLoop
+from bench.vclock import VirtualTimeLoop
 
 BENCH = "swarm_sim"
 RUN_ID = "swarm"

@@ -1,4 +1,4 @@
-"""A stream transport in memory, for the engine's tests on virtual time (tests/vclock.py).
+"""A stream transport in memory, for the engine's tests on virtual time (bench/vclock.py).
 
 Members of one `Hub` reach each other by address ("mem:0", "mem:1", ...). A link delivers its
 messages in order, each on a later turn of the loop, through the sink's contract as a stream

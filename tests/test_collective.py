@@ -40,7 +40,7 @@ from peerd.peers.collective.inbox import BufferPool
 from peerd.peers.collective.reduction import TORCH_GRAIN, fold
 from peerd.peers.collective.wire import HEADER, HEADER_SIZE, AbortCode, DType, Header, Kind, WireError, decode, run_tag
 from peerd.peers.events import PeerEvents
-from tests import vclock
+from bench import vclock
 from tests.helpers import ROOT
 from tests.memtransport import Hub
 from tests.test_codec import mean_bound
@@ -419,7 +419,7 @@ def test_a_silent_member_makes_everyone_abort_and_keep_their_tensor():
 
 
 def test_on_virtual_time_a_silent_member_aborts_the_round_exactly_at_the_gather_deadline():
-    """The same fault on the loop's clock made virtual (tests/vclock.py) and a transport in memory:
+    """The same fault on the loop's clock made virtual (bench/vclock.py) and a transport in memory:
     the round is decided by its deadlines alone, so the abort comes exactly gather_timeout after the
     round began, and a round of all three that follows completes with the mean."""
     n, numel = 3, 3000

@@ -27,7 +27,7 @@ from peerd.peers.collective.inbox import as_bytes
 from peerd.peers.collective.transport import Link, Transport
 from peerd.peers.collective.wire import HEADER_SIZE, Header, Kind
 from peerd.peers.events import PeerEvents
-from tests import vclock
+from bench import vclock
 from tests.memtransport import Hub
 from tests.test_dear import OP_TIMEOUT, _equality_rank, _failure_rank
 
@@ -292,7 +292,7 @@ def test_an_exception_inside_an_op_fails_it_and_every_later_op_at_once():
 
 
 def test_a_silent_member_fails_the_op_exactly_at_its_limit_and_the_queued_op_with_it():
-    """On virtual time (tests/vclock.py): the connect takes 0.5 s, then member 1 never sends. The op
+    """On virtual time (bench/vclock.py): the connect takes 0.5 s, then member 1 never sends. The op
     fails op_timeout after its connect, not a moment sooner, and the op queued behind it fails at
     the same instant: exact comparisons, no wall clock."""
 

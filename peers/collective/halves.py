@@ -27,7 +27,7 @@ op refused ("wire_wrong_round").
 
 **Time.** Every deadline is the event loop's (`asyncio.timeout`), and the stamps and the pace read
 `clock` (time.monotonic: uvloop's own clock counts whole milliseconds, too coarse for ops of one).
-A test runs Halves on a loop with virtual time (tests/vclock.py) and passes `clock=loop.time`: every
+A test runs Halves on a loop with virtual time (bench/vclock.py) and passes `clock=loop.time`: every
 timeout is then decided, and measured, without waiting for it. An op starts when the one ahead of
 it finished (`started`), and ends (`finished`) once every message it needs arrived and its own
 sends were handed to the kernel (so the caller may reuse x at once), or when it fails: at the

@@ -1,4 +1,5 @@
-"""An asyncio event loop whose clock is virtual: the injected clock of the engine's tests.
+"""An asyncio event loop whose clock is virtual: the injected clock of the engine's tests and of
+bench.swarm_sim.
 
 Halves and GroupAllReduce read every deadline from the loop's clock (`loop.time()`, through
 `asyncio.timeout`, `sleep` and `call_later`). On this loop, time stands still while anything is ready
