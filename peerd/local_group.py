@@ -24,6 +24,10 @@ from peerd.attachment import Slot
 
 DIGEST_BITS = 62  # a digest and its negation both fit an int64
 RENDEZVOUS_POLL = 0.05  # seconds between two looks for an epoch's members
+# Seconds Gloo's connection of the members may wait on the store once every member has arrived
+# (their addresses go through it, moments apart). A stop of the daemon then removes the store's
+# file under them: they waited the whole op timeout (60 s) before they regrouped.
+CONNECT_TIMEOUT = 15.0
 
 
 class GroupBroke(Exception):
@@ -47,9 +51,9 @@ class Collective:
         try:
             files = dist.FileStore(slot.store, slot.size)
             # Gloo's connection of the members waits on this store with its timeout (5 minutes by
-            # default): a member gone meanwhile (the daemon stopped and removed the file) held the
-            # others that long before they regrouped.
-            files.set_timeout(timedelta(seconds=timeout))
+            # default), and nothing else uses it once they are connected: CONNECT_TIMEOUT bounds how
+            # long a member gone meanwhile (the daemon stopped and removed the file) holds the others.
+            files.set_timeout(timedelta(seconds=min(timeout, CONNECT_TIMEOUT)))
             store = dist.PrefixStore(f"peerd/{slot.epoch}/", files)
             store.set(f"here/{slot.rank}", "1")
             everyone, deadline = [f"here/{r}" for r in range(slot.size)], time.monotonic() + rendezvous

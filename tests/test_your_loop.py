@@ -332,8 +332,8 @@ def test_a_daemon_restarted_under_a_local_group_is_reattached_by_both_processes_
     before = run_status(a, "regrp").step
     assert a.stop() == 0
     a.start()
-    # Within the group timeout (60 s: a member caught connecting to the other when the daemon stopped
-    # gives up then) and the reattach.
+    # Within the connect timeout (15 s: a member caught connecting to the other when the daemon stopped
+    # gives up then; peerd/local_group.py CONNECT_TIMEOUT) and the reattach, on a loaded machine.
     wait_for(lambda: run_status(a, "regrp").attached_processes == 2, timeout=150, what="both attached again")
     wait_for(lambda: run_status(a, "regrp").step >= before + 30, timeout=120, what="the group trains on")
     outs = [lines(finish(p, 240)) for p in (first, second)]
