@@ -62,7 +62,7 @@ from typing import Callable
 import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
-from peerd.daemon.diloco import OuterLoop, OuterSettings, cancelled
+from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
@@ -786,7 +786,7 @@ class AttachedTrainer:
         applied = self._outer.land_into(self._move, wait=wait)
         if applied is None:
             return
-        if not cancelled(applied.results):
+        if applied.moved:
             self._shared.write_theta(self._outer.theta)
             self._moves += 1
             self._shared.set_count(LANDED_OFFSET, self._moves)

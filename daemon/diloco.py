@@ -24,8 +24,16 @@ phase. An attached process (daemon/attached.py) computes in another process: the
 calls `land_into` as soon as the round ends, which takes the outer step and hands the process the
 move θ − s to add to its parameters between two of its steps (`on_round_done` says when).
 
-A lane that formed no group, or whose round aborted, leaves this member's own P there (the engine
-restores it): a member alone is DiLoCo with one worker. A round the run's stop cancelled (a result
+A round that met no mate although the grid planned some, or whose group aborted (no lane applied
+a result), is *deferred*: θ and m stay, the inner parameters keep their progress, and what the
+round would have averaged goes into the residual (its samples into the next round's weight), so
+that the next round sends it: the phase is, for this member, one round longer, and a mate's
+crash costs it no samples and no step of its own apart from the run's θ. At most MAX_OWED rounds in
+a row: the next such round takes the outer step on its own P, so that a member out of step with
+the run still trains. A member alone in the run (no mate planned) takes that step every round:
+DiLoCo with one worker. A lane that
+formed no group while others of the round applied leaves this member's own P there (the engine
+restores it). A round the run's stop cancelled (a result
 with `cancelled`, daemon/joining.round_bridge) is not applied: θ and m stay the last shared outer
 state. Applied, a member's own P made the final charlm model 0.4-0.6 bits/char worse, and
 different on every host (docs/benchmarks.md, "Training over a WAN"). A PARTIAL round (UDP engine)
@@ -89,12 +97,36 @@ class Applied:
     results: list
     waited: float
     repaired: bool = False  # the round averaged θ itself
-    weight: float = 0.0  # the samples of the phase the round averaged
+    weight: float = 0.0  # the samples of the phases the round averaged (deferred ones included)
+    deferred: bool = False  # no mate met or the group aborted: nothing moved, the round is owed (`owed`)
+
+    @property
+    def moved(self) -> bool:
+        """θ took a step (an outer step, or a repair's mean), and the inner parameters move with it."""
+        return self.round_t is not None and not self.deferred and not cancelled(self.results)
 
 
 def cancelled(results: list[RoundResult]) -> bool:
     """Whether the run's stop cancelled the round (daemon/joining.round_bridge): its result is not applied."""
     return any(r.cancelled for r in results)
+
+
+MAX_OWED = 2  # rounds in a row a member may owe; the next takes its own outer step (it still trains)
+
+
+def owed(results: list[RoundResult]) -> bool:
+    """Whether every lane of the round met no mate although the grid planned some, or formed a group
+    that aborted: nothing applied, and the run did not cancel it. A member alone in the run, a lane
+    that failed with an error, or a group that could not share the vector is not owed."""
+    return (
+        bool(results)
+        and not cancelled(results)
+        and all(
+            (r.outcome is None and r.group_size == 1 and r.planned > 0 and not r.interrupted)
+            or (r.outcome is not None and not r.outcome.applied)
+            for r in results
+        )
+    )
 
 
 class OuterLoop:
@@ -123,7 +155,10 @@ class OuterLoop:
         self.start = torch.empty(n)  # s: the phase's progress is counted from here (P = s − y)
         self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
         self.payload = torch.empty(n)  # what the round averages, in place
-        self.residual = torch.zeros(n)  # error feedback: quantization error carried to the next phase
+        # Error feedback: quantization error carried to the next phase, and a deferred round's vector.
+        self.residual = torch.zeros(n)
+        self.deferred_weight = 0.0  # samples of deferred rounds, added to the next round's weight
+        self._owed = 0  # rounds deferred in a row
         self.scratch = torch.empty(n)
         self._pending: concurrent.futures.Future | None = None
         # (round_t, repair, weight) of the pending round
@@ -141,6 +176,7 @@ class OuterLoop:
         self.momentum.zero_()
         self.start.copy_(self.theta)
         self.residual.zero_()
+        self.deferred_weight = 0.0
 
     @torch.no_grad()
     def adopt(self, outer: torch.Tensor) -> None:
@@ -151,6 +187,7 @@ class OuterLoop:
         from_flat(self.theta, self.params)
         self.start.copy_(self.theta)
         self.residual.zero_()
+        self.deferred_weight = 0.0
 
     def drop_pending(self) -> None:
         if self._pending is not None:
@@ -178,10 +215,14 @@ class OuterLoop:
             torch.sub(self.theta, self.progress, out=self.payload)
         else:
             self.payload.copy_(self.progress)
-            if self.settings.payload != "fp32":  # float32 travels exactly: nothing to feed back
+            if self.settings.payload != "fp32":
                 for a, b in lane_bounds(self.n, self.settings.lanes):  # blocks start at each lane's start
                     codec.with_feedback(self.payload[a:b].numpy(), self.residual[a:b].numpy(), self.settings.payload)
+            else:  # float32 travels exactly: the residual holds only what deferred rounds owe
+                self.payload.add_(self.residual)
+                self.residual.zero_()
         fmt = "fp32" if repair else self.settings.payload
+        weight, self.deferred_weight = weight + self.deferred_weight, 0.0
         if self.settings.overlap:
             self._pending_round = (round_t, repair, weight)
             self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)
@@ -192,6 +233,10 @@ class OuterLoop:
         t0 = time.monotonic()
         results = self.average(self.payload, weight, round_t, fmt)
         waited = time.monotonic() - t0
+        if self._defers(results):  # the inner parameters keep their progress; the next phase counts from y
+            self._defer(repair, weight)
+            self.start.copy_(self.scratch)
+            return Applied(round_t, results, waited, repair, weight, deferred=True)
         if not cancelled(results):
             self._apply(repair)
         from_flat(self.theta, self.params)
@@ -212,6 +257,9 @@ class OuterLoop:
         waited = time.monotonic() - t0
         round_t, repair, weight = self._pending_round
         self._pending = None
+        if self._defers(results):  # θ stays, the inner parameters keep their progress
+            self._defer(repair, weight)
+            return Applied(round_t, results, waited, repair, weight, deferred=True)
         if not cancelled(results):
             self._apply(repair)
             to_flat(self.params, self.scratch)  # x
@@ -233,11 +281,26 @@ class OuterLoop:
         pending, self._pending = self._pending, None
         results = pending.result()
         round_t, repair, weight = self._pending_round
+        if self._defers(results):  # θ stays, and the process keeps its parameters: no move
+            self._defer(repair, weight)
+            return Applied(round_t, results, 0.0, repair, weight, deferred=True)
         if not cancelled(results):
             self._apply(repair)
             torch.sub(self.theta, self.start, out=move)
             self.start.copy_(self.theta)
         return Applied(round_t, results, 0.0, repair, weight)
+
+    def _defers(self, results: list[RoundResult]) -> bool:
+        """Whether this round is deferred: owed, and fewer than MAX_OWED in a row were."""
+        self._owed = self._owed + 1 if owed(results) and self._owed < MAX_OWED else 0
+        return self._owed > 0
+
+    def _defer(self, repaired: bool, weight: float) -> None:
+        """The round is owed to the next: what it would have averaged, this member's P with the
+        residual it took (`payload`: codec.with_feedback left residual + payload = P + the old
+        residual), or a repair's P, goes back into the residual; its samples into the next weight."""
+        self.residual.add_(self.progress if repaired else self.payload)
+        self.deferred_weight = weight
 
     def _apply(self, repaired: bool) -> None:
         """The round's result is in `payload` (its mean where it applied, this member's own values

@@ -8,6 +8,7 @@ import concurrent.futures
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
@@ -240,4 +241,112 @@ def test_a_round_the_stop_cancelled_is_not_applied():
     p[0] -= 0.25
     assert loop.finish().results == STOPPED
     assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
+    loop.close()
+
+
+def missed(round_t: int) -> list[RoundResult]:
+    """A round that met none of the mates the grid planned (their daemon was killed, frozen or cut off)."""
+    return [RoundResult(round_t, 1, None, "no group: no mate answered", planned=1)]
+
+
+class Script:
+    """A stand-in round per round number: a list of results, or a callable(vector) that averages."""
+
+    def __init__(self, plan):
+        self.plan, self.seen = plan, []
+
+    def __call__(self, vector, weight, round_t, fmt):
+        self.seen.append((round_t, vector.clone(), weight))
+        step = self.plan[round_t]
+        return step(round_t, vector) if callable(step) else step
+
+
+def met(round_t, vector):
+    vector.mul_(0.5)  # the group's mean: half this member's P
+    return [RoundResult(round_t, 2, None, "emulated: the mates met")]
+
+
+def test_a_round_that_met_no_mate_is_owed_to_the_next_and_its_samples_go_with_it():
+    """Without overlap: θ and m stay, the inner parameters keep their progress, and the next round
+    sends both phases' P with both phases' samples."""
+    script = Script({1: missed(1), 2: met})
+    p = [torch.tensor([1.0])]
+    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32"), script, "owed")
+    p[0] -= 0.25  # P = 0.25
+    first = loop.end_phase(1, 10.0)
+    assert first.deferred and not first.moved and first.weight == 10.0
+    assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 0.75
+    assert loop.residual.item() == 0.25 and loop.deferred_weight == 10.0
+    p[0] -= 0.5  # phase 2: P = 0.5, counted from where phase 1 ended
+    second = loop.end_phase(2, 30.0)
+    (_, sent, weight) = script.seen[-1]
+    assert sent.item() == 0.75 and weight == 40.0  # both phases' progress and samples
+    assert second.moved and not second.deferred and second.weight == 40.0
+    # The group's mean 0.375: m = 0.375, θ = 1 - 0.5 * (0.375 + 0.9 * 0.375); the model restarts there.
+    assert loop.theta.item() == pytest.approx(1.0 - 0.5 * 0.375 * 1.9) and p[0].item() == loop.theta.item()
+    assert loop.residual.item() == 0.0 and loop.deferred_weight == 0.0
+    loop.close()
+
+
+def test_an_aborted_round_is_owed_a_member_alone_is_not_and_at_most_two_rounds_in_a_row():
+    from peerd.peers.collective.outcome import Outcome, Status
+
+    aborted = Outcome(Status.ABORTED, "a member stopped answering", 1, (), (0.0,), 0, 0, 1.0, b"")
+    alone = [RoundResult(3, 1, None, "alone in the run")]  # no mate planned
+    rounds = {1: [RoundResult(1, 2, aborted, aborted.reason)], 2: missed(2), 3: missed(3), 4: alone, 5: alone}
+    p = [torch.tensor([0.0])]
+    loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="fp32"), Script(rounds), "cap")
+    done = []
+    for t in range(1, 5):
+        p[0] -= 1.0  # every phase: P = 1
+        done.append(loop.end_phase(t, 1.0))
+    # Rounds 1 and 2 owed; round 3, the third in a row, takes the outer step on all three phases'
+    # P alone (θ = 0 - 3): a member out of step with the run still trains.
+    assert [d.deferred for d in done] == [True, True, False, False]
+    assert done[2].weight == 3.0 and done[3].weight == 1.0
+    # Round 4: alone in the run, its own step at once (θ = -3 - 1).
+    assert loop.theta.item() == -4.0 and p[0].item() == -4.0 and loop.residual.item() == 0.0
+    loop.close()
+
+
+def test_with_overlap_an_owed_round_moves_nothing_in_the_process_and_goes_out_with_the_next():
+    """land_into (an attached process): no move is written; the process keeps its parameters, and the
+    next phase's round carries both phases' progress."""
+    script = Script({1: missed(1), 2: met})
+    ended = threading.Event()
+    p = [torch.tensor([0.0])]
+    loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="fp32", overlap=True), script, "ov")
+    loop.on_round_done = ended.set
+    p[0] -= 1.0  # phase 1: P = 1
+    loop.end_phase(1, 5.0)
+    assert ended.wait(10)
+    move = torch.full((1,), float("nan"))
+    landed = loop.land_into(move)
+    assert landed.deferred and not landed.moved and move.isnan().all()  # nothing for the process to add
+    assert loop.theta.item() == 0.0 and loop.residual.item() == 1.0
+    p[0] -= 2.0  # phase 2: P = 2 (from -1, where phase 2 began)
+    loop.end_phase(2, 5.0)
+    applied = loop.land_into(move, wait=True)
+    (t, sent, weight) = script.seen[-1]
+    assert (t, sent.item(), weight) == (2, 3.0, 10.0)
+    # θ = 0 - the mean 1.5; phase 3 began at -3, so the move θ - s = 1.5 takes the process to θ plus
+    # its progress since.
+    assert applied.moved and loop.theta.item() == -1.5 and move.item() == -1.5 - (-3.0)
+    loop.close()
+
+
+def test_an_owed_int8_round_keeps_every_value_it_did_not_send():
+    """codec.with_feedback left payload + residual = P + the old residual: deferred, all of it is
+    owed, nothing is lost to the quantization."""
+    script = Script({1: missed(1)})
+    torch.manual_seed(0)
+    p = [torch.zeros(256)]
+    loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="int8"), script, "q")
+    loop.residual.copy_(torch.randn(256) * 1e-3)  # a previous round's quantization error
+    before = loop.residual.clone()
+    step = torch.randn(256)
+    p[0] -= step
+    assert loop.end_phase(1, 1.0).deferred
+    assert torch.allclose(loop.residual, step + before, atol=1e-6)
+    assert torch.equal(p[0], -step) and loop.theta.abs().sum().item() == 0.0
     loop.close()
