@@ -246,6 +246,8 @@ def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = Non
             "samples": samples,
             "eval": round(lab.evaluations.get(host, math.nan), 4),
             "rounds_completed": s.metrics.get("rounds_completed", 0.0),
+            "rounds_partial": s.metrics.get("rounds_partial", 0.0),  # the loss-tolerant engine's usual outcome
+            "samples_averaged": s.metrics.get("samples_averaged", 0.0),
         }
     out = {
         "bench": BENCH,
