@@ -15,7 +15,7 @@ import pytest
 # Tests that build a network lab (namespaces, a bridge, nftables tables) run one after another on one
 # pytest-xdist worker (`--dist loadgroup`, ./dev test): two labs built at once could pick the same
 # free subnet (daemon/lab/netns.py), and their timings assume no other lab shares the link.
-LAB_FILES = {"test_lab.py", "test_dear_lab.py", "test_linkprobe_lab.py"}
+LAB_FILES = {"test_lab.py", "test_dear_lab.py", "test_linkprobe_lab.py", "test_churn.py"}
 
 # Files whose tests start real processes (daemons, p2pd, training children, gloo ranks, torchrun, a
 # lab, a benchmark, promtool). Each such test may be retried once, never silently: tests/FLAKY.md.
