@@ -532,6 +532,9 @@ class AttachedTrainer:
                 self.global_step = step
             self._shared.set_count(PHASE_STEPS_OFFSET, 0)
             with self._group:
+                # Its lease runs from now: the download above held its attach (10 s from a frozen
+                # donor in bench.churn), and the watch would end the session as soon as it joined.
+                s.renewed = time.monotonic()
                 self.members = [s]
                 self._expected = max(group_size, 1)
                 self._forming_until = time.monotonic() + GROUP_FORM_WAIT if group_size > 1 else 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -286,3 +287,44 @@ def test_the_first_of_a_group_that_expects_others_waits_for_them_and_all_get_one
         assert [i.upload for i in sorted(infos, key=lambda i: i.group.rank)] == [True, False, False]
     finally:
         t.stop()
+
+
+def test_an_attach_that_waited_for_a_long_download_is_not_taken_for_a_lapsed_lease(tmp_path):
+    """Seen in bench.churn: a restarted daemon's download waited 10 s on a frozen donor, then the
+    lease watch ended the process's session 0.2 s after it attached: its lease had run from the
+    attach request."""
+    import asyncio
+
+    from peerd.daemon.attached import SessionLost
+
+    def sync(min_step, out):
+        time.sleep(4.5)  # more than two leases of 2 s
+        out.fill_(1.0)
+        return FetchResult(ok=True, reason="downloaded slowly", step=4)
+
+    t = trainer(tmp_path, HalfMean(), run_id="slow", creator=False, peer_steps=lambda: [4], sync=sync)
+    t.lease_seconds = 2.0
+    loop = asyncio.new_event_loop()
+    watching = threading.Thread(target=loop.run_forever, name="loop", daemon=True)
+    watching.start()
+    try:
+
+        async def watch():
+            t.start()
+
+        asyncio.run_coroutine_threadsafe(watch(), loop).result(10)
+        info = t.attach(pid=0, device="cpu", step=0)
+        assert info.step == 4 and not info.upload
+        # The process's first Renew comes a while after its answer (lease / 3 in peerd.attachment); the
+        # watch, every 0.5 s, has looked twice by then.
+        time.sleep(1.0)
+        for _ in range(5):
+            t.renew(info.session)  # SessionLost here: the watch ended the session
+            time.sleep(0.4)
+        assert t.session is not None and t.session.token == info.session
+    except SessionLost as e:
+        pytest.fail(f"the session ended after a slow download: {e}")
+    finally:
+        t.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        watching.join(10)
