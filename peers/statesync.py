@@ -10,7 +10,9 @@ Protocol (protos/state.proto; one handler name per RPC serves every run, picked 
 * info: the id, step, numel, chunk size and chunk hashes of the newest snapshot the donor's trainer
   published (StateServer.serve's provider), or NO_SNAPSHOT. Hashed once per snapshot (in a thread
   when large). A donor holds the `keep` snapshots it advertised last (default 3: the newest and the
-  two before), so a download in progress survives the next rounds' publications.
+  two before), so a download in progress survives the next rounds' publications, and lets go of
+  one that no request touched for HOLD_IDLE s unless the trainer still publishes it: each is a copy
+  of the whole state (8 bytes a parameter for DiLoCo's [θ; m]) that only downloads need.
 * chunk (snapshot_id, index): that chunk's bytes while the donor holds the snapshot, else GONE.
   Through p2pd, or over direct TCP where the donor listens (StateServer(tcp_host=...); its info
   answer gives the address): the fast path, with the same checks (peers/state_tcp.py). A fetcher
@@ -51,7 +53,7 @@ import hashlib
 import hmac
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from peerd.peers.events import PeerEvents
@@ -82,6 +84,7 @@ MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 2 << 20  # p2pd refuses unary messag
 MAX_CHUNKS = 1 << 16  # keeps an info answer near 1 MiB at most
 DIGEST_BYTES, TAG_BYTES, MAX_RUN_KEY_CHARS, MAX_CALLER_CHARS = 16, 32, 256, 128
 HASH_IN_THREAD_BYTES = 4 << 20  # hashing more on the event loop would stall it for milliseconds
+HOLD_IDLE = 30.0  # seconds a held snapshot outlives its last request: 3 request timeouts of a fetcher
 
 
 def _digest(data) -> bytes:
@@ -183,6 +186,7 @@ class _Served:
     provider: Callable[[], Snapshot | None]
     held: deque[tuple[Snapshot, SnapshotInfo]]  # the snapshots advertised last, newest at the right
     lock: asyncio.Lock  # one hashing per new snapshot, however many info requests arrive at once
+    used: dict[bytes, float] = field(default_factory=dict)  # snapshot id -> time of its last request
 
 
 class StateServer:
@@ -207,6 +211,7 @@ class StateServer:
         self.tcp_address = ""  # "host:port" once start() listens on TCP
         self._tcp: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
+        self._releaser: asyncio.Task | None = None
         self._runs: dict[str, _Served] = {}  # by run_key
 
     async def start(self) -> None:
@@ -217,9 +222,31 @@ class StateServer:
             port = self._tcp.sockets[0].getsockname()[1]
             host = self.advertise_host
             self.tcp_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._releaser = asyncio.create_task(self._release_idle_forever(), name="state-release")
+
+    async def _release_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HOLD_IDLE / 2)
+            self.release_idle(time.monotonic())
+
+    def release_idle(self, now: float) -> int:
+        """Let go of the held snapshots no request touched for HOLD_IDLE s by `now`, except each
+        run's current one (its trainer holds it anyway); returns how many were let go."""
+        released = 0
+        for served in self._runs.values():
+            current = served.provider()
+            keep = [(s, i) for s, i in served.held if s is current or now - served.used.get(i.id, now) < HOLD_IDLE]
+            released += len(served.held) - len(keep)
+            served.held = deque(keep, maxlen=self.keep)
+            served.used = {i.id: served.used[i.id] for _, i in keep if i.id in served.used}
+        return released
 
     async def stop(self) -> None:
         """Close the TCP listener and its connections (the p2pd handlers go with the node)."""
+        if self._releaser is not None:
+            self._releaser.cancel()
+            await asyncio.gather(self._releaser, return_exceptions=True)
+            self._releaser = None
         if self._tcp is not None:
             self._tcp.close()
             for writer in self._connections:
@@ -251,6 +278,7 @@ class StateServer:
                 # The same bytes republished count once; the deque forgets the oldest beyond `keep`.
                 served.held = deque(((s, i) for s, i in served.held if i.id != info.id), maxlen=self.keep)
                 served.held.append((snapshot, info))
+            served.used[info.id] = time.monotonic()
             return info
 
     def _admit(self, run_key: str, tag: bytes, caller: str, kind: bytes, snapshot: bytes = b"", index: int = 0):
@@ -302,6 +330,7 @@ class StateServer:
             self.events.rejected("state_unknown_snapshot")
             return pb.STATE_STATUS_GONE, None
         snapshot, info = held
+        served.used[sid] = time.monotonic()
         if index >= len(info.hashes):
             self.events.rejected("state_bad_index")
             return pb.STATE_STATUS_REFUSED, None

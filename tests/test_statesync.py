@@ -7,6 +7,7 @@ chunk handler (flip bytes, kill the node after N chunks, hold answers back).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -17,6 +18,7 @@ from peerd.peers.run_ids import RunSecret, run_dht_key
 from peerd.peers.state_tcp import TcpLink, parse_address
 from peerd.peers.statesync import (
     CHUNK_HANDLER,
+    HOLD_IDLE,
     INFO_HANDLER,
     Snapshot,
     StateServer,
@@ -376,5 +378,28 @@ def test_direct_tcp_requests_are_checked_as_through_p2pd(tmp_path):
             writer.close()
             await server.stop()
         assert rejected == ["state_bad_tag", "state_bad_index", "state_malformed"]
+
+    asyncio.run(scenario())
+
+
+def test_a_held_snapshot_no_request_touched_for_a_while_is_let_go_but_the_current_one_stays(tmp_path):
+    async def scenario():
+        rejected: list[str] = []
+        async with started(2, tmp_path) as (donor, me):
+            current = {"snapshot": Snapshot(1, vector(13, 10_000))}
+            server = await serve(donor, lambda: current["snapshot"], rejected)
+            key = run_dht_key(RUN, None)
+            ask = pb.StateInfoRequest(run_key=key)
+            old = (await me.call(donor.peer_id, INFO_HANDLER, ask, pb.StateInfoResponse, 5)).snapshot_id
+            current["snapshot"] = Snapshot(2, vector(14, 10_000))  # the next round's
+            new = (await me.call(donor.peer_id, INFO_HANDLER, ask, pb.StateInfoResponse, 5)).snapshot_id
+            assert server.release_idle(time.monotonic() + HOLD_IDLE / 2) == 0  # a download may still want it
+            assert server.release_idle(time.monotonic() + HOLD_IDLE + 1) == 1
+            for sid, status in ((old, pb.STATE_STATUS_GONE), (new, pb.STATE_STATUS_OK)):
+                request = pb.StateChunkRequest(run_key=key, snapshot_id=sid, index=0)
+                answer = await me.call(donor.peer_id, CHUNK_HANDLER, request, pb.StateChunkResponse, 5)
+                assert answer.status == status
+            await server.stop()
+        assert rejected == ["state_unknown_snapshot"]
 
     asyncio.run(scenario())
