@@ -9,7 +9,8 @@ script (bench/big_model_loop.py: `--layers` Linear(d, d) layers, d chosen so tha
 its script start first and end one phase (the run's θ exists and a snapshot is served); then
 daemon b and its script start: b's attach downloads the run's state from a (peers/statesync.py).
 Once both scripts have ended `--phases` more phases (rounds between the two daemons ran, every
-buffer is allocated):
+buffer is allocated), and again `--settle` s later (a donor lets go of the snapshots downloads
+asked for once none has for peers/statesync.HOLD_IDLE s):
 
 * **memory**, per daemon and per script: RSS, its parts (anonymous, shared memory: the shared file
   with the script), bytes per parameter, and the model-sized buffers (mappings of at least half the
@@ -47,6 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import emit, interrupt_on_signals, progress, result
 from peerd.daemon.procs import LocalDaemon
+from peerd.peers.statesync import HOLD_IDLE
 
 BENCH = "big_model"
 RUN = "big"
@@ -213,7 +215,16 @@ def measure(base: Path, args) -> list[dict]:
         progress(BENCH, f"b's script attached {attach_s:.1f} s after its start (torch import, state download)")
         for s in scripts:
             s.wait_for("phase_end", args.phases, PHASE_TIMEOUT)
+        early = [daemon_memory(d, params)["daemon_mib"]["rss"] for d in daemons]
+        settle_until = time.monotonic() + args.settle
+        while time.monotonic() < settle_until:  # the scripts go on training; their lines pile up unread
+            time.sleep(1.0)
+            for s in scripts:
+                if s.proc.poll() is not None:
+                    raise RuntimeError(f"a script exited; output:\n{''.join(s.tail)}")
         memory = [daemon_memory(d, params) | script_memory(s, params) for d, s in zip(daemons, scripts)]
+        for m, rss in zip(memory, early):
+            m["daemon_rss_after_phases_mib"] = rss
         got = scrape(b, "peerd_state_sync_bytes_total")
         seconds = scrape(b, "peerd_state_sync_seconds_total")
         syncs = scrape(b, "peerd_state_syncs_total")
@@ -277,10 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=5, help="Linear(d, d) layers (default 5)")
     parser.add_argument("--every", type=int, default=4, help="H, inner steps per outer step (default 4)")
     parser.add_argument("--phases", type=int, default=2, help="phases both scripts end before memory is read")
-    parser.add_argument("--quick", action="store_true", help="2 M parameters, 1 phase: a smoke test")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=HOLD_IDLE + 5,
+        help=f"seconds of training after those phases before memory is read again (default {HOLD_IDLE + 5:.0f}: "
+        "a donor lets go of snapshots no download asked for in HOLD_IDLE s)",
+    )
+    parser.add_argument("--quick", action="store_true", help="2 M parameters, 1 phase, no settling: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
-        args.params, args.phases = 2e6, 1
+        args.params, args.phases, args.settle = 2e6, 1, 0.0
     interrupt_on_signals()
     base = Path(tempfile.mkdtemp(prefix="peerd-big-"))
     try:
@@ -288,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         progress(BENCH, "interrupted; killing every process started here")
         return 130
-    except (TimeoutError, OSError) as e:
+    except (TimeoutError, OSError, RuntimeError) as e:
         progress(BENCH, f"failed: {type(e).__name__}: {e}")
         for d in sorted(base.glob("*.log")):
             progress(BENCH, f"{d.name}:\n" + "\n".join(d.read_text(errors="replace").splitlines()[-30:]))
