@@ -119,7 +119,9 @@ class OuterLoop:
         self.n = n
         self.outer = torch.empty(2 * n)  # [θ; m]: served to peers, checkpointed
         self.theta, self.momentum = self.outer[:n], self.outer[n:]
-        self.start = torch.empty(n)  # s: the phase's progress is counted from here (P = s − y)
+        # s: the phase's progress is counted from here (P = s − y). Without overlap every phase starts
+        # at θ and θ changes only between phases, so s is θ itself: one copy of the model fewer.
+        self.start = torch.empty(n) if settings.overlap else self.theta
         self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
         self.payload = torch.empty(n)  # what the round averages, in place
         self.residual = torch.zeros(n)  # error feedback: quantization error carried to the next phase
