@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"seconds of training after those phases before memory is read again (default {HOLD_IDLE + 5:.0f}: "
         "a donor lets go of snapshots no download asked for in HOLD_IDLE s)",
     )
+    parser.add_argument("--logs", type=Path, default=None, help="copy the daemons' logs into this folder")
     parser.add_argument("--quick", action="store_true", help="2 M parameters, 1 phase, no settling: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
@@ -312,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             progress(BENCH, f"{d.name}:\n" + "\n".join(d.read_text(errors="replace").splitlines()[-30:]))
         return 1
     finally:
+        if args.logs is not None:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in base.glob("*.log"):
+                shutil.copy(log, args.logs / log.name)
         shutil.rmtree(base, ignore_errors=True)
     for line in lines:
         emit(line)
