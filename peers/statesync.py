@@ -18,8 +18,9 @@ Protocol (protos/state.proto; one handler name per RPC serves every run, picked 
   answer gives the address): the fast path, with the same checks (peers/state_tcp.py). A fetcher
   whose connection to a donor fails or breaks asks that donor through p2pd from then on.
 * Secret runs: every request carries tag = HMAC-SHA256(state key; caller, donor, kind, snapshot_id,
-  index). The donor recomputes it with the caller's authenticated peer ID, so a peer without the
-  secret gets nothing and a captured request is worthless to any other peer. The state key derives
+  index). The donor recomputes it with the caller's peer ID (p2pd's authenticated one; over direct
+  TCP the one the request names), so a peer without the secret gets nothing and a captured request
+  is worthless to any other peer (over TCP, but for the chunk it names). The state key derives
   from the secret's seal_key, not key_id: key_id is public (it names the run's DHT keys).
 
 fetch_state, the downloader, returns a FetchResult (never raises for network trouble):
@@ -501,20 +502,20 @@ class _Fetch:
             async with asyncio.timeout(self.request_timeout):
                 link = idle.pop() if idle else await TcpLink.open(*self.addresses[donor])
                 status, size = await link.ask(request.SerializeToString(), into)
-        except (OSError, EOFError, TimeoutError):
+        except BaseException as e:  # failed or cancelled mid-answer: the stream's position is unknown
             if link is not None:
                 link.close()
-            return None
-        except BaseException:  # cancelled mid-answer: the stream's position is unknown
-            if link is not None:
-                link.close()
+            if isinstance(e, (OSError, EOFError, TimeoutError)):
+                return None
             raise
-        if status != pb.STATE_STATUS_OK:
-            idle.append(link)
-            self.dropped.setdefault(donor, f"chunk: {pb.StateStatus.Name(status)}")
-            return False
-        if size != len(into):  # its bytes are still on the stream
-            link.close()
+        if status != pb.STATE_STATUS_OK or size != len(into):
+            if size:  # bytes left unread on the stream
+                link.close()
+            else:
+                idle.append(link)
+            if status != pb.STATE_STATUS_OK:
+                self.dropped.setdefault(donor, f"chunk: {pb.StateStatus.Name(status)}")
+                return False
             return self._bad_chunk(donor, index)
         idle.append(link)
         if _digest(into) != self.info.hashes[index]:
