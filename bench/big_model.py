@@ -13,9 +13,10 @@ buffer is allocated), and again `--settle` s later (a donor lets go of the snaps
 asked for once none has for peers/statesync.HOLD_IDLE s):
 
 * **memory**, per daemon and per script: RSS, its parts (anonymous, shared memory: the shared file
-  with the script), bytes per parameter, and the model-sized buffers (mappings of at least half the
-  model's float32 bytes: torch allocates each such tensor as a mapping of its own, so their RSS over
-  4 bytes a parameter counts the float32 copies); the daemon's tree (daemon and p2pd) minus those
+  with the script), bytes per parameter, and the model-sized buffers (anonymous or shared mappings
+  of at least a byte a parameter: torch allocates each such tensor as a mapping of its own, so their
+  RSS over 4 bytes a parameter counts float32 copies, an int8 one as 1/4); the daemon's tree (daemon
+  and p2pd) minus those
   buffers: the cost of the daemon that does not grow with the model (issue 28: at most 300 MiB);
   the daemon's bytes per parameter against the issue's 20;
 * **state download**, b's: bytes and seconds (peerd_state_sync_bytes_total,
@@ -102,9 +103,10 @@ def model_shape(params: float, layers: int) -> tuple[int, int]:
 
 
 def large_mapping(params: int) -> int:
-    """Bytes from which an anonymous or shared mapping counts as a model-sized buffer: half the
-    model's float32 bytes, and more than glibc's 64 MiB arenas (at --quick's size nothing counts)."""
-    return max(params * 2, 65 << 20)
+    """Bytes from which an anonymous or shared mapping counts as a model-sized buffer: a byte a
+    parameter (an int8 copy: the rounds' wire buffers), and more than glibc's 64 MiB arenas (at
+    --quick's size nothing counts)."""
+    return max(params, 65 << 20)
 
 
 def proc_memory(pid: int, large: int) -> dict[str, float]:
