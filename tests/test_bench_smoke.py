@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks (bench.attach_handoff, bench.big_model, bench.daemon_costs, bench.dear, bench.diloco_sim,
+"""Smoke tests of benchmarks (bench.attach_handoff, bench.daemon_costs, bench.dear, bench.diloco_sim,
 bench.engine_allreduce, bench.engine_costs, bench.round_cost): each runs to the end and prints the
 promised JSON lines, the last one its headline. bench.round_cost needs the network lab (root,
 namespaces) and skips without.
@@ -46,28 +46,6 @@ def test_daemon_costs_quick_prints_json_lines():
         assert REQUIRED <= r.keys(), r
     assert records[-1]["bench"] == "daemon_costs"
     assert records[-1]["metric"] == "start_to_ready_s"
-
-
-@pytest.mark.heavy
-def test_big_model_quick_prints_json_lines_with_the_download_rate_last():
-    """bench.big_model --quick: two daemons, two scripts, a model of 2 M parameters (about 16 s)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.big_model", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
-    records = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert all(REQUIRED <= r.keys() for r in records), records
-    assert [r["metric"] for r in records] == [
-        "daemon_a_bytes_per_param",
-        "daemon_b_bytes_per_param",
-        "daemon_tree_minus_model_mib",
-        "state_download_mb_per_s",
-    ]
-    assert records[-1]["bytes"] >= 4 * records[-1]["params"] and records[-1]["downloads"] >= 1
 
 
 @pytest.mark.parametrize("backend", ["gloo", "peerd"])
