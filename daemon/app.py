@@ -159,7 +159,10 @@ class Daemon:
             await self.memberships.start()
             self.matchmaker = Matchmaker(self.node, MatchmakingSettings(max_group_size=MAX_GROUP), events)
             await self.matchmaker.start()
-            self.state_server = StateServer(self.node, events)
+            # Chunks over direct TCP on the listen host, advertised as the engine's address is.
+            self.state_server = StateServer(
+                self.node, events, tcp_host=cfg.network.host, advertise_host=self._advertise_host()
+            )
             await self.state_server.start()
             self.prober = LinkProber(cfg.network.host, 0, events=events)
             await self.prober.start()
@@ -282,6 +285,9 @@ class Daemon:
         if self.prober is not None:
             self.prober.close()
             self.prober = None
+        if self.state_server is not None:
+            await self.state_server.stop()
+            self.state_server = None
         if self.node is not None:
             node, self.node = self.node, None
             self.memberships = None

@@ -71,7 +71,8 @@ def outer_step(
     params: torch.Tensor, momentum: torch.Tensor, mean_delta: torch.Tensor, lr: float, mu: float, scratch: torch.Tensor
 ) -> None:
     """One Nesterov step of the outer optimizer, in place: m ← μ·m + g ; θ ← θ − lr·(g + μ·m),
-    with g the mean pseudo-gradient (torch.optim.SGD(nesterov=True, dampening=0)'s arithmetic)."""
+    with g the mean pseudo-gradient (torch.optim.SGD(nesterov=True, dampening=0)'s arithmetic).
+    `scratch` may be `mean_delta` itself (it is then overwritten)."""
     momentum.mul_(mu).add_(mean_delta)
     torch.add(mean_delta, momentum, alpha=mu, out=scratch)
     params.sub_(scratch, alpha=lr)
@@ -152,14 +153,20 @@ class OuterLoop:
         self.n = n
         self.outer = torch.empty(2 * n)  # [θ; m]: served to peers, checkpointed
         self.theta, self.momentum = self.outer[:n], self.outer[n:]
-        self.start = torch.empty(n)  # s: the phase's progress is counted from here (P = s − y)
+        # s: the phase's progress is counted from here (P = s − y). Without overlap every phase starts
+        # at θ and θ changes only between phases, so s is θ itself: one copy of the model fewer.
+        self.start = torch.empty(n) if settings.overlap else self.theta
         self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
         self.payload = torch.empty(n)  # what the round averages, in place
         # Error feedback: quantization error carried to the next phase, and a deferred round's vector.
         self.residual = torch.zeros(n)
         self.deferred_weight = 0.0  # samples of deferred rounds, added to the next round's weight
         self._owed = 0  # rounds deferred in a row
-        self.scratch = torch.empty(n)
+        # y, where a phase ended: an attached process's parameters are one flat vector (the shared
+        # file), read in place; without overlap nothing else needs a scratch copy: one copy fewer.
+        self._flat = len(params) == 1 and params[0].dim() == 1 and params[0].dtype == torch.float32
+        self._flat = self._flat and params[0].is_contiguous()
+        self.scratch = None if self._flat and not settings.overlap else torch.empty(n)
         self._pending: concurrent.futures.Future | None = None
         # (round_t, repair, weight) of the pending round
         self._pending_round: tuple[int, bool, float] = (0, False, 0.0)
@@ -209,8 +216,12 @@ class OuterLoop:
         instead of an outer step on the mean P: the phase's progress is kept, the members' θ meet
         again."""
         applied = self.land(wait=True) or Applied(None, [], 0.0)
-        to_flat(self.params, self.scratch)  # y
-        torch.sub(self.start, self.scratch, out=self.progress)  # P = s − y
+        if self._flat:
+            y = self.params[0]
+        else:
+            to_flat(self.params, self.scratch)
+            y = self.scratch
+        torch.sub(self.start, y, out=self.progress)  # P = s − y
         if repair:
             torch.sub(self.theta, self.progress, out=self.payload)
         else:
@@ -228,14 +239,13 @@ class OuterLoop:
             self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)
             if self.on_round_done is not None:
                 self._pending.add_done_callback(lambda future: self.on_round_done())
-            self.start.copy_(self.scratch)  # the next phase starts at y, where the model is
+            self.start.copy_(y)  # the next phase starts at y, where the model is
             return applied
         t0 = time.monotonic()
         results = self.average(self.payload, weight, round_t, fmt)
         waited = time.monotonic() - t0
-        if self._defers(results):  # the inner parameters keep their progress; the next phase counts from y
+        if self._defers(results):  # the inner parameters keep their progress, still counted from θ
             self._defer(repair, weight)
-            self.start.copy_(self.scratch)
             return Applied(round_t, results, waited, repair, weight, deferred=True)
         if not cancelled(results):
             self._apply(repair)
@@ -296,22 +306,29 @@ class OuterLoop:
         return self._owed > 0
 
     def _defer(self, repaired: bool, weight: float) -> None:
-        """The round is owed to the next: what it would have averaged, this member's P with the
-        residual it took (`payload`: codec.with_feedback left residual + payload = P + the old
-        residual), or a repair's P, goes back into the residual; its samples into the next weight."""
-        self.residual.add_(self.progress if repaired else self.payload)
+        """The round is owed to the next; its samples go into the next round's weight. With overlap
+        the next phase counts from y: what this round would have averaged goes back into the
+        residual, this member's P with the residual it took (codec.with_feedback left residual +
+        payload = P + the old residual), or a repair's P. Without, s is θ, which did not move: the
+        next phase's P holds this one's, and the residual is put back as it was."""
+        if self.start is self.theta:
+            if not repaired:
+                self.residual.add_(self.payload).sub_(self.progress)
+        else:
+            self.residual.add_(self.progress if repaired else self.payload)
         self.deferred_weight = weight
 
     def _apply(self, repaired: bool) -> None:
         """The round's result is in `payload` (its mean where it applied, this member's own values
         elsewhere): a repair adopts it as θ, a pseudo-gradient takes an outer step. Before that,
         how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|)."""
-        if repaired:
-            self.distance = float(torch.dist(torch.sub(self.theta, self.progress, out=self.scratch), self.payload))
+        if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
+            self.distance = float(self.progress.sub_(self.theta).add_(self.payload).norm())
             self.theta.copy_(self.payload)
         else:
             self.distance = float(torch.dist(self.progress, self.payload))
-            outer_step(self.theta, self.momentum, self.payload, self.settings.lr, self.settings.momentum, self.scratch)
+            # The payload is the outer step's temporary: the mean is not needed after it either.
+            outer_step(self.theta, self.momentum, self.payload, self.settings.lr, self.settings.momentum, self.payload)
 
     @torch.no_grad()
     def finish(self) -> Applied | None:
@@ -327,14 +344,15 @@ class OuterLoop:
     @contextlib.contextmanager
     def outer_params(self):
         """Within the block the model holds θ (evaluation), then its inner parameters again."""
+        saved = self.scratch if self.scratch is not None else torch.empty(self.n)
         with torch.no_grad():
-            to_flat(self.params, self.scratch)
+            to_flat(self.params, saved)
             from_flat(self.theta, self.params)
         try:
             yield
         finally:
             with torch.no_grad():
-                from_flat(self.scratch, self.params)
+                from_flat(saved, self.params)
 
     def close(self) -> None:
         """Wait for a round in flight (its bridge bounds it) and stop the round thread."""

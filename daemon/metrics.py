@@ -340,6 +340,12 @@ class DaemonMetrics:
         self.state_sync_bytes = Counter(
             "peerd_state_sync_bytes", "Bytes of run state downloaded from peers.", ["run"], registry=r
         )
+        self.state_sync_seconds = Counter(
+            "peerd_state_sync_seconds",
+            "Seconds spent downloading the run's state from peers (bytes over seconds: the download's rate).",
+            ["run"],
+            registry=r,
+        )
         self.group_size = Gauge(
             "peerd_group_size",
             "Members of the run's latest averaging group, this daemon included.",
@@ -410,6 +416,7 @@ class DaemonMetrics:
         """Record one state download (called from the trainer thread)."""
         self.state_syncs.labels(run_id, "ok" if result.ok else "failed").inc()
         self.state_sync_bytes.labels(run_id).inc(result.bytes)
+        self.state_sync_seconds.labels(run_id).inc(result.duration)
 
     def set_state(self, state: str) -> None:
         for name in self._states:

@@ -10,11 +10,17 @@ Protocol (protos/state.proto; one handler name per RPC serves every run, picked 
 * info: the id, step, numel, chunk size and chunk hashes of the newest snapshot the donor's trainer
   published (StateServer.serve's provider), or NO_SNAPSHOT. Hashed once per snapshot (in a thread
   when large). A donor holds the `keep` snapshots it advertised last (default 3: the newest and the
-  two before), so a download in progress survives the next rounds' publications.
+  two before), so a download in progress survives the next rounds' publications, and lets go of
+  one that no request touched for HOLD_IDLE s unless the trainer still publishes it: each is a copy
+  of the whole state (8 bytes a parameter for DiLoCo's [θ; m]) that only downloads need.
 * chunk (snapshot_id, index): that chunk's bytes while the donor holds the snapshot, else GONE.
+  Through p2pd, or over direct TCP where the donor listens (StateServer(tcp_host=...); its info
+  answer gives the address): the fast path, with the same checks (peers/state_tcp.py). A fetcher
+  whose connection to a donor fails or breaks asks that donor through p2pd from then on.
 * Secret runs: every request carries tag = HMAC-SHA256(state key; caller, donor, kind, snapshot_id,
-  index). The donor recomputes it with the caller's authenticated peer ID, so a peer without the
-  secret gets nothing and a captured request is worthless to any other peer. The state key derives
+  index). The donor recomputes it with the caller's peer ID (p2pd's authenticated one; over direct
+  TCP the one the request names), so a peer without the secret gets nothing and a captured request
+  is worthless to any other peer (over TCP, but for the chunk it names). The state key derives
   from the secret's seal_key, not key_id: key_id is public (it names the run's DHT keys).
 
 fetch_state, the downloader, returns a FetchResult (never raises for network trouble):
@@ -48,12 +54,13 @@ import hashlib
 import hmac
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from peerd.peers.events import PeerEvents
 from peerd.peers.node import P2PContext, PeerNode
 from peerd.peers.run_ids import RunSecret, run_dht_key
+from peerd.peers.state_tcp import TcpLink, parse_address, serve_connection
 from peerd.protos import state_pb2 as pb
 
 if TYPE_CHECKING:  # torch is imported where a tensor is touched: a daemon that trains nothing never loads it
@@ -76,8 +83,9 @@ CHUNK_HANDLER = "peerd.state.v1.chunk"
 DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 2 << 20  # p2pd refuses unary messages over 4 MiB
 MAX_CHUNKS = 1 << 16  # keeps an info answer near 1 MiB at most
-DIGEST_BYTES, TAG_BYTES, MAX_RUN_KEY_CHARS = 16, 32, 256
+DIGEST_BYTES, TAG_BYTES, MAX_RUN_KEY_CHARS, MAX_CALLER_CHARS = 16, 32, 256, 128
 HASH_IN_THREAD_BYTES = 4 << 20  # hashing more on the event loop would stall it for milliseconds
+HOLD_IDLE = 30.0  # seconds a held snapshot outlives its last request: 3 request timeouts of a fetcher
 
 
 def _digest(data) -> bytes:
@@ -179,22 +187,73 @@ class _Served:
     provider: Callable[[], Snapshot | None]
     held: deque[tuple[Snapshot, SnapshotInfo]]  # the snapshots advertised last, newest at the right
     lock: asyncio.Lock  # one hashing per new snapshot, however many info requests arrive at once
+    used: dict[bytes, float] = field(default_factory=dict)  # snapshot id -> time of its last request
 
 
 class StateServer:
     """Serves the snapshots of every run this daemon serves; start() registers the two handlers."""
 
     def __init__(
-        self, node: PeerNode, events: PeerEvents | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, keep: int = 3
+        self,
+        node: PeerNode,
+        events: PeerEvents | None = None,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        keep: int = 3,
+        tcp_host: str | None = None,
+        advertise_host: str | None = None,
     ):
+        """tcp_host: also serve chunks over direct TCP on that host (an OS-chosen port), advertised in
+        info answers as advertise_host (default tcp_host):port; None: through p2pd only."""
         if not (MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES and chunk_bytes % 4 == 0) or keep < 2:
             raise ValueError(f"need chunk_bytes a multiple of 4 in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], keep >= 2")
         self.node, self.events, self.chunk_bytes, self.keep = node, events or node.events, chunk_bytes, keep
+        self.tcp_host, self.advertise_host = tcp_host, advertise_host or tcp_host
+        self.tcp_address = ""  # "host:port" once start() listens on TCP
+        self._tcp: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+        self._releaser: asyncio.Task | None = None
         self._runs: dict[str, _Served] = {}  # by run_key
 
     async def start(self) -> None:
         await self.node.add_handler(INFO_HANDLER, self._on_info, pb.StateInfoRequest)
         await self.node.add_handler(CHUNK_HANDLER, self._on_chunk, pb.StateChunkRequest)
+        if self.tcp_host is not None:
+            self._tcp = await asyncio.start_server(self._on_tcp, self.tcp_host, 0)
+            port = self._tcp.sockets[0].getsockname()[1]
+            host = self.advertise_host
+            self.tcp_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._releaser = asyncio.create_task(self._release_idle_forever(), name="state-release")
+
+    async def _release_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HOLD_IDLE / 2)
+            self.release_idle(time.monotonic())
+
+    def release_idle(self, now: float) -> int:
+        """Let go of the held snapshots no request touched for HOLD_IDLE s by `now`, except each
+        run's current one (its trainer holds it anyway); returns how many were let go."""
+        released = 0
+        for served in self._runs.values():
+            current = served.provider()
+            keep = [(s, i) for s, i in served.held if s is current or now - served.used.get(i.id, now) < HOLD_IDLE]
+            released += len(served.held) - len(keep)
+            served.held = deque(keep, maxlen=self.keep)
+            served.used = {i.id: served.used[i.id] for _, i in keep if i.id in served.used}
+        return released
+
+    async def stop(self) -> None:
+        """Close the TCP listener and its connections (the p2pd handlers go with the node)."""
+        if self._releaser is not None:
+            self._releaser.cancel()
+            await asyncio.gather(self._releaser, return_exceptions=True)
+            self._releaser = None
+        if self._tcp is not None:
+            self._tcp.close()
+            for writer in self._connections:
+                writer.close()
+            await self._tcp.wait_closed()
+            self._tcp = None
 
     def serve(self, run_id: str, secret: RunSecret | None, provider: Callable[[], Snapshot | None]) -> None:
         """Answer for run_id from now on. provider() is called on every info request: it must return
@@ -220,21 +279,23 @@ class StateServer:
                 # The same bytes republished count once; the deque forgets the oldest beyond `keep`.
                 served.held = deque(((s, i) for s, i in served.held if i.id != info.id), maxlen=self.keep)
                 served.held.append((snapshot, info))
+            served.used[info.id] = time.monotonic()
             return info
 
-    def _admit(self, run_key: str, tag: bytes, context: P2PContext, kind: bytes, snapshot: bytes = b"", index: int = 0):
+    def _admit(self, run_key: str, tag: bytes, caller: str, kind: bytes, snapshot: bytes = b"", index: int = 0):
         """The served run a request is for, or None after counting why it is refused."""
         served = self._runs.get(run_key)
         if (
             len(run_key) > MAX_RUN_KEY_CHARS
             or len(tag) not in (0, TAG_BYTES)
             or len(snapshot) != (DIGEST_BYTES if kind == b"chunk" else 0)
+            or len(caller) > MAX_CALLER_CHARS
         ):
             reason = "state_malformed"
         elif served is None:
             reason = "state_unknown_run"
         elif served.secret is not None and not hmac.compare_digest(
-            tag, state_tag(served.secret, context.remote_id.to_base58(), self.node.peer_id, kind, snapshot, index)
+            tag, state_tag(served.secret, caller, self.node.peer_id, kind, snapshot, index)
         ):
             reason = "state_bad_tag"
         else:
@@ -243,7 +304,7 @@ class StateServer:
         return None
 
     async def _on_info(self, request: pb.StateInfoRequest, context: P2PContext) -> pb.StateInfoResponse:
-        served = self._admit(request.run_key, request.tag, context, b"info")
+        served = self._admit(request.run_key, request.tag, context.remote_id.to_base58(), b"info")
         if served is None:
             return pb.StateInfoResponse(status=pb.STATE_STATUS_REFUSED)
         info = await self._newest(served)
@@ -256,23 +317,37 @@ class StateServer:
             numel=info.numel,
             chunk_bytes=info.chunk_bytes,
             chunk_hashes=info.hashes,
+            tcp_address=self.tcp_address,
         )
 
-    async def _on_chunk(self, request: pb.StateChunkRequest, context: P2PContext) -> pb.StateChunkResponse:
+    def _answer(self, request: pb.StateChunkRequest, caller: str) -> tuple[int, memoryview | None]:
+        """A chunk request's status and, when OK, the chunk's bytes (a view of the snapshot)."""
         sid, index = request.snapshot_id, request.index
-        served = self._admit(request.run_key, request.tag, context, b"chunk", sid, index)
+        served = self._admit(request.run_key, request.tag, caller, b"chunk", sid, index)
         if served is None:
-            return pb.StateChunkResponse(status=pb.STATE_STATUS_REFUSED)
+            return pb.STATE_STATUS_REFUSED, None
         held = next(((s, i) for s, i in served.held if i.id == sid), None)
         if held is None:
             self.events.rejected("state_unknown_snapshot")
-            return pb.StateChunkResponse(status=pb.STATE_STATUS_GONE)
+            return pb.STATE_STATUS_GONE, None
         snapshot, info = held
+        served.used[sid] = time.monotonic()
         if index >= len(info.hashes):
             self.events.rejected("state_bad_index")
-            return pb.StateChunkResponse(status=pb.STATE_STATUS_REFUSED)
-        data = _bytes_of(snapshot.tensor)[info.span(index)].tobytes()
-        return pb.StateChunkResponse(status=pb.STATE_STATUS_OK, data=data)
+            return pb.STATE_STATUS_REFUSED, None
+        return pb.STATE_STATUS_OK, _bytes_of(snapshot.tensor)[info.span(index)]
+
+    async def _on_chunk(self, request: pb.StateChunkRequest, context: P2PContext) -> pb.StateChunkResponse:
+        status, data = self._answer(request, context.remote_id.to_base58())
+        return pb.StateChunkResponse(status=status, data=data.tobytes() if data is not None else b"")
+
+    async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Over TCP the caller names itself: the tag of a secret run binds that name (peers/state_tcp.py).
+        self._connections.add(writer)
+        try:
+            await serve_connection(reader, writer, lambda r: self._answer(r, r.caller), self.events.rejected)
+        finally:
+            self._connections.discard(writer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +368,7 @@ class FetchResult:
     tensor: torch.Tensor | None = None  # when ok: `out` if it fit, else resume's tensor if it fit, else a new one
     donors_used: tuple[str, ...] = ()  # donors that sent at least one verified chunk, most chunks first
     bytes: int = 0  # verified chunk bytes downloaded by this call (chunks kept from `resume` excluded)
+    direct_bytes: int = 0  # of `bytes`, those that came over direct TCP (the rest through p2pd)
     duration: float = 0.0  # seconds from the call to the return
     partial: Partial | None = None  # when not ok after a snapshot was chosen: the progress to resume from
 
@@ -308,7 +384,9 @@ class _Fetch:
         self.verified: set[int] = set()
         self.served: Counter[str] = Counter()  # verified chunks by donor
         self.dropped: dict[str, str] = {}  # donor -> why (its first failure)
-        self.bytes = 0
+        self.bytes = self.direct_bytes = 0
+        self.addresses: dict[str, tuple[str, int]] = {}  # donor -> its direct TCP listener, while it works
+        self.links: dict[str, list[TcpLink]] = {}  # donor -> idle connections to it
 
     async def _call(self, donor: str, handler: str, request, response_type, kind: bytes, index: int = 0):
         """One RPC to `donor`; its OK answer, or None with the donor's failure recorded."""
@@ -335,6 +413,9 @@ class _Fetch:
             self.events.rejected("state_bad_info")
             self.dropped[donor] = "info: inconsistent"
             return None
+        address = parse_address(r.tcp_address)
+        if address is not None:
+            self.addresses[donor] = address
         return info
 
     def prepare(self, info: SnapshotInfo, out: torch.Tensor | None, resume: Partial | None) -> None:
@@ -389,21 +470,76 @@ class _Fetch:
             raise crashes[0]
 
     async def _chunk(self, donor: str, index: int) -> bool:
-        """Fetch, check and write one chunk; False (the donor's failure recorded) if that failed."""
+        """Fetch, check and write one chunk; False (the donor's failure recorded) if that failed.
+        Over direct TCP where the donor offers it; through p2pd once that fails to connect or breaks."""
+        if donor in self.addresses:
+            direct = await self._chunk_tcp(donor, index)
+            if direct is not None:
+                return direct
+            self.addresses.pop(donor, None)
         request = pb.StateChunkRequest(run_key=self.run_key, snapshot_id=self.info.id, index=index)
         r = await self._call(donor, CHUNK_HANDLER, request, pb.StateChunkResponse, b"chunk", index)
         if r is None:
             return False
         span = self.info.span(index)
         if len(r.data) != span.stop - span.start or _digest(r.data) != self.info.hashes[index]:
-            self.events.rejected("state_bad_chunk")
-            self.dropped.setdefault(donor, f"chunk {index}: bad hash")
-            return False
+            return self._bad_chunk(donor, index)
         _bytes_of(self.buffer)[span] = r.data
+        return self._verified(donor, index, len(r.data))
+
+    async def _chunk_tcp(self, donor: str, index: int) -> bool | None:
+        """One chunk over a connection to the donor's listener, received straight into the buffer
+        (its span is not verified, so nothing verified is overwritten); None if the connection
+        failed (the caller falls back to p2pd)."""
+        request = pb.StateChunkRequest(
+            run_key=self.run_key, snapshot_id=self.info.id, index=index, caller=self.node.peer_id
+        )
+        if self.secret is not None:
+            request.tag = state_tag(self.secret, self.node.peer_id, donor, b"chunk", self.info.id, index)
+        into = _bytes_of(self.buffer)[self.info.span(index)]
+        idle, link = self.links.setdefault(donor, []), None
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                link = idle.pop() if idle else await TcpLink.open(*self.addresses[donor])
+                status, size = await link.ask(request.SerializeToString(), into)
+        except BaseException as e:  # failed or cancelled mid-answer: the stream's position is unknown
+            if link is not None:
+                link.close()
+            if isinstance(e, (OSError, EOFError, TimeoutError)):
+                return None
+            raise
+        if status != pb.STATE_STATUS_OK or size != len(into):
+            if size:  # bytes left unread on the stream
+                link.close()
+            else:
+                idle.append(link)
+            if status != pb.STATE_STATUS_OK:
+                self.dropped.setdefault(donor, f"chunk: {pb.StateStatus.Name(status)}")
+                return False
+            return self._bad_chunk(donor, index)
+        idle.append(link)
+        if _digest(into) != self.info.hashes[index]:
+            return self._bad_chunk(donor, index)
+        self.direct_bytes += size
+        return self._verified(donor, index, size)
+
+    def _bad_chunk(self, donor: str, index: int) -> bool:
+        self.events.rejected("state_bad_chunk")
+        self.dropped.setdefault(donor, f"chunk {index}: bad hash")
+        return False
+
+    def _verified(self, donor: str, index: int, size: int) -> bool:
         self.verified.add(index)
         self.served[donor] += 1
-        self.bytes += len(r.data)
+        self.bytes += size
         return True
+
+    def close(self) -> None:
+        """Close every connection to a donor's listener."""
+        for links in self.links.values():
+            for link in links:
+                link.close()
+        self.links.clear()
 
     def result(self, ok: bool, reason: str, started: float) -> FetchResult:
         info = self.info
@@ -417,6 +553,7 @@ class _Fetch:
             tensor=self.buffer if ok else None,
             donors_used=tuple(d for d, _ in self.served.most_common()),
             bytes=self.bytes,
+            direct_bytes=self.direct_bytes,
             duration=time.monotonic() - started,
             partial=Partial(info, self.buffer, frozenset(self.verified)) if info and not ok else None,
         )
@@ -454,7 +591,12 @@ async def fetch_state(
     except TimeoutError:
         done = f"{len(fetch.verified)}/{len(fetch.info.hashes)} chunks" if fetch.info else "no snapshot chosen"
         return fetch.result(False, f"timed out after {timeout} s with {done}", started)
+    finally:
+        fetch.close()
     n, got = len(info.hashes), len(fetch.verified)
     if got < n:
         return fetch.result(False, f"{why}; every holder dropped with {got}/{n} chunks verified", started)
-    return fetch.result(True, f"{why}; {n} chunks, {kept} kept from resume, from {len(fetch.served)} donor(s)", started)
+    direct = f"{fetch.direct_bytes >> 20} of {fetch.bytes >> 20} MiB over direct TCP"
+    return fetch.result(
+        True, f"{why}; {n} chunks, {kept} kept from resume, from {len(fetch.served)} donor(s), {direct}", started
+    )

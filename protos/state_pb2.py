@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18peerd/protos/state.proto\x12\x0epeerd.state.v1\"0\n\x10StateInfoRequest\x12\x0f\n\x07run_key\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\x0c\"\x9d\x01\n\x11StateInfoResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.peerd.state.v1.StateStatus\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x0c\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x06 \x03(\x0c\"U\n\x11StateChunkRequest\x12\x0f\n\x07run_key\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x0c\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0b\n\x03tag\x18\x04 \x01(\x0c\"O\n\x12StateChunkResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.peerd.state.v1.StateStatus\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x8f\x01\n\x0bStateStatus\x12\x1c\n\x18STATE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATE_STATUS_OK\x10\x01\x12\x1c\n\x18STATE_STATUS_NO_SNAPSHOT\x10\x02\x12\x15\n\x11STATE_STATUS_GONE\x10\x03\x12\x18\n\x14STATE_STATUS_REFUSED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18peerd/protos/state.proto\x12\x0epeerd.state.v1\"0\n\x10StateInfoRequest\x12\x0f\n\x07run_key\x18\x01 \x01(\t\x12\x0b\n\x03tag\x18\x02 \x01(\x0c\"\xb2\x01\n\x11StateInfoResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.peerd.state.v1.StateStatus\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x0c\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x06 \x03(\x0c\x12\x13\n\x0btcp_address\x18\x07 \x01(\t\"e\n\x11StateChunkRequest\x12\x0f\n\x07run_key\x18\x01 \x01(\t\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x0c\x12\r\n\x05index\x18\x03 \x01(\r\x12\x0b\n\x03tag\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63\x61ller\x18\x05 \x01(\t\"O\n\x12StateChunkResponse\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.peerd.state.v1.StateStatus\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x8f\x01\n\x0bStateStatus\x12\x1c\n\x18STATE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTATE_STATUS_OK\x10\x01\x12\x1c\n\x18STATE_STATUS_NO_SNAPSHOT\x10\x02\x12\x15\n\x11STATE_STATUS_GONE\x10\x03\x12\x18\n\x14STATE_STATUS_REFUSED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'peerd.protos.state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STATESTATUS']._serialized_start=423
-  _globals['_STATESTATUS']._serialized_end=566
+  _globals['_STATESTATUS']._serialized_start=460
+  _globals['_STATESTATUS']._serialized_end=603
   _globals['_STATEINFOREQUEST']._serialized_start=44
   _globals['_STATEINFOREQUEST']._serialized_end=92
   _globals['_STATEINFORESPONSE']._serialized_start=95
-  _globals['_STATEINFORESPONSE']._serialized_end=252
-  _globals['_STATECHUNKREQUEST']._serialized_start=254
-  _globals['_STATECHUNKREQUEST']._serialized_end=339
-  _globals['_STATECHUNKRESPONSE']._serialized_start=341
-  _globals['_STATECHUNKRESPONSE']._serialized_end=420
+  _globals['_STATEINFORESPONSE']._serialized_end=273
+  _globals['_STATECHUNKREQUEST']._serialized_start=275
+  _globals['_STATECHUNKREQUEST']._serialized_end=376
+  _globals['_STATECHUNKRESPONSE']._serialized_start=378
+  _globals['_STATECHUNKRESPONSE']._serialized_end=457
 # @@protoc_insertion_point(module_scope)

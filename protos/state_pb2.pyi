@@ -29,32 +29,36 @@ class StateInfoRequest(_message.Message):
     def __init__(self, run_key: _Optional[str] = ..., tag: _Optional[bytes] = ...) -> None: ...
 
 class StateInfoResponse(_message.Message):
-    __slots__ = ("status", "snapshot_id", "step", "numel", "chunk_bytes", "chunk_hashes")
+    __slots__ = ("status", "snapshot_id", "step", "numel", "chunk_bytes", "chunk_hashes", "tcp_address")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     status: StateStatus
     snapshot_id: bytes
     step: int
     numel: int
     chunk_bytes: int
     chunk_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, status: _Optional[_Union[StateStatus, str]] = ..., snapshot_id: _Optional[bytes] = ..., step: _Optional[int] = ..., numel: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    tcp_address: str
+    def __init__(self, status: _Optional[_Union[StateStatus, str]] = ..., snapshot_id: _Optional[bytes] = ..., step: _Optional[int] = ..., numel: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., chunk_hashes: _Optional[_Iterable[bytes]] = ..., tcp_address: _Optional[str] = ...) -> None: ...
 
 class StateChunkRequest(_message.Message):
-    __slots__ = ("run_key", "snapshot_id", "index", "tag")
+    __slots__ = ("run_key", "snapshot_id", "index", "tag", "caller")
     RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    CALLER_FIELD_NUMBER: _ClassVar[int]
     run_key: str
     snapshot_id: bytes
     index: int
     tag: bytes
-    def __init__(self, run_key: _Optional[str] = ..., snapshot_id: _Optional[bytes] = ..., index: _Optional[int] = ..., tag: _Optional[bytes] = ...) -> None: ...
+    caller: str
+    def __init__(self, run_key: _Optional[str] = ..., snapshot_id: _Optional[bytes] = ..., index: _Optional[int] = ..., tag: _Optional[bytes] = ..., caller: _Optional[str] = ...) -> None: ...
 
 class StateChunkResponse(_message.Message):
     __slots__ = ("status", "data")

@@ -276,8 +276,9 @@ def test_a_round_that_met_no_mate_is_owed_to_the_next_and_its_samples_go_with_it
     first = loop.end_phase(1, 10.0)
     assert first.deferred and not first.moved and first.weight == 10.0
     assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 0.75
-    assert loop.residual.item() == 0.25 and loop.deferred_weight == 10.0
-    p[0] -= 0.5  # phase 2: P = 0.5, counted from where phase 1 ended
+    # Without overlap the next phase's P counts from θ again, which holds this one's: nothing kept aside.
+    assert loop.residual.item() == 0.0 and loop.deferred_weight == 10.0
+    p[0] -= 0.5  # phase 2: 0.5 more, from where phase 1 ended
     second = loop.end_phase(2, 30.0)
     (_, sent, weight) = script.seen[-1]
     assert sent.item() == 0.75 and weight == 40.0  # both phases' progress and samples
@@ -336,17 +337,22 @@ def test_with_overlap_an_owed_round_moves_nothing_in_the_process_and_goes_out_wi
 
 
 def test_an_owed_int8_round_keeps_every_value_it_did_not_send():
-    """codec.with_feedback left payload + residual = P + the old residual: deferred, all of it is
-    owed, nothing is lost to the quantization."""
-    script = Script({1: missed(1)})
-    torch.manual_seed(0)
-    p = [torch.zeros(256)]
-    loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="int8"), script, "q")
-    loop.residual.copy_(torch.randn(256) * 1e-3)  # a previous round's quantization error
-    before = loop.residual.clone()
-    step = torch.randn(256)
-    p[0] -= step
-    assert loop.end_phase(1, 1.0).deferred
-    assert torch.allclose(loop.residual, step + before, atol=1e-6)
-    assert torch.equal(p[0], -step) and loop.theta.abs().sum().item() == 0.0
-    loop.close()
+    """codec.with_feedback left payload + residual = P + the old residual. Owed, with or without
+    overlap, the next round's payload and residual again add up to everything: both phases' P and
+    the old residual; nothing is lost to the quantization or counted twice."""
+    for overlap in (False, True):
+        script = Script({1: missed(1), 2: [RoundResult(2, 1, None, "alone in the run")]})
+        torch.manual_seed(0)
+        p = [torch.zeros(256)]
+        loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="int8", overlap=overlap), script, "q")
+        loop.residual.copy_(torch.randn(256) * 1e-3)  # a previous round's quantization error
+        before = loop.residual.clone()
+        first, second = torch.randn(256), torch.randn(256)
+        p[0] -= first
+        loop.end_phase(1, 1.0)
+        p[0] -= second
+        loop.end_phase(2, 1.0)
+        loop.land(wait=True)
+        (t, sent, _) = script.seen[-1]
+        assert t == 2 and torch.allclose(sent + loop.residual, first + second + before, atol=1e-5), overlap
+        loop.close()

@@ -7,6 +7,7 @@ chunk handler (flip bytes, kill the node after N chunks, hold answers back).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -14,8 +15,10 @@ import torch
 
 from peerd.peers.events import PeerEvents
 from peerd.peers.run_ids import RunSecret, run_dht_key
+from peerd.peers.state_tcp import TcpLink, parse_address
 from peerd.peers.statesync import (
     CHUNK_HANDLER,
+    HOLD_IDLE,
     INFO_HANDLER,
     Snapshot,
     StateServer,
@@ -74,9 +77,10 @@ class HandlerSeam:
         await self._node.add_handler(name, handler, request_type)
 
 
-async def serve(node, provider, rejected: list[str], *, secret=None, wrap=None, keep=3) -> StateServer:
+async def serve(node, provider, rejected: list[str], *, secret=None, wrap=None, keep=3, tcp=False) -> StateServer:
     events = PeerEvents(rejected=rejected.append)
-    server = StateServer(HandlerSeam(node, wrap) if wrap else node, events, chunk_bytes=CHUNK, keep=keep)
+    node = HandlerSeam(node, wrap) if wrap else node
+    server = StateServer(node, events, chunk_bytes=CHUNK, keep=keep, tcp_host="127.0.0.1" if tcp else None)
     await server.start()
     server.serve(RUN, secret, provider)
     return server
@@ -300,5 +304,102 @@ def test_bad_requests_are_refused_and_counted(tmp_path):
             "state_unknown_run",
             "state_malformed",
         ]
+
+    asyncio.run(scenario())
+
+
+def test_chunks_come_over_direct_tcp_where_donors_listen_and_a_corrupted_donor_is_dropped(tmp_path):
+    async def scenario():
+        rejected: list[str] = []
+        async with started(4, tmp_path) as (*donors, me):
+            snapshot = Snapshot(3, vector(10))
+            copies = [Snapshot(3, snapshot.tensor.clone()) for _ in donors]
+            servers = [await serve(d, fixed(c), rejected, tcp=True) for d, c in zip(donors, copies)]
+            ask = pb.StateInfoRequest(run_key=run_dht_key(RUN, None))
+            described = await me.call(donors[0].peer_id, INFO_HANDLER, ask, pb.StateInfoResponse, 5)
+            assert described.tcp_address == servers[0].tcp_address and parse_address(described.tcp_address)
+            copies[0].tensor[1::1000] += 1.0  # after it was described: its chunks no longer match their hashes
+            out = torch.empty(NUMEL)
+            events = PeerEvents(rejected=rejected.append)
+            r = await fetch_state(me, RUN, None, ids(donors), out=out, parallel=6, timeout=30, events=events)
+            assert r.ok and torch.equal(out, snapshot.tensor), r.reason
+            assert r.direct_bytes == r.bytes == NUMEL * 4 and "over direct TCP" in r.reason
+            assert donors[0].peer_id not in r.donors_used and "bad hash" in r.reason
+            for server in servers:
+                await server.stop()
+        assert set(rejected) == {"state_bad_chunk"}
+
+    asyncio.run(scenario())
+
+
+def test_a_donor_whose_listener_is_gone_serves_through_p2pd(tmp_path):
+    async def scenario():
+        async with started(2, tmp_path) as (donor, me):
+            snapshot = Snapshot(4, vector(11))
+            server = await serve(donor, fixed(snapshot), [], tcp=True)
+            await server.stop()  # still advertised: the fetcher's connect is refused
+            r = await fetch_state(me, RUN, None, ids([donor]), parallel=4, timeout=30)
+            assert r.ok and torch.equal(r.tensor, snapshot.tensor), r.reason
+            assert r.direct_bytes == 0 and r.bytes == NUMEL * 4
+
+    asyncio.run(scenario())
+
+
+def test_direct_tcp_requests_are_checked_as_through_p2pd(tmp_path):
+    async def scenario():
+        rejected: list[str] = []
+        secret = RunSecret.from_bytes(b"k" * 32, RUN)
+        async with started(2, tmp_path) as (donor, me):
+            snapshot = Snapshot(6, vector(12, 100_000))
+            server = await serve(donor, fixed(snapshot), rejected, secret=secret, tcp=True)
+            r = await fetch_state(me, RUN, secret, ids([donor]), timeout=10)
+            assert r.ok and r.direct_bytes == r.bytes == 100_000 * 4, r.reason
+            sid, key = r.snapshot_id, run_dht_key(RUN, secret)
+            link = await TcpLink.open(*parse_address(server.tcp_address))
+            into = memoryview(bytearray(CHUNK))
+
+            async def ask(caller: str, tag_for: str, index: int = 0) -> int:
+                tag = state_tag(secret, tag_for, donor.peer_id, b"chunk", sid, index)
+                request = pb.StateChunkRequest(run_key=key, snapshot_id=sid, index=index, tag=tag, caller=caller)
+                status, size = await link.ask(request.SerializeToString(), into)
+                assert size == (CHUNK if status == pb.STATE_STATUS_OK else 0)
+                return status
+
+            assert await ask(me.peer_id, me.peer_id) == pb.STATE_STATUS_OK
+            assert bytes(into) == bytes(memoryview(snapshot.tensor.numpy()).cast("B")[:CHUNK])
+            # A request captured from `me`, sent in another peer's name, and one for a chunk past the end.
+            assert await ask("QmMallory", me.peer_id) == pb.STATE_STATUS_REFUSED
+            assert await ask(me.peer_id, me.peer_id, index=2) == pb.STATE_STATUS_REFUSED
+            link.close()
+            # A frame longer than any request ends the connection.
+            reader, writer = await asyncio.open_connection(*parse_address(server.tcp_address))
+            writer.write((1 << 20).to_bytes(4, "little"))
+            assert await reader.read() == b""
+            writer.close()
+            await server.stop()
+        assert rejected == ["state_bad_tag", "state_bad_index", "state_malformed"]
+
+    asyncio.run(scenario())
+
+
+def test_a_held_snapshot_no_request_touched_for_a_while_is_let_go_but_the_current_one_stays(tmp_path):
+    async def scenario():
+        rejected: list[str] = []
+        async with started(2, tmp_path) as (donor, me):
+            current = {"snapshot": Snapshot(1, vector(13, 10_000))}
+            server = await serve(donor, lambda: current["snapshot"], rejected)
+            key = run_dht_key(RUN, None)
+            ask = pb.StateInfoRequest(run_key=key)
+            old = (await me.call(donor.peer_id, INFO_HANDLER, ask, pb.StateInfoResponse, 5)).snapshot_id
+            current["snapshot"] = Snapshot(2, vector(14, 10_000))  # the next round's
+            new = (await me.call(donor.peer_id, INFO_HANDLER, ask, pb.StateInfoResponse, 5)).snapshot_id
+            assert server.release_idle(time.monotonic() + HOLD_IDLE / 2) == 0  # a download may still want it
+            assert server.release_idle(time.monotonic() + HOLD_IDLE + 1) == 1
+            for sid, status in ((old, pb.STATE_STATUS_GONE), (new, pb.STATE_STATUS_OK)):
+                request = pb.StateChunkRequest(run_key=key, snapshot_id=sid, index=0)
+                answer = await me.call(donor.peer_id, CHUNK_HANDLER, request, pb.StateChunkResponse, 5)
+                assert answer.status == status
+            await server.stop()
+        assert rejected == ["state_unknown_snapshot"]
 
     asyncio.run(scenario())
