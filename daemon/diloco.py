@@ -25,9 +25,9 @@ calls `land_into` as soon as the round ends, which takes the outer step and hand
 move θ − s to add to its parameters between two of its steps (`on_round_done` says when).
 
 A round that met no mate although the grid planned some, or whose group aborted (no lane applied
-a result), is *deferred*: θ and m stay, the inner parameters keep their progress, and what the
-round would have averaged goes into the residual (its samples into the next round's weight), so
-that the next round sends it: the phase is, for this member, one round longer, and a mate's
+a result), is *deferred*: θ and m stay, the inner parameters keep their progress (with overlap
+what the round would have averaged goes into the residual; without, the next P, counted from θ,
+holds it) and its samples go into the next round's weight, so that the next round sends it: the phase is, for this member, one round longer, and a mate's
 crash costs it no samples and no step of its own apart from the run's θ. At most MAX_OWED rounds in
 a row: the next such round takes the outer step on its own P, so that a member out of step with
 the run still trains. A member alone in the run (no mate planned) takes that step every round:
