@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         for system in systems:
             out = scratch / system
             out.mkdir()
-            run, failure = SystemRun(system, args, out), None
+            run, failure, load = SystemRun(system, args, out), None, os.getloadavg()[0]
             if system == "torchft" and importlib.util.find_spec("torchft") is None:
                 failure = "torchft is not installed (pip install '.[bench]')"
             else:
@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                     failure = f"{type(e).__name__}: {e}"
                     progress(f"{system} FAILED: {failure}")
             lines[system] = {**collect(run, evaluate, failure), "link": link, **settings}
+            # The machine's 1-minute load average before and after: other jobs share its cores.
+            lines[system]["load"] = [round(load, 2), round(os.getloadavg()[0], 2)]
             progress(
                 f"{system}: {lines[system]['steps']} steps per host, eval {lines[system]['eval']}, "
                 f"{lines[system]['mb_per_host_per_1000_samples']} MB per host per 1,000 samples"
