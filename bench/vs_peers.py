@@ -131,6 +131,7 @@ class SystemRun:
             self._train_until(start, deadline)
             after = {h.host.name: self.net.link_stats(h.host.name)["tx_bytes"] for h in self.hosts}
             self.bytes = {name: after[name] - before[name] for name in before}
+            self._let_exit()
         finally:
             for h in self.hosts:
                 h.kill()
@@ -239,6 +240,9 @@ class SystemRun:
             time.sleep(POLL)
         if late := [h.host.name for h in self.hosts if not self._done(h)]:
             raise SystemFailed(f"{', '.join(late)} still training {GRACE:.0f} s after the deadline (hung)")
+
+    def _let_exit(self) -> None:
+        """The loops' own exit (they close their system), for EXIT_GRACE; what is left is killed after."""
         end = time.monotonic() + EXIT_GRACE
         for p in [h.procs[-1] for h in self.hosts if h.procs]:  # the loops; peerd's daemons are killed
             try:
