@@ -52,7 +52,7 @@ from pathlib import Path
 from bench.common import emit, interrupt_on_signals, progress as _progress, result
 from peerd.daemon import SOURCE_ROOT
 from peerd.daemon.lab.netns import Host, LinkShape, Network, environment_problem
-from peerd.daemon.lab.runner import DAEMON_DEFAULTS, spawn_in
+from peerd.daemon.lab.runner import spawn_in
 
 BENCH = "vs_peers"
 SYSTEMS = ("peerd", "hivemind", "torchft", "alone")
@@ -167,7 +167,9 @@ class SystemRun:
             self._wait(lambda: self._ready(h), deadline, f"{h.host.name} to be ready", h.procs)
 
     def _start_daemon(self, h: HostRun) -> None:
-        args = [*DAEMON_DEFAULTS, "--run", "vs-peers"]
+        # The daemon's own defaults (not the lab's faster discovery, DAEMON_DEFAULTS, which costs CPU
+        # the hosts share here), but one torch thread, as every loop has.
+        args = ["--torch-threads", "1", "--run", "vs-peers"]
         if h.host.index:
             args += ["--initial-peers", *self.hosts[0].daemon.maddrs]
         data_dir = self.net.dir / "hosts" / h.host.name
