@@ -417,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for line in lines.values():
         line["time_to_target_s"] = time_to(line["curve"], target) if target is not None else None
+        if line["system"] != "peerd" and line["eval"] is not None and "peerd" in lines:
+            # Against each competitor, not only the best: peerd's time to its final eval.
+            line["peerd_time_to_this_eval_s"] = time_to(lines["peerd"]["curve"], line["eval"])
         line["untrained_eval"] = round(evaluate.untrained, 4)
         records.append(line)
         print(json.dumps(line), flush=True)
