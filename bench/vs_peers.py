@@ -218,7 +218,13 @@ class SystemRun:
             text = (self.out / f"{h.host.name}.jsonl").read_text()
         except OSError:
             return []
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:  # a line being written as this reads: the next look has it
+                pass
+        return out
 
     def _ready(self, h: HostRun) -> bool:
         return any(e["event"] == "ready" and e["incarnation"] == h.incarnation for e in self.events(h))
