@@ -79,7 +79,7 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in LAB_FILES or "round_cost" in item.name:
+        if item.path.name in LAB_FILES or "round_cost" in item.name or "vs_peers" in item.name:
             item.add_marker(pytest.mark.xdist_group("lab"))
         if item.path.name in PROCESS_FILES:
             item.add_marker(pytest.mark.flaky(reruns=1))

@@ -1,7 +1,7 @@
 """Smoke tests of benchmarks (bench.attach_handoff, bench.daemon_costs, bench.dear, bench.diloco_sim,
-bench.engine_allreduce, bench.engine_costs, bench.round_cost): each runs to the end and prints the
-promised JSON lines, the last one its headline. bench.round_cost needs the network lab (root,
-namespaces) and skips without.
+bench.engine_allreduce, bench.engine_costs, bench.round_cost, bench.vs_peers): each runs to the end
+and prints the promised JSON lines, the last one its headline. bench.round_cost and bench.vs_peers
+need the network lab (root, namespaces) and skip without.
 
 No figure is asserted: timings on a shared CI machine say nothing, and docs/benchmarks.md holds the
 measured ones.
@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 240.0  # seconds for the --quick run (about 50 s): 7 daemon starts, 10 s idling, one peer TTL
 REQUIRED = {"bench", "metric", "ours", "baseline", "ratio", "unit"}
+VS_PEERS_TIMEOUT = 420.0  # seconds for bench.vs_peers --quick (2-3 minutes): four labs, set-ups and evaluations
 
 
 @pytest.mark.heavy
@@ -157,6 +158,48 @@ def test_round_cost_quick_prints_a_line_per_rtt_and_the_headline_last():
     assert [r["added_rtt_ms"] for r in records] == [0, 50, 50]
     assert records[-1]["bench"] == "round_cost" and records[-1]["metric"] == "round fixed cost at 50 ms RTT"
     assert records[-1]["ours_rtts"] is not None and records[-1]["gloo_rtts"] is not None
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(VS_PEERS_TIMEOUT + 90)
+def test_vs_peers_quick_prints_a_line_per_system_and_the_headline_last():
+    """bench.vs_peers --quick: two lab hosts, 8 s of training for each of peerd, hivemind, torchft and
+    the hosts alone (2 minutes on a quiet machine, 3 on a busy one: four labs, four set-ups); peerd and alone train (their hosts end better than the untrained
+    model), every other system trains or says why not, and nothing is appended to bench/results."""
+    from peerd.daemon.lab.netns import environment_problem
+
+    problem = environment_problem() if sys.platform == "linux" else "not Linux"
+    if problem:
+        pytest.skip(f"network lab unavailable: {problem}")
+    results = ROOT / "bench" / "results" / "vs_peers.jsonl"
+    size = results.stat().st_size if results.exists() else None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.vs_peers", "--quick"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=VS_PEERS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the benchmark then removes its lab, killing what it started
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"bench.vs_peers --quick took over {VS_PEERS_TIMEOUT:.0f} s; stderr:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode}; stderr:\n{err[-3000:]}"
+    records = [json.loads(line) for line in out.splitlines()]
+    systems = {r["system"]: r for r in records[:-1]}
+    assert list(systems) == ["peerd", "hivemind", "torchft", "alone"], records
+    for name, r in systems.items():
+        assert r["bench"] == "vs_peers" and (r["failed"] is None or isinstance(r["failed"], str)), r
+        if r["failed"] is None:
+            assert set(r["hosts"]) == {"h0", "h1"} and r["eval"] < r["untrained_eval"], r
+            assert all(h["steps"] > 0 and h["mb_per_1000_samples"] is not None for h in r["hosts"].values()), r
+            assert r["curve"] and r["curve"][-1][0] == r["seconds"], r
+    assert systems["peerd"]["failed"] is None and systems["alone"]["failed"] is None, records
+    assert REQUIRED <= records[-1].keys() and records[-1]["bench"] == "vs_peers", records[-1]
+    assert records[-1]["metric"] == "time to the best competitor's final eval, peerd vs that competitor"
+    assert (results.stat().st_size if results.exists() else None) == size
 
 
 def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
