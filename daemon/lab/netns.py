@@ -25,6 +25,7 @@ so the per-namespace kill of `destroy()` removes it, and the TUN device, routes 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -174,7 +175,10 @@ class Network:
 
     def create(self) -> "Network":
         """The bridge first: its alias names the lab's owner and work dir (`peerd lab clean` reads it)."""
-        with _SUBNETS:  # two labs of one process (bench.churn) never pick the same free subnet
+        # Two labs never pick the same free subnet: of one process (bench.churn's), or of two (a
+        # benchmark beside the tests).
+        with _SUBNETS, open(Path(tempfile.gettempdir()) / "peerd-lab-subnets.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
             self.subnet_k = _free_subnet()
             sh("ip", "link", "add", self.name, "type", "bridge")
             sh("ip", "link", "set", self.name, "alias", f"{OWNER_TAG} {_owner(os.getpid())} {self.dir}")
@@ -478,7 +482,7 @@ def _wait_for_file(path: Path, ok, timeout: float, what: str, proc: subprocess.P
         time.sleep(0.01)
 
 
-_SUBNETS = threading.Lock()  # held from choosing a free subnet until the bridge holds its address
+_SUBNETS = threading.Lock()  # with the file lock, held from choosing a free subnet until the bridge holds it
 
 
 def _free_subnet() -> int:
