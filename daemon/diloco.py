@@ -27,13 +27,13 @@ move θ − s to add to its parameters between two of its steps (`on_round_done`
 A round that met no mate although the grid planned some, or whose group aborted (no lane applied
 a result), is *deferred*: θ and m stay, the inner parameters keep their progress (with overlap
 what the round would have averaged goes into the residual; without, the next P, counted from θ,
-holds it) and its samples go into the next round's weight, so that the next round sends it: the phase is, for this member, one round longer, and a mate's
-crash costs it no samples and no step of its own apart from the run's θ. At most MAX_OWED rounds in
-a row: the next such round takes the outer step on its own P, so that a member out of step with
-the run still trains. A member alone in the run (no mate planned) takes that step every round:
-DiLoCo with one worker. A lane that
-formed no group while others of the round applied leaves this member's own P there (the engine
-restores it). A round the run's stop cancelled (a result
+holds it) and its samples go into the next round's weight, so that the next round sends it. For
+this member the phase is one round longer, and a mate's crash costs it no samples and no step of
+its own apart from the run's θ. At most MAX_OWED rounds in a row: the next such round takes the
+outer step on its own P, so that a member out of step with the run still trains. A member alone in
+the run (no mate planned) takes that step every round: DiLoCo with one worker. A lane that formed
+no group while others of the round applied leaves this member's own P there (the engine restores
+it). A round the run's stop cancelled (a result
 with `cancelled`, daemon/joining.round_bridge) is not applied: θ and m stay the last shared outer
 state. Applied, a member's own P made the final charlm model 0.4-0.6 bits/char worse, and
 different on every host (docs/benchmarks.md, "Training over a WAN"). A PARTIAL round (UDP engine)

@@ -601,7 +601,7 @@ class Trainer:
         round_t, weight = self.phases.round_of(self.global_step), float(self._samples_since_round)
         repair = bool(self.repair_every and round_t % self.repair_every == 0)
         applied = outer.end_phase(round_t, weight, repair)
-        self._samples_since_round = 0  # counted in this round, or (no group) in this member's own step
+        self._samples_since_round = 0  # counted in this round (owed: in the next), or alone in this member's own step
         # After the phase's end: θ is then the same round's on every peer at this step (with overlap
         # the previous round may have landed at any step of the phase, but by now it has).
         sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
