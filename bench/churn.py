@@ -34,7 +34,7 @@ every host is there from the start). Per run, over the schedule:
 Targets (issue 28): goodput ratio at least 0.9; longest stall at most detection + 5 s; no step
 regression, no torn checkpoint, no silent divergence. JSON lines, the last the headline; every
 line also goes to bench/results/churn.jsonl. Needs root (network namespaces). --quick: 4 hosts,
-90 s, the smoke scenario tests/test_lab.py runs.
+90 s, the smoke scenario tests/test_churn.py runs.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of packets delivered to a host that are dropped")
     p.add_argument("--rtt-ms", type=float, default=0.0)
     p.add_argument("--steps-per-second", type=float, default=20.0, help="the paced task's pace per host")
-    p.add_argument("--quick", action="store_true", help="4 hosts, 90 s: the smoke scenario tests/test_lab.py runs")
+    p.add_argument("--quick", action="store_true", help="4 hosts, 90 s: the smoke scenario tests/test_churn.py runs")
     p.add_argument("--logs", type=Path, default=None, help="keep each lab's daemon logs under this directory")
     p.add_argument("--no-results", action="store_true", help=f"do not append the lines to {RESULTS.name}")
     args = p.parse_args(argv)
