@@ -12,20 +12,18 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
 
   (a) diloco    the default algorithm: H = --every inner steps, int8 pseudo-gradients, overlapped rounds
   (b) state     today's averaging of the whole state (parameters and Adam moments) every 10 steps
-  (c) alone     the same hosts, the same run, no rounds (average_every = 100000, first_phase = 0): the compute ceiling
-                under the same CPU sharing, since all hosts share this machine's cores. It trains
-                in each daemon's thread (--no-train-process), whose checkpoint at the stop holds the
-                model as trained: an attached child's phase never ends there, and its daemon's
-                checkpoint would hold the initial parameters
+  (c) alone     the same hosts, each its own run (the lab's `isolated`: no peers): the compute ceiling
+                under the same CPU sharing, since all hosts share this machine's cores. A state run
+                (its lone rounds change nothing) whose child hands its state over every ALONE_EVERY
+                steps: the daemon's checkpoint at the stop holds the state of the last hand-over,
+                at most ALONE_EVERY steps behind (a DiLoCo run's would hold θ, which alone an outer
+                step moves)
   extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
                 h_from_start: (a) without the short first phases (averaging.first_phase=0);
                 local_groups: (a) on half the hosts, each training in two processes (--train-processes 2:
                 a local group, one WAN peer; docs/your-loop.md): the same processes as (a), half the peers;
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
-                the others' speed (the straggler budget; needs cgroup v1's cpu controller);
-                thread: (a) with each daemon training in a thread of its own (--no-train-process;
-                the default is a child process, as (a) runs; docs/your-loop.md); state_thread: (b)
-                in the daemons' threads ((b) and (c) train in children, as (a), since 2026-11-28)
+                the others' speed (the straggler budget; needs cgroup v1's cpu controller)
 
 Per host: global and local steps, compute fraction (peerd_train_compute_fraction), MB the engine
 sent per 1,000 samples, and the eval loss of the host's final checkpoint (written when the lab
@@ -56,6 +54,7 @@ from peerd.daemon.lab.runner import Lab
 from peerd.daemon.lab.scenario import parse
 
 BENCH = "wan_training"
+ALONE_EVERY = 10  # (c)'s steps between two hand-overs of its state: what its final checkpoint may lag
 
 
 def progress(message: str) -> None:
@@ -134,10 +133,17 @@ class TrainingLab(Lab):
 
 
 def scenario(
-    name: str, args, settings: dict, *, loss: float | None = None, daemon_args: tuple = (), hosts: int = 0
+    name: str,
+    args,
+    settings: dict,
+    *,
+    loss: float | None = None,
+    daemon_args: tuple = (),
+    hosts: int = 0,
+    isolated: bool = False,
 ) -> dict:
     """A lab scenario of `hosts` hosts (`args.hosts` unless given); with --curve every phase's end
-    checkpoints (what the curve evaluates), else only the stop."""
+    checkpoints (what the curve evaluates), else only the stop. `isolated`: each host trains alone."""
     hosts = [{"name": f"h{i}"} for i in range(hosts or args.hosts)]
     data = {
         "name": name,
@@ -149,6 +155,7 @@ def scenario(
             "settings": {k: str(v) for k, v in settings.items()},
             "checkpoint_every": args.every if args.curve else 100_000,
             "args": ["--eval-every", "100000", "--progress-interval", "0", *daemon_args],
+            "isolated": isolated,
         },
         "link": {"rate_mbit": args.rate, "loss_pct": args.loss if loss is None else loss, "rtt_ms": args.rtt_ms},
         "host": hosts,
@@ -339,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--extra",
         default="",
-        help="comma-separated: udp10, sync, h_from_start, local_groups, throttled, thread, state_thread",
+        help="comma-separated: udp10, sync, h_from_start, local_groups, throttled",
     )
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
@@ -365,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             scenario(
                 "c_alone",
                 args,
-                {"averaging.algorithm": "state", "averaging.average_every": 100_000, "averaging.first_phase": 0},
-                daemon_args=("--no-train-process",),
+                {"averaging.algorithm": "state", "averaging.average_every": ALONE_EVERY, "averaging.first_phase": 0},
+                isolated=True,
             ),
         ),
     ]
@@ -401,22 +408,6 @@ def main(argv: list[str] | None = None) -> int:
             setups.append(("a_diloco_local_groups", groups))
         elif e == "sync":
             setups.append(("a_diloco_sync", scenario("a_diloco_sync", args, {**diloco, "averaging.overlap": "false"})))
-        elif e == "thread":
-            setups.append(
-                ("a_diloco_thread", scenario("a_diloco_thread", args, diloco, daemon_args=("--no-train-process",)))
-            )
-        elif e == "state_thread":
-            setups.append(
-                (
-                    "b_state_thread",
-                    scenario(
-                        "b_state_thread",
-                        args,
-                        {"averaging.algorithm": "state", "averaging.average_every": 10},
-                        daemon_args=("--no-train-process",),
-                    ),
-                )
-            )
         elif e == "throttled":
             setups.append(("a_diloco_throttled", scenario("a_diloco_throttled", args, diloco)))
         else:

@@ -488,11 +488,9 @@ class Daemon:
         return trainer
 
     def _in_child(self, manifest) -> bool:
-        """Whether this task's run trains in a child process (--train-process, the default): DiLoCo
-        runs, and state runs without a DeAR local group (--local-group), whose hooks on the model
-        need the daemon's trainer thread (docs/your-loop.md, "Not yet")."""
-        if not self.config.train.train_process:
-            return False
+        """Whether this task's run trains in child processes: every run but a state run with a DeAR local
+        group (--local-group), whose hooks on the model need the daemon's trainer thread (docs/your-loop.md,
+        "Not yet")."""
         if manifest.averaging.algorithm == "diloco" or not self.config.train.local_group:
             return True
         logger.info(
@@ -556,7 +554,9 @@ class Daemon:
             logger.info("removed %d shared-memory file(s) of daemons that are gone from %s", removed, shared)
         if train.local_group:
             logger.warning(
-                "run %s: --local-group does not apply to a run trained by scripts; its rounds run alone", run_id
+                "run %s: --local-group applies to a --task run under averaging.algorithm=state only: this "
+                'daemon\'s processes train as a peer of their own (docs/your-loop.md, "Not yet")',
+                run_id,
             )
         membership.role = IDLE  # until a process attaches
 

@@ -28,12 +28,20 @@ import grpc
 from peerd.daemon import __version__
 from peerd.daemon import plan as plan_mod
 from peerd.daemon.client import ControlClient, as_dict, control_address
-from peerd.daemon.config import OPTIONS, RENAMED_FLAGS, ConfigError, client_defaults, default_of, load_config
+from peerd.daemon.config import (
+    OPTIONS,
+    REMOVED_FLAGS,
+    RENAMED_FLAGS,
+    ConfigError,
+    client_defaults,
+    default_of,
+    load_config,
+)
 from peerd.daemon.tables import columns
 
 logger = logging.getLogger("peerd")
 
-_BOOL_PATHS = {"network.nat_port_map", "network.auto_nat", "train.train_process"}
+_BOOL_PATHS = {"network.nat_port_map", "network.auto_nat"}
 _APPEND_PATHS = {"run", "network.announce", "train.set"}
 _EXTEND_PATHS = {"network.initial_peers"}
 
@@ -48,6 +56,16 @@ class _Renamed(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         parser.error(f"{option_string} is now {RENAMED_FLAGS[option_string]} (renamed)")
+
+
+class _Removed(argparse.Action):
+    """A flag removed (daemon/config.py REMOVED_FLAGS): refused, saying why."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is {REMOVED_FLAGS[option_string]}")
 
 
 def _fail(code: int, message: str):
@@ -80,6 +98,8 @@ def _add_start(sub) -> None:
             p.add_argument(o.flag, dest=o.path, metavar=o.metavar, help=help_text)
     for old in RENAMED_FLAGS:
         p.add_argument(old, action=_Renamed, help=argparse.SUPPRESS)
+    for old in REMOVED_FLAGS:
+        p.add_argument(old, action=_Removed, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_start)
 
 

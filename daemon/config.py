@@ -123,11 +123,8 @@ class TrainConfig:
     # Operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none.
     # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
     local_group: str = ""
-    # Train each --task run in a child process of the daemon (python -m peerd.daemon.taskproc, supervised,
-    # attached like a script; docs/your-loop.md); false: in a thread of the daemon. Runs with a DeAR local
-    # group (--local-group) keep the thread (docs/your-loop.md, "Not yet").
-    train_process: bool = True
-    # Training processes per --task run in children (their daemon's local group, one WAN peer).
+    # Training processes per --task run, children of the daemon (python -m peerd.daemon.taskproc, supervised,
+    # attached like a script; docs/your-loop.md): together the daemon's local group, one WAN peer.
     train_processes: int = 1
 
     def __post_init__(self) -> None:
@@ -138,8 +135,6 @@ class TrainConfig:
             raise ConfigError(f"torch_threads must be in 1..256, got {self.torch_threads}")
         if not 1 <= self.train_processes <= MAX_TRAIN_PROCESSES:
             raise ConfigError(f"train_processes must be in 1..{MAX_TRAIN_PROCESSES}, got {self.train_processes}")
-        if self.train_processes > 1 and not self.train_process:
-            raise ConfigError("train_processes above 1 needs train_process (the children; not the daemon's thread)")
         for name in ("checkpoint_every", "eval_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
@@ -311,17 +306,11 @@ OPTIONS: tuple[Option, ...] = (
         "NAME",
     ),
     Option(
-        "train.train_process",
-        "train each --task run in a child process the daemon supervises (restarted at most 3 times in a row), "
-        "attached like a script (the default; --no-train-process: in a thread of the daemon); costs a "
-        "Python process per run and a shared-memory hand-over of the parameters (averaging.algorithm=state: and "
-        "the optimizer's state) per round; runs with a DeAR local group (--local-group) keep the thread",
-    ),
-    Option(
         "train.train_processes",
-        "training processes per --task run, each with its own data: this daemon's local group, one peer of the "
-        "run, averaging their gradients every step (docs/your-loop.md); costs a process and a gradient "
-        "all-reduce over loopback per step each",
+        "training processes per --task run, children the daemon supervises (each restarted at most 3 times in "
+        "a row), each with its own data: this daemon's local group, one peer of the run, averaging their "
+        "gradients every step (docs/your-loop.md); costs a Python process each, a gradient all-reduce over "
+        "loopback per step (with more than one) and a shared-memory hand-over of the parameters per round",
         "N",
     ),
 )
@@ -341,6 +330,13 @@ RENAMED: dict[str, str] = {  # old path in the tree: new path
 }
 RENAMED_FLAGS: dict[str, str] = {"--transport": "--data-path", "--udp-rate": "--udp-rate-mbit"}
 RENAMED_ENV: dict[str, str] = {env_of(old): env_of(new) for old, new in RENAMED_FLAGS.items()}
+# Settings removed: the flag (and its --no- form), variable or TOML key stops `peerd start` with why.
+REMOVED: dict[str, str] = {
+    "train.train_process": "removed: every --task run trains in child processes (--train-processes)",
+}
+REMOVED_FLAGS: dict[str, str] = {
+    flag: why for path, why in REMOVED.items() for flag in (Option(path, "").flag, "--no-" + Option(path, "").flag[2:])
+}
 
 
 def toml_key(path: str) -> str:
@@ -393,6 +389,8 @@ def _flatten_file(path: Path) -> dict[str, Any]:
             flat[key] = value
     for old in sorted(set(flat) & set(RENAMED)):
         raise ConfigError(f"config file {path}: {toml_key(old)} is now {toml_key(RENAMED[old])} (renamed)")
+    for old in sorted(set(flat) & set(REMOVED)):
+        raise ConfigError(f"config file {path}: {toml_key(old)} is {REMOVED[old]}")
     unknown = sorted(set(flat) - set(_LEAF_TYPES))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
@@ -411,6 +409,9 @@ def load_config(
     for old, new in RENAMED_ENV.items():
         if old in environ:
             raise ConfigError(f"{old} is now {new} (renamed)")
+    for old, why in REMOVED.items():
+        if (env := Option(old, "").env) in environ:
+            raise ConfigError(f"{env} is {why}")
     for option in OPTIONS:
         if option.env in environ:
             values[option.path] = _coerce(option.path, environ[option.env], option.env)

@@ -426,12 +426,6 @@ def make_trainer(
 
     count = on_rejected or (lambda reason: None)
     task = _installed(manifest.task)
-    if train.local_group and manifest.averaging.algorithm == "diloco":
-        logger.warning(
-            "run %s: --local-group needs averaging.algorithm=state for now: under diloco the members "
-            "train as separate peers (docs/algorithms.md)",
-            manifest.run_id,
-        )
     return Trainer(
         run_id=manifest.run_id,
         task=task,

@@ -170,12 +170,12 @@ class _TrainingCollector(Collector):
         )
         process_state = GaugeMetricFamily(
             "peerd_train_process_state",
-            "1 for the current state of the run's training process (--train-process), 0 for the others.",
+            "1 for the current state of the run's training process (a --task run), 0 for the others.",
             labels=["run", "state"],
         )
         restarts = CounterMetricFamily(
             "peerd_train_process_restarts",
-            "Restarts of the run's training process after it failed (--train-process).",
+            "Restarts of the run's training process after it failed (a --task run).",
             labels=["run"],
         )
         for r in self.runs():

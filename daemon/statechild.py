@@ -11,7 +11,7 @@ overlap. Peers download the vector, as a thread peer's snapshot: thread and chil
 
 Checkpoints are the thread's ("model" and "optimizer" state dicts): the daemon keeps the task's
 model and optimizer (built once to know the layout) to convert the vector to them and back, so a
-restart resumes the run in a thread (--no-train-process) or in a child alike.
+restart resumes the run in a child or, with a DeAR local group (--local-group), in a thread alike.
 """
 
 from __future__ import annotations

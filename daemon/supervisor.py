@@ -1,5 +1,5 @@
 """A child process the daemon starts, reaps and restarts a bounded number of times: the training
-process of a `--task` run under --train-process (python -m peerd.daemon.taskproc; daemon/taskchild.py;
+process of a `--task` run (python -m peerd.daemon.taskproc; daemon/taskchild.py;
 DESIGN.md, "Processes").
 
 The child dies with the daemon: it is started with PEERD_PARENT_PID, and die_with_parent() (called

@@ -1,4 +1,4 @@
-"""The daemon's half of a `--task` run trained by a child process (--train-process; DESIGN.md,
+"""The daemon's half of a `--task` run trained by a child process (the default; DESIGN.md,
 "Processes"): `python -m peerd.daemon.taskproc` trains the task as a client of peerd.torch.Optimizer, and
 this daemon starts it, reaps it and restarts it a bounded number of times (daemon/supervisor.py).
 
@@ -12,8 +12,7 @@ state vector, parameters and the inner optimizer's state), except that:
 - every daemon of the run may start it from the manifest's seed (the parameters the trainer thread
   would start from), so a joiner with no peer to download from is not refused;
 - checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one the
-  trainer thread writes: a restart that switches --train-process on or off resumes the run (the
-  child's hold the outer state alone; the thread then starts its inner optimizer anew).
+  trainer thread writes (a state run with a DeAR local group trains there).
 
 The inner optimizer's state is the child's, in the run's data dir (STATE_FILE; for a state run only
 what the state vector does not hold, such as Adam's step count). Status: the child's

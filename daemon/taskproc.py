@@ -4,7 +4,7 @@ supervise for `--task` runs.
 
     python -m peerd.daemon.taskproc --run R --task digits-mlp --daemon DATA_DIR [--set lr=0.01] [--max-steps N]
 
-A daemon started with --train-process starts it for its `--task` runs (daemon/taskchild.py), with
+A daemon starts it for its `--task` runs (daemon/taskchild.py), with
 the run's hyper-parameters and seed; started by hand, it attaches like any script (a script's run,
 created by this attach or joined with the model's layout). What it does is what the daemon's
 trainer thread (daemon/trainer.py) does for such a run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in

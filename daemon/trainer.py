@@ -291,7 +291,7 @@ class Trainer:
         passed = list(self.store.passed_over)
         if checkpoint is not None:
             try:
-                # A training process's checkpoint (--train-process, daemon/taskchild.py) holds the outer
+                # A training process's checkpoint (daemon/taskchild.py) holds the outer
                 # state alone: the model takes θ from it in load(), the inner optimizer starts anew.
                 if "model" in checkpoint.state or "outer" not in checkpoint.state:
                     model.load_state_dict(checkpoint.state["model"])

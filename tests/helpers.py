@@ -11,15 +11,9 @@ import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# Where a daemon trains its --task runs: a child process it supervises (the default, daemon/taskchild.py),
-# or a thread of its own (--no-train-process). A test that takes `training` runs with both.
-THREAD = ["--no-train-process"]
-TRAINING = pytest.mark.parametrize("training", [THREAD, []], ids=["thread", "process"])
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):

@@ -129,8 +129,9 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
         s = parse(scenario(name, args, settings), name)
         assert len(s.hosts) == 3 and s.run.task == "charlm" and s.duration == 120.0
         assert s.run.settings["averaging.algorithm"] == settings["averaging.algorithm"]
-    thread = parse(scenario("t", args, {"averaging.algorithm": "diloco"}, daemon_args=("--no-train-process",)), "t")
-    assert "--no-train-process" in thread.run.args  # --extra thread: each daemon trains in a thread of its own
+    groups = parse(scenario("g", args, {"averaging.algorithm": "diloco"}, daemon_args=("--train-processes", "2")), "g")
+    assert groups.run.args[-2:] == ["--train-processes", "2"] and not groups.run.isolated  # --extra local_groups
+    assert parse(scenario("c", args, {"averaging.algorithm": "state"}, isolated=True), "c").run.isolated  # (c) alone
     assert s.run.checkpoint_every == 100_000  # only the stop checkpoints
     args.curve = 15.0  # --curve: every phase's end checkpoints, the model the curve evaluates
     assert parse(scenario("c", args, {"averaging.average_every": 50}), "c").run.checkpoint_every == 50

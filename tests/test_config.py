@@ -39,7 +39,6 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path):
         ({"network.reliable_links": "reliable"}, "not one of auto, tcp, libp2p"),
         ({"discovery.peer_ttl": "4"}, "at most half of peer_ttl"),
         ({"train.train_processes": "0"}, "train_processes must be in 1..64"),
-        ({"train.train_processes": "2", "train.train_process": "false"}, "needs train_process"),
     ],
 )
 def test_bad_values(cli, message):
@@ -199,11 +198,21 @@ def test_a_bad_value_is_named_as_the_user_typed_it(tmp_path):
             load_config(kw.get("cli", {}), config_file=kw.get("config_file"), environ=kw.get("environ", {}))
 
 
-def test_train_process_is_the_default_and_comes_from_the_variable_and_the_flag():
-    assert load_config({}, environ={}).train.train_process is True
-    assert load_config({}, environ={"PEERD_TRAIN_PROCESS": "false"}).train.train_process is False
-    assert (
-        load_config({"train.train_process": False}, environ={"PEERD_TRAIN_PROCESS": "1"}).train.train_process is False
-    )
-    # A local group (a state run) trains in the thread (daemon/app.py, _in_child): the two settings go together.
-    assert load_config({"train.local_group": "rack1"}, environ={}).train.train_process is True
+@pytest.mark.parametrize(
+    "where",
+    [{"PEERD_TRAIN_PROCESS": "false"}, "[train]\ntrain_process = false\n"],
+)
+def test_a_removed_setting_is_refused_saying_why(where, tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text(where if isinstance(where, str) else "")
+    with pytest.raises(
+        ConfigError, match="(train_process|TRAIN_PROCESS) is removed: every --task run trains in child processes"
+    ):
+        load_config({}, config_file=str(f), environ=where if isinstance(where, dict) else {})
+
+
+@pytest.mark.parametrize("flag", ["--train-process", "--no-train-process"])
+def test_a_removed_flag_is_one_line_saying_why(flag, tmp_path):
+    r = peerd("start", "--data-dir", str(tmp_path / "d"), flag)
+    assert r.returncode == 2 and f"{flag} is removed: every --task run trains in child processes" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "d").exists()

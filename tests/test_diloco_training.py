@@ -13,7 +13,7 @@ import pytest
 from peerd.daemon.client import ControlClient
 from peerd.daemon.tasks import get_task, train_single_process
 from peerd.peers.manifest import AveragingSettings
-from tests.helpers import TRAINING, scrape, wait_for
+from tests.helpers import scrape, wait_for
 
 pytestmark = pytest.mark.heavy
 
@@ -26,14 +26,12 @@ def status(d, run: str):
         return next(r for r in c.status().runs if r.run_id == run)
 
 
-@TRAINING
-def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn, training):
+def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn):
     steps, batch = 600, 32
-    rounds = AveragingSettings().phases.round_of(
-        steps
-    )  # the default schedule: 15 rounds (H = 50, first phases 5, 10, 20, 15)
+    # The default schedule: 15 rounds (H = 50, first phases 5, 10, 20, 15).
+    rounds = AveragingSettings().phases.round_of(steps)
     create = ["--task", "digits-mlp", "--set", "optimizer=sgd", "--set", "lr=0.05"]
-    args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY, *training]
+    args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("dl-a", [*args, *create])
     others = [spawn(f"dl-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]
     for d in others:

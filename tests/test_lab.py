@@ -115,6 +115,8 @@ def test_bad_hosts_and_values_are_refused():
     refused(r"name 'A b'", host=[{"name": "A b"}])
     refused(r"0 \[\[host\]\] tables: a lab has 1 to 64 hosts", host=[])
     refused(r"min_peers = 3, but only 2 hosts", run={"min_peers": 3})
+    refused(r"isolated hosts train alone: min_peers must be 0 or 1", run={"isolated": True, "min_peers": 2})
+    refused(r"isolated must be true or false", run={"isolated": "yes"})
     refused(r"loss_pct must be between 0 and 100", link={"loss_pct": 101})
     refused(r"loss_protocol must be one of all, tcp, udp", link={"loss_protocol": "icmp"})
     refused(r"loss_ports must be TCP/UDP ports", link={"loss_ports": [0]})

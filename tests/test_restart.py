@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 from peerd.daemon.client import ControlClient
-from tests.helpers import TRAINING, peerd, scrape, wait_for
+from tests.helpers import peerd, scrape, wait_for
 
 
 # --min-peers makes a restarted daemon wait 3 s before its first step: status shows the step it
@@ -52,9 +52,8 @@ def steps_until(d, run: str, step: int) -> list[int]:
     return seen
 
 
-@TRAINING
-def test_the_only_peer_resumes_where_it_stopped(spawn, training):
-    d = spawn("solo", ["--run", "solo", *TRAIN, *training])
+def test_the_only_peer_resumes_where_it_stopped(spawn):
+    d = spawn("solo", ["--run", "solo", *TRAIN])
     wait_for(lambda: run_status(d, "solo").step >= 50, timeout=60, what="50 steps")
     assert d.stop() == 0
     stopped = newest_step(d, "solo")  # the checkpoint written as it stopped
@@ -68,9 +67,8 @@ def test_the_only_peer_resumes_where_it_stopped(spawn, training):
     assert d.stop() == 0
 
 
-@TRAINING
-def test_a_killed_peer_resumes_from_its_last_checkpoint_and_leftover_temp_files_go(spawn, training):
-    d = spawn("killed", ["--run", "killed", *TRAIN, *training])
+def test_a_killed_peer_resumes_from_its_last_checkpoint_and_leftover_temp_files_go(spawn):
+    d = spawn("killed", ["--run", "killed", *TRAIN])
     wait_for(lambda: run_status(d, "killed").step >= 200, timeout=60, what="200 steps")
     d.kill_group()  # a checkpoint every 10 steps: mid-write or just after one
     directory = d.data_dir / "runs" / "killed" / "checkpoints"

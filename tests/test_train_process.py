@@ -1,7 +1,6 @@
-"""A daemon that trains its --task runs in a child process (--train-process, daemon/taskchild.py):
-a killed child is restarted and training goes on; one that always fails stops at the bound, and
-status, metrics and health say so while the daemon keeps answering. (tests/test_training.py and
-tests/test_restart.py run their main tests with the child too.)"""
+"""A daemon trains its --task runs in child processes (daemon/taskchild.py): a killed child is
+restarted and training goes on (one that always fails: tests/test_health.py); state runs; a local
+group of children."""
 
 from __future__ import annotations
 
@@ -12,16 +11,13 @@ import pytest
 
 from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.client import ControlClient
-from peerd.daemon.procs import LocalDaemon
-from peerd.daemon.taskchild import MAX_RESTARTS
 from peerd.daemon.tasks import get_task
 from peerd import PeerdError
 from peerd.torch import Optimizer
-from tests.failing_task import MESSAGE, NAME, plugin_env
-from tests.helpers import THREAD, peerd, scrape, wait_for
+from tests.helpers import peerd, scrape, wait_for
 
 
-PROCESS = ["--train-process", "--eval-every", "1000", "--checkpoint-every", "100"]
+PROCESS = ["--eval-every", "1000", "--checkpoint-every", "100"]
 
 
 def run_status(d, run: str):
@@ -71,36 +67,6 @@ def test_a_killed_training_process_is_restarted_and_training_goes_on(spawn):
     assert not _alive(again.attached_pid)  # stopped with its daemon
 
 
-def test_a_training_process_that_always_fails_stops_at_the_bound_and_health_says_so(tmp_path):
-    d = LocalDaemon(tmp_path / "d", ["--run", "doomed", "--task", NAME, *PROCESS], env=plugin_env(tmp_path / "site"))
-    try:
-        d.start()
-        r = wait_for(
-            lambda: (s := run_status(d, "doomed")).train_state == "FAILED" and s,
-            timeout=240,
-            what="the run FAILED after the restarts",
-        )
-        assert (r.train_process_state, r.train_process_restarts) == ("FAILED", MAX_RESTARTS), r
-        assert f"failed {MAX_RESTARTS + 1} times" in r.error and MESSAGE in r.error, r.error
-        m = scrape(d.metrics_url)
-        assert m[("peerd_train_state", (("run", "doomed"), ("state", "FAILED")))] == 1
-        assert m[("peerd_train_process_restarts_total", (("run", "doomed"),))] == MAX_RESTARTS
-        assert process_state(d, "doomed")["FAILED"] == 1
-
-        health = peerd("health", "--control", d.control)
-        assert health.returncode == 1 and health.stdout.splitlines()[0] == "NOT_SERVING", health
-        assert "run doomed: FAILED: training process exited with status 1" in health.stdout, health.stdout
-        with ControlClient(d.control) as c:
-            assert c.status().state == "READY"  # the daemon itself is up and answers
-
-        # Leaving the failed run clears it, as for a thread's failure (tests/test_health.py).
-        assert peerd("leave", "doomed", "--control", d.control).returncode == 0
-        assert peerd("health", "--control", d.control).returncode == 0
-        assert d.stop() == 0
-    finally:
-        d.kill_group()
-
-
 @pytest.mark.heavy
 def test_a_task_run_trains_in_a_local_group_of_children_one_peer_of_the_run(spawn):
     """--train-processes 2: the daemon starts two children for its DiLoCo task run, each with its
@@ -138,8 +104,8 @@ def test_a_state_run_with_a_local_group_keeps_the_thread_and_says_why(spawn):
 def test_a_state_run_trains_in_children_resumes_and_a_late_peer_downloads_its_state(spawn):
     """Two daemons train a state run in their children: a completed round leaves both with the same
     state (digest, evaluation). Their checkpoints hold the model and the optimizer's state (the
-    thread's format); restarted, one in a child, one in a thread, they resume from them and train on
-    together; a third daemon, far behind, downloads the run's state (the vector both kinds serve)."""
+    thread's format); restarted, they resume from them and train on together; a third daemon, far
+    behind, downloads the run's state."""
     state = ["--task", "digits-mlp", "--set", "averaging.algorithm=state", "--set", "averaging.average_every=10"]
     args = ["--run", "sc", "--eval-every", "1000", "--checkpoint-every", "30", "--torch-threads", "1"]
     a = spawn("sc-a", [*args, *state, "--max-steps", "60", "--min-peers", "2"])
@@ -162,22 +128,22 @@ def test_a_state_run_trains_in_children_resumes_and_a_late_peer_downloads_its_st
     moments = [s["exp_avg"] for s in saved.state["optimizer"]["state"].values()]
     assert moments and all(float(m.abs().sum()) > 0 for m in moments)  # Adam's, from the child
 
-    # Restarted with no step limit: a in a child, b in a thread; each resumes from its checkpoint.
+    # Restarted with no step limit: each resumes from its checkpoint.
     a.args = [*args, "--min-peers", "2"]
     a.start()
-    b.args = [*args, "--min-peers", "2", "--initial-peers", a.maddrs[0], *THREAD]  # a's new address
+    b.args = [*args, "--min-peers", "2", "--initial-peers", a.maddrs[0]]  # a's new address
     b.start()
-    for d, child in ((a, True), (b, False)):
+    for d in (a, b):
         r = wait_for(
             lambda: (s := run_status(d, "sc")).train_state == "TRAINING" and s.step > 60 and s,
             timeout=120,
             what="training goes on",
         )
-        assert r.resumed_from == 60 and r.error == "" and bool(r.attached_pid) == child, r
+        assert r.resumed_from == 60 and r.error == "" and r.attached_pid, r
     wait_for(
         lambda: (s := run_status(a, "sc")).last_round_outcome == "completed" and s.group_size == 2 and s.step > 70,
         timeout=60,
-        what="a round of the child and the thread",
+        what="a round of the two",
     )
 
     # A late peer in a child: far behind, it downloads the run's state, then rounds with the others.
@@ -205,24 +171,3 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-@pytest.mark.parametrize("algorithm", ["diloco", "state"])
-def test_a_restart_that_switches_train_process_on_or_off_resumes_the_run(spawn, algorithm):
-    args = ["--run", "sw", "--task", "digits-mlp", "--eval-every", "1000", "--checkpoint-every", "50"]
-    args += ["--set", f"averaging.algorithm={algorithm}"]
-    d = spawn("switch", [*args, *THREAD])
-    for training, then in ((["--train-process"], "process"), (THREAD, "thread")):
-        wait_for(lambda: run_status(d, "sw").step >= 100, timeout=120, what="100 steps")
-        assert d.stop() == 0
-        stopped = max(int(p.name[5:17]) for p in (d.data_dir / "runs" / "sw" / "checkpoints").glob("ckpt-*.peerd"))
-        d.args = [*args, *training]
-        d.start()
-        r = wait_for(
-            lambda: (s := run_status(d, "sw")).train_state == "TRAINING" and s.step > stopped and s,
-            timeout=120,
-            what=f"the {then} trains on",
-        )
-        assert r.resumed_from == stopped and r.error == "", (then, r)
-        assert bool(r.train_process_state) == (then == "process"), r
-    assert d.stop() == 0

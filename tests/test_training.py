@@ -18,7 +18,7 @@ from peerd.peers.manifest import MANIFEST_FORMAT_VERSION
 from peerd.peers.node import NodeSettings, PeerNode
 from peerd.peers.run_ids import run_dht_key
 from peerd.protos import records_pb2
-from tests.helpers import TRAINING, peerd, scrape, wait_for
+from tests.helpers import peerd, scrape, wait_for
 
 
 TRAIN = ["--task", "digits-mlp", "--max-steps", "300", "--eval-every", "50", "--checkpoint-every", "100"]
@@ -29,9 +29,8 @@ def run_status(d, run: str):
         return next(r for r in c.status().runs if r.run_id == run)
 
 
-@TRAINING
-def test_a_daemon_trains_checkpoints_and_resumes(spawn, training):
-    d = spawn("trainer", ["--run", "digits", *TRAIN, *training])
+def test_a_daemon_trains_checkpoints_and_resumes(spawn):
+    d = spawn("trainer", ["--run", "digits", *TRAIN])
     r = wait_for(lambda: (s := run_status(d, "digits")).train_state == "FINISHED" and s, timeout=120, what="300 steps")
     assert (r.task, r.step) == ("digits-mlp", 300)
     assert r.eval_metric == "accuracy" and r.eval_score >= 0.9, r
@@ -61,11 +60,10 @@ def test_a_daemon_trains_checkpoints_and_resumes(spawn, training):
     assert d.stop() == 0
 
 
-@TRAINING
 @pytest.mark.heavy
-def test_a_joiner_trains_the_runs_task_and_a_mismatch_is_refused(spawn, training):
-    creator = spawn("creator", ["--run", "shared", *TRAIN, *training])
-    joiner = spawn("joiner", ["--run", "shared", "--max-steps", "20", "--initial-peers", creator.maddrs[0], *training])
+def test_a_joiner_trains_the_runs_task_and_a_mismatch_is_refused(spawn):
+    creator = spawn("creator", ["--run", "shared", *TRAIN])
+    joiner = spawn("joiner", ["--run", "shared", "--max-steps", "20", "--initial-peers", creator.maddrs[0]])
     r = wait_for(
         lambda: (s := run_status(joiner, "shared")).train_state == "FINISHED" and s, timeout=60, what="joiner trains"
     )
@@ -96,11 +94,10 @@ def test_a_joiner_trains_the_runs_task_and_a_mismatch_is_refused(spawn, training
         assert d.stop() == 0
 
 
-@TRAINING
-def test_status_json_shows_training(spawn, training):
+def test_status_json_shows_training(spawn):
     # H divides --max-steps: a training process's step moves by whole phases (docs/your-loop.md).
     args = ["--run", "j", "--task", "digits-mlp", "--max-steps", "10", "--eval-every", "5"]
-    d = spawn("json", [*args, "--set", "averaging.average_every=5", *training])
+    d = spawn("json", [*args, "--set", "averaging.average_every=5"])
     wait_for(lambda: run_status(d, "j").train_state == "FINISHED", timeout=60, what="10 steps")
     out = json.loads(peerd("status", "--json", "--control", d.control).stdout)
     (run,) = out["runs"]

@@ -238,7 +238,8 @@ class Lab:
             self._build()
             begin = time.monotonic()
             for h in self.scenario.first_hosts:
-                self._start(h.name, min_peers=self.scenario.run.min_peers or len(self.scenario.first_hosts))
+                run = self.scenario.run
+                self._start(h.name, min_peers=1 if run.isolated else run.min_peers or len(self.scenario.first_hosts))
             self._wait_training([h.name for h in self.scenario.first_hosts])
             self.t0 = time.monotonic()
             self.record.started_at = self.t0 - begin
@@ -314,10 +315,11 @@ class Lab:
         args = ["--run", run.id, "--checkpoint-every", str(run.checkpoint_every), "--min-peers", str(min_peers)]
         if run.max_steps:
             args += ["--max-steps", str(run.max_steps)]
-        seeds = [d.maddrs[0] for d in self._live().values()]
+        seeds = [] if run.isolated else [d.maddrs[0] for d in self._live().values()]
         if seeds:
             args += ["--initial-peers", *seeds]
-        if name == self.scenario.hosts[0].name:  # the creator of the run (a restart passes the same, harmlessly)
+        # The creator of the run (a restart passes the same, harmlessly); isolated, every host.
+        if run.isolated or name == self.scenario.hosts[0].name:
             args += ["--task", run.task, *(a for k, v in run.settings.items() for a in ("--set", f"{k}={v}"))]
         d = spawn_in(self.net.hosts[name], self._data_dir(name), [*DAEMON_DEFAULTS, *args, *run.args])
         self.daemons[name] = d

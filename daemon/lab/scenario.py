@@ -67,6 +67,9 @@ class RunSpec:
     max_steps: int = 0  # local steps after which a daemon stops training; 0 = never
     checkpoint_every: int = 20  # local steps between checkpoints
     args: list[str] = field(default_factory=list)  # more `peerd start` flags for every daemon
+    # Every host creates the run itself and is given no peer to bootstrap from: each trains alone
+    # (a baseline of the same processes without communication). min_peers is then 1.
+    isolated: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,12 +246,15 @@ def _run(t: "_Table") -> RunSpec:
         max_steps=t.integer("max_steps", 0),
         checkpoint_every=t.integer("checkpoint_every", 20),
         args=t.strings("args"),
+        isolated=t.boolean("isolated", False),
     )
     for name in ("min_peers", "max_steps"):
         if getattr(spec, name) < 0:
             raise ScenarioError(f"[run] {name} must be >= 0")
     if spec.checkpoint_every < 1:
         raise ScenarioError("[run] checkpoint_every must be >= 1")
+    if spec.isolated and spec.min_peers > 1:
+        raise ScenarioError("[run] isolated hosts train alone: min_peers must be 0 or 1")
     return spec
 
 
@@ -309,6 +315,9 @@ class _Table:
 
     def integer(self, key: str, default: int) -> int:
         return self._get(key, default, False, int)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        return self._get(key, default, False, bool)
 
     def text(self, key: str, default: str = "", required: bool = False) -> str:
         return self._get(key, default, required, str)
