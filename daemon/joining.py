@@ -419,7 +419,8 @@ def make_trainer(
     on_start=None,
     on_rejected=None,
 ) -> Trainer:
-    """The run's trainer. `on_rejected(reason)` counts the checkpoints it cannot load: `checkpoint_corrupt`
+    """The trainer thread of a `state` run with a DeAR local group (daemon/trainer.py; every other
+    run trains in children). `on_rejected(reason)` counts the checkpoints it cannot load: `checkpoint_corrupt`
     (does not verify), `checkpoint_foreign` (of another run, task, hyper-parameters or model)."""
     from peerd.daemon.checkpoint import CheckpointStore
     from peerd.daemon.trainer import Trainer, seed_from
@@ -455,8 +456,6 @@ def make_trainer(
         local_group=local_group,
         announce=announce,
         on_start=on_start,
-        outer=outer_settings(manifest.averaging),
-        inner_budget=manifest.averaging.inner_budget if manifest.averaging.algorithm == "diloco" else 0.0,
     )
 
 

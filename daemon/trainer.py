@@ -1,4 +1,7 @@
-"""The trainer host: trains one run's task in a named worker thread owned by the daemon.
+"""The trainer thread: trains a `state` run's task in a named worker thread owned by the daemon, for
+a run with a DeAR local group between daemons (--local-group), whose hooks on the model run here
+(docs/dear.md, "In the daemon"). Every other run trains in child processes (daemon/taskchild.py,
+daemon/statechild.py; docs/your-loop.md); issue 26 moves this one there too.
 
 Compute runs in the thread so the event loop stays free for the network. The loop reads the
 trainer's counters (plain attributes, written by the thread only) for status and metrics.
@@ -31,9 +34,8 @@ from typing import Callable
 import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, identity_of, passed_over_error
-from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.flat import from_flat, state_tensors, to_flat
-from peerd.daemon.straggler import EarlyEnd, catch_up_from
+from peerd.daemon.straggler import catch_up_from
 from peerd.peers.dear.backend import CollectiveError
 from peerd.peers.dear.hierarchy import LaneExchange, delegated_mask, group_id, hierarchical_round, lane_bounds
 from peerd.peers.dear.member import RETUNE_EVERY, LocalGroupMember
@@ -52,7 +54,6 @@ STOP_TIMEOUT = 30.0  # seconds to wait for the thread: one step, one evaluation 
 # restores its lane within runs.CANCEL_GRACE; the rest is skew between the members' reduce-scatters).
 HIERARCHY_SLACK = 15.0
 CATCH_UP_PATIENCE = 10.0  # seconds a trainer behind its peers keeps trying to download their state
-BUDGET_CHECK = 0.2  # seconds between two looks at the peers' steps for the straggler budget
 
 
 class TrainState(Enum):
@@ -135,18 +136,10 @@ class Trainer:
         local_group: LocalGroupMember | None = None,
         announce: Callable[[], object] | None = None,
         on_start: Callable[[], object] | None = None,
-        outer: OuterSettings | None = None,
-        inner_budget: float = 0.0,
     ):
-        # DiLoCo (averaging.algorithm = diloco): rounds average pseudo-gradients and an outer
-        # optimizer applies them (daemon/diloco.py); None: rounds average the whole state.
-        self.outer_settings, self.inner_budget = outer, inner_budget
-        self._outer: OuterLoop | None = None
-        self.repair_every = outer.repair_every if outer is not None else 0
-        self._budget_checked, self._early = 0.0, EarlyEnd.for_run(round_timeout, inner_budget)
         self.compute_seconds = 0.0  # forward, backward and optimizer time since training began
         self.train_seconds = 0.0  # wall time since training began (TRAINING state)
-        self.train_wait_seconds = 0.0  # time compute waited for averaging rounds
+        self.train_wait_seconds = 0.0  # time compute waited for averaging rounds (not measured here)
         self.local_group = local_group
         self._dear: DeAR | None = None  # active while this daemon trains in a DeAR group
         self.dear_steps = 0  # steps taken under DeAR, over every group this trainer was in
@@ -184,7 +177,6 @@ class Trainer:
         self.store = store
         self._identity: dict = {}  # what this run's checkpoints hold (daemon/checkpoint.py), set at load
         self._loaded: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None  # by load()
-        self._resumed_state: dict | None = None  # the checkpoint _resume loaded (DiLoCo reads its outer state)
         self.threads, self.checkpoint_every, self.eval_every, self.max_steps = (
             threads,
             checkpoint_every,
@@ -246,17 +238,8 @@ class Trainer:
             torch.set_num_threads(self.threads)
             model, optimizer = self._resume()
             self._tensors, self._n_params = state_tensors(optimizer)
-            if self.outer_settings is not None:  # rounds average the parameters' pseudo-gradient
-                self._outer = OuterLoop(
-                    self._tensors[: self._n_params], self.outer_settings, self._round_in, self.run_id
-                )
-                resumed = self._resumed_state
-                if resumed is not None and "outer" in resumed and resumed["outer"].numel() == 2 * self._outer.n:
-                    self._outer.adopt(resumed["outer"])
-                    self._outer.residual.copy_(resumed["residual"])
-            # What a round averages (state) or what a download lands in: the state vector, or [θ; m].
-            size = 2 * self._outer.n if self._outer is not None else sum(t.numel() for t in self._tensors)
-            self._flat = torch.empty(size, dtype=torch.float32)
+            # What a round averages and what a download lands in: the state vector.
+            self._flat = torch.empty(sum(t.numel() for t in self._tensors), dtype=torch.float32)
             self._sketch_plan = SketchPlan.for_run(self.run_id, sum(t.numel() for t in self._tensors[: self._n_params]))
             self._loaded = (model, optimizer)
         except Exception as e:  # a task bug must not take the daemon down; it is shown in status
@@ -276,9 +259,6 @@ class Trainer:
             self._train(*self._loaded)
         except Exception as e:  # a task bug must not take the daemon down; it is shown in status
             self._failed(e)
-        finally:
-            if self._outer is not None:
-                self._outer.close()
 
     def _resume(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The task's model and optimizer, loaded from the newest checkpoint of this run's identity
@@ -291,15 +271,14 @@ class Trainer:
         passed = list(self.store.passed_over)
         if checkpoint is not None:
             try:
-                # A training process's checkpoint (daemon/taskchild.py) holds the outer
-                # state alone: the model takes θ from it in load(), the inner optimizer starts anew.
-                if "model" in checkpoint.state or "outer" not in checkpoint.state:
+                # One without a model (a DiLoCo child's: the run ID reused) leaves the first state,
+                # as daemon/statechild.py does.
+                if "model" in checkpoint.state:
                     model.load_state_dict(checkpoint.state["model"])
                     optimizer.load_state_dict(checkpoint.state["optimizer"])
             except (KeyError, RuntimeError, ValueError) as e:  # a layout check passed, torch disagreed
                 passed.append((checkpoint.path, f"{type(e).__name__}: {str(e)[:200]}"))
                 checkpoint, (model, optimizer) = None, self.task.build(self.hparams, self.init_seed)
-        self._resumed_state = checkpoint.state if checkpoint is not None else None
         if checkpoint is not None:
             self.global_step = self.resumed_from = checkpoint.step
             self.local_step = checkpoint.state.get("local_step", checkpoint.step)
@@ -323,7 +302,7 @@ class Trainer:
         self._catch_up()  # a late joiner or a restart whose checkpoint is older than the run
         self.state = TrainState.TRAINING
         window_start, window_samples = time.monotonic(), 0
-        began = phase_began = time.monotonic()
+        began = time.monotonic()
         while not self._stop.is_set():
             if self.max_steps and self.global_step >= self.max_steps:
                 break
@@ -362,16 +341,7 @@ class Trainer:
                 window_start, window_samples = time.monotonic(), 0
             elif not self.samples_per_second and elapsed >= 0.25:  # a first figure before the first window ends
                 self.samples_per_second = window_samples / elapsed
-            if self._outer is not None and self.average is not None:
-                landed = self._outer.land()  # with overlap: the round in flight, once it has ended
-                if landed is not None:
-                    self._after_outer_round(landed)
-                if self._phase_over(phase_began):
-                    self._flush()
-                    if not self._catch_up():  # a round among peers far ahead would find nobody
-                        self._outer_round()
-                    phase_began = time.monotonic()
-            elif self.average is not None and self._at_boundary():
+            if self.average is not None and self._at_boundary():
                 self._flush()
                 if self._catch_up():  # a round among peers far ahead would find nobody
                     self._leave_group("state downloaded from peers")
@@ -385,15 +355,7 @@ class Trainer:
                 self._checkpoint(model, optimizer)
         self._flush()
         self._leave_group("training ended", rearm=False)
-        landed = False
-        if self._outer is not None:  # the round in flight lands; the model is left at θ
-            applied = self._outer.finish()
-            if applied is not None:
-                self._after_outer_round(applied)
-                landed = applied.round_t is not None
-        # The model as it ends, all work in it: evaluated again when the last round landed after the
-        # loop's evaluation (with overlap, the round of the last phase lands here).
-        if self.eval is None or self.global_step % self.eval_every or landed:
+        if self.eval is None or self.global_step % self.eval_every:  # the model as it ends
             self.eval = self.task.evaluate(model, self.hparams)
         if self.global_step > self.resumed_from:
             self._checkpoint(model, optimizer)
@@ -403,13 +365,7 @@ class Trainer:
         )
 
     def _evaluate(self, model: torch.nn.Module) -> None:
-        """Evaluate the run's model: under DiLoCo the outer parameters θ, which every member of a
-        completed round shares (the inner ones add this member's own, unaveraged progress)."""
-        if self._outer is None:
-            self.eval = self.task.evaluate(model, self.hparams)
-            return
-        with self._outer.outer_params():
-            self.eval = self.task.evaluate(model, self.hparams)
+        self.eval = self.task.evaluate(model, self.hparams)
 
     def _flush(self) -> None:
         """Apply DeAR's pending updates before the state is read (a round, evaluation, checkpoint)."""
@@ -476,12 +432,8 @@ class Trainer:
                 )
             result = self.sync(min_step, self._flat)
             if result.ok and result.step >= min_step:
-                if self._outer is not None:
-                    self._outer.adopt(self._flat)
-                    self.snapshot = Snapshot(result.step, self._outer.outer.clone())
-                else:
-                    from_flat(self._flat, self._tensors)
-                    self.snapshot = Snapshot(result.step, self._flat.clone())
+                from_flat(self._flat, self._tensors)
+                self.snapshot = Snapshot(result.step, self._flat.clone())
                 self.global_step = self.synced_from = result.step
                 self._samples_since_round = 0
                 logger.info(
@@ -565,64 +517,9 @@ class Trainer:
         else:
             self._regroup(model, optimizer, results)
 
-    def _phase_over(self, began: float) -> bool:
-        """Whether the inner phase ends now: at its boundary (peers/phases.py), or earlier
-        where a group mate at the boundary would stop waiting before this phase got there
-        (MateWait), or, with a straggler budget, once at least half of the other live peers announce
-        the boundary and this phase has run `inner_budget` times as long as it took them
-        (DropCompute). An early end jumps the global step to the boundary: steps count the run's
-        synchronous steps."""
-        if self._at_boundary():
-            return True
-        boundary = self.phases.next_end(self.global_step)
-        now = time.monotonic()
-        if now < self._budget_checked + BUDGET_CHECK:
-            return False
-        self._budget_checked = now
-        steps, done = self.peer_steps(), self.global_step - self.phases.end(self.phases.round_of(self.global_step))
-        pace = (now - began) / done
-        why = self._early.why(now, began, self.global_step, boundary, pace, steps, BUDGET_CHECK + pace)
-        if not why:
-            return False
-        length = self.phases.length(self.global_step)
-        logger.info("run %s: phase ends at step %d of %d: %s", self.run_id, done, length, why)
-        self.global_step = boundary
-        return True
-
     def _at_boundary(self) -> bool:
         """Whether the global step is at a phase's end (the thread's step counts one by one)."""
         return self.phases.end(self.phases.round_of(self.global_step)) == self.global_step
-
-    @torch.no_grad()
-    def _outer_round(self) -> None:
-        """The end of an inner phase under DiLoCo: its pseudo-gradient goes to this boundary's round
-        and, with overlap, the previous round lands if it has not yet (daemon/diloco.py)."""
-        outer = self._outer
-        round_t, weight = self.phases.round_of(self.global_step), float(self._samples_since_round)
-        repair = bool(self.repair_every and round_t % self.repair_every == 0)
-        applied = outer.end_phase(round_t, weight, repair)
-        self._samples_since_round = 0  # counted in this round (owed: in the next), or alone in this member's own step
-        # After the phase's end: θ is then the same round's on every peer at this step (with overlap
-        # the previous round may have landed at any step of the phase, but by now it has).
-        sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
-        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
-        self._after_outer_round(applied)
-
-    def _after_outer_round(self, applied) -> None:
-        """Status, metrics and the snapshot peers download, once a round's result landed."""
-        outer = self._outer
-        self.train_wait_seconds += applied.waited
-        if applied.round_t is None:  # overlap: no round landed at this phase's end
-            return
-        results, previous = applied.results, self.last_round
-        self.last_round = results[0]
-        if any(r.applied for r in results):
-            self.param_distance_to_group_mean = outer.distance
-            self.samples_averaged += applied.weight
-        self._log_incomplete(results, previous, applied.round_t)
-        self.snapshot = Snapshot(self.global_step, outer.outer.clone())
-        for result in results:
-            self.on_round(result)
 
     def _log_incomplete(self, results: list, previous, round_t: int) -> None:
         """Say why a round did not complete. A peer alone runs a round every few milliseconds: the
@@ -635,11 +532,6 @@ class Trainer:
             "run %s: round %d at step %d not completed: %s", self.run_id, round_t, self.global_step, reason
         )
 
-    def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
-        """DiLoCo's rounds: every lane, the engine's backup kept (a lane without a result keeps this
-        member's own values, which the outer step then applies)."""
-        return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
-
     def _checkpoint(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         state = {
             "model": model.state_dict(),
@@ -647,6 +539,4 @@ class Trainer:
             "samples": self.samples,
             "local_step": self.local_step,
         }
-        if self._outer is not None:
-            state["outer"], state["residual"] = self._outer.outer, self._outer.residual
         self.store.save(self.global_step, state, self._identity)

@@ -1,11 +1,13 @@
 """`peerd export` (issue 16): a run's weights out of its checkpoints, as a plain state_dict that
 torch.load(weights_only=True) reads and the task's model loads with strict=True.
 
-Checkpoints come from real trainers (daemon/trainer.py) run in-process, each a lone peer (its
-rounds find no group, as a daemon alone in a run): under DiLoCo the exported weights are θ, not
-the inner parameters the checkpoint's "model" holds; under algorithm=state they are the model.
-A plug-in task with buffers and optimizer groups in another order than model.parameters() checks
-how θ maps onto names. A run of a user's own script is a checkpoint written here by hand.
+State checkpoints come from a real trainer (daemon/trainer.py) run in-process, a lone peer (its
+rounds find no group, as a daemon alone in a run): the exported weights are the model. DiLoCo
+checkpoints of the format the daemon's thread wrote (the inner "model" and the outer state; files
+of older releases: the thread now trains state runs only) are written here from real inner steps:
+the exported weights are θ, not the inner parameters. A plug-in task with buffers and optimizer
+groups in another order than model.parameters() checks how θ maps onto names. A run of a user's own
+script (and a task's child: both write a model_layout) is a checkpoint written here by hand.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from peerd.daemon.checkpoint import CheckpointStore
+from peerd.daemon.checkpoint import CheckpointStore, identity_of
 from peerd.daemon.cli import main
 from peerd.daemon.export import ExportError, Kind, export
-from peerd.daemon.joining import outer_settings
+from peerd.daemon.flat import from_flat, to_flat
 from peerd.daemon.tasks import Batch, EvalResult, Hparams, Task, generator, get_task, seeded
 from peerd.daemon.trainer import Trainer, TrainState
 from peerd.peers.averaging import RoundResult
-from peerd.peers.manifest import AveragingSettings
 from peerd.peers.phases import Phases
 from tests.helpers import wait_for
 
@@ -78,10 +79,9 @@ def alone(vector, weight, round_t, lanes=None, restore=True, payload="fp32") -> 
     return [RoundResult(round_t, 1, None, "no group: alone in the run")]
 
 
-def train(
-    data_dir: Path, run: str, task: str, algorithm: str, max_steps: int, checkpoint_every: int, eval_every: int = 10_000
-) -> Trainer:
-    """A lone peer's trainer, run to max_steps; its checkpoints land where a daemon keeps them."""
+def train(data_dir: Path, run: str, task: str, max_steps: int, checkpoint_every: int) -> Trainer:
+    """A lone peer's trainer of a state run, run to max_steps; its checkpoints land where a daemon
+    keeps them."""
     t = get_task(task)
     trainer = Trainer(
         run_id=run,
@@ -92,11 +92,10 @@ def train(
         store=CheckpointStore(data_dir / "runs" / run / "checkpoints"),
         threads=1,
         checkpoint_every=checkpoint_every,
-        eval_every=eval_every,
+        eval_every=10_000,
         max_steps=max_steps,
         phases=Phases(4),
         average=alone,
-        outer=outer_settings(AveragingSettings(algorithm=algorithm, average_every=4)),
     )
     trainer.start()
     wait_for(
@@ -105,6 +104,42 @@ def train(
     trainer.stop()
     assert trainer.state is TrainState.FINISHED, trainer.error
     return trainer
+
+
+@torch.no_grad()
+def write_diloco(data_dir: Path, run: str, task: str, max_steps: int, checkpoint_every: int, every: int = 4) -> None:
+    """Checkpoints of a lone peer's DiLoCo run in the thread's format, at every `checkpoint_every`
+    steps and at the end: the inner model and optimizer after real inner steps of the task (init seed
+    1, peer seed 2), and the outer state [θ; m]. A lone round every `every` steps takes θ to the
+    inner parameters (an outer step of lr 1, no momentum); the end leaves the model at θ, as the
+    thread's finish did."""
+    t = get_task(task)
+    hparams = t.parse_hparams({})
+    model, optimizer = t.build(hparams, 1)
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # θ's order (daemon/flat.py)
+    n = sum(p.numel() for p in params)
+    outer = torch.zeros(2 * n)
+    to_flat(params, outer[:n])
+    store = CheckpointStore(data_dir / "runs" / run / "checkpoints")
+    identity = identity_of(run, t.name, {k: str(v) for k, v in hparams.to_dict().items()}, model)
+    data = t.data(hparams, 2)
+
+    def save(step: int) -> None:
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "samples": 0, "local_step": step}
+        store.save(step, {**state, "outer": outer.clone(), "residual": torch.zeros(n)}, identity)
+
+    for step in range(1, max_steps + 1):
+        with torch.enable_grad():
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            t.loss(model, next(data)).backward()
+            optimizer.step()
+        if step % every == 0:
+            to_flat(params, outer[:n])
+        if step == max_steps:
+            from_flat(outer[:n], params)
+        if step % checkpoint_every == 0 or step == max_steps:
+            save(step)
 
 
 def checkpoint_of(data_dir: Path, run: str, step: int):
@@ -139,8 +174,8 @@ def runs(tmp_path_factory) -> Path:
     the inner parameters are not θ) and 7 (the end: the model left at θ); `st` under
     algorithm=state, checkpoints at 4 and 5."""
     data_dir = tmp_path_factory.mktemp("data")
-    train(data_dir, "dl", "digits-mlp", "diloco", max_steps=7, checkpoint_every=3)
-    train(data_dir, "st", "digits-mlp", "state", max_steps=5, checkpoint_every=4)
+    write_diloco(data_dir, "dl", "digits-mlp", max_steps=7, checkpoint_every=3)
+    train(data_dir, "st", "digits-mlp", max_steps=5, checkpoint_every=4)
     return data_dir
 
 
@@ -180,7 +215,7 @@ def test_state_exports_the_model(runs, tmp_path):
 
 
 def test_theta_maps_by_the_optimizers_order_and_buffers_come_from_the_model(bn_task_installed, tmp_path):
-    train(tmp_path, "bn", BN_TASK, "diloco", max_steps=6, checkpoint_every=3)
+    write_diloco(tmp_path, "bn", BN_TASK, max_steps=6, checkpoint_every=3)
     ckpt = checkpoint_of(tmp_path, "bn", 3)  # mid-phase, before any round: θ is still the start
     r = export(tmp_path, "bn", tmp_path / "model.pt", step=3)
     weights, model = load_strict(BN_TASK, r.path)
@@ -318,7 +353,6 @@ def test_export_while_the_trainer_writes_checkpoints(tmp_path):
         max_steps=30,
         phases=Phases(4),
         average=alone,
-        outer=outer_settings(AveragingSettings(average_every=4)),
     )
     trainer.start()
     steps = []
@@ -331,15 +365,3 @@ def test_export_while_the_trainer_writes_checkpoints(tmp_path):
     finally:
         trainer.stop()
     assert len(steps) >= 2 and steps == sorted(steps), steps
-
-
-def test_the_final_evaluation_includes_the_round_that_lands_after_the_last_step(tmp_path):
-    """With overlap (the default) the last phase's round lands in finish(), after the loop's own
-    evaluation at the last step: the evaluation status shows must be of that final θ, which is what
-    the checkpoint holds (a lone peer's round leaves its own pseudo-gradient: θ moves)."""
-    trainer = train(tmp_path, "final", "digits-mlp", "diloco", max_steps=40, checkpoint_every=10_000, eval_every=40)
-    t = get_task("digits-mlp")
-    h = t.parse_hparams({})
-    model, _ = t.build(h, 1)
-    model.load_state_dict(checkpoint_of(tmp_path, "final", 40).state["model"])
-    assert trainer.eval.loss == t.evaluate(model, h).loss
