@@ -9,8 +9,9 @@
 
 N workers (default 3) each train their own copy of a `charlm` model (daemon/tasks/charlm.py, built
 with the same seed, each drawing its own batches) and each hold a real `peerd.daemon.diloco.OuterLoop`,
-driven as the trainer drives it (daemon/trainer.py): every H steps `end_phase(round_t, samples,
-repair)`, a repair round every `--repair-every` outer steps, `finish()` at the end. The network is
+driven as a daemon drives it (daemon/attached.py): every H steps `end_phase(round_t, samples,
+repair)`, a repair round every `--repair-every` outer steps; at the end the round in flight lands
+and each model takes θ (`finish`). The network is
 emulated by the `average` callback: a barrier where the N members of the round meet and each
 payload becomes the exact weighted mean (float32, the members in a fixed order), then, for int8
 and fp16 payloads, the codec's encoding of that mean (the owner's encoding of the result, as the
@@ -235,7 +236,7 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
             with loops[0].outer_params():
                 curve.append((step, score(task, built[0][0], hparams)))
     before = [loop.outer.clone() for loop in loops]  # [θ; m] before the round in flight lands
-    together([loop.finish for loop in loops])
+    together([lambda loop=loop: finish(loop) for loop in loops])
     evals = [score(task, model, hparams) for model, _ in built]
     extra = {}
     if overlap:  # a daemon stopped while its last round is in flight (see the module docstring)
@@ -250,6 +251,13 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
         extra["anytime"] = anytime.points
         extra["anytime_inner"] = inner.points
     return {"eval": evals[0], "evals": evals, "curve": curve, **extra}
+
+
+@torch.no_grad()
+def finish(loop: OuterLoop) -> None:
+    """Training ends: the round in flight lands (waited for), and the model holds θ, the run's model."""
+    loop.land(wait=True)
+    from_flat(loop.theta, loop.params)
 
 
 @torch.no_grad()

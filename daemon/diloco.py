@@ -12,17 +12,18 @@ The mean P̄ is applied identically on every member of a completed round:
 
 Without overlap the phase waits for its round, then the inner parameters restart from θ (DiLoCo).
 With overlap (Streaming DiLoCo's overlapped communication) the round of phase k runs on the
-network while phase k+1 computes, and its result *lands* as soon as the round ends: the trainer
-calls `land()` between two inner steps, which takes the outer step on θ and moves the inner
+network while phase k+1 computes, and its result *lands* as soon as the round ends (`land_into`,
+the one place a round lands): the outer step on θ, and the move θ − s that takes the inner
 parameters x to θ − (s − x), the new θ plus this member's progress since the phase began (its
 progress of phase k, now averaged, is replaced by the outer step); that progress is from then on
 counted from θ. A round that takes τ inner steps is τ steps stale, not a whole phase: landing at
 the next phase's end, as before, cost 13 % of charlm's quality at outer momentum 0.9 in simulation,
 landing 10 steps into a 50-step phase 1.2 % (docs/benchmarks.md). A round still running when the
 next phase ends is waited for and lands then; compute waits only when a round takes longer than a
-phase. An attached process (daemon/attached.py) computes in another process: there the daemon
-calls `land_into` as soon as the round ends, which takes the outer step and hands the process the
-move θ − s to add to its parameters between two of its steps (`on_round_done` says when).
+phase. The parameters are an attached process's (daemon/attached.py), in the shared file: the daemon
+calls `land_into` as soon as the round ends and hands the process the move to add between two of
+its steps (`on_round_done` says when); a round still in flight at the phase's end moves the vector
+the process wrote (`land`, as the simulation's workers do between their steps).
 
 A round that met no mate although the grid planned some, or whose group aborted (no lane applied
 a result), is *deferred*: θ and m stay, the inner parameters keep their progress (with overlap
@@ -50,7 +51,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -162,11 +163,12 @@ class OuterLoop:
         self.residual = torch.zeros(n)
         self.deferred_weight = 0.0  # samples of deferred rounds, added to the next round's weight
         self._owed = 0  # rounds deferred in a row
-        # y, where a phase ended: an attached process's parameters are one flat vector (the shared
-        # file), read in place; without overlap nothing else needs a scratch copy: one copy fewer.
+        # An attached process's parameters are one flat vector (the shared file): y is read, and a
+        # landed round's move added, in place. Parameters as tensors (the simulation) go through a
+        # scratch copy.
         self._flat = len(params) == 1 and params[0].dim() == 1 and params[0].dtype == torch.float32
         self._flat = self._flat and params[0].is_contiguous()
-        self.scratch = None if self._flat and not settings.overlap else torch.empty(n)
+        self.scratch = None if self._flat else torch.empty(n)
         self._pending: concurrent.futures.Future | None = None
         # (round_t, repair, weight) of the pending round
         self._pending_round: tuple[int, bool, float] = (0, False, 0.0)
@@ -255,37 +257,30 @@ class OuterLoop:
 
     @torch.no_grad()
     def land(self, wait: bool = False) -> Applied | None:
-        """With overlap, between two inner steps: if the round in flight has ended (or, with `wait`,
-        once it has), its result lands: the outer step on θ, and the inner parameters x move to
-        θ − (s − x), the new θ plus the progress since the phase began, now counted from θ. A
-        cancelled round changes neither θ nor the model. None when no round was in flight, or it
-        is still running and `wait` is false."""
-        if self._pending is None or not (wait or self._pending.done()):
-            return None
+        """`land_into` for the parameters this loop holds: if the round in flight has ended (or, with
+        `wait`, once it has), they move by θ − s in place, to θ − (s − x). The move is written in
+        P's buffer (the round's P is not needed once it landed). None when no round was in flight
+        or it still runs."""
         t0 = time.monotonic()
-        results = self._pending.result()
-        waited = time.monotonic() - t0
-        round_t, repair, weight = self._pending_round
-        self._pending = None
-        if self._defers(results):  # θ stays, the inner parameters keep their progress
-            self._defer(repair, weight)
-            return Applied(round_t, results, waited, repair, weight, deferred=True)
-        if not cancelled(results):
-            self._apply(repair)
-            to_flat(self.params, self.scratch)  # x
-            self.scratch.sub_(self.start).add_(self.theta)  # θ − (s − x)
-            from_flat(self.scratch, self.params)
-            self.start.copy_(self.theta)
-        return Applied(round_t, results, waited, repair, weight)
+        applied = self.land_into(self.progress, wait)
+        if applied is None:
+            return None
+        if applied.moved:
+            if self._flat:
+                self.params[0].add_(self.progress)
+            else:
+                to_flat(self.params, self.scratch)
+                from_flat(self.scratch.add_(self.progress), self.params)
+        return replace(applied, waited=time.monotonic() - t0)
 
     @torch.no_grad()
     def land_into(self, move: torch.Tensor, wait: bool = False) -> Applied | None:
-        """`land` for parameters held by another process: if the round in flight has ended (or,
-        with `wait`, once it has), the outer step on θ, and `move` := θ − s, what that process adds
-        to its parameters x to hold θ − (s − x); from then on its progress is counted from θ. The
-        parameters here are left alone. None when no round was in flight or it still runs; a
-        cancelled round changes nothing, and `move` is not written. A round that raised is dropped,
-        and its exception raised here."""
+        """Where a round lands: if the round in flight has ended (or, with `wait`, once it has), the
+        outer step on θ, and `move` := θ − s, what the parameters x take to hold θ − (s − x) (an
+        attached process adds it between two steps; `land` here); from then on the progress is
+        counted from θ. The parameters are left alone. None when no round was in flight or it still
+        runs; a cancelled round changes nothing, and `move` is not written. A round that raised is
+        dropped, and its exception raised here."""
         if self._pending is None or not (wait or self._pending.done()):
             return None
         pending, self._pending = self._pending, None
@@ -329,17 +324,6 @@ class OuterLoop:
             self.distance = float(torch.dist(self.progress, self.payload))
             # The payload is the outer step's temporary: the mean is not needed after it either.
             outer_step(self.theta, self.momentum, self.payload, self.settings.lr, self.settings.momentum, self.payload)
-
-    @torch.no_grad()
-    def finish(self) -> Applied | None:
-        """Training ends: the round still in flight lands (waited for; its bridge bounds it), and
-        the model is left at θ, the run's model. This peer's progress since the last boundary, which
-        no round averaged, is not part of it (at most H steps of one peer's local progress; with
-        AdamW it made the model worse: docs/benchmarks.md). None when no round was pending."""
-        applied = self.land(wait=True)
-        from_flat(self.theta, self.params)
-        self.start.copy_(self.theta)
-        return applied
 
     @contextlib.contextmanager
     def outer_params(self):

@@ -116,24 +116,6 @@ def test_a_repair_round_adopts_the_mean_of_theta_minus_progress_without_an_outer
     b.close()
 
 
-def test_finish_applies_the_round_in_flight_and_leaves_the_model_at_theta():
-    pair = Pair()
-    pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
-    a, b = pair.member(pa, True, "a"), pair.member(pb, True, "b")
-    pa[0] -= 1.0
-    pb[0] -= 3.0
-    together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 1.0))
-    pa[0] -= 0.25  # a trains on past the boundary: a tail no round averaged, not part of the model
-    done = together(a.finish, b.finish)
-    assert [d.round_t for d in done] == [1, 1]
-    # Round 1's mean P = 2: θ = 0 - 0.5*2 = -1 on both, and both models hold it.
-    assert a.theta.item() == b.theta.item() == -1.0
-    assert pa[0].item() == pb[0].item() == -1.0
-    assert a.finish() is None  # nothing in flight any more
-    a.close()
-    b.close()
-
-
 def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_is_kept():
     pair = Pair()
     pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
@@ -153,7 +135,7 @@ def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_
     pb[0] -= 0.5
     second = together(lambda: a.end_phase(2, 1.0), lambda: b.end_phase(2, 1.0))
     assert [d.round_t for d in second] == [None, None]  # round 1 landed already
-    together(a.finish, b.finish)
+    together(lambda: a.land(wait=True), lambda: b.land(wait=True))
     # Round 2 averaged each phase's whole progress, P = -1 - (-2) = 1: θ = -1 - 0.5*1.
     assert a.theta.item() == b.theta.item() == -1.5
     assert pa[0].item() == pb[0].item() == -1.5
@@ -161,9 +143,33 @@ def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_
     b.close()
 
 
+def test_land_moves_parameters_held_as_several_tensors_as_it_moves_a_flat_vector():
+    """A flat float32 vector (an attached process's, in the shared file) moves in place; a model's
+    several tensors (the simulation's workers) through the scratch copy: the same values."""
+    pair = Pair()
+    pa = [torch.tensor([0.0, 0.0])]
+    pb = [torch.tensor([0.0]), torch.tensor([[0.0]])]
+    a, b = pair.member(pa, True, "a"), pair.member(pb, True, "b")
+    assert a.scratch is None and b.scratch is not None
+    pa[0] -= torch.tensor([1.0, 3.0])  # P = [1, 3] on both
+    pb[0] -= 1.0
+    pb[1] -= 3.0
+    together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 1.0))
+    pa[0] -= 0.5
+    pb[0] -= 0.5
+    pb[1] -= 0.5
+    assert [d.round_t for d in together(lambda: a.land(wait=True), lambda: b.land(wait=True))] == [1, 1]
+    # θ = 0 - 0.5*[1, 3]; each model θ plus its progress since (-0.5).
+    assert a.theta.tolist() == b.theta.tolist() == [-0.5, -1.5]
+    assert pa[0].tolist() == [pb[0].item(), pb[1].item()] == [-1.0, -2.0]
+    a.close()
+    b.close()
+
+
 def test_land_into_hands_another_process_the_move_that_land_makes_here():
     """An attached process's parameters (daemon/attached.py): the daemon writes θ − s when the round
-    ends (on_round_done says when), the process adds it; the same values as land() in place."""
+    ends (on_round_done says when), the process adds it; the same values as land() in place (on a
+    vector of tensors here, through the scratch copy)."""
     pair = Pair()
     ended = threading.Event()
     pa, pb = [torch.tensor([0.0])], [torch.tensor([0.0])]
@@ -233,14 +239,15 @@ def test_a_round_the_stop_cancelled_is_not_applied():
     assert done.round_t == 1 and done.results == STOPPED
     assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
     loop.close()
-    # With overlap, the round in flight when training ends: the model is the last shared θ.
+    # With overlap, the round in flight when training ends: nothing moves, θ or the model.
     p = [torch.tensor([1.0])]
     loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32", overlap=True), lambda *args: STOPPED, "o")
     p[0] -= 0.5
     loop.end_phase(1, 1.0)
     p[0] -= 0.25
-    assert loop.finish().results == STOPPED
-    assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
+    landed = loop.land(wait=True)
+    assert landed.results == STOPPED and not landed.moved
+    assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 0.25
     loop.close()
 
 
