@@ -424,7 +424,7 @@ class AttachedTrainer:
             self._resume(state)
             self.global_step = self.resumed_from = self._checkpointed = checkpoint.step
             self._local_done, self._samples_done = int(state.get("local_step", 0)), int(state.get("samples", 0))
-            self.snapshot = Snapshot(self.global_step, self._served().clone())
+            self._snapshot(self.global_step)
             self._has_state = True
             logger.info("run %s: resumed from checkpoint at step %d", self.run_id, self.global_step)
         self.state = TrainState.STOPPED  # until a process attaches
@@ -668,7 +668,7 @@ class AttachedTrainer:
                 if self._outer is not None:
                     self._outer.reset_from_params()
                 self._has_state = True
-                self.snapshot = Snapshot(self.global_step, self._served().clone())
+                self._snapshot(self.global_step)
                 self._publish_theta()
                 return PhaseEnd(self.global_step, -1, "", 0.0, False)
             self._settle(taken=self._shared.count(APPLIED_OFFSET))
@@ -727,6 +727,11 @@ class AttachedTrainer:
         """What peers download and what a download lands in: [θ; m]."""
         return self._outer.outer
 
+    def _snapshot(self, step: int) -> None:
+        """The snapshot peers download: [θ; m] itself, no copy (OuterLoop.share: the loop moves its
+        own to a copy before they next change, the snapshot keeps these values)."""
+        self.snapshot = Snapshot(step, self._outer.share())
+
     def _resume(self, state: dict) -> None:
         """Take a checkpoint's state (the outer state [θ; m] and the error feedback)."""
         self._outer.adopt(state["outer"])
@@ -764,7 +769,7 @@ class AttachedTrainer:
         if any(r.applied for r in results):
             self.param_distance_to_group_mean = self._outer.distance
             self.samples_averaged += applied.weight
-        self.snapshot = Snapshot(self.global_step, self._served().clone())
+        self._snapshot(self.global_step)
         for result in results:
             self.on_round(result)
 
@@ -841,7 +846,7 @@ class AttachedTrainer:
                 result = self.sync(min_step, flat)
                 if result.ok and result.step >= min_step:
                     self._adopt(flat)
-                    self.snapshot = Snapshot(result.step, self._served().clone())
+                    self._snapshot(result.step)
                     self.global_step = max(self.global_step, result.step)
                     self.synced_from = result.step
                     self._samples_since_round, self._has_state = 0.0, True

@@ -152,11 +152,11 @@ class OuterLoop:
         self.on_round_done = on_round_done
         n = sum(p.numel() for p in params)
         self.n = n
-        self.outer = torch.empty(2 * n)  # [θ; m]: served to peers, checkpointed
-        self.theta, self.momentum = self.outer[:n], self.outer[n:]
         # s: the phase's progress is counted from here (P = s − y). Without overlap every phase starts
         # at θ and θ changes only between phases, so s is θ itself: one copy of the model fewer.
-        self.start = torch.empty(n) if settings.overlap else self.theta
+        self.start = torch.empty(n) if settings.overlap else None
+        self._point(torch.empty(2 * n))  # [θ; m]: served to peers, checkpointed
+        self._lent = False  # [θ; m] is a snapshot's too (share): it moves to a copy before it changes
         self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
         self.payload = torch.empty(n)  # what the round averages, in place
         # Error feedback: quantization error carried to the next phase, and a deferred round's vector.
@@ -178,9 +178,30 @@ class OuterLoop:
 
     # -- state ------------------------------------------------------------------------------
 
+    def _point(self, outer: torch.Tensor) -> None:
+        self.outer = outer
+        self.theta, self.momentum = outer[: self.n], outer[self.n :]
+        if not self.settings.overlap:
+            self.start = self.theta
+
+    def share(self) -> torch.Tensor:
+        """[θ; m] for a snapshot peers download, without a copy: before θ or m next change, this
+        loop moves its own to a copy (one per round while downloads may read the old one; the old
+        one is freed once no snapshot holds it), and the snapshot keeps these values."""
+        self._lent = True
+        return self.outer
+
+    def _before_change(self, keep: bool = True) -> None:
+        """Every change of θ or m comes here first (share); `keep`: the change reads them (else it
+        overwrites both)."""
+        if self._lent:
+            self._point(self.outer.clone() if keep else torch.empty_like(self.outer))
+            self._lent = False
+
     @torch.no_grad()
     def reset_from_params(self) -> None:
         """θ := the model's parameters, m := 0 (a new run, or a checkpoint without outer state)."""
+        self._before_change(keep=False)
         to_flat(self.params, self.theta)
         self.momentum.zero_()
         self.start.copy_(self.theta)
@@ -192,6 +213,7 @@ class OuterLoop:
         """Take [θ; m] from a checkpoint or from peers: the inner parameters restart from θ. A
         round still in flight is waited for and dropped (its result belongs to the old state)."""
         self.drop_pending()
+        self._before_change(keep=False)
         self.outer.copy_(outer)
         from_flat(self.theta, self.params)
         self.start.copy_(self.theta)
@@ -317,6 +339,7 @@ class OuterLoop:
         """The round's result is in `payload` (its mean where it applied, this member's own values
         elsewhere): a repair adopts it as θ, a pseudo-gradient takes an outer step. Before that,
         how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|)."""
+        self._before_change()
         if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
             self.distance = float(self.progress.sub_(self.theta).add_(self.payload).norm())
             self.theta.copy_(self.payload)

@@ -45,6 +45,10 @@ class StateChild(TaskChild):
     def _served(self) -> torch.Tensor:
         return self._shared.tensor
 
+    def _snapshot(self, step: int) -> None:
+        """A copy: the process writes the vector at its next phase's end."""
+        self.snapshot = Snapshot(step, self._shared.tensor.clone())
+
     def _adopt(self, flat: torch.Tensor) -> None:
         self._shared.tensor.copy_(flat)
 

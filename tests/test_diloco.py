@@ -363,3 +363,31 @@ def test_an_owed_int8_round_keeps_every_value_it_did_not_send():
         (t, sent, _) = script.seen[-1]
         assert t == 2 and torch.allclose(sent + loop.residual, first + second + before, atol=1e-5), overlap
         loop.close()
+
+
+def test_a_shared_outer_state_keeps_its_values_and_the_loop_moves_to_a_copy_only_when_lent():
+    """Snapshots peers download are [θ; m] itself (share), not a copy per round: the loop moves its
+    own to a copy before the next change, once, and not at all while nothing holds it."""
+    for overlap in (False, True):
+        p = [torch.tensor([1.0])]
+        settings = OuterSettings(lr=0.5, momentum=0.5, payload="fp32", overlap=overlap)
+        loop = OuterLoop(p, settings, lambda v, w, t, fmt: [RoundResult(t, 1, None, "alone in the run")], "cow")
+        own = loop.outer
+        p[0] -= 0.5
+        loop.end_phase(1, 1.0)
+        loop.land(wait=True)
+        assert loop.outer is own  # nothing held it: no copy
+        lent = loop.share()
+        kept = lent.clone()
+        p[0] -= 0.5
+        loop.end_phase(2, 1.0)
+        loop.land(wait=True)
+        assert torch.equal(lent, kept) and loop.outer is not lent  # the snapshot's values stay
+        assert loop.theta.item() != kept[0].item()  # θ took its step in the copy
+        if not overlap:
+            assert loop.start is loop.theta  # s is still θ itself
+        copy = loop.outer
+        loop.share()
+        loop.adopt(torch.tensor([3.0, 0.0]))  # a download or a checkpoint: no copy of what it replaces
+        assert loop.outer is not copy and loop.theta.item() == 3.0 and copy[0].item() != 3.0
+        loop.close()
