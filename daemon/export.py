@@ -6,8 +6,10 @@ the outer parameters θ (the first half of the checkpoint's "outer" [θ; m], in 
 of the parameters), not the inner ones in "model": θ is what every member of a completed round
 shares. A state_dict alone does not tell parameters from buffers, so the task's model is built (the
 checkpoint's identity names the task and its hyper-parameters) and θ copied into its parameters;
-buffers come from "model". A run trained by a user's own script has no model in the daemon: its
-checkpoint carries the parameters' names, shapes and dtypes ("model_layout"), by which θ is cut.
+buffers come from "model". A run trained by attached processes (a user's own script, or a task's
+child) has no model in the daemon: its checkpoint carries the parameters' names, shapes and dtypes
+("model_layout"), by which θ is cut; a task's child's buffers come from the file it keeps its
+optimizer's state in.
 
 Only files are read: the daemon may run or not. Checkpoints are renamed into place when complete
 (daemon/datadir.write_atomic), so one being written is never half-read; one that does not verify is
@@ -66,6 +68,7 @@ def export(data_dir: Path, run_id: str, out: Path, step: int | None = None) -> E
     store = CheckpointStore(directory / "checkpoints")
     checkpoint, warnings = _pick(store, run_id, step)
     kind, weights, parameters = checkpoint_weights(checkpoint)
+    weights = _with_process_buffers(directory, checkpoint, weights)
     warnings += _other_models(store, checkpoint)
     buffer = io.BytesIO()
     torch.save(weights, buffer)
@@ -74,6 +77,31 @@ def export(data_dir: Path, run_id: str, out: Path, step: int | None = None) -> E
     except OSError as e:
         raise ExportError(f"cannot write {out}: {e.strerror}") from None
     return ExportResult(out, checkpoint.step, parameters, kind, checkpoint.path, tuple(warnings))
+
+
+def _with_process_buffers(directory: Path, checkpoint: Checkpoint, weights: dict) -> dict:
+    """A task's run trained in child processes: the model's buffers (BatchNorm's running statistics)
+    are not parameters, neither averaged nor in the daemon's checkpoints (a `state` run's holds the
+    daemon's copy of the model, whose buffers never trained): they are the training process's
+    latest, saved with its optimizer's state (daemon/taskproc.py, STATE_FILE), for the same model.
+    Without that file (or of another model), the weights are left as the checkpoint gives them."""
+    from peerd.daemon.taskchild import STATE_FILE
+
+    identity, path = checkpoint.identity, directory / STATE_FILE
+    if identity is None or not identity.get("task") or not path.is_file():
+        return weights
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception:  # a torn or foreign file: the checkpoint's own weights stand
+        return weights
+    buffers = saved.get("buffers") if isinstance(saved, dict) else None
+    if not isinstance(buffers, dict) or mismatch(identity, saved.get("identity") or {}):
+        return weights
+    model, _ = _build(identity, checkpoint.path.name)
+    wanted = model.state_dict()
+    parameters = {name for name, _ in model.named_parameters()}
+    taken = {k: v for k, v in buffers.items() if k in wanted and k not in parameters and torch.is_tensor(v)}
+    return {**weights, **taken}
 
 
 def _pick(store: CheckpointStore, run_id: str, step: int | None) -> tuple[Checkpoint, list[str]]:

@@ -53,15 +53,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def save_state(opt, path: Path, identity: dict) -> None:
-    """opt.state_dict() with the identity of the run's model (load_state checks it), written
-    atomically (a crash leaves the previous file)."""
+def save_state(opt, path: Path, identity: dict, model: torch.nn.Module) -> None:
+    """opt.state_dict() and the model's buffers (BatchNorm's running statistics: not parameters, so
+    neither averaged nor in the daemon's checkpoints; `peerd export` takes them from here), with the
+    identity of the run's model (load_state checks it), written atomically (a crash leaves the
+    previous file)."""
     partial = path.with_name(path.name + ".partial")
-    torch.save({**opt.state_dict(), "identity": identity}, partial)
+    buffers = {name: b.detach().cpu() for name, b in model.named_buffers()}
+    torch.save({**opt.state_dict(), "buffers": buffers, "identity": identity}, partial)
     os.replace(partial, path)
 
 
-def load_state(opt, path: Path, identity: dict) -> None:
+def load_state(opt, path: Path, identity: dict, model: torch.nn.Module) -> None:
     """Resume the inner optimizer from `path`, if it was saved for this identity (run, task,
     hyper-parameters, model layout: the daemon's checkpoints'). A run ID reused for another model
     (its manifest deleted) passes the old model's file over, as the daemon passes over its
@@ -75,6 +78,10 @@ def load_state(opt, path: Path, identity: dict) -> None:
         return
     run_step = opt.run_step
     opt.load_state_dict(saved)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in saved.get("buffers", {}):
+                b.copy_(saved["buffers"][name])
     # The run's step is the daemon's, whose checkpoint may be older than this file (a torn newest one).
     opt.run_step = run_step
     logger.info("run %s: inner optimizer resumed from %s", opt.run, path)
@@ -103,7 +110,7 @@ def train(args: argparse.Namespace) -> int:
     text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
     identity = identity_of(args.run, task.name, text, model)
     if args.state is not None and args.state.exists():
-        load_state(opt, args.state, identity)
+        load_state(opt, args.state, identity, model)
     # Each daemon its own stream of samples (as the trainer thread), a new one after a restart; each
     # process of a local group (--rank) its own.
     rank = [str(args.rank)] if args.rank else []
@@ -125,15 +132,15 @@ def train(args: argparse.Namespace) -> int:
                 report(task, hparams, model, opt)
                 evaluated, reported = opt.run_step, True
             if args.state is not None and opt.run_step - saved >= args.checkpoint_every and opt.group_rank == 0:
-                save_state(opt, args.state, identity)
+                save_state(opt, args.state, identity, model)
                 saved = opt.run_step
         if (evaluated != opt.run_step or not reported) and opt.group_rank == 0:
             report(task, hparams, model, opt)
         if args.state is not None and opt.group_rank == 0:
-            save_state(opt, args.state, identity)
+            save_state(opt, args.state, identity, model)
     except SystemExit:  # SIGTERM (main): the daemon stops the run; its thread would checkpoint too
         if args.state is not None and opt.group_rank == 0:
-            save_state(opt, args.state, identity)
+            save_state(opt, args.state, identity, model)
         raise
     finally:
         opt.close()

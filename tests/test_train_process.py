@@ -1,6 +1,6 @@
 """A daemon trains its --task runs in child processes (daemon/taskchild.py): a killed child is
 restarted and training goes on (one that always fails: tests/test_health.py); state runs; a local
-group of children."""
+group of children; a task's buffers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,13 @@ import os
 import signal
 
 import pytest
+import torch
 
 from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.client import ControlClient
+from peerd.daemon.export import export
+from peerd.daemon.procs import LocalDaemon
+from peerd.daemon.taskchild import STATE_FILE
 from peerd.daemon.tasks import get_task
 from peerd import PeerdError
 from peerd.torch import Optimizer
@@ -171,3 +175,38 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_tasks_buffers_are_kept_by_its_training_process_resumed_and_exported(tmp_path, monkeypatch):
+    """BatchNorm's running statistics are not parameters: neither averaged nor in the daemon's
+    checkpoints. The child keeps them with its optimizer's state: a restart resumes them, and
+    `peerd export` writes them, so that the task's model loads the file strictly."""
+    from tests.test_export import BN_TASK, BatchNormTask
+
+    info = tmp_path / "site" / "peerd_test_export_task-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: peerd-test-export-task\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[peerd.tasks]\n{BN_TASK} = tests.test_export:BatchNormTask\n")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")) if p)}
+    run = ["--run", "bn", "--task", BN_TASK, "--set", "averaging.average_every=4", "--set", "averaging.first_phase=0"]
+    d = LocalDaemon(tmp_path / "d", [*run, "--max-steps", "8", *PROCESS], env=env)
+    state = tmp_path / "d" / "runs" / "bn" / STATE_FILE
+    try:
+        for steps in (8, 16):  # the second start resumes from the first's files
+            d.args = [*run, "--max-steps", str(steps), *PROCESS]
+            d.start()
+            wait_for(lambda: run_status(d, "bn").train_state == "FINISHED", timeout=120, what=f"{steps} steps")
+            assert d.stop() == 0
+            buffers = torch.load(state, weights_only=True)["buffers"]
+            assert int(buffers["1.num_batches_tracked"]) == steps  # a forward in training mode per step
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))  # `peerd export` here builds the task's model
+        r = export(tmp_path / "d", "bn", tmp_path / "model.pt")
+        weights = torch.load(r.path, weights_only=True)
+        task = BatchNormTask()
+        model, _ = task.build(task.parse_hparams({}), 0)
+        model.load_state_dict(weights, strict=True)
+        for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+            assert torch.equal(weights[name], buffers[name]), name
+        assert float(weights["1.running_mean"].abs().sum()) > 0  # trained, not BatchNorm's initial zeros
+    finally:
+        d.kill_group()
