@@ -489,8 +489,9 @@ def _add_export(sub) -> None:
         "loads it. Under DiLoCo (the default algorithm) the weights are the outer parameters θ, the model "
         "every member of a completed round shares, with the model's buffers (a task's training process keeps "
         "them with its optimizer's state); under averaging.algorithm=state, the model as the daemon held it; "
-        "for a run trained by your own script, θ by your model's parameter names (no buffers). Reads files only: the daemon may be running or stopped. A checkpoint that does "
-        "not verify is skipped for the next newest, with a warning.",
+        "for a run trained by your own script, θ by your model's parameter names (no buffers). Reads files "
+        "only: the daemon may be running or stopped. A checkpoint that does not verify is skipped for the "
+        "next newest, with a warning.",
     )
     p.add_argument("run_id", metavar="RUN_ID")
     p.add_argument(
