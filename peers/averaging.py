@@ -18,7 +18,9 @@ Round t of a run with live peers P (this daemon included):
    data goes per link (`--data-path`) as UDP datagrams where the link probe to that
    member passes (peers/linkprobe.py) and as packets over the reliable link where it does not. The Outcome says whether every member of the group holds the same result
    (COMPLETED), the result where its packets arrived and its own values elsewhere (PARTIAL, UDP
-   only), or its own unchanged vector (ABORTED).
+   only), or its own unchanged vector (ABORTED). The group waits for its all-gather the largest of
+   its members' gather_timeout proposals, each from that member's measured rounds
+   (peers/collective/gather_timeout.py).
 
 A round that forms no group (alone, leader gone, views differed) changes nothing and says why.
 
@@ -52,6 +54,7 @@ from hivemind.p2p import P2P
 from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, Outcome, UdpTransport
 from peerd.peers.collective.codec import Format
 from peerd.peers.collective.fallback import FallbackTransport, member_address
+from peerd.peers.collective.gather_timeout import FLOOR, GatherTimeout, agreed, with_gather_timeout
 from peerd.peers.collective.inbox import BufferPool, InboxBuffers
 from peerd.peers.collective.linkauth import LinkAuth
 from peerd.peers.collective.tcp import split_address
@@ -169,6 +172,10 @@ class MoshpitAverager:
         self.p2p, self.reliable_links = p2p, reliable_links
         self.loss_tolerant, self.datagram_bytes, self.udp_rate_bps = loss_tolerant, datagram_bytes, udp_rate_bps
         self.settings = settings or AllReduceSettings()
+        # settings.gather_timeout is the ceiling; each round's group agrees on its own from its
+        # members' measured rounds (peers/collective/gather_timeout.py).
+        ceiling = self.settings.gather_timeout
+        self.gather_timeout = GatherTimeout(ceiling, floor=min(FLOOR, ceiling))
         self.events = events or PeerEvents()
         self.lanes = lanes
         # Each round builds its own engine (its transport is keyed by the round's group), but the
@@ -264,7 +271,7 @@ class MoshpitAverager:
         buffers: InboxBuffers | None = None
         try:
             port = split_address(address)[1]
-            me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight))
+            me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight), self.gather_timeout.proposal())
             matched = await self.matchmaker.form_group(namespace, self.secret, round_t, key, me, mates)
             if matched.group is None:
                 return RoundResult(round_t, 1, None, f"no group: {matched.reason}", lane=lane)
@@ -287,7 +294,8 @@ class MoshpitAverager:
                         lane=lane,
                     )
             buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
-            settings = self.settings if payload == "fp32" else dataclasses.replace(self.settings, payload=payload)
+            gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
+            settings = dataclasses.replace(with_gather_timeout(self.settings, gather), payload=payload)
             engine = engine_type(
                 group, transport, vector.numel(), settings=settings, events=self.events, buffers=buffers
             )
@@ -296,6 +304,8 @@ class MoshpitAverager:
                 outcome = await engine.all_reduce(vector, float(weight), 1, restore=restore)
             finally:
                 await engine.close()
+            if outcome.completed:
+                self.gather_timeout.observe(outcome.duration, gather)
             return RoundResult(
                 round_t,
                 group.size,

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from peerd.peers.clock import now
+from peerd.peers.collective.gather_timeout import MAX_PROPOSAL
 from peerd.peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
 from peerd.peers.events import PeerEvents
 from peerd.peers.node import P2PContext, PeerNode
@@ -83,6 +84,8 @@ class Member(NamedTuple):
     peer_id: str
     engine_addr: str  # "host:port" of the member's collective engine
     weight: float  # samples since its last round
+    gather_timeout: float = 0.0  # seconds it proposes for the round's all-gather; 0: none
+    #                              (peers/collective/gather_timeout.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +166,14 @@ def open_entry(data: object, *, namespace: str, secret: RunSecret | None, subkey
         raise RecordRejected("record_malformed", "engine address is not host:port")
     if not math.isfinite(body.weight) or body.weight < 0 or not math.isfinite(body.timestamp):
         raise RecordRejected("record_malformed", "weight or timestamp out of range")
-    return Entry(Member(signer, body.engine_addr, body.weight), body.group_key, body.round, body.timestamp)
+    if not proposal_ok(body.gather_timeout):
+        raise RecordRejected("record_malformed", "gather_timeout out of range")
+    member = Member(signer, body.engine_addr, body.weight, body.gather_timeout)
+    return Entry(member, body.group_key, body.round, body.timestamp)
+
+
+def proposal_ok(gather_timeout: float) -> bool:
+    return 0 <= gather_timeout <= MAX_PROPOSAL  # False for NaN
 
 
 @dataclass(slots=True)
@@ -211,6 +221,7 @@ class Matchmaker:
             engine_addr=me.engine_addr,
             weight=me.weight,
             timestamp=now(),
+            gather_timeout=me.gather_timeout,
         ).SerializeToString()
         return seal(RecordKind.GROUP_ENTRY, body, self.node.identity, secret, namespace)
 
@@ -332,9 +343,10 @@ class Matchmaker:
             return Matched(None, f"leader {leader} unreachable: {type(e).__name__}: {' '.join(str(e).split())}")
         if response.status != pb.JOIN_STATUS_ACCEPTED:
             return Matched(None, f"leader {leader} answered {pb.JoinStatus.Name(response.status)}")
-        members = tuple(Member(m.peer_id, m.engine_addr, m.weight) for m in response.members)
+        members = tuple(Member(m.peer_id, m.engine_addr, m.weight, m.gather_timeout) for m in response.members)
         ids = [m.peer_id for m in members]
-        if not ids or ids[0] != leader or self.node.peer_id not in ids or ids != sorted(set(ids)):
+        bad = not all(proposal_ok(m.gather_timeout) for m in members)
+        if bad or not ids or ids[0] != leader or self.node.peer_id not in ids or ids != sorted(set(ids)):
             self.events.rejected("join_bad_answer")
             return Matched(None, f"leader {leader} answered an inconsistent group")
         return Matched(MatchedGroup(namespace, round_t, key, members, ids.index(self.node.peer_id)), "follower")
@@ -374,7 +386,12 @@ class Matchmaker:
             return pb.JoinGroupResponse(status=pb.JOIN_STATUS_NOT_LEADER)
         if entry.member.peer_id not in {m.peer_id for m in members}:
             return pb.JoinGroupResponse(status=pb.JOIN_STATUS_GROUP_FULL)
-        wire = [pb.GroupMember(peer_id=m.peer_id, engine_addr=m.engine_addr, weight=m.weight) for m in members]
+        wire = [
+            pb.GroupMember(
+                peer_id=m.peer_id, engine_addr=m.engine_addr, weight=m.weight, gather_timeout=m.gather_timeout
+            )
+            for m in members
+        ]
         return pb.JoinGroupResponse(status=pb.JOIN_STATUS_ACCEPTED, members=wire)
 
     async def _session_of(self, sk: tuple[str, int]) -> _Session | None:

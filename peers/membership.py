@@ -42,7 +42,9 @@ IDLE = "idle"
 
 GOODBYE_HANDLER = "peerd.membership.Goodbye"
 LOST_MEMORY = 600.0  # seconds a timed-out peer is still re-dialed: partitions that heal within this re-merge
-REJOIN_INTERVAL = 5.0  # seconds between two rounds of re-dialing timed-out peers
+# Seconds between two rounds of re-dialing timed-out peers: a healed or thawed peer waits for the
+# next round's answer (which also lifts the DHT's ban on it, PeerNode.ping) before its records are read.
+REJOIN_INTERVAL = 2.0
 REJOIN_MAX = 8  # timed-out peers re-dialed per round, the most recently lost first
 RENDEZVOUS_POLL = 0.2  # seconds between two reads of the run's records while waiting for group mates
 

@@ -152,8 +152,15 @@ class PeerNode:
     async def ping(self, peer_id: str) -> bool:
         """Ping a peer's DHT node; on an answer each side adds the other to its routing table. This is
         how the two sides of a healed partition find each other again: while cut off, their routing
-        tables dropped each other, and nothing else would ever dial across."""
-        return await self._request("ping", self.dht.protocol.call_ping(PeerID.from_base58(peer_id))) is not None
+        tables dropped each other, and nothing else would ever dial across. An answer also lifts
+        this node's DHT ban on the peer: hivemind's DHTNode skips a peer that failed requests for
+        5 s, doubled at each failure in a row (its `blacklist`), so a peer cut off or frozen for
+        15-20 s stayed skipped, its records unread, for up to 20 s more after it was back."""
+        peer = PeerID.from_base58(peer_id)
+        answered = await self._request("ping", self.dht.protocol.call_ping(peer)) is not None
+        if answered:
+            self.dht.blacklist.register_success(peer)
+        return answered
 
     async def _request(self, op: str, coro) -> Any:
         try:

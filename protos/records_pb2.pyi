@@ -202,20 +202,22 @@ class GoodbyeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GroupEntry(_message.Message):
-    __slots__ = ("format_version", "group_key", "round", "engine_addr", "weight", "timestamp")
+    __slots__ = ("format_version", "group_key", "round", "engine_addr", "weight", "timestamp", "gather_timeout")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    GATHER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     group_key: str
     round: int
     engine_addr: str
     weight: float
     timestamp: float
-    def __init__(self, format_version: _Optional[int] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    gather_timeout: float
+    def __init__(self, format_version: _Optional[int] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., timestamp: _Optional[float] = ..., gather_timeout: _Optional[float] = ...) -> None: ...
 
 class JoinGroupRequest(_message.Message):
     __slots__ = ("group_key", "round", "envelope")
@@ -228,14 +230,16 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, group_key: _Optional[str] = ..., round: _Optional[int] = ..., envelope: _Optional[bytes] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "engine_addr", "weight")
+    __slots__ = ("peer_id", "engine_addr", "weight", "gather_timeout")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GATHER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     engine_addr: str
     weight: float
-    def __init__(self, peer_id: _Optional[str] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+    gather_timeout: float
+    def __init__(self, peer_id: _Optional[str] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., gather_timeout: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
     __slots__ = ("status", "members")

@@ -238,6 +238,46 @@ def test_report_times_faults_from_made_up_samples():
     assert "added RTT: none;" in text and r["added_rtt"] == "none"  # nothing measured, nothing claimed
 
 
+def test_a_thaw_is_noticed_by_the_hosts_on_its_side_of_a_partition():
+    """A host cut off from a thawed one sees it only after the heal, which counts that wait itself."""
+    from peerd.daemon.lab.report import build
+    from peerd.daemon.lab.runner import Event, Record, Sample
+
+    s = scenario(
+        host=[{"name": "a"}, {"name": "b"}, {"name": "c"}],
+        fault=[
+            {"at": 2, "action": "freeze", "hosts": ["a"]},
+            {"at": 5, "action": "partition", "hosts": ["c"]},
+            {"at": 10, "action": "thaw", "hosts": ["a"]},
+        ],
+    )
+    ids = {"a": "Qa", "b": "Qb", "c": "Qc"}
+
+    def sample(t, host, peers):
+        return Sample(
+            t=t,
+            host=host,
+            pid=1,
+            step=t,
+            local_step=t,
+            loss=0.5,
+            last_round=t,
+            outcome="completed",
+            group_size=2,
+            peers=frozenset(peers),
+            divergence=0.0,
+            eval_score=0.9,
+            metrics={},
+        )
+
+    record = Record(s, "abcd", peer_ids=ids, final_state={n: "running" for n in ids})
+    # c is cut off from a and b: it never sees a again before the end.
+    record.events = [Event(10.0, s.faults[2], frozenset(ids), {"a": 0, "b": 0, "c": 1})]
+    record.samples = [sample(12, "b", {"Qa"}), sample(12, "c", set()), sample(13, "a", {"Qb"})]
+    (thaw,) = build(record)["faults"]
+    assert thaw["noticed_s"] == 2.0
+
+
 def test_report_states_the_rtt_as_set_and_as_measured():
     from peerd.daemon.lab.report import added_rtt, build, table
     from peerd.daemon.lab.runner import Record

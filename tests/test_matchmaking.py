@@ -91,7 +91,8 @@ async def started(n: int, tmp_path, rejected: list[str]):
 
 
 def me(m: Matchmaker, weight: float = 1.0) -> Member:
-    return Member(m.node.peer_id, f"127.0.0.1:{7000 + hash(m.node.peer_id) % 1000}", weight)
+    """Each member proposes its own gather_timeout: the group's members must carry them all."""
+    return Member(m.node.peer_id, f"127.0.0.1:{7000 + hash(m.node.peer_id) % 1000}", weight, 3.0 + weight)
 
 
 async def form(matchmakers, key: str, secret=None, namespace="mm"):

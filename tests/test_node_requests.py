@@ -64,3 +64,23 @@ def test_a_read_asks_only_the_nodes_that_hold_the_key_and_merges_every_subkey(tm
                 assert finds[0] <= replicas, f"{finds[0]} find requests for one read"
 
     asyncio.run(scenario())
+
+
+def test_a_ping_answered_lifts_the_dht_ban_on_that_peer(tmp_path):
+    """hivemind's DHTNode skips a peer that failed requests (5 s, doubled at each failure in a row);
+    a peer back from a freeze or a cut answers the membership's rejoin ping, which must end the ban,
+    else its records stay unread for up to 20 s more (docs/benchmarks.md, "Goodput under churn")."""
+
+    async def scenario():
+        async with started(2, tmp_path) as (a, b):
+            peer = b.dht.peer_id
+            for _ in range(3):  # a frozen peer's failures in a row: banned 5, then 10, then 20 s
+                a.dht.blacklist.register_failure(peer)
+                del a.dht.blacklist.banned_peers[peer]
+            a.dht.blacklist.register_failure(peer)
+            assert peer in a.dht.blacklist
+            assert await a.ping(b.peer_id)
+            assert peer not in a.dht.blacklist
+            assert a.dht.blacklist.ban_counter[peer] == 0  # the next failure bans for 5 s again
+
+    asyncio.run(scenario())

@@ -3,7 +3,8 @@
 For each join or fault:
 * noticed: seconds until every other running host's peer table showed it (a killed, frozen or
   cut-off host gone from it; a joined, restarted or thawed host, or the far side of a healed
-  partition, in it). None for a link change, or when it did not happen before the end.
+  partition, in it; a host cut off from a joined, restarted or thawed one is not waited for: the
+  heal counts it). None for a link change, or when it did not happen before the end.
 * resumed: seconds until every host concerned (after a kill, freeze, partition, heal or link change:
   every running host; after a join, restart or thaw: that host) completed an averaging round that
   it had not completed before the event, or, for a host with no running partner on its side of a
@@ -139,7 +140,9 @@ def _fault(record: Record, e: Event, by_host: dict[str, list[Sample]]) -> dict[s
     if f.action in ("kill", "freeze"):
         wants = {o: _sees_none_of(target_ids) for o in others}
     elif f.action in ("join", "restart", "thaw"):
-        wants = {o: _sees_all_of(target_ids) for o in others}
+        # Hosts cut off from the target cannot see it before the heal: that is the heal's to count.
+        near = {e.side.get(n, 0) for n in targets}
+        wants = {o: _sees_all_of(target_ids) for o in others if e.side.get(o, 0) in near}
     elif f.action == "partition":
         wants = {
             o: _sees_none_of({ids[n] for n in e.side if e.side[n] != e.side[o] and n in ids}) for o in sorted(e.running)

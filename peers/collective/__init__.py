@@ -12,7 +12,8 @@ Loss-tolerant mode (UDP datagrams, nothing retransmitted; docs/loss-tolerance.md
 
 wire.py (the header), transport.py (the interface), tcp.py (direct TCP), p2p.py (libp2p streams,
 for members behind NAT), fallback.py (TCP, else libp2p, per link), linkauth.py (links keyed by the
-run secret), group.py (members, shards, chunks, timeouts), codec.py (fp32/fp16/int8 payloads), rounds.py (what a round has seen), inbox.py (the one class that
+run secret), group.py (members, shards, chunks, timeouts), gather_timeout.py (a group's gather timeout
+from its members' measured rounds), codec.py (fp32/fp16/int8 payloads), rounds.py (what a round has seen), inbox.py (the one class that
 admits what arrives, its buffers, the tensor's backup), chunks.py (its admission rule for a stream's
 chunks), reduction.py (the one reduction kernel, and this member's shard), decision.py (complete or
 abort, the digest), allreduce.py (the round and its contract), halves.py (reduce-scatter and

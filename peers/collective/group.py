@@ -67,7 +67,8 @@ class AllReduceSettings:
 
     connect_timeout: float = 2.0  # opening links to all other members at once (only those not open yet)
     contribute_timeout: float = 5.0  # an owner reduces what arrived by then; later contributions are dropped
-    gather_timeout: float = 10.0  # a member gives up on reduced shards not arrived by then, and aborts
+    gather_timeout: float = 10.0  # a member gives up on reduced shards not arrived by then, and aborts;
+    #                               the daemon's rounds take it as a ceiling (gather_timeout.py)
     verdict_timeout: float = 2.0  # after gather_timeout: waiting for others' verdicts; must exceed the
     #                               spread of members' start times plus one message delay
     drain_timeout: float = 1.0  # queued sends may take this long after the decision; then their link closes
