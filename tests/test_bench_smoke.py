@@ -197,6 +197,14 @@ def test_vs_peers_quick_prints_a_line_per_system_and_the_headline_last():
             assert all(h["steps"] > 0 and h["mb_per_1000_samples"] is not None for h in r["hosts"].values()), r
             assert r["curve"] and r["curve"][-1][0] == r["seconds"], r
     assert systems["peerd"]["failed"] is None and systems["alone"]["failed"] is None, records
+    # Where the time goes: each loop's account, the CPU by kind of process, and peerd's daemons' own
+    # (with overlap on: the bench's peerd settings, which a script's run must ask for).
+    for r in (systems["peerd"], systems["alone"]):
+        assert {"loop", "other", "machine"} <= r["cpu_cores"].keys(), r["cpu_cores"]
+        assert all({"compute_s", "step_s", "cpu_loop_thread_s"} <= h.keys() for h in r["hosts"].values()), r
+    assert {"daemon", "p2pd"} <= systems["peerd"]["cpu_cores"].keys(), systems["peerd"]["cpu_cores"]
+    daemons = [h["daemon"] for h in systems["peerd"]["hosts"].values()]
+    assert all(d["overlap"] is True and 0 <= d["compute_fraction"] <= 1 for d in daemons), daemons
     assert REQUIRED <= records[-1].keys() and records[-1]["bench"] == "vs_peers", records[-1]
     assert records[-1]["metric"] == "time to the best competitor's final eval, peerd vs that competitor"
     assert (results.stat().st_size if results.exists() else None) == size
