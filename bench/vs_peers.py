@@ -3,6 +3,7 @@
     sudo .venv/bin/python -m bench.vs_peers [--quick] [--hosts 3] [--rate-mbit 100] [--rtt-ms 50]
                                             [--loss-pct 1] [--seconds 120] [--every 50]
                                             [--restart-every N] [--systems peerd,hivemind,torchft,alone]
+                                            [--peerd-settings overlap=true]
 
 Each system trains the charlm task's model (the same initial parameters on every host, each host its
 own data order, the task's AdamW as the inner optimizer, H = --every) on --hosts hosts of a fresh
@@ -10,7 +11,8 @@ own data order, the task's AdamW as the inner optimizer, H = --every) on --hosts
 the packets delivered to a host dropped, --rtt-ms between hosts from the delay lines, TCP BBR), for
 --seconds of training, one system after the other:
 
-  peerd     a daemon per host and the plain script's peerd.torch.Optimizer (the run's defaults, H)
+  peerd     a daemon per host and the plain script's peerd.torch.Optimizer (the run's defaults, H,
+            and --peerd-settings: overlap on, which a run a script creates must ask for)
   hivemind  hivemind.Optimizer, use_local_updates=True, target_batch_size = hosts x batch x H (a
             round when the hosts took about H steps each), DHT on the host's address, no UPnP/AutoNAT
   torchft   torchft's DiLoCo (torchft.local_sgd), a Manager per host over gloo, its Lighthouse on the
@@ -22,7 +24,9 @@ moment on every host once all are set up, and ends at the deadline. Per system: 
 MB sent per host per 1,000 samples (the host's eth0 transmit counter over the training time, the
 same count for every system), the eval (charlm's held-out bits per character, lower is better) of
 the model each host holds at the end, and its curve: every host's model is saved every
---snapshot-every seconds and evaluated after the run. With --restart-every N the last host is
+--snapshot-every seconds and evaluated after the run; and where the time went: each loop's seconds
+in forward + backward, in the system's step and on the CPU, the cores each kind of process used
+(cpu_split), peerd's daemons' compute fraction and rounds. With --restart-every N the last host is
 killed (every process of it) and restarted every N s. A system whose set-up takes over
 SETUP_TIMEOUT, whose process exits with an error, or that is still running GRACE seconds after the
 deadline is reported failed (with the reason), and every process is killed when its lab is removed.
@@ -517,8 +521,12 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_signals()
     evaluate = Evaluator()
     link = {"hosts": args.hosts, "rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "loss_pct": args.loss_pct}
-    settings = {"every": args.every, "seconds": args.seconds, "restart_every": args.restart_every}
-    settings["peerd_settings"] = args.peerd_settings
+    settings = {
+        "every": args.every,
+        "seconds": args.seconds,
+        "restart_every": args.restart_every,
+        "peerd_settings": args.peerd_settings,
+    }
     lines = {}
     scratch = Path(tempfile.mkdtemp(prefix="peerd-vs-peers-"))
     try:

@@ -210,6 +210,16 @@ def test_vs_peers_quick_prints_a_line_per_system_and_the_headline_last():
     assert (results.stat().st_size if results.exists() else None) == size
 
 
+def test_vs_peers_cpu_split_counts_each_kind_from_its_start_and_the_rest_as_other():
+    """bench.vs_peers's CPU split: cores per kind over the window; a process that started in it
+    counts from 0; what the machine did besides is `other`."""
+    from bench.vs_peers import cpu_split
+
+    before = {("loop", 1, 0.0): 10.0, ("daemon", 2, 0.0): 1.0, "machine": 100.0}
+    after = {("loop", 1, 0.0): 30.0, ("loop", 3, 5.0): 10.0, ("daemon", 2, 0.0): 2.0, "machine": 150.0}
+    assert cpu_split(before, after, 20.0) == {"daemon": 0.05, "loop": 1.5, "other": 0.95, "machine": 2.5}
+
+
 def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
     """bench.diloco_sim on a tiny model: both setups with the real outer loop, then the headline."""
     from bench import diloco_sim
