@@ -3,6 +3,7 @@
     sudo .venv/bin/python -m bench.vs_peers [--quick] [--hosts 3] [--rate-mbit 100] [--rtt-ms 50]
                                             [--loss-pct 1] [--seconds 120] [--every 50]
                                             [--restart-every N] [--systems peerd,hivemind,torchft,alone]
+                                            [--peerd-settings overlap=true]
 
 Each system trains the charlm task's model (the same initial parameters on every host, each host its
 own data order, the task's AdamW as the inner optimizer, H = --every) on --hosts hosts of a fresh
@@ -10,7 +11,8 @@ own data order, the task's AdamW as the inner optimizer, H = --every) on --hosts
 the packets delivered to a host dropped, --rtt-ms between hosts from the delay lines, TCP BBR), for
 --seconds of training, one system after the other:
 
-  peerd     a daemon per host and the plain script's peerd.torch.Optimizer (the run's defaults, H)
+  peerd     a daemon per host and the plain script's peerd.torch.Optimizer (the run's defaults, H,
+            and --peerd-settings: overlap on, which a run a script creates must ask for)
   hivemind  hivemind.Optimizer, use_local_updates=True, target_batch_size = hosts x batch x H (a
             round when the hosts took about H steps each), DHT on the host's address, no UPnP/AutoNAT
   torchft   torchft's DiLoCo (torchft.local_sgd), a Manager per host over gloo, its Lighthouse on the
@@ -22,7 +24,9 @@ moment on every host once all are set up, and ends at the deadline. Per system: 
 MB sent per host per 1,000 samples (the host's eth0 transmit counter over the training time, the
 same count for every system), the eval (charlm's held-out bits per character, lower is better) of
 the model each host holds at the end, and its curve: every host's model is saved every
---snapshot-every seconds and evaluated after the run. With --restart-every N the last host is
+--snapshot-every seconds and evaluated after the run; and where the time went: each loop's seconds
+in forward + backward, in the system's step and on the CPU, the cores each kind of process used
+(cpu_split), peerd's daemons' compute fraction and rounds. With --restart-every N the last host is
 killed (every process of it) and restarted every N s. A system whose set-up takes over
 SETUP_TIMEOUT, whose process exits with an error, or that is still running GRACE seconds after the
 deadline is reported failed (with the reason), and every process is killed when its lab is removed.
@@ -46,8 +50,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from bench.common import emit, interrupt_on_signals, progress as _progress, result
 from peerd.daemon import SOURCE_ROOT
@@ -55,6 +62,7 @@ from peerd.daemon.lab.netns import Host, LinkShape, Network, environment_problem
 from peerd.daemon.lab.runner import spawn_in
 
 BENCH = "vs_peers"
+RUN = "vs-peers"  # peerd's run ID (the loops' default --run)
 SYSTEMS = ("peerd", "hivemind", "torchft", "alone")
 RESULTS = Path(__file__).parent / "results" / "vs_peers.jsonl"
 SETUP_TIMEOUT = 150.0  # seconds for every host of a system to be ready to train (daemons, DHT, attach)
@@ -62,6 +70,9 @@ GRACE = 30.0  # seconds after the deadline for a host to report its last snapsho
 EXIT_GRACE = 5.0  # seconds after that for its processes to exit on their own, before they are killed
 START_AHEAD = 1.0  # seconds between writing go.json and the shared start
 POLL = 0.2  # seconds between two looks at the hosts' event files
+# peerd's run settings beyond H: overlap, the default of every run but one a script creates (which
+# waits for its rounds unless it asks: docs/your-loop.md), and the design's (docs/benchmarks.md).
+PEERD_SETTINGS = "overlap=true"
 
 
 def progress(message: str) -> None:
@@ -109,6 +120,8 @@ class SystemRun:
         self.restarts = 0
         self.setup_s = 0.0
         self.start = 0.0  # wall-clock time training starts on every host
+        self.cpu: dict[str, float] = {}  # process kind: cores used over the training time (cpu_split)
+        self.daemon_metrics: dict[str, dict[str, float]] = {}  # peerd: host: its daemon's figures at the deadline
 
     def run(self) -> None:
         try:
@@ -169,7 +182,7 @@ class SystemRun:
     def _start_daemon(self, h: HostRun) -> None:
         # The daemon's own defaults (not the lab's faster discovery, DAEMON_DEFAULTS, which costs CPU
         # the hosts share here), but one torch thread, as every loop has.
-        args = ["--torch-threads", "1", "--run", "vs-peers"]
+        args = ["--torch-threads", "1", "--run", RUN]
         if h.host.index:
             args += ["--initial-peers", *self.hosts[0].daemon.maddrs]
         data_dir = self.net.dir / "hosts" / h.host.name
@@ -183,7 +196,7 @@ class SystemRun:
         argv += ["--ip", h.host.ip, "--hosts", str(a.hosts), "--every", str(a.every)]
         argv += ["--incarnation", str(h.incarnation), "--snapshot-every", str(a.snapshot_every)]
         if self.system == "peerd":
-            argv += ["--daemon", str(h.daemon.data_dir)]
+            argv += ["--daemon", str(h.daemon.data_dir), "--settings", a.peerd_settings]
         elif self.system == "hivemind":
             argv += ["--initial-peers", str(self.out / "h0.maddrs")]
         elif self.system == "torchft":
@@ -236,6 +249,8 @@ class SystemRun:
         every = self.args.restart_every
         next_restart = start + every if every else math.inf
         victim = self.hosts[-1]
+        time.sleep(max(start - time.time(), 0.0))
+        cpu_before = cpu_seconds(self)
         while time.time() < deadline:
             if time.time() >= next_restart:
                 self._restart(victim)
@@ -244,6 +259,9 @@ class SystemRun:
                 if h.procs and h.procs[-1].poll() not in (None, 0):
                     raise SystemFailed(f"{h.host.name}'s loop exited with {h.procs[-1].returncode} while training")
             time.sleep(min(POLL, max(deadline - time.time(), 0.0)))
+        self.cpu = cpu_split(cpu_before, cpu_seconds(self), self.args.seconds)
+        if self.system == "peerd":
+            self.daemon_metrics = {h.host.name: daemon_figures(h.daemon) for h in self.hosts}
         while time.time() < deadline + GRACE and not all(self._done(h) for h in self.hosts):
             time.sleep(POLL)
         if late := [h.host.name for h in self.hosts if not self._done(h)]:
@@ -273,6 +291,102 @@ class SystemRun:
         dest.mkdir(parents=True, exist_ok=True)
         for log in [*(self.net.dir / "hosts").glob("*.log"), *self.out.glob("*.log")]:  # daemons', loops'
             shutil.copy(log, dest / log.name)
+
+
+# ---- where the CPU goes ------------------------------------------------------------------------------
+
+
+def cpu_seconds(run: SystemRun) -> dict:
+    """CPU seconds (user + system) so far of every process of the system, by (kind, pid, start time),
+    and the machine's busy seconds (every core, every process, the kernel's packet work included).
+    Kinds: loop (the training process, all its threads), loop_children (hivemind's averager and DHT
+    processes), daemon (peerd's, all its threads), p2pd (peerd's and hivemind's), delay_lines (the
+    lab's, a process per host), lighthouse (torchft's)."""
+    roots = []
+    for h in run.hosts:
+        roots += [(p.pid, "daemon" if h.daemon is not None and p is h.daemon.proc else "loop") for p in h.procs]
+    roots += [(p.pid, "delay_lines") for p in run.net.delay_lines.values()]
+    if run.lighthouse is not None:
+        roots.append((run.lighthouse.pid, "lighthouse"))
+    out: dict = {}
+    for pid, kind in roots:
+        try:
+            root = psutil.Process(pid)
+            procs = [(root, kind)] + [
+                (c, "p2pd" if c.name() == "p2pd" else f"{kind}_children" if kind == "loop" else kind)
+                for c in root.children(recursive=True)
+            ]
+        except psutil.Error:  # exited (a restart): its seconds are not counted
+            continue
+        for proc, k in procs:
+            try:
+                t = proc.cpu_times()
+                out[(k, proc.pid, proc.create_time())] = t.user + t.system
+            except psutil.Error:
+                pass
+    t = psutil.cpu_times()
+    out["machine"] = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+    return out
+
+
+def cpu_split(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores used by each kind of process over `seconds` (a process that started meanwhile counts from
+    0; one that exited is not counted), and by everything else on the machine ("other": the kernel's
+    link emulation, other users' jobs). The machine has psutil.cpu_count() cores in all."""
+    cores: dict[str, float] = {}
+    for key, cpu in after.items():
+        if key != "machine":
+            cores[key[0]] = cores.get(key[0], 0.0) + (cpu - before.get(key, 0.0)) / seconds
+    machine = (after["machine"] - before["machine"]) / seconds
+    cores = {k: round(v, 3) for k, v in sorted(cores.items())}
+    cores["other"] = round(machine - sum(cores.values()), 3)
+    cores["machine"] = round(machine, 3)
+    return cores
+
+
+def daemon_figures(daemon) -> dict[str, float]:
+    """peerd: the daemon's own account at the deadline (docs/metrics.md): compute fraction, seconds
+    its process waited in EndPhase, rounds and their mean duration; {} where it does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(daemon.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+    except (OSError, KeyError):
+        return {}
+    got: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in WANTED_METRICS:
+                got[s.name] = got.get(s.name, 0.0) + s.value
+    out = {
+        "overlap": run_overlap(daemon.data_dir),
+        "compute_fraction": got.get("peerd_train_compute_fraction"),
+        "wait_s": got.get("peerd_train_wait_seconds_total"),
+        "rounds": got.get("peerd_round_duration_seconds_count"),
+    }
+    if got.get("peerd_round_duration_seconds_count"):
+        out["round_mean_s"] = got["peerd_round_duration_seconds_sum"] / got["peerd_round_duration_seconds_count"]
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items() if v is not None}
+
+
+def run_overlap(data_dir: Path) -> bool | None:
+    """Whether the run the daemon keeps overlaps its rounds (its manifest); None where it has none."""
+    from peerd.peers.manifest import decode_manifest
+
+    try:
+        kept = (data_dir / "runs" / RUN / "manifest").read_bytes()
+    except OSError:
+        return None
+    return decode_manifest(kept, run_id=RUN, secret=None, subkey=None).averaging.overlap
+
+
+WANTED_METRICS = {
+    "peerd_train_compute_fraction",
+    "peerd_train_wait_seconds_total",
+    "peerd_round_duration_seconds_count",
+    "peerd_round_duration_seconds_sum",
+}
 
 
 # ---- evaluation and the report ----------------------------------------------------------------------
@@ -322,6 +436,10 @@ def collect(run: SystemRun, evaluate: Evaluator, failure: str | None) -> dict:
             "incarnations": h.incarnation + 1,
             "exit_codes": h.exits,
         }
+        if done := next((e for e in reversed(events) if e["event"] == "done"), None):
+            hosts[h.host.name].update({k: done[k] for k in LOOP_FIGURES if k in done})
+        if h.host.name in run.daemon_metrics:
+            hosts[h.host.name]["daemon"] = run.daemon_metrics[h.host.name]
     finals = [x["eval"] for x in hosts.values() if x["eval"] is not None]
     curve = []
     for tick in sorted(ticks):
@@ -342,7 +460,12 @@ def collect(run: SystemRun, evaluate: Evaluator, failure: str | None) -> dict:
         "curve": curve,
         "setup_s": round(run.setup_s, 1),
         "restarts": run.restarts,
+        "cpu_cores": run.cpu,
     }
+
+
+# The loop's account of its time (bench/vs_peers_host.py, its "done" event), per host.
+LOOP_FIGURES = ("compute_s", "step_s", "cpu_loop_thread_s", "cpu_loop_process_s")
 
 
 def _mean(xs: list) -> float | None:
@@ -380,6 +503,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--snapshot-every", type=float, default=0.0, help="seconds between two evals (--seconds / 12)")
     p.add_argument("--logs", default=None, help="keep the hosts' logs under this directory")
+    p.add_argument(
+        "--peerd-settings",
+        default=PEERD_SETTINGS,
+        help="peerd's run settings beyond H, KEY=VALUE,... (default: overlap on, every run's default but a script's)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.hosts, args.seconds = 2, min(args.seconds, 8.0)
@@ -393,7 +521,12 @@ def main(argv: list[str] | None = None) -> int:
     interrupt_on_signals()
     evaluate = Evaluator()
     link = {"hosts": args.hosts, "rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "loss_pct": args.loss_pct}
-    settings = {"every": args.every, "seconds": args.seconds, "restart_every": args.restart_every}
+    settings = {
+        "every": args.every,
+        "seconds": args.seconds,
+        "restart_every": args.restart_every,
+        "peerd_settings": args.peerd_settings,
+    }
     lines = {}
     scratch = Path(tempfile.mkdtemp(prefix="peerd-vs-peers-"))
     try:

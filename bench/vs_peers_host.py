@@ -68,9 +68,11 @@ def setup_system(args, model, inner, h):
     if args.system == "peerd":
         import peerd.torch
 
-        # The run's defaults but H (a run the first script creates takes these settings).
+        # The run's defaults but H and --settings (bench.vs_peers: overlap on, which a run a script
+        # creates must ask for: docs/your-loop.md).
+        settings = dict(kv.split("=", 1) for kv in args.settings.split(",") if kv)
         opt = peerd.torch.Optimizer(
-            inner, run=args.run, daemon=args.daemon, model=model, settings={"average_every": args.every}
+            inner, run=args.run, daemon=args.daemon, model=model, settings={"average_every": args.every, **settings}
         )
         return partial(opt.step, samples=h.batch_size), opt.close
     if args.system == "hivemind":
@@ -179,17 +181,35 @@ def train(args) -> int:
 
     while time.time() < go["start"]:
         time.sleep(0.01)  # until the shared start, which go.json names a moment ahead
+    # Where the loop's time goes: wall seconds in forward + backward and in the system's step (the
+    # inner step, and peerd's phase ends: hand-over, round), and CPU seconds of the loop's thread and
+    # of the whole process (its other threads: gRPC's, the lease's, hivemind's, torchft's).
+    compute_s = step_s = 0.0
+    cpu_thread, cpu_process = time.thread_time(), time.process_time()
     while steps < MAX_STEPS and (now := time.time()) < go["deadline"]:
         if now >= go["start"] + tick * args.snapshot_every:
             snapshot(str(tick), now - go["start"])
             tick = int((now - go["start"]) // args.snapshot_every) + 1  # ticks missed in a long round: skipped
+        began = time.perf_counter()
         loss = task.loss(model, next(data))
         loss.backward()
+        stepping = time.perf_counter()
         step()
         inner.zero_grad()
+        done = time.perf_counter()
+        compute_s, step_s = compute_s + stepping - began, step_s + done - stepping
         steps += 1
+    cpu_thread, cpu_process = time.thread_time() - cpu_thread, time.process_time() - cpu_process
     snapshot("final", time.time() - go["start"])
-    events("done", steps=steps, samples=steps * h.batch_size)
+    events(
+        "done",
+        steps=steps,
+        samples=steps * h.batch_size,
+        compute_s=round(compute_s, 2),
+        step_s=round(step_s, 2),
+        cpu_loop_thread_s=round(cpu_thread, 2),
+        cpu_loop_process_s=round(cpu_process, 2),
+    )
     close()
     return 0
 
@@ -219,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--snapshot-every", type=float, default=10.0, help="seconds of training between two snapshots")
     t.add_argument("--run", default="vs-peers", help="peerd's run ID, hivemind's run_id")
     t.add_argument("--daemon", help="peerd: the host's daemon's data dir")
+    t.add_argument("--settings", default="", help="peerd: the run's averaging settings beyond H, KEY=VALUE,...")
     t.add_argument("--initial-peers", help="hivemind: a file with the first host's DHT addresses")
     t.add_argument("--lighthouse", help="torchft: the lighthouse's address")
     lh = sub.add_parser("lighthouse")

@@ -198,9 +198,27 @@ def test_vs_peers_quick_prints_a_line_per_system_and_the_headline_last():
             assert all(h["steps"] > 0 and h["mb_per_1000_samples"] is not None for h in r["hosts"].values()), r
             assert r["curve"] and r["curve"][-1][0] == r["seconds"], r
     assert systems["peerd"]["failed"] is None and systems["alone"]["failed"] is None, records
+    # Where the time goes: each loop's account, the CPU by kind of process, and peerd's daemons' own
+    # (with overlap on: the bench's peerd settings, which a script's run must ask for).
+    for r in (systems["peerd"], systems["alone"]):
+        assert {"loop", "other", "machine"} <= r["cpu_cores"].keys(), r["cpu_cores"]
+        assert all({"compute_s", "step_s", "cpu_loop_thread_s"} <= h.keys() for h in r["hosts"].values()), r
+    assert {"daemon", "p2pd"} <= systems["peerd"]["cpu_cores"].keys(), systems["peerd"]["cpu_cores"]
+    daemons = [h["daemon"] for h in systems["peerd"]["hosts"].values()]
+    assert all(d["overlap"] is True and 0 <= d["compute_fraction"] <= 1 for d in daemons), daemons
     assert REQUIRED <= records[-1].keys() and records[-1]["bench"] == "vs_peers", records[-1]
     assert records[-1]["metric"] == "time to the best competitor's final eval, peerd vs that competitor"
     assert (results.stat().st_size if results.exists() else None) == size
+
+
+def test_vs_peers_cpu_split_counts_each_kind_from_its_start_and_the_rest_as_other():
+    """bench.vs_peers's CPU split: cores per kind over the window; a process that started in it
+    counts from 0; what the machine did besides is `other`."""
+    from bench.vs_peers import cpu_split
+
+    before = {("loop", 1, 0.0): 10.0, ("daemon", 2, 0.0): 1.0, "machine": 100.0}
+    after = {("loop", 1, 0.0): 30.0, ("loop", 3, 5.0): 10.0, ("daemon", 2, 0.0): 2.0, "machine": 150.0}
+    assert cpu_split(before, after, 20.0) == {"daemon": 0.05, "loop": 1.5, "other": 0.95, "machine": 2.5}
 
 
 def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
