@@ -24,8 +24,8 @@ averages it without an outer loop (daemon/statechild.py).
                new one it adds the move θ − s to its parameters and writes the count it took to
                APPLIED. An EndPhase settles a round the process did not take (one that ended while
                the process wrote its parameters): the daemon adds the move to the vector. So a round
-               lands between two steps of the process, τ steps stale for a round of τ steps, as in
-               the trainer thread, not a whole phase late. θ there is also what the process
+               lands between two steps of the process, τ steps stale for a round of τ steps, not
+               a whole phase late. θ there is also what the process
                evaluates (peerd.torch.Optimizer.run_parameters); THETA_SEQ is odd while the daemon
                writes it.
     lease      The process renews every lease/3 s. A lease that lapses, or a pid that exits, ends
@@ -878,7 +878,7 @@ class AttachedTrainer:
         moves = self._moves
         if self._move is not None:
             # The round of the process's last phase lands in the checkpoint (waited for; its bridge
-            # bounds it), as the trainer thread's last round does; the next attach takes its move.
+            # bounds it); the next attach takes its move.
             try:
                 self._land_locked(wait=True)
             except Exception:

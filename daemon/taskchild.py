@@ -9,8 +9,8 @@ state vector, parameters and the inner optimizer's state), except that:
   layout, and accepts an attach only from its own child with exactly that layout;
 - its rounds follow the run's averaging.overlap, landing between two of its steps (daemon/attached.py,
   "landing"), and it evaluates θ (peerd.torch.Optimizer.run_parameters);
-- every daemon of the run may start it from the manifest's seed (the parameters the trainer thread
-  would start from), so a joiner with no peer to download from is not refused;
+- every daemon of the run may start it from the manifest's seed (the same first parameters on
+  every peer), so a joiner with no peer to download from is not refused;
 - checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one the
   trainer thread writes (a state run with a DeAR local group trains there).
 
@@ -129,7 +129,7 @@ class TaskChild(AttachedTrainer):
         **attached,
     ):
         self.max_steps = max_steps
-        # --min-peers, as the thread waits for them: daemons before the child starts (`ready`), and
+        # --min-peers, waited for twice: daemons before the child starts (`ready`), and
         # daemons with a training process before its first attach goes on (`trainers_ready`).
         self.ready, self.trainers_ready, self.ready_timeout = ready, trainers_ready, ready_timeout
         self._starter: asyncio.Task | None = None

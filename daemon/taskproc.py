@@ -4,14 +4,14 @@ supervise for `--task` runs.
 
     python -m peerd.daemon.taskproc --run R --task digits-mlp --daemon DATA_DIR [--set lr=0.01] [--max-steps N]
 
-A daemon starts it for its `--task` runs (daemon/taskchild.py), with
-the run's hyper-parameters and seed; started by hand, it attaches like any script (a script's run,
-created by this attach or joined with the model's layout). What it does is what the daemon's
-trainer thread (daemon/trainer.py) does for such a run: the task's model, data, loss and inner optimizer here, every H steps the run's outer step in
-the daemon (with --state-vector, a state run's round on the parameters and the inner optimizer's
-state), an evaluation of the run's parameters θ every `--eval-every` run steps (at a phase's end,
-through Optimizer.run_parameters) reported to the daemon (ReportEval), and the inner optimizer's state
-saved next to the daemon's checkpoints (`--state`), so that a restarted process resumes it.
+A daemon starts it for its `--task` runs (daemon/taskchild.py), with the run's hyper-parameters
+and seed; started by hand, it attaches like any script (a script's run, created by this attach or
+joined with the model's layout). The task's model, data, loss and inner optimizer are here; every H
+steps the run's outer step is the daemon's (with --state-vector, a state run's round on the
+parameters and the inner optimizer's state); the run's parameters θ are evaluated every
+`--eval-every` run steps (at a phase's end, through Optimizer.run_parameters) and reported to the
+daemon (ReportEval); the inner optimizer's state and the model's buffers are saved next to the
+daemon's checkpoints (`--state`), so that a restarted process resumes them.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def train(args: argparse.Namespace) -> int:
     identity = identity_of(args.run, task.name, text, model)
     if args.state is not None and args.state.exists():
         load_state(opt, args.state, identity, model)
-    # Each daemon its own stream of samples (as the trainer thread), a new one after a restart; each
+    # Each daemon its own stream of samples, a new one after a restart; each
     # process of a local group (--rank) its own.
     rank = [str(args.rank)] if args.rank else []
     data = task.data(hparams, seed_from(args.run, str(args.daemon.resolve()), str(opt.run_step), *rank))
@@ -149,7 +149,7 @@ def train(args: argparse.Namespace) -> int:
 
 def report(task, hparams, model: torch.nn.Module, opt) -> None:
     """Evaluate the run's parameters θ (with overlap the model holds θ plus this process's progress
-    since the latest round landed), as the trainer thread evaluates them."""
+    since the latest round landed)."""
     with opt.run_parameters():
         result = task.evaluate(model, hparams)
     loss = result.loss if math.isfinite(result.loss) else math.nan
