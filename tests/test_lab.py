@@ -109,6 +109,29 @@ def test_a_schedule_that_can_happen_is_sorted_by_time():
     assert s.faults[-1].link == {"rate_mbit": 10.0, "loss_pct": 2.5}
 
 
+def lab_sample(
+    t, host, peers, step, last_round, pid=1, outcome="completed", group_size=3, divergence=0.0, metrics=None
+):
+    """A collector's sample of one host (daemon/lab/runner.py), for the report's tests."""
+    from peerd.daemon.lab.runner import Sample
+
+    return Sample(
+        t=t,
+        host=host,
+        pid=pid,
+        step=step,
+        local_step=step,
+        loss=0.5,
+        last_round=last_round,
+        outcome=outcome,
+        group_size=group_size,
+        peers=frozenset(peers),
+        divergence=divergence,
+        eval_score=0.9,
+        metrics=metrics or {},
+    )
+
+
 def test_bad_hosts_and_values_are_refused():
     refused(r"unknown host 'z' \(hosts: a, b\)", fault=[{"at": 1, "action": "kill", "hosts": ["z"]}])
     refused(r"a second host named 'a'", host=[{"name": "a"}, {"name": "a"}])
@@ -190,7 +213,7 @@ def test_rules_cut_between_sides_and_drop_on_the_receiving_port():
 def test_report_times_faults_from_made_up_samples():
     """The report's arithmetic on a made-up record: no daemons, no clock."""
     from peerd.daemon.lab.report import build, table
-    from peerd.daemon.lab.runner import Event, Record, Sample
+    from peerd.daemon.lab.runner import Event, Record
 
     s = scenario(
         host=[{"name": "a"}, {"name": "b"}, {"name": "c"}], fault=[{"at": 10, "action": "kill", "hosts": ["c"]}]
@@ -198,21 +221,8 @@ def test_report_times_faults_from_made_up_samples():
     ids = {"a": "Qa", "b": "Qb", "c": "Qc"}
 
     def sample(t, host, step, last_round, peers, pid=1, outcome="completed", **metrics):
-        return Sample(
-            t=t,
-            host=host,
-            pid=pid,
-            step=step,
-            local_step=step,
-            loss=0.5,
-            last_round=last_round,
-            outcome=outcome,
-            group_size=3,
-            peers=frozenset(peers),
-            divergence=0.1 * t,
-            eval_score=0.9,
-            metrics={"rounds_completed": last_round, **metrics},
-        )
+        metrics = {"rounds_completed": last_round, **metrics}
+        return lab_sample(t, host, peers, step, last_round, pid, outcome, 3, 0.1 * t, metrics)
 
     record = Record(s, "abcd", peer_ids=ids, final_state={"a": "running", "b": "running", "c": "killed"})
     record.events = [Event(10.0, s.faults[0], frozenset({"a", "b"}), {"a": 0, "b": 0, "c": 0})]
@@ -241,7 +251,7 @@ def test_report_times_faults_from_made_up_samples():
 def test_a_thaw_is_noticed_by_the_hosts_on_its_side_of_a_partition():
     """A host cut off from a thawed one sees it only after the heal, which counts that wait itself."""
     from peerd.daemon.lab.report import build
-    from peerd.daemon.lab.runner import Event, Record, Sample
+    from peerd.daemon.lab.runner import Event, Record
 
     s = scenario(
         host=[{"name": "a"}, {"name": "b"}, {"name": "c"}],
@@ -254,21 +264,7 @@ def test_a_thaw_is_noticed_by_the_hosts_on_its_side_of_a_partition():
     ids = {"a": "Qa", "b": "Qb", "c": "Qc"}
 
     def sample(t, host, peers):
-        return Sample(
-            t=t,
-            host=host,
-            pid=1,
-            step=t,
-            local_step=t,
-            loss=0.5,
-            last_round=t,
-            outcome="completed",
-            group_size=2,
-            peers=frozenset(peers),
-            divergence=0.0,
-            eval_score=0.9,
-            metrics={},
-        )
+        return lab_sample(t, host, peers, t, t, group_size=2)
 
     record = Record(s, "abcd", peer_ids=ids, final_state={n: "running" for n in ids})
     # c is cut off from a and b: it never sees a again before the end.
