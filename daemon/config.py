@@ -302,7 +302,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.min_peers_timeout", "longest wait for --min-peers", "SECONDS"),
     Option(
         "train.local_group",
-        "label shared by daemons on fast links: they average gradients every step (DeAR); 'auto': group with the peers labelled auto whose measured links pass the thresholds (docs/dear.md)",
+        "label shared by daemons on fast links: they average gradients every step (DeAR; for now only in "
+        "--task runs under averaging.algorithm=state, trained in a thread of the daemon); 'auto': group with "
+        "the peers labelled auto whose measured links pass the thresholds (docs/dear.md)",
         "NAME",
     ),
     Option(
