@@ -4,12 +4,12 @@ measured, agreed by the group.
 A mate frozen (SIGSTOP) or cut off in the middle of a round sends nothing and closes nothing: its
 mates wait until their gather_timeout, then abort. A fixed 10 s, sized for a few hundred MiB, held
 them 13 s (gather, verdicts, drain) at every such fault in the middle of a round, where a small
-model's rounds take a fraction of a second. So each member proposes a timeout from the durations of its own latest completed rounds
-(`GatherTimeout`): FACTOR times the longest of the last WINDOW, within [FLOOR, ceiling], where the
-ceiling is the engine's configured gather_timeout, also proposed before any round completed. The
-proposal travels in the member's signed matchmaking entry, and every member of a group uses the
-largest proposal of the group (`agreed`): the members' verdict windows must line up
-(allreduce.py), so they all wait the same. An early abort costs a delay, not samples: the trainer
+model's rounds take a fraction of a second. So each member proposes a timeout from the durations
+of its own latest completed rounds (`GatherTimeout`): FACTOR times the longest of the last WINDOW,
+within [FLOOR, ceiling], where the ceiling is the engine's configured gather_timeout, also
+proposed before any round completed. The proposal travels in the member's signed matchmaking entry,
+and every member of a group uses the largest proposal of the group (`agreed`): the members' verdict
+windows must line up (allreduce.py), so they all wait the same. An early abort costs a delay, not samples: the trainer
 owes the phase to its next round (daemon/diloco.py).
 """
 
