@@ -45,7 +45,6 @@ import resource
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +53,7 @@ from pathlib import Path
 import torch
 
 import peerd.torch
-from bench.common import emit, progress, result
+from bench.common import checkout_commit, emit, progress, result
 from peerd.daemon.flat import from_flat, to_flat
 from peerd.daemon.procs import LocalDaemon
 
@@ -444,15 +443,7 @@ def measure(args, base: Path) -> list[dict]:
 
 def _save(records: list[dict]) -> None:
     at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        commit = None
+    commit = checkout_commit() or None
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(RESULTS, "a") as f:
         for r in records:

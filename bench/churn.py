@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -52,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import paced_task
-from bench.common import emit, interrupt_on_signals, progress as _progress, result
+from bench.common import checkout_commit, emit, interrupt_on_signals, progress as _progress, result
 from bench.scale import register_paced_task
 from peerd.daemon.lab import report as lab_report
 from peerd.daemon.lab.runner import DAEMON_DEFAULTS, Lab, Record
@@ -294,25 +293,6 @@ def run_side_by_side(scenarios: dict[str, dict], logs: Path | None) -> dict[str,
     return records
 
 
-def _commit() -> str:
-    """The checkout's commit, `+` when its tree has changes (restarted daemons import what is there)."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.churn", description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, default=4, help="hosts per lab; in `faults` the last joins late")
@@ -358,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "detection_s": detection_s(),
         "quick": args.quick,
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": checkout_commit(),
     }
     lines.append(header)
     figures = {name: summary(name, rec) for name, rec in records.items()}

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import signal
 import statistics
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -47,3 +49,23 @@ def interrupt_on_signals() -> None:
     # SIGINT too: a shell without job control starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def checkout_commit() -> str:
+    """The checkout's commit, with `+` when its tree has changes (processes a benchmark starts import
+    what is there); "" where git cannot say."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")

@@ -98,3 +98,27 @@ async def peer_nodes(n: int, tmp_path, events=None):
         yield nodes
     finally:
         await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
+
+
+def lab_sample(
+    t, host, peers, step, last_round, pid=1, outcome="completed", group_size=3, divergence=0.0, metrics=None
+):
+    """A collector's sample of one host (daemon/lab/runner.py), for tests of the lab's report and of
+    bench.churn."""
+    from peerd.daemon.lab.runner import Sample
+
+    return Sample(
+        t=t,
+        host=host,
+        pid=pid,
+        step=step,
+        local_step=step,
+        loss=0.5,
+        last_round=last_round,
+        outcome=outcome,
+        group_size=group_size,
+        peers=frozenset(peers),
+        divergence=divergence,
+        eval_score=0.9,
+        metrics=metrics or {},
+    )

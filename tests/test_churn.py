@@ -17,7 +17,7 @@ import pytest
 from bench.churn import availability, detection_s, goodput, longest_stall, scenario, schedule
 from peerd.daemon.lab.runner import DAEMON_DEFAULTS, Event, Record, Sample
 from peerd.daemon.lab.scenario import parse
-from tests.helpers import ROOT
+from tests.helpers import ROOT, lab_sample
 from tests.test_lab import leftovers, needs_lab
 
 
@@ -71,21 +71,8 @@ def made_up(faults: list[dict], hosts=("a", "b", "c")) -> Record:
 
 
 def sample(t, host, local_step, pid=1, averaged=0.0, samples=0.0) -> Sample:
-    return Sample(
-        t=t,
-        host=host,
-        pid=pid,
-        step=local_step,
-        local_step=local_step,
-        loss=0.5,
-        last_round=0,
-        outcome="completed",
-        group_size=3,
-        peers=frozenset(),
-        divergence=float("nan"),
-        eval_score=0.9,
-        metrics={"samples_averaged": averaged, "samples": samples},
-    )
+    metrics = {"samples_averaged": averaged, "samples": samples}
+    return lab_sample(t, host, (), local_step, 0, pid, divergence=float("nan"), metrics=metrics)
 
 
 def test_goodput_sums_every_incarnation_from_the_schedules_start():

@@ -26,7 +26,7 @@ import pytest
 from peerd.daemon.lab import netns
 from peerd.daemon.lab.netns import Host, LinkShape, render_rules
 from peerd.daemon.lab.scenario import ScenarioError, load, parse
-from tests.helpers import ROOT, peerd, wait_for
+from tests.helpers import ROOT, lab_sample, peerd, wait_for
 
 # ---- scenario validation: no root needed ---------------------------------------------------------------
 
@@ -107,29 +107,6 @@ def test_a_schedule_that_can_happen_is_sorted_by_time():
     )
     assert [f.action for f in s.faults] == ["kill", "freeze", "thaw", "partition", "restart", "heal", "link"]
     assert s.faults[-1].link == {"rate_mbit": 10.0, "loss_pct": 2.5}
-
-
-def lab_sample(
-    t, host, peers, step, last_round, pid=1, outcome="completed", group_size=3, divergence=0.0, metrics=None
-):
-    """A collector's sample of one host (daemon/lab/runner.py), for the report's tests."""
-    from peerd.daemon.lab.runner import Sample
-
-    return Sample(
-        t=t,
-        host=host,
-        pid=pid,
-        step=step,
-        local_step=step,
-        loss=0.5,
-        last_round=last_round,
-        outcome=outcome,
-        group_size=group_size,
-        peers=frozenset(peers),
-        divergence=divergence,
-        eval_score=0.9,
-        metrics=metrics or {},
-    )
 
 
 def test_bad_hosts_and_values_are_refused():
