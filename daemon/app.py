@@ -726,6 +726,7 @@ class Daemon:
             handle = self.runs.get(m.run_id)
             tr = handle.trainer if handle else None
             manifest = handle.manifest if handle else None
+            payload, overlap = _rounds(manifest.averaging) if manifest else ("", False)
             r = control_pb2.RunStatus(
                 run_id=m.run_id,
                 peers=len(m.table),
@@ -733,6 +734,11 @@ class Daemon:
                 joined_seconds=t - m.joined_at,
                 task=manifest.task if manifest else "",
                 algorithm=manifest.averaging.algorithm if manifest else "",
+                average_every=manifest.averaging.average_every if manifest else 0,
+                payload=payload,
+                overlap=overlap,
+                round_seconds=self.metrics.round_seconds(m.run_id),
+                step_seconds=math.nan,
                 param_divergence=math.nan,
                 param_distance_to_group_mean=math.nan,
                 dear_overlap_ratio=math.nan,
@@ -761,6 +767,9 @@ class Daemon:
                 r.dear_buckets, r.dear_bucket_bytes, r.dear_steps = tr.dear_buckets, tr.dear_bucket_bytes, tr.dear_steps
                 r.dear_overlap_ratio, r.wan_share = tr.dear_overlap_ratio, tr.wan_share
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
+                r.parameters = tr.parameters
+                if tr.compute_steps:
+                    r.step_seconds = tr.compute_seconds / tr.compute_steps
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device
@@ -796,6 +805,13 @@ class Daemon:
         if self.memberships is None:
             return {}
         return {run_id: len(m.table) for run_id, m in self.memberships.runs.items()}
+
+
+def _rounds(averaging) -> tuple[str, bool]:
+    """How a run's rounds go (RunStatus.payload and overlap): a state run's average its whole state in
+    float32 (no codec) and its phases wait for them (no outer loop to land them into)."""
+    diloco = averaging.algorithm == "diloco"
+    return (averaging.payload if diloco else "fp32"), averaging.overlap and diloco
 
 
 def _listen_maddr(host: str, port: int) -> str:

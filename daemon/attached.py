@@ -302,7 +302,8 @@ class AttachedTrainer:
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
         # The vector's values: the parameters (DiLoCo), or a whole state vector (daemon/statechild.py).
-        self.numel = numel if numel is not None else sum(t.numel for t in layout)
+        self.parameters = sum(t.numel for t in layout)  # the model's (RunStatus.parameters)
+        self.numel = numel if numel is not None else self.parameters
         # What this run's checkpoints hold (daemon/checkpoint.py): a script's model, or a task's (its
         # own child's, daemon/taskchild.py: the identity the trainer thread's checkpoints have too).
         self._identity = identity if identity is not None else layout_identity(run_id, layout)
@@ -345,6 +346,7 @@ class AttachedTrainer:
         self._loss_done = math.nan  # the latest phase's mean loss, from its EndPhase
         self.samples_per_second = 0.0
         self.compute_seconds = self.train_wait_seconds = 0.0
+        self.compute_steps = 0  # the steps compute_seconds covers (the checkpoint's local_step does not count)
         self.error = self._passed_over = ""  # _passed_over: checkpoints load() left on disk
         self.last_round: RoundResult | None = None
         self.param_distance_to_group_mean = math.nan
@@ -694,6 +696,7 @@ class AttachedTrainer:
         self._phase_began = time.monotonic()
         wall = self._phase_began - began
         self.compute_seconds += compute_seconds
+        self.compute_steps += steps
         self.train_wait_seconds += wall
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
         return end

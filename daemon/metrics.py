@@ -7,8 +7,10 @@ No label carries a remote peer's ID (only this daemon's own, in peerd_info).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
+import statistics
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
@@ -45,6 +47,7 @@ REQUEST_READ_TIMEOUT = 5.0  # seconds a client may take to send its request head
 # peerd.daemon.trainer.TrainState's values, named here so that metrics never import torch
 # (tests/test_health.py checks that the two agree).
 TRAIN_STATES = ("LOADING", "TRAINING", "FINISHED", "STOPPED", "FAILED")
+RECENT_ROUNDS = 16  # completed rounds whose median duration status shows (RunStatus.round_seconds)
 
 
 class _WeightedHistogram(Collector):
@@ -260,6 +263,9 @@ class DaemonMetrics:
         GCCollector(registry=self.registry)
         self.version = version
         self.started = process_started()  # peerd_uptime_seconds and `peerd status` count from here
+        # Per run, the durations of its latest completed rounds (RoundResult.seconds), for status.
+        self._recent_rounds: dict[str, collections.deque[float]] = {}
+        self._recent_lock = threading.Lock()
         r = self.registry
         self.info = Gauge(
             "peerd_info", "Always 1; labels give this daemon's version and peer ID.", ["version", "peer_id"], registry=r
@@ -411,6 +417,15 @@ class DaemonMetrics:
         for transport in result.links.values():
             self.links.labels(transport).inc()
         self.group_size.labels(run_id).set(result.group_size)
+        if result.completed and not math.isnan(result.seconds):
+            with self._recent_lock:
+                self._recent_rounds.setdefault(run_id, collections.deque(maxlen=RECENT_ROUNDS)).append(result.seconds)
+
+    def round_seconds(self, run_id: str) -> float:
+        """The median duration of the run's last RECENT_ROUNDS completed rounds; NaN before the first."""
+        with self._recent_lock:
+            recent = list(self._recent_rounds.get(run_id, ()))
+        return statistics.median(recent) if recent else math.nan
 
     def observe_sync(self, run_id: str, result: FetchResult) -> None:
         """Record one state download (called from the trainer thread)."""

@@ -138,6 +138,8 @@ class Trainer:
         on_start: Callable[[], object] | None = None,
     ):
         self.compute_seconds = 0.0  # forward, backward and optimizer time since training began
+        self.compute_steps = 0  # the steps compute_seconds covers (the checkpoint's local_step does not count)
+        self.parameters = 0  # the model's parameter count, once load() built it (RunStatus.parameters)
         self.train_seconds = 0.0  # wall time since training began (TRAINING state)
         self.train_wait_seconds = 0.0  # time compute waited for averaging rounds (not measured here)
         self.local_group = local_group
@@ -240,7 +242,8 @@ class Trainer:
             self._tensors, self._n_params = state_tensors(optimizer)
             # What a round averages and what a download lands in: the state vector.
             self._flat = torch.empty(sum(t.numel() for t in self._tensors), dtype=torch.float32)
-            self._sketch_plan = SketchPlan.for_run(self.run_id, sum(t.numel() for t in self._tensors[: self._n_params]))
+            self.parameters = sum(t.numel() for t in self._tensors[: self._n_params])
+            self._sketch_plan = SketchPlan.for_run(self.run_id, self.parameters)
             self._loaded = (model, optimizer)
         except Exception as e:  # a task bug must not take the daemon down; it is shown in status
             self._failed(e)
@@ -329,6 +332,7 @@ class Trainer:
                 loss.backward()
                 optimizer.step()
             self.compute_seconds += time.monotonic() - step_began
+            self.compute_steps += 1
             self.global_step += 1
             self.local_step += 1
             self.samples += batch.samples

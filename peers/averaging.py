@@ -90,6 +90,10 @@ class RoundResult:
     # The run stopped it (leave, drain: daemon/joining.round_bridge): its lane holds this member's own
     # values, and an outer step must not apply them as the group's mean (daemon/diloco.py).
     cancelled: bool = False
+    # Seconds from the round's start (its rendezvous: a wait for slower mates counts) to its last
+    # lane's end, what the model of daemon/plan.py predicts; on the first lane only, NaN in the others
+    # (counted once) and in a result that is no round.
+    seconds: float = math.nan
 
     @property
     def completed(self) -> bool:
@@ -214,7 +218,7 @@ class MoshpitAverager:
             key = group_key(namespace, round_t, coords[self.peer_id], shape)
             mates = [p for p in view if p != self.peer_id and group_key(namespace, round_t, coords[p], shape) == key]
             plans[lane] = (namespace, key, mates)
-        waited, stragglers = 0.0, 0
+        began, waited, stragglers = time.monotonic(), 0.0, 0
         mates = sorted({p for plan in plans.values() if plan for p in plan[2]})
         if self.rendezvous is not None and mates:
             started = time.monotonic()
@@ -245,9 +249,10 @@ class MoshpitAverager:
             dataclasses.replace(r, planned=len(plans[lane][2]) if plans[lane] else 0)
             for lane, r in zip(mine, await asyncio.gather(*(one(lane) for lane in mine)))
         ]
-        # The rendezvous served every lane: its wait is counted once, with the first.
+        took = time.monotonic() - began
+        # The rendezvous served every lane: its wait is counted once, with the first, as the round's time.
         return [
-            dataclasses.replace(r, waited=waited, stragglers=stragglers)
+            dataclasses.replace(r, waited=waited, stragglers=stragglers, seconds=took)
             if k == 0
             else dataclasses.replace(r, waited=math.nan)
             for k, r in enumerate(results)

@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason", "parameters", "step_seconds", "round_seconds", "average_every", "payload", "overlap")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,12 @@ class RunStatus(_message.Message):
     TRAIN_PROCESS_STATE_FIELD_NUMBER: _ClassVar[int]
     TRAIN_PROCESS_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROUP_REASON_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: int
     secured: bool
@@ -100,7 +106,13 @@ class RunStatus(_message.Message):
     train_process_state: str
     train_process_restarts: int
     local_group_reason: str
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ...) -> None: ...
+    parameters: int
+    step_seconds: float
+    round_seconds: float
+    average_every: int
+    payload: str
+    overlap: bool
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ..., parameters: _Optional[int] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., average_every: _Optional[int] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")

@@ -9,6 +9,7 @@ tests/test_local_group.py), so the test can check exactly what each member ends 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -223,3 +224,4 @@ def test_a_lane_whose_round_fails_is_a_result_not_an_error_and_the_other_lanes_g
     assert "lane 0 failed: RuntimeError: matchmaking broke" in results[0].reason and not results[0].applied
     assert results[1].reason.startswith("no group") and results[1].outcome is None
     assert torch.equal(vector, torch.arange(10, dtype=torch.float32))
+    assert results[0].seconds >= 0 and math.isnan(results[1].seconds)  # the round's time, counted once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,3 +96,25 @@ def test_a_reader_that_left_gets_no_traceback(buffered):
         os.close(write)
     assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr
     assert out.returncode == 141, out
+
+
+def test_status_shows_the_median_of_the_last_16_completed_rounds():
+    """DaemonMetrics.round_seconds (RunStatus.round_seconds): completed rounds only, their whole time
+    (RoundResult.seconds, NaN where a result is no round's first lane)."""
+    from peerd.daemon.metrics import RECENT_ROUNDS, DaemonMetrics
+    from peerd.peers.averaging import RoundResult
+    from peerd.peers.collective.outcome import Outcome, Status
+
+    def result(status: Status, seconds: float) -> RoundResult:
+        outcome = Outcome(status, "", 1, ("a", "b"), (1.0,), 0, 0, 0.01, b"")
+        return RoundResult(1, 2, outcome, "", seconds=seconds)
+
+    m = DaemonMetrics(version="t", states=("READY",), peers_by_run=dict)
+    assert math.isnan(m.round_seconds("r"))
+    m.observe_round("r", result(Status.ABORTED, 99.0))
+    m.observe_round("r", RoundResult(1, 1, None, "alone in the run", seconds=0.0))
+    m.observe_round("r", result(Status.COMPLETED, math.nan))  # a round's other lane
+    assert math.isnan(m.round_seconds("r"))
+    for k in range(RECENT_ROUNDS + 4):  # 0..19: the first four fall out of the window
+        m.observe_round("r", result(Status.COMPLETED, float(k)))
+    assert m.round_seconds("r") == 11.5 and math.isnan(m.round_seconds("other"))
