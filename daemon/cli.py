@@ -218,11 +218,16 @@ def _cmd_start(args: argparse.Namespace) -> int:
 # ---- the client subcommands ------------------------------------------------------------------------
 
 
-def _client_parent() -> argparse.ArgumentParser:
+def _daemon_options(p: argparse.ArgumentParser) -> None:
+    """How a client command finds the daemon to talk to."""
     data_dir, control = client_defaults()
-    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--data-dir", type=Path, default=data_dir, help="data dir of the daemon to talk to [PEERD_DATA_DIR]")
     p.add_argument("--control", default=control, help="control address instead of --data-dir [PEERD_CONTROL]")
+
+
+def _client_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    _daemon_options(p)
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     return p
 
@@ -444,39 +449,112 @@ def _add_plan(sub) -> None:
     p = sub.add_parser(
         "plan",
         help="bytes per outer step, round time and compute fraction of each payload",
-        description="Numbers to plan a run with, before it starts: for the model's parameter count, a step "
-        "time and a link, each payload's bytes per outer step (what one member sends), the round's "
-        "duration, the compute fraction at H steps per phase, and the smallest H whose phase hides "
-        "the round. The round's duration is a model fitted to the lab's bench.round_cost: fixed "
+        description="Numbers to plan a run with: for the model's parameter count, a step time and a link, "
+        "each payload's bytes per outer step (what one member sends), the round's duration, the compute "
+        "fraction at H steps per phase, and the smallest H whose phase hides the round. The round's "
+        "duration is a model fitted to the lab's bench.round_cost: fixed "
         f"{plan_mod.FIXED_S} s + {plan_mod.FIXED_RTTS} RTTs + 2(g-1)/g of the payload at the link's rate; "
-        "loss and slower peers make real rounds longer (docs/benchmarks.md).",
+        "loss and slower peers make real rounds longer (docs/benchmarks.md). With --run RUN_ID, the local "
+        "daemon gives what it measured of that run: the parameter count, the mean step time of its training "
+        "process, the run's H and overlap, and the last round's group size (a flag given overrides each), "
+        "and the plan ends with the run's measured round duration against the model's for its payload. "
+        "The link (--mbit, --rtt-ms) is always by hand: the daemon shows no link figures per peer.",
     )
-    p.add_argument("--params", type=float, required=True, help="the model's parameter count (e.g. 1e9)")
-    p.add_argument("--step-seconds", type=float, required=True, help="seconds one inner step takes")
-    p.add_argument("--mbit", type=float, required=True, help="each peer's link rate, Mbit/s")
-    p.add_argument("--rtt-ms", type=float, default=50.0, help="round-trip time between peers (default 50)")
-    p.add_argument("--every", type=int, default=50, help="H: inner steps per phase (default 50, the run default)")
-    p.add_argument("--group", type=int, default=2, help="members of a round's group (default 2)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false", help="phases wait for their round")
-    p.add_argument("--json", action="store_true", help="one JSON line per payload instead of the table")
+    p.add_argument(
+        "--run", metavar="RUN_ID", help="take the inputs not given from the local daemon's figures of this run"
+    )
+    _daemon_options(p)
+    p.add_argument("--params", type=float, help="the model's parameter count (e.g. 1e9); with --run, the daemon's")
+    p.add_argument("--step-seconds", type=float, help="seconds one inner step takes; with --run, the daemon's mean")
+    p.add_argument("--mbit", type=float, required=True, help="each peer's link rate, Mbit/s (by hand, also with --run)")
+    p.add_argument("--rtt-ms", type=float, help=f"round-trip time between peers (default {plan_mod.DEFAULT_RTT_MS:g})")
+    p.add_argument(
+        "--every",
+        type=int,
+        help=f"H: inner steps per phase (default: the run's with --run, else {plan_mod.DEFAULT_EVERY}, the run default)",
+    )
+    p.add_argument(
+        "--group",
+        type=int,
+        help=f"members of a round's group (default: the run's last round's with --run, else {plan_mod.DEFAULT_GROUP})",
+    )
+    p.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        help="a round runs while the next phase computes; --no-overlap: phases wait for their round "
+        "(default: the run's with --run, else on)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON line per payload instead of the table; with --run, then one line of the inputs and rounds",
+    )
     p.set_defaults(func=_cmd_plan)
 
 
 def _cmd_plan(args) -> int:
-    if not (math.isfinite(args.params) and args.params == int(args.params)):
+    if args.params is not None and not (math.isfinite(args.params) and args.params == int(args.params)):
         return _fail(2, f"--params must be a whole number, not {args.params}")
     try:
-        plans = plan_mod.plan(
-            int(args.params), args.step_seconds, args.mbit, args.rtt_ms, args.every, args.group, args.overlap
+        run = _run_figures(args) if args.run else None
+        given = plan_mod.inputs(
+            params=int(args.params) if args.params is not None else None,
+            step_seconds=args.step_seconds,
+            mbit=args.mbit,
+            rtt_ms=args.rtt_ms,
+            every=args.every,
+            group=args.group,
+            overlap=args.overlap,
+            run=run,
         )
-    except ValueError as e:
+        plans = plan_mod.plan(
+            given.params, given.step_seconds, given.mbit, given.rtt_ms, given.every, given.group, given.overlap
+        )
+    except ValueError as e:  # an input missing or out of range, or a run the daemon is not in
         return _fail(2, str(e))
+    measured = plan_mod.compare(run, given) if run is not None else None
     if args.json:
         for p in plans:
             print(json.dumps(dataclasses.asdict(p)))
-    else:
-        print(plan_mod.table(plans, args.every, args.overlap))
+        if run is not None:
+            inputs = {k: v for k, v in dataclasses.asdict(given).items() if k != "from_daemon"}
+            line = {"run_id": run.run_id, "inputs": inputs, "from_daemon": list(given.from_daemon)}
+            if measured is not None:
+                line |= {
+                    "payload": measured.payload,
+                    "round_s_measured": None if math.isnan(measured.measured_s) else round(measured.measured_s, 3),
+                    "round_s_model": measured.model_s,
+                }
+            print(json.dumps(line))
+        return 0
+    if run is not None:
+        print(plan_mod.header(given, run))
+    print(plan_mod.table(plans, given.every, given.overlap))
+    if measured is not None:
+        print(plan_mod.comparison_line(measured, given, run.algorithm))
     return 0
+
+
+def _run_figures(args) -> plan_mod.RunFigures:
+    """The local daemon's figures of run args.run. Raises ValueError where the daemon is not in the
+    run; no daemon answering (grpc.RpcError) is main()'s to report."""
+    with _client(args) as c:
+        runs = c.status().runs
+    r = next((r for r in runs if r.run_id == args.run), None)
+    if r is None:
+        joined = ", ".join(r.run_id for r in runs) or "none"
+        raise ValueError(f"the daemon is not in run {args.run!r} (its runs: {joined})")
+    return plan_mod.RunFigures(
+        run_id=r.run_id,
+        parameters=r.parameters,
+        step_seconds=r.step_seconds,
+        average_every=r.average_every,
+        group_size=r.group_size,
+        round_seconds=r.round_seconds,
+        payload=r.payload,
+        overlap=r.overlap,
+        algorithm=r.algorithm,
+    )
 
 
 def _add_export(sub) -> None:

@@ -1,4 +1,4 @@
-"""`peerd plan`: numbers to plan a run with, before it starts. For a model's parameter count, a step
+"""`peerd plan`: numbers to plan a run with, before it starts or from its daemon's figures. For a model's parameter count, a step
 time, a link's rate and RTT and a group size, each payload's bytes per outer step, the round's
 duration on that link, and the compute fraction at a phase of H steps, with and without overlap;
 and the smallest H whose phase hides each payload's round.
@@ -18,6 +18,13 @@ docs/benchmarks.md). Loss, a slower member and a busy CPU make a real round long
 Compute fraction: the share of wall time compute is busy. Without overlap a phase waits for its
 round: H s / (H s + round). With overlap (the default) a round runs while the next phase computes,
 and compute waits only when the round takes longer than a phase: H s / max(H s, round).
+
+From a run's figures (`peerd plan --run RUN_ID`): the local daemon's status gives the model's
+parameter count, the mean step time its training process measured, the run's H and overlap, and
+the last round's group size (control.proto RunStatus); a flag given by hand overrides each
+(`inputs`). The link stays by hand: the daemon measures links only for loss-tolerant runs and local
+groups, and shows no figure per peer. Beside the plan, the run's measured round duration against
+this model's for its payload (`compare`): how far the model is from the user's link.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from dataclasses import dataclass
 from peerd.peers.collective.codec import Format
 from peerd.peers.collective.wire import payload_size
 
+DEFAULT_RTT_MS = 50.0  # --rtt-ms when not given
+DEFAULT_EVERY = 50  # --every when neither given nor the run's: the default of new runs
+DEFAULT_GROUP = 2  # --group when neither given nor the run's (its last round formed no group)
 FIXED_S = 0.34  # a round's fixed cost at 0 ms RTT (bench.round_cost, 3 lab hosts)
 FIXED_RTTS = 6.3  # and per RTT beyond it (6.1-6.3 measured at 50 and 200 ms)
 MARGIN = 1.2  # the phase that "hides" a round is this much longer than it
@@ -40,6 +50,119 @@ class PayloadPlan:
     round_s: float
     compute_fraction: float  # at the given H, with the given overlap
     hiding_every: int  # the smallest H whose phase is MARGIN x the round (with overlap)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunFigures:
+    """What the local daemon's status says of a run (control.proto RunStatus), for a plan."""
+
+    run_id: str
+    parameters: int  # 0: no model on this daemon
+    step_seconds: float  # NaN: no phase has ended yet
+    average_every: int  # 0: no manifest
+    group_size: int  # of the last round (1: it formed no group; 0: no round yet)
+    round_seconds: float  # the median of recent completed rounds; NaN: none yet
+    payload: str  # "" without a manifest
+    overlap: bool  # false without a manifest
+    algorithm: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Inputs:
+    """What a plan is made from, and which of it the daemon gave (`from_daemon`: the fields' names)."""
+
+    params: int
+    step_seconds: float
+    mbit: float
+    rtt_ms: float
+    every: int
+    group: int
+    overlap: bool
+    from_daemon: tuple[str, ...] = ()
+
+
+class MissingInput(ValueError):
+    """An input neither given nor known to the daemon; the message names the flag to give."""
+
+
+def inputs(
+    *,
+    params: int | None = None,
+    step_seconds: float | None = None,
+    mbit: float,
+    rtt_ms: float | None = None,
+    every: int | None = None,
+    group: int | None = None,
+    overlap: bool | None = None,
+    run: RunFigures | None = None,
+) -> Inputs:
+    """The plan's inputs: each flag given (not None) as given, else the run's figure where the daemon
+    has one, else the default (--rtt-ms, --every, --group, --overlap). Raises MissingInput naming
+    the flag for a parameter count or step time that is neither given nor known (no run, a
+    discovery-only run, no phase ended yet). Values are checked by `plan`, not here."""
+    taken: list[str] = []
+
+    def pick(name: str, given, known, default=None):
+        if given is not None:
+            return given
+        if known is not None:
+            taken.append(name)
+            return known
+        if default is not None:
+            return default
+        raise MissingInput(_missing(name, run))
+
+    known_params = run.parameters if run is not None and run.parameters > 0 else None
+    known_step = run.step_seconds if run is not None and math.isfinite(run.step_seconds) else None
+    manifest = run is not None and run.average_every > 0  # the run's settings are known
+    known_every = run.average_every if manifest else None
+    known_group = run.group_size if run is not None and run.group_size >= 2 else None
+    return Inputs(
+        params=pick("params", params, known_params),
+        step_seconds=pick("step_seconds", step_seconds, known_step),
+        mbit=mbit,
+        rtt_ms=pick("rtt_ms", rtt_ms, None, DEFAULT_RTT_MS),
+        every=pick("every", every, known_every, DEFAULT_EVERY),
+        group=pick("group", group, known_group, DEFAULT_GROUP),
+        overlap=pick("overlap", overlap, run.overlap if manifest else None, True),
+        from_daemon=tuple(taken),
+    )
+
+
+def _missing(name: str, run: RunFigures | None) -> str:
+    flag = "--" + name.replace("_", "-")
+    if run is None:
+        return f"{flag} is required (or --run RUN_ID, to take it from the local daemon)"
+    if name == "params":
+        return (
+            f"run {run.run_id!r} has no model on this daemon (joined for discovery only, or its model is not "
+            f"built yet): give {flag}"
+        )
+    return f"run {run.run_id!r} has no step time yet (no inner phase has ended on this daemon): give {flag}"
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """The run's measured round against the model's, for the run's payload and the plan's inputs."""
+
+    payload: str
+    measured_s: float  # NaN: no completed round yet
+    model_s: float
+
+    @property
+    def ratio(self) -> float:
+        """measured / model: above 1, the link (or the mates' pace) is slower than the model says."""
+        return self.measured_s / self.model_s
+
+
+def compare(run: RunFigures, given: Inputs) -> Comparison | None:
+    """The run's measured round duration against the model's for its payload; None for a run
+    without a manifest (no payload)."""
+    if not run.payload:
+        return None
+    size = payload_size(Format(run.payload).dtype, given.params)
+    model = round_seconds(size, given.group, given.mbit, given.rtt_ms)
+    return Comparison(run.payload, run.round_seconds, round(model, 3))
 
 
 def member_sends(vector_bytes: int, group: int) -> float:
@@ -88,6 +211,39 @@ def table(plans: list[PayloadPlan], every: int, overlap: bool) -> str:
         )
     lines.append(f"(overlap {'on' if overlap else 'off'}; the round's duration is a model: `peerd plan --help`)")
     return "\n".join(lines)
+
+
+def header(given: Inputs, run: RunFigures) -> str:
+    """The line the CLI prints above a run's plan: each input, and where it came from."""
+    shown = {
+        "params": f"{given.params:,} parameters",
+        "step_seconds": f"{given.step_seconds:.3g} s a step",
+        "every": f"H={given.every}",
+        "group": f"group {given.group}",
+        "mbit": f"{given.mbit:g} Mbit/s",
+        "rtt_ms": f"{given.rtt_ms:g} ms RTT",
+        "overlap": f"overlap {'on' if given.overlap else 'off'}",
+    }
+    daemon = [text for name, text in shown.items() if name in given.from_daemon]
+    rest = [text for name, text in shown.items() if name not in given.from_daemon]
+    parts = [f"from the daemon: {', '.join(daemon)}"] if daemon else []
+    parts.append(f"given or default: {', '.join(rest)}")
+    return f"run {run.run_id}: " + "; ".join(parts)
+
+
+def comparison_line(c: Comparison, given: Inputs, algorithm: str) -> str:
+    """The line the CLI prints under a run's plan: the measured round against the model's."""
+    model = f"the model says {c.model_s:.3g} s for {c.payload} in a group of {given.group} on this link"
+    if math.isnan(c.measured_s):
+        line = f"measured round: none completed yet; {model}"
+    else:
+        line = (
+            f"measured round: {c.measured_s:.3g} s (median of its last completed rounds, up to 16); "
+            f"{model} (measured/model {c.ratio:.2f})"
+        )
+    if algorithm == "state":  # its rounds average the parameters and the optimizer's moments
+        line += "; a state run's rounds carry its optimizer's state too, more than the model's bytes"
+    return line
 
 
 def _bytes(n: int) -> str:

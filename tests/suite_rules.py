@@ -43,6 +43,7 @@ PROCESS_FILES = LAB_FILES | {
     "test_membership_clock.py",
     "test_node_bootstrap.py",
     "test_node_requests.py",
+    "test_plan.py",
     "test_progress.py",
     "test_prometheus.py",
     "test_restart.py",

@@ -1,4 +1,5 @@
-"""`peerd plan`: the model's arithmetic with exact values, and the command's output and refusals."""
+"""`peerd plan`: the model's arithmetic with exact values, the command's output and refusals, and
+the inputs a daemon's run gives it (`--run`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,19 @@ import sys
 
 import pytest
 
-from peerd.daemon.plan import FIXED_RTTS, FIXED_S, plan, round_seconds
+from peerd.daemon.plan import (
+    DEFAULT_EVERY,
+    DEFAULT_GROUP,
+    DEFAULT_RTT_MS,
+    FIXED_RTTS,
+    FIXED_S,
+    MissingInput,
+    RunFigures,
+    compare,
+    inputs,
+    plan,
+    round_seconds,
+)
 from tests.helpers import ROOT
 
 
@@ -98,6 +111,58 @@ def test_a_reader_that_left_gets_no_traceback(buffered):
     assert out.returncode == 141, out
 
 
+def figures(**kw) -> RunFigures:
+    """A run as a daemon's status shows it after some phases and rounds."""
+    base = dict(
+        run_id="r",
+        parameters=10**6,
+        step_seconds=0.25,
+        average_every=100,
+        group_size=3,
+        round_seconds=1.5,
+        payload="int8",
+        overlap=False,
+        algorithm="diloco",
+    )
+    return RunFigures(**(base | kw))
+
+
+def test_the_daemon_fills_what_is_not_given_and_a_flag_overrides_it():
+    taken = inputs(mbit=100.0, run=figures())
+    assert (taken.params, taken.step_seconds, taken.every, taken.group, taken.overlap) == (10**6, 0.25, 100, 3, False)
+    assert (taken.mbit, taken.rtt_ms) == (100.0, DEFAULT_RTT_MS)  # the link: by hand, or the default
+    assert taken.from_daemon == ("params", "step_seconds", "every", "group", "overlap")
+    given = inputs(params=5, step_seconds=2.0, mbit=10.0, rtt_ms=0.0, every=7, group=4, overlap=True, run=figures())
+    assert (given.params, given.step_seconds, given.rtt_ms, given.every, given.group) == (5, 2.0, 0.0, 7, 4)
+    assert given.overlap and given.from_daemon == ()
+    some = inputs(step_seconds=1.0, group=2, mbit=10.0, run=figures())
+    assert some.from_daemon == ("params", "every", "overlap") and (some.step_seconds, some.group) == (1.0, 2)
+
+
+def test_what_the_run_does_not_know_yet_is_the_default_or_names_the_flag_to_give():
+    # Its last round formed no group, or none ran yet: the default group; no manifest: the defaults.
+    for group_size in (0, 1):
+        assert inputs(mbit=1.0, run=figures(group_size=group_size)).group == DEFAULT_GROUP
+    unknown = inputs(mbit=1.0, run=figures(average_every=0, payload=""))
+    assert unknown.every == DEFAULT_EVERY and unknown.overlap and "overlap" not in unknown.from_daemon
+    with pytest.raises(MissingInput, match="no step time yet .* give --step-seconds"):
+        inputs(mbit=1.0, run=figures(step_seconds=math.nan))
+    with pytest.raises(MissingInput, match="no model on this daemon .* give --params"):
+        inputs(step_seconds=1.0, mbit=1.0, run=figures(parameters=0))
+    with pytest.raises(MissingInput, match=r"--params is required \(or --run"):
+        inputs(mbit=1.0)
+    assert inputs(params=9, step_seconds=0.1, mbit=1.0, run=figures(parameters=0, step_seconds=math.nan)).params == 9
+
+
+def test_the_measured_round_is_set_against_the_model_for_the_runs_payload():
+    given = inputs(mbit=100.0, rtt_ms=50.0, run=figures(parameters=10**9, group_size=2))
+    c = compare(figures(parameters=10**9, group_size=2), given)
+    assert c.payload == "int8" and c.model_s == 85.655 and c.measured_s == 1.5  # the plan's own int8 figure
+    assert c.ratio == pytest.approx(1.5 / 85.655)
+    assert compare(figures(payload=""), given) is None  # no manifest, no payload
+    assert math.isnan(compare(figures(round_seconds=math.nan), given).measured_s)
+
+
 def test_status_shows_the_median_of_the_last_16_completed_rounds():
     """DaemonMetrics.round_seconds (RunStatus.round_seconds): completed rounds only, their whole time
     (RoundResult.seconds, NaN where a result is no round's first lane)."""
@@ -118,3 +183,41 @@ def test_status_shows_the_median_of_the_last_16_completed_rounds():
     for k in range(RECENT_ROUNDS + 4):  # 0..19: the first four fall out of the window
         m.observe_round("r", result(Status.COMPLETED, float(k)))
     assert m.round_seconds("r") == 11.5 and math.isnan(m.round_seconds("other"))
+
+
+def test_plan_from_a_daemons_run_takes_its_parameter_count_and_step_time(spawn):
+    """A real daemon and a script of Linear(8, 1) (9 parameters) that trains 30 steps in phases of 10:
+    `peerd plan --run` takes the model's count, the measured step time and H from the daemon, the
+    link from the flags. Before the script attaches the run has no model, then no step time: each
+    refusal names the flag to give; a run the daemon is not in, and no daemon, are refused too."""
+    d = spawn("plan", ["--run", "plan-run"])
+    where = ["--data-dir", str(d.data_dir)]
+    out = peerd("plan", "--run", "plan-run", "--mbit", "100", *where)
+    assert out.returncode == 2 and "no model on this daemon" in out.stderr and "--params" in out.stderr, out
+    out = peerd("plan", "--run", "nope", "--mbit", "100", *where)
+    assert out.returncode == 2 and "not in run 'nope' (its runs: plan-run)" in out.stderr, out
+    out = peerd("plan", "--run", "plan-run", "--mbit", "100", "--data-dir", str(d.data_dir.parent / "none"))
+    assert out.returncode == 1 and "no daemon answering" in out.stderr, out
+    script = [sys.executable, str(ROOT / "tests" / "attach_script.py"), "--run", "plan-run", "--daemon"]
+    proc = subprocess.run(
+        [*script, str(d.data_dir), "--steps", "30", "--every", "10", "--dim", "8"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = peerd("plan", "--run", "plan-run", "--mbit", "100", "--json", *where)
+    assert out.returncode == 0, out.stderr
+    *payloads, run = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [p["payload"] for p in payloads] == ["int2", "int4", "int8", "fp16", "fp32"]
+    assert run["run_id"] == "plan-run" and run["from_daemon"] == ["params", "step_seconds", "every", "overlap"]
+    assert run["inputs"]["params"] == 9 and run["inputs"]["step_seconds"] > 0, run
+    assert run["inputs"]["every"] == 10 and run["inputs"]["group"] == DEFAULT_GROUP and not run["inputs"]["overlap"]
+    assert run["inputs"]["mbit"] == 100 and run["inputs"]["rtt_ms"] == DEFAULT_RTT_MS
+    assert run["payload"] == "int8" and run["round_s_model"] > 0 and run["round_s_measured"] is None  # alone: no group
+    out = peerd("plan", "--run", "plan-run", "--mbit", "100", "--params", "1e9", "--every", "50", *where)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("run plan-run: from the daemon: ") and "1,000,000,000 parameters" in out.stdout
+    assert "measured round: none completed yet" in out.stdout.splitlines()[-1], out.stdout
