@@ -60,10 +60,12 @@ class RunTraining:
     def announcement(self) -> Announcement:
         sketches = self.trainer.sketches  # before the step: see Announcement
         delegated, group = self.trainer.delegation  # one read: the trainer replaces the pair as a whole
+        span = getattr(self.trainer, "span", None)  # a local group of processes that spans daemons
+        address = self.local_group.address if self.local_group is not None else span.address if span else ""
         return Announcement(
             step=self.trainer.live_step,  # an attached process's phase counts up (PHASE_STEPS)
             sketches=sketches,
-            dear_address=self.local_group.address if self.local_group is not None else "",
+            dear_address=address,
             delegated_lanes=delegated,
             dear_group=group,
             links=self.prober.reports() if self.prober is not None else (),
@@ -420,8 +422,9 @@ class Daemon:
         )
 
         async def run_round(vector, weight, round_t, lanes, restore, payload):
-            # Peers with nothing training (role idle: no process attached) are nobody's mates.
-            live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers() if e.role != IDLE}
+            # Peers with nothing training (role idle: no process attached), and followers of a local
+            # group whose leader averages for it, are nobody's mates.
+            live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers() if e.role == TRAINER}
             # The trainer thread waits for this round: its delegation cannot change meanwhile.
             return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore, payload)
 
@@ -552,20 +555,22 @@ class Daemon:
         shared = shared_directory(run_dir)
         if removed := remove_stale(shared):
             logger.info("removed %d shared-memory file(s) of daemons that are gone from %s", removed, shared)
-        if train.local_group:
+        if train.local_group == AUTO:
             logger.warning(
-                "run %s: --local-group applies to a --task run under averaging.algorithm=state only: this "
-                'daemon\'s processes train as a peer of their own (docs/your-loop.md, "Not yet")',
+                "run %s: --local-group auto (by measured links) applies to a --task run under "
+                "averaging.algorithm=state only: this daemon's processes train as a peer of their own; name "
+                "the group (--local-group NAME) to train with the daemons of the same name (docs/your-loop.md)",
                 run_id,
             )
         membership.role = IDLE  # until a process attaches
 
-        def on_role(active: bool) -> None:
-            membership.role = TRAINER if active else IDLE
+        def on_role(role: str) -> None:
+            membership.role = role
             self._announce_soon(membership, loop)
 
         if cls is None:  # a script's run
             cls, kwargs = AttachedTrainer, {"layout": manifest.model, "creator": manifest.creator == self.node.peer_id}
+
         settings = dict(
             run_id=run_id,
             store=CheckpointStore(
@@ -586,7 +591,26 @@ class Daemon:
             on_role=on_role,
             inner_budget=manifest.averaging.inner_budget,
         )
-        return cls(**{**settings, **kwargs})
+        trainer = cls(**{**settings, **kwargs})
+        if train.local_group and train.local_group != AUTO:
+            trainer.span = self._group_span(run_id, membership, trainer)
+        return trainer
+
+    def _group_span(self, run_id: str, membership, trainer):
+        """The local group of this daemon's processes and those of the run's daemons of the same
+        --local-group label (daemon/groupspan.py)."""
+        from peerd.daemon.groupspan import GroupSpan
+
+        label = membership.local_group = self.config.train.local_group
+        return GroupSpan(
+            run_id=run_id,
+            peer_id=self.node.peer_id,
+            label=label,
+            host=self.config.train.local_group_host or self._advertise_host(),
+            peers=lambda: [(e.peer_id, e.dear_address) for e in membership.peers() if e.local_group == label],
+            local=trainer.spanned,
+            placed=trainer.placed,
+        )
 
     async def attach(
         self,

@@ -63,11 +63,13 @@ import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
+from peerd.daemon.groupspan import GroupSpan, Placement
 from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.membership import FOLLOWER, IDLE, TRAINER
 from peerd.peers.phases import Phases
 from peerd.peers.sketch import HISTORY, SketchPlan
 from peerd.peers.statesync import FetchResult, Snapshot
@@ -93,6 +95,7 @@ LEASE_SECONDS = 6.0  # an attachment ends this long after its last Renew (the pr
 LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pid
 ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
 GROUP_FORM_WAIT = 30.0  # seconds the first of a group's expected processes waits for the others
+PLACE_WAIT = 30.0  # seconds an attach or regroup waits for a spanning group's coordinator to place the process
 # The shared file's layout (header, counts, θ) is peerd/shared_file.py's, the process's too. END_AT
 # is written by the daemon only: the boundary step of the phase the straggler budget ends now (0:
 # none). The process compares it with its own phase's boundary at each step, so a value left from an
@@ -127,12 +130,25 @@ class Session:
 
 @dataclass(frozen=True, slots=True)
 class GroupSlot:
-    """A process's place in its daemon's local group (control.proto LocalGroup)."""
+    """A process's place in its local group (control.proto LocalGroup)."""
 
     epoch: int
-    rank: int
+    rank: int  # -1: not placed in the epoch yet (a group that spans daemons): regroup
     size: int
     store: str
+    host: str = "127.0.0.1"
+    spans: bool = False
+    hands_over: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SpanView:
+    """A spanning group as status shows it: its label, processes, this daemon's first rank, why."""
+
+    label: str
+    size: int
+    rank: int
+    last_reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,12 +273,11 @@ class AttachedTrainer:
     (status, metrics and the membership read these attributes), with the steps taken elsewhere.
 
     Callbacks as the Trainer's: `average` (the blocking round bridge, daemon/joining.round_bridge),
-    `on_round`, `peer_steps`, `sync` (download [θ; m] from peers), `on_sync`; `on_role(active)`
-    announces whether a process trains here. attach/end_phase/renew/detach block (a round, a
+    `on_round`, `peer_steps`, `sync` (download [θ; m] from peers), `on_sync`; `on_role(role)`
+    announces whether a process trains here (peers/membership.py TRAINER, FOLLOWER, IDLE). attach/end_phase/renew/detach block (a round, a
     download, a checkpoint): the control server calls them in worker threads; one lock orders them."""
 
-    # Local groups (DeAR) do not apply to script-trained runs; the status reads these.
-    local_group = None
+    # The thread's DeAR groups (daemon/trainer.py) do not apply here; the status reads these.
     delegation = (0, "")
     wan_share = 1.0
     dear_steps = dear_buckets = dear_bucket_bytes = 0
@@ -285,7 +300,7 @@ class AttachedTrainer:
         peer_steps: Callable[[], list[int]] = list,
         sync: Callable[[int, torch.Tensor], FetchResult] | None = None,
         on_sync: Callable[[FetchResult], None] = lambda result: None,
-        on_role: Callable[[bool], None] = lambda active: None,
+        on_role: Callable[[str], None] = lambda role: None,
         lease_seconds: float = LEASE_SECONDS,
         inner_budget: float = 0.0,
         identity: dict | None = None,
@@ -332,8 +347,15 @@ class AttachedTrainer:
         self._founding = False  # an attach is setting the run's state up for a first process
         self._forming_until = 0.0  # the group's first processes are still expected until then
         self._expected = 1
+        # A group that spans daemons (--local-group NAME, daemon/groupspan.py): its coordinator numbers
+        # the epochs and places this daemon's processes; `_after` is the epoch this daemon asks it to
+        # move past.
+        self.span: GroupSpan | None = None
+        self._placement: Placement | None = None
+        self._after = 0
         self._ended: tuple[int, PhaseEnd] = (-1, PhaseEnd(0, -1, "", 0.0, False))
         self._watcher: asyncio.Task | None = None
+        self._spanning: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state = TrainState.LOADING
         # global_step: the run's step at the latest attach or EndPhase (a phase's start); the steps of
@@ -435,6 +457,8 @@ class AttachedTrainer:
         """Watch the lease (on the daemon's loop: call from it)."""
         self._loop = asyncio.get_running_loop()
         self._watcher = self._loop.create_task(self._watch(), name=f"lease:{self.run_id}")
+        if self.span is not None:
+            self._spanning = self._loop.create_task(self._beat(), name=f"span:{self.run_id}")
 
     def stop(self, timeout: float = 30.0) -> None:
         """Leave or drain: end the attachment (the process sees NOT_FOUND and re-attaches to the
@@ -444,6 +468,8 @@ class AttachedTrainer:
         self._stopping.set()
         if self._watcher is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._watcher.cancel)
+            if self._spanning is not None:
+                self._loop.call_soon_threadsafe(self._spanning.cancel)
         if not self._lock.acquire(timeout=timeout):
             logger.error("run %s: a phase still runs after %.0f s; stopping without a checkpoint", self.run_id, timeout)
             return
@@ -497,6 +523,8 @@ class AttachedTrainer:
                 for m in self.members:
                     m.renewed = time.monotonic()
                 self._group.notify_all()
+            if self.span is not None:
+                self._group.wait_for(lambda: self._placed(s) or s not in self.members, timeout=PLACE_WAIT)
             if s not in self.members:
                 raise AttachRefused(f"run {self.run_id!r}: the attachment ended while it formed; attach again")
             return AttachInfo(
@@ -545,7 +573,7 @@ class AttachedTrainer:
             self.error = self._passed_over
             self._publish_theta()
         self._phase_began = time.monotonic()
-        self.on_role(True)
+        self.on_role(self.role)
         logger.info(
             "run %s: process %d attached (%s) at step %d%s",
             self.run_id,
@@ -559,8 +587,72 @@ class AttachedTrainer:
     # -- the local group (under _group) ---------------------------------------------------------
 
     def _slot(self, s: Session) -> GroupSlot:
-        return GroupSlot(
-            self.group_epoch, self.members.index(s), len(self.members), str(self._shared.store(self.group_epoch))
+        i, p = self.members.index(s), self._placement
+        if self.span is None:
+            store = str(self._shared.store(self.group_epoch))
+            return GroupSlot(self.group_epoch, i, len(self.members), store, hands_over=i == 0)
+        if p is None:
+            return GroupSlot(self.group_epoch, -1, 0, "")
+        rank = p.base + i if i < p.procs else -1
+        if not p.spans:  # this daemon's processes alone: they meet on a file, as without a span
+            return GroupSlot(p.epoch, rank, p.size, str(self._shared.store(p.epoch)), hands_over=i == 0)
+        return GroupSlot(p.epoch, rank, p.size, p.store, self.span.host, True, hands_over=i == 0)
+
+    def _placed(self, s: Session) -> bool:
+        """Whether member `s` has a rank in the spanning group's current epoch."""
+        p = self._placement
+        return p is not None and p.epoch == self.group_epoch and s in self.members[: p.procs]
+
+    @property
+    def follows(self) -> bool:
+        """In a spanning group another daemon leads: it averages on the WAN, this one takes its θ.
+        Before the first placement: whether another daemon coordinates (it leads once it has a
+        process), so that the peers never plan rounds with a daemon about to follow."""
+        if self._placement is not None:
+            return self._placement.base > 0
+        return self.span is not None and self.span.coordinator not in ("", self.span.peer_id)
+
+    @property
+    def role(self) -> str:
+        """The role this daemon announces for the run while a process is attached."""
+        return FOLLOWER if self.follows else TRAINER
+
+    @property
+    def local_group(self) -> SpanView | None:
+        """What status shows of a spanning group (None: no --local-group)."""
+        p = self._placement
+        if self.span is None:
+            return None
+        if p is None:
+            return SpanView(self.span.label, 0, -1, "not placed by the group's coordinator yet")
+        why = "leads: averages the group on the WAN" if p.base == 0 else f"follows {p.daemons[0]}"
+        return SpanView(self.span.label, p.size, p.base, f"epoch {p.epoch}: {len(p.daemons)} daemon(s); {why}")
+
+    def spanned(self) -> tuple[int, int]:
+        """For the span's beat: the attached processes, and the epoch to move past."""
+        return len(self.members), self._after
+
+    def placed(self, p: Placement) -> None:
+        """The span's coordinator placed this daemon in epoch `p` (from the span's thread)."""
+        with self._group:
+            was = self.follows
+            self._placement, self.group_epoch = p, p.epoch
+            self._shared.set_group_epoch(p.epoch)
+            self._shared.store(p.epoch - 2).unlink(missing_ok=True)
+            self._group.notify_all()
+            active = bool(self.members)
+        if self.follows:
+            self.snapshot = None  # a follower's θ is the group's last phase end, with no momentum: not served
+        if active and self.follows != was:
+            self.on_role(self.role)
+        logger.info(
+            "run %s: local group epoch %d: ranks %d..%d of %d, %s",
+            self.run_id,
+            p.epoch,
+            p.base,
+            p.base + p.procs - 1,
+            p.size,
+            "led by this daemon" if p.base == 0 else f"led by {p.daemons[0][-8:]}",
         )
 
     def _member(self, token: str) -> Session:
@@ -590,6 +682,10 @@ class AttachedTrainer:
         return gone
 
     def _new_epoch(self, why: str) -> None:
+        if self.span is not None:  # the span's coordinator numbers the epochs: ask it for the next
+            self._after = self.group_epoch
+            logger.info("run %s: local group: %d process(es) here (%s)", self.run_id, len(self.members), why)
+            return
         self.group_epoch += 1
         self._shared.set_group_epoch(self.group_epoch)
         # The epoch before last is over: its members have formed the last one or given it up.
@@ -614,6 +710,11 @@ class AttachedTrainer:
                 self._drop_gone()
                 if self.group_epoch <= epoch:
                     self._new_epoch(f"process {s.pid}'s group broke")
+            if self.span is not None:  # bounded: a slot not placed makes the process ask again
+                self._group.wait_for(
+                    lambda: (self.group_epoch > epoch and self._placed(s)) or s not in self.members,
+                    timeout=PLACE_WAIT,
+                )
             return self._slot(s)
 
     @property
@@ -631,11 +732,11 @@ class AttachedTrainer:
             s = self._member(token)
             s.renewed = time.monotonic()
             leader = s is self.members[0]
-        # The leader's progress is the group's (its steps and samples are the group's); a Renew during
-        # an EndPhase is the old phase's.
+        # The leader's progress is the group's (its steps and samples are the group's; a follower's
+        # samples are counted by the leading daemon); a Renew during an EndPhase is the old phase's.
         under_way = not boundary or boundary == self.phases.next_end(self.global_step)
         if samples is not None and leader and under_way and not self._lock.locked():
-            self._live = (samples, loss)
+            self._live = (0.0 if self.follows else samples, loss)
 
     def detach(self, token: str) -> None:
         with self._lock:
@@ -650,16 +751,26 @@ class AttachedTrainer:
             self._end_session("the process detached")
 
     def end_phase(
-        self, token: str, steps: int, samples: float, loss: float, compute_seconds: float, boundary: int = 0
+        self,
+        token: str,
+        steps: int,
+        samples: float,
+        loss: float,
+        compute_seconds: float,
+        boundary: int = 0,
+        group_step: int = 0,
     ) -> PhaseEnd:
         """The process ended an inner phase of `steps` steps whose end is the run's step `boundary`
         (0: not said); the leader's parameters are in the vector. Another member of the local group
-        waits for the leader's EndPhase of that boundary and gets its answer."""
+        waits for the leader's EndPhase of that boundary and gets its answer. `group_step`: a spanning
+        group's leader (on another daemon) reached that step; the vector holds the group's parameters."""
         with self._group:
             s = self._member(token)
             s.renewed = time.monotonic()
             if s is not self.members[0]:
                 return self._follow(s, boundary)
+        if group_step:
+            return self._take_group(group_step, steps, loss)
         began = time.monotonic()
         with self._lock:
             self.renew(token)
@@ -699,6 +810,31 @@ class AttachedTrainer:
         self.compute_steps += steps
         self.train_wait_seconds += wall
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
+        return end
+
+    def _take_group(self, step: int, steps: int, loss: float) -> PhaseEnd:
+        """A follower's phase end: the group's parameters (in the vector) become θ at the leader's
+        step, with no round; momentum and error feedback start over (the leader holds the group's).
+        The group's samples are counted once, by the leading daemon: not here."""
+        with self._lock:
+            self._shared.set_count(PHASE_STEPS_OFFSET, 0)
+            self._local_done += steps
+            self._live = (0.0, math.nan)
+            if not math.isnan(loss):
+                self._loss_done = loss
+            self.global_step = max(self.global_step, step)
+            if self._outer is not None:
+                self._outer.drop_pending()
+                self._outer.reset_from_params()
+            self._has_state = True
+            if self.global_step - self._checkpointed >= self.checkpoint_every:
+                self._checkpoint()
+            self._publish_theta()
+            with self._group:
+                end = PhaseEnd(self.global_step, -1, "follows the local group's leader", 0.0, False, self.group_epoch)
+                self._ended = (self.global_step, end)
+                self._group.notify_all()
+        self._phase_began = time.monotonic()
         return end
 
     def _follow(self, s: Session, boundary: int) -> PhaseEnd:
@@ -890,7 +1026,18 @@ class AttachedTrainer:
             self._checkpoint()
         self.state = TrainState.STOPPED
         logger.info("run %s: process %d detached (%s) at step %d", self.run_id, s.pid, why, self.global_step)
-        self.on_role(False)
+        self.on_role(IDLE)
+
+    async def _beat(self) -> None:
+        """The span's beat, every groupspan.TICK s (its store operations block: in a worker thread)."""
+        from peerd.daemon.groupspan import TICK
+
+        while True:
+            try:
+                await asyncio.to_thread(self.span.tick)
+            except Exception:  # one failed beat must not end them
+                logger.exception("run %s: the local group's beat failed", self.run_id)
+            await asyncio.sleep(TICK)
 
     async def _watch(self) -> None:
         """End the attachment whose lease lapsed or whose process exited."""
@@ -906,7 +1053,7 @@ class AttachedTrainer:
         """End the attached process's phase now where its mates would otherwise round without it
         (MateWait) or the straggler budget says so (a phase that is ending already, under the lock,
         is left alone)."""
-        if not self._has_state or self.session is None or self._lock.locked():
+        if not self._has_state or self.session is None or self._lock.locked() or self.follows:
             return
         now, steps, done = time.monotonic(), self.peer_steps(), self.phase_steps
         boundary = self.phases.next_end(self.global_step)

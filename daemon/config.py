@@ -123,6 +123,9 @@ class TrainConfig:
     # Operator label: daemons with the same one average gradients every step with DeAR (docs/dear.md); "" = none.
     # "auto" is reserved: a group with the peers labelled auto whose measured links pass the thresholds.
     local_group: str = ""
+    # This machine's address on its local group's fast links (the group's store and Gloo connections bind
+    # there; daemon/groupspan.py); "" = the daemon's advertised host.
+    local_group_host: str = ""
     # Training processes per --task run, children of the daemon (python -m peerd.daemon.taskproc, supervised,
     # attached like a script; docs/your-loop.md): together the daemon's local group, one WAN peer.
     train_processes: int = 1
@@ -149,6 +152,11 @@ class TrainConfig:
                 validate_run_id(self.local_group)
             except InvalidRunId as e:
                 raise ConfigError(f"local_group: {e}") from None
+        if self.local_group_host:
+            try:
+                ipaddress.ip_address(self.local_group_host)
+            except ValueError:
+                raise ConfigError(f"local_group_host must be an IP address, not {self.local_group_host!r}") from None
 
     def set_dict(self) -> dict[str, str]:
         """`set` as a mapping: hyper-parameters and averaging.* settings of the runs created at start."""
@@ -302,10 +310,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.min_peers_timeout", "longest wait for --min-peers", "SECONDS"),
     Option(
         "train.local_group",
-        "label shared by daemons on fast links: they average gradients every step (DeAR; for now only in "
-        "--task runs under averaging.algorithm=state, trained in a thread of the daemon); 'auto': group with "
-        "the peers labelled auto whose measured links pass the thresholds (docs/dear.md)",
+        "label shared by daemons on fast links: their training processes are one local group, one WAN peer, "
+        "averaging gradients every step (DiLoCo runs: the first daemon leads the group's rounds, the others "
+        "follow; its store and Gloo links are not authenticated: trusted links only, docs/your-loop.md; state "
+        "runs: DeAR in a thread of the daemon, docs/dear.md); 'auto' (state runs only): group with the peers "
+        "labelled auto whose measured links pass the thresholds",
         "NAME",
+    ),
+    Option(
+        "train.local_group_host",
+        "this machine's address on its --local-group's fast links (default: the address peers dial)",
+        "IP",
     ),
     Option(
         "train.train_processes",

@@ -213,6 +213,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 request.loss,
                 max(request.compute_seconds, 0.0),
                 request.boundary,
+                request.group_step,
             )
         except SessionLost as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
@@ -289,7 +290,15 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
 
 def _group(slot) -> control_pb2.LocalGroup:
-    return control_pb2.LocalGroup(epoch=slot.epoch, rank=slot.rank, size=slot.size, store=slot.store)
+    return control_pb2.LocalGroup(
+        epoch=slot.epoch,
+        rank=slot.rank,
+        size=slot.size,
+        store=slot.store,
+        host=slot.host,
+        spans=slot.spans,
+        hands_over=slot.hands_over,
+    )
 
 
 class HealthServicer(health_async.HealthServicer):

@@ -37,6 +37,7 @@ from peerd.daemon.joining import RunRefused
 from peerd.daemon.supervisor import ChildState, Supervisor
 from peerd.daemon.trainer import TrainState
 from peerd.peers.manifest import RunManifest, TensorSpec, layout_mismatch
+from peerd.peers.membership import IDLE
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ class TaskChild(AttachedTrainer):
         children that start seconds apart (imports, a loaded machine) would train out of step, the
         first alone to --max-steps with every round no_group. Blocking, from a worker thread."""
         if not self._has_state and not self.trainers_ready():
-            self.on_role(True)  # the others' children wait for this one too
+            self.on_role(self.role)  # the others' children wait for this one too
             logger.info("run %s: the training process waits for --min-peers daemons training", self.run_id)
             deadline = time.monotonic() + self.ready_timeout
             while not self.trainers_ready() and time.monotonic() < deadline:
@@ -218,7 +219,7 @@ class TaskChild(AttachedTrainer):
         try:
             return super().attach(pid, device, step, group_size)
         except BaseException:
-            self.on_role(self.session is not None)
+            self.on_role(IDLE if self.session is None else self.role)
             raise
 
     def check_child(self, pid: int, layout: tuple[TensorSpec, ...]) -> None:

@@ -127,19 +127,21 @@ def train(args: argparse.Namespace) -> int:
             opt.step(samples=batch.samples, loss=loss)
             if opt.run_step == phase_step:  # within a phase: the model holds this process's own progress
                 continue
-            phase_step = opt.run_step  # a phase ended: evaluate, save (a local group's leader: they are one model)
-            if opt.run_step - evaluated >= args.eval_every and opt.group_rank == 0:
+            phase_step = (
+                opt.run_step
+            )  # a phase ended: evaluate, save (a local group's first process on this daemon: they are one model)
+            if opt.run_step - evaluated >= args.eval_every and opt.local_leader:
                 report(task, hparams, model, opt)
                 evaluated, reported = opt.run_step, True
-            if args.state is not None and opt.run_step - saved >= args.checkpoint_every and opt.group_rank == 0:
+            if args.state is not None and opt.run_step - saved >= args.checkpoint_every and opt.local_leader:
                 save_state(opt, args.state, identity, model)
                 saved = opt.run_step
-        if (evaluated != opt.run_step or not reported) and opt.group_rank == 0:
+        if (evaluated != opt.run_step or not reported) and opt.local_leader:
             report(task, hparams, model, opt)
-        if args.state is not None and opt.group_rank == 0:
+        if args.state is not None and opt.local_leader:
             save_state(opt, args.state, identity, model)
     except SystemExit:  # SIGTERM (main): the daemon stops the run; its thread would checkpoint too
-        if args.state is not None and opt.group_rank == 0:
+        if args.state is not None and opt.local_leader:
             save_state(opt, args.state, identity, model)
         raise
     finally:

@@ -27,7 +27,7 @@ import peerd.torch
 p = argparse.ArgumentParser()
 p.add_argument("run", help="the run's ID (as `peerd start --run` and `peerd export` take it)")
 p.add_argument("--daemon", required=True, help="the daemon's --data-dir")
-p.add_argument("--steps", type=int, default=600)
+p.add_argument("--steps", type=int, default=600, help="train until the run's step reaches this")
 p.add_argument("--every", type=int, default=50, help="inner steps per outer step (for a run this creates)")
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--seed", type=int, default=0, help="data order; the run's parameters come from the run")
@@ -82,14 +82,17 @@ opt = peerd.torch.Optimizer(
     model=model,  # peerd: attach
     settings={"average_every": args.every},
 )
-schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: min(1.0, (s + 1) / 50))
+# Warm-up over the run's steps (opt.live_step), not this process's: the same on every member of a
+# local group, including one that joins late.
+schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda _: min(1.0, (opt.live_step + 1) / 50))
 print(
     f"attached at run step {opt.run_step} (rank {opt.group_rank} of {opt.group_size}); "
     f"eval {evaluate(model):.3f} bits/char",
     flush=True,
 )
 
-for step in range(args.steps):
+step = 0
+while opt.live_step < args.steps:  # the run's step: a local group's members stop together
     x, y = batch(train, torch.randint(0, len(train) - CONTEXT - 2, (BATCH,)))
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
@@ -97,10 +100,10 @@ for step in range(args.steps):
     opt.step(samples=BATCH, loss=loss)  # peerd: an inner step; every `every` steps, the outer step
     opt.zero_grad()
     schedule.step()
-    if (step + 1) % 100 == 0:
+    step += 1
+    if step % 100 == 0:
         print(
-            f"step {step + 1} run step {opt.run_step} loss {loss.item() / math.log(2):.3f} "
-            f"round {opt.last_outcome or '-'}",
+            f"step {step} run step {opt.run_step} loss {loss.item() / math.log(2):.3f} round {opt.last_outcome or '-'}",
             flush=True,
         )
 

@@ -72,13 +72,24 @@ class Slot:
     """This process's place in its daemon's local group (control.proto LocalGroup)."""
 
     epoch: int
-    rank: int
+    rank: int  # -1: not placed in this epoch yet (regroup)
     size: int
-    store: str  # the epoch's rendezvous file (torch.distributed.FileStore)
+    store: str  # the epoch's rendezvous: a torch.distributed.FileStore's file, or "tcp://host:port"
+    host: str = "127.0.0.1"  # where this process's Gloo connections listen
+    spans: bool = False  # the group's processes attach to several daemons (daemon/groupspan.py)
+    hands_over: bool = True  # this process hands the group's phases to its own daemon
 
     @classmethod
     def of(cls, group: control_pb2.LocalGroup) -> "Slot":
-        return cls(group.epoch, group.rank, max(group.size, 1), group.store)
+        return cls(
+            group.epoch,
+            group.rank,
+            max(group.size, 1),
+            group.store,
+            group.host or "127.0.0.1",
+            group.spans,
+            group.hands_over or group.rank == 0,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,11 +296,12 @@ class Attachment:
         raise PeerdError(f"run {self.run}: θ in the shared file kept changing for {THETA_TRIES} copies")
 
     def end_phase(
-        self, steps: int, samples: float, loss: float, compute_seconds: float, boundary: int = 0
+        self, steps: int, samples: float, loss: float, compute_seconds: float, boundary: int = 0, group_step: int = 0
     ) -> control_pb2.EndPhaseResponse:
         """The parameters are in the vector (the leader's, in a local group): the run's outer step
-        for the phase that ends at the run's step `boundary`. Raises Lost when the attachment ended
-        (attach again), PeerdError for anything else."""
+        for the phase that ends at the run's step `boundary`; with `group_step`, the parameters a
+        spanning group's leader reached that step with, for this daemon to follow. Raises Lost when
+        the attachment ended (attach again), PeerdError for anything else."""
         a = self.current
         request = control_pb2.EndPhaseRequest(
             session=a.session,
@@ -298,6 +310,7 @@ class Attachment:
             loss=loss,
             compute_seconds=compute_seconds,
             boundary=boundary,
+            group_step=group_step,
         )
         try:
             return self._stub.EndPhase(request, timeout=a.phase_timeout)

@@ -1,12 +1,12 @@
-"""The collective of a local group: the training processes attached to one daemon for one run
-(daemon/attached.py forms the group; docs/your-loop.md, "Several processes per machine").
+"""The collective of a local group: the training processes attached to one daemon for one run, or
+to the daemons of one --local-group label (daemon/attached.py and daemon/groupspan.py form the
+group; docs/your-loop.md, "Several processes per machine").
 
-Each process takes its place (peerd.attachment.Slot: epoch, rank, size, the epoch's rendezvous
-file) from its daemon and builds a torch.distributed Gloo process group of its own over a
-FileStore: no `init_process_group`, so that a script's own torch.distributed, if any, is left
-alone, and a group can be re-formed (a new epoch, a new store) when a member comes or goes, which a
-default process group cannot. Tensors are staged on the CPU (Gloo); the members are on one machine,
-so the group's traffic stays on loopback.
+Each process takes its place (peerd.attachment.Slot: epoch, rank, size, the epoch's rendezvous)
+from its daemon and builds a torch.distributed Gloo process group of its own over a FileStore (one
+daemon) or the group coordinator's TCPStore (several): no `init_process_group`, so that a script's
+own torch.distributed, if any, is left alone, and a group can be re-formed (a new epoch) when a
+member comes or goes, which a default process group cannot. Tensors are staged on the CPU (Gloo).
 """
 
 from __future__ import annotations
@@ -48,13 +48,19 @@ class Collective:
         a thread of their own, so they must not share a backend with this one's)."""
         self.slot = slot
         self.data: dist.ProcessGroupGloo | None = None
+        self.store: dist.Store | None = None
         try:
-            files = dist.FileStore(slot.store, slot.size)
             # Gloo's connection of the members waits on this store with its timeout (5 minutes by
             # default), and nothing else uses it once they are connected: CONNECT_TIMEOUT bounds how
             # long a member gone meanwhile (the daemon stopped and removed the file) holds the others.
-            files.set_timeout(timedelta(seconds=min(timeout, CONNECT_TIMEOUT)))
-            store = dist.PrefixStore(f"peerd/{slot.epoch}/", files)
+            wait = timedelta(seconds=min(timeout, CONNECT_TIMEOUT))
+            if slot.store.startswith("tcp://"):  # a group that spans daemons: its coordinator's store
+                host, port = slot.store[len("tcp://") :].rsplit(":", 1)
+                files = dist.TCPStore(host, int(port), is_master=False, timeout=wait)
+            else:
+                files = dist.FileStore(slot.store, slot.size)
+                files.set_timeout(wait)
+            store = self.store = dist.PrefixStore(f"peerd/{slot.epoch}/", files)
             store.set(f"here/{slot.rank}", "1")
             everyone, deadline = [f"here/{r}" for r in range(slot.size)], time.monotonic() + rendezvous
             while not store.check(everyone):
@@ -64,7 +70,7 @@ class Collective:
                     raise GroupBroke(f"epoch {slot.epoch}: not every member arrived within {rendezvous:.0f} s")
                 time.sleep(RENDEZVOUS_POLL)
             options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=slot.host)]
             options._timeout = timedelta(seconds=timeout)
             self._group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), slot.rank, slot.size, options)
             if data:
@@ -80,24 +86,30 @@ class Collective:
         """In place: the members' sum (a CPU tensor)."""
         self._wait(self._group.allreduce([tensor]))
 
-    def broadcast_(self, tensor: torch.Tensor) -> None:
-        """In place: the leader's values (a CPU tensor)."""
-        self._wait(self._group.broadcast(tensor, 0))
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
+        """In place: the values of rank `root` (the leader by default; a CPU tensor)."""
+        self._wait(self._group.broadcast(tensor, root))
 
-    def broadcast_state(self, state: dict | None) -> dict:
-        """The leader's `state` (any torch.save-able dict) on every member."""
-        if self.leader:
+    def furthest(self, step: int) -> int:
+        """The rank of the member whose `step` is the highest (the lowest such rank), in one all-reduce."""
+        key = torch.tensor([step * 2**20 + (2**20 - 1 - self.slot.rank)], dtype=torch.int64)
+        self._wait(self._group.allreduce([key], _max()))
+        return 2**20 - 1 - int(key) % 2**20
+
+    def broadcast_state(self, state: dict | None, root: int = 0) -> dict:
+        """Rank `root`'s `state` (any torch.save-able dict) on every member."""
+        if self.slot.rank == root:
             buffer = io.BytesIO()
             torch.save(state, buffer)
             data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self.broadcast_(size)
-        if not self.leader:
+        self.broadcast_(size, root)
+        if self.slot.rank != root:
             data = torch.empty(int(size), dtype=torch.uint8)
-        self.broadcast_(data)
-        return state if self.leader else torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+        self.broadcast_(data, root)
+        return state if self.slot.rank == root else torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
     def same(self, tensors: list[torch.Tensor]) -> tuple[bool, int]:
         """Whether every member holds bit-identical `tensors` (a digest of their bytes, compared in one
@@ -110,6 +122,26 @@ class Collective:
         self._wait(self._group.allreduce([extremes], _max()))
         return int(extremes[0]) == -int(extremes[1]), mine
 
+    def signal(self, key: str) -> None:
+        """Set `key` in the epoch's store (the leader: the phase's end is ready to broadcast)."""
+        try:
+            self.store.set(key, "1")
+        except RuntimeError as e:
+            raise GroupBroke(_first_line(e)) from None
+
+    def await_signal(self, key: str, timeout: float, superseded: Callable[[], bool]) -> None:
+        """Until `key` is set (bounded by `timeout`), polling: GroupBroke on the epoch's end."""
+        deadline = time.monotonic() + timeout
+        try:
+            while not self.store.check([key]):
+                if superseded():
+                    raise GroupBroke(f"epoch {self.slot.epoch} was superseded while waiting for the leader")
+                if time.monotonic() > deadline:
+                    raise GroupBroke(f"the leader did not end the phase within {timeout:.0f} s")
+                time.sleep(RENDEZVOUS_POLL)
+        except RuntimeError as e:
+            raise GroupBroke(_first_line(e)) from None
+
     def _wait(self, work) -> None:
         try:
             work.wait()
@@ -117,7 +149,7 @@ class Collective:
             raise GroupBroke(_first_line(e)) from None
 
     def close(self) -> None:
-        self._group = self.data = None
+        self._group = self.data = self.store = None
 
 
 def _max():

@@ -194,7 +194,7 @@ class Optimizer(torch.optim.Optimizer):
         live_loss = (
             self._loss_sum / self._loss_count if self._loss_count and not torch.is_tensor(self._loss_sum) else math.nan
         )
-        if self._slot.rank == 0:
+        if self._slot.hands_over:
             a.stepped(self._phase_steps, self._phase_samples, live_loss, self._boundary)
         # At the phase's length (peers/phases.py), or earlier where the daemon ends it (MateWait, the
         # straggler budget).
@@ -239,11 +239,32 @@ class Optimizer(torch.optim.Optimizer):
                     self.inner.step()
                 elif int(landed) > self._landed:  # the round's move is added to the updated parameters
                     self._dear.flush()
+                if self._slot.spans and int(landed) > self._landed:
+                    self._land_spanning(int(landed))
         except (GroupBroke, CollectiveError) as e:
             logger.warning("peerd: run %s: the local group broke (%s); forming it again", self.run, e)
             self._regroup()
             return None
         return samples, int(epoch), end_now > 0, int(landed)
+
+    def _land_spanning(self, landed: int) -> None:
+        """A group that spans daemons: the leader lands the round from its daemon's file, and every
+        member takes the leader's parameters (the others' daemons hold no θ of the round)."""
+        if self._collective.leader:
+            self._land(landed)
+        flat = self._flat()
+        self._collective.broadcast_(flat)
+        if not self._collective.leader:
+            from_vector(flat, self.params, False)
+        self._landed = landed
+
+    def _flat(self) -> torch.Tensor:
+        """The leader's vector (parameters, or a state run's whole state) to broadcast; a buffer
+        elsewhere."""
+        flat = torch.empty(self._vector.numel(), dtype=torch.float32)
+        if self._collective.leader:
+            to_vector(self._tensors, flat, False)
+        return flat
 
     def _gather_gradients(self, buffer: torch.Tensor) -> None:
         offset = 0
@@ -281,6 +302,21 @@ class Optimizer(torch.optim.Optimizer):
             self._check_same()
         lost = False
         for _ in range(REGROUP_TRIES):
+            if self._collective is not None and self._slot.spans:
+                from peerd.local_group import GroupBroke
+
+                boundary = self._boundary
+                try:
+                    self._end_spanning(loss, compute)
+                except GroupBroke as e:
+                    logger.warning("peerd: run %s: the local group broke at a phase's end (%s)", self.run, e)
+                    self._regroup()
+                    if self.run_step >= boundary:  # the new epoch's leader ended it: its counters are taken
+                        return
+                    continue
+                except Lost:
+                    lost = True
+                break
             if self._slot.rank == 0:  # the leader hands the phase's parameters over (the others hold the same)
                 self._land(self._attachment.landed())
                 self._write()
@@ -307,10 +343,49 @@ class Optimizer(torch.optim.Optimizer):
             )
             self._reattach()
             return
-        self.run_step, self.last_outcome = end.step, end.outcome
-        self._read()
-        self._landed = self._attachment.held()
+        if not self._slot.spans:
+            self.run_step, self.last_outcome = end.step, end.outcome
+            self._read()
+            self._landed = self._attachment.held()
         self._new_phase()
+
+    def _end_spanning(self, loss: float, compute: float) -> None:
+        """The phase's end in a group that spans daemons: the leader ends it on its daemon (the round)
+        and broadcasts the run's step and its vector; the first process on each other daemon hands
+        them over, and its daemon follows (daemon/groupspan.py). Raises GroupBroke, or Lost (the
+        leader's daemon went away)."""
+        c, key = self._collective, f"end/{self._boundary}"
+        header = torch.zeros(3, dtype=torch.float64)  # the run's step, the landed rounds held, the round
+        if c.leader:
+            self._land(self._attachment.landed())
+            self._write()
+            end = self._attachment.end_phase(
+                self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary
+            )
+            self._read()
+            header[:] = torch.tensor([end.step, self._attachment.held(), end.round], dtype=torch.float64)
+            self.last_outcome = end.outcome
+            c.signal(key)
+        else:
+            epoch = self._slot.epoch
+            c.await_signal(
+                key,
+                self._attached.phase_timeout,
+                lambda: self._attachment.group_epoch() > epoch or self._attachment.replaced(),
+            )
+        c.broadcast_(header)
+        flat = self._flat()
+        c.broadcast_(flat)
+        step, held = int(header[0]), int(header[1])
+        if not c.leader:
+            from_vector(flat, self._tensors, False)
+            self.last_outcome = "the group's leader ended the phase"
+            if self._slot.hands_over:  # this daemon takes the group's parameters as θ
+                self._write()
+                self._attachment.end_phase(
+                    self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary, group_step=step
+                )
+        self.run_step, self._landed = step, held
 
     def _new_phase(self) -> None:
         self._phase_steps, self._phase_samples, self._loss_sum, self._loss_count = 0, 0.0, 0.0, 0
@@ -322,12 +397,27 @@ class Optimizer(torch.optim.Optimizer):
         self._boundary = phases.next_end(self.run_step)  # the run's step at this phase's end
         self._phase_length = phases.length(self.run_step)
 
+    @property
+    def live_step(self) -> int:
+        """The run's step this process's parameters are at: `run_step` plus the phase's steps so far.
+        The same on every member of a local group (a member that joins takes the leader's count):
+        a learning-rate schedule that reads it agrees across the group, one that counts its own
+        calls does not for a member that joined late."""
+        return self.run_step + self._phase_steps
+
     # -- the local group ------------------------------------------------------------------------
 
     @property
     def group_rank(self) -> int:
-        """This process's rank in its daemon's local group (0: the leader; 0 alone)."""
+        """This process's rank in its local group (0: the leader; 0 alone)."""
         return self._slot.rank
+
+    @property
+    def local_leader(self) -> bool:
+        """Whether this process speaks for its local group to its own daemon (the first of the
+        group's processes on that daemon: the group's leader, or in a group that spans daemons the
+        first on each other daemon): evaluate and save there."""
+        return self._slot.hands_over
 
     @property
     def group_size(self) -> int:
@@ -350,6 +440,13 @@ class Optimizer(torch.optim.Optimizer):
         for _ in range(REGROUP_TRIES):
             self._close_group()
             self._slot = slot
+            if slot.rank < 0:  # a spanning group's coordinator has not placed it yet: the next epoch
+                try:
+                    slot = self._attachment.regroup(slot.epoch)
+                except Lost:
+                    self._reattach()
+                    return
+                continue
             if slot.size == 1:
                 return
             try:
@@ -406,24 +503,37 @@ class Optimizer(torch.optim.Optimizer):
         return self._dear.overlap_ratio if self._dear is not None else math.nan
 
     def _take_leaders(self) -> None:
+        """A new epoch's start: every member takes the parameters, optimizer state and counters of
+        the member furthest on in the run (the leader where they are level: a process restarted on
+        the leading daemon must not take the group back to its daemon's older θ), and the leader's
+        count of landed rounds. Where that member is on another daemon, the leader hands them to
+        its daemon, which takes them as θ (daemon/attached.py `end_phase`, group_step)."""
         c = self._collective
-        counters = torch.tensor(
-            [self.run_step, self._phase_steps, self._phase_samples, self._landed], dtype=torch.float64
-        )
-        c.broadcast_(counters)
+        source = c.furthest(self.run_step)
+        counters = torch.tensor([self.run_step, self._phase_steps, self._phase_samples], dtype=torch.float64)
+        c.broadcast_(counters, source)
+        landed = torch.tensor([self._landed], dtype=torch.int64)
+        c.broadcast_(landed)
         flat = torch.empty(self._vector.numel(), dtype=torch.float32)
-        if c.leader:
+        mine = c.slot.rank == source
+        if mine:
             to_vector(self.params, flat, False)
-        c.broadcast_(flat)
-        state = c.broadcast_state(self.inner.state_dict() if c.leader else None)
-        if not c.leader:
-            from_vector(flat, self.params, False)
-            self.inner.load_state_dict(state)
-            if self._state_vector:  # load_state_dict replaced the state's tensors: hand over the new ones
-                self._tensors = self._vector_tensors()
-            run_step, self._phase_steps, self._phase_samples, landed = counters.tolist()
-            self.run_step, self._phase_steps, self._landed = int(run_step), int(self._phase_steps), int(landed)
-            self._phase_bounds()
+        c.broadcast_(flat, source)
+        state = c.broadcast_state(self.inner.state_dict() if mine else None, source)
+        self._landed = int(landed)
+        if mine:
+            return
+        from_vector(flat, self.params, False)
+        self.inner.load_state_dict(state)
+        if self._state_vector:  # load_state_dict replaced the state's tensors: hand over the new ones
+            self._tensors = self._vector_tensors()
+        run_step, self._phase_steps, self._phase_samples = counters.tolist()
+        behind, self.run_step, self._phase_steps = self.run_step, int(run_step), int(self._phase_steps)
+        self._phase_bounds()
+        if c.leader and self._slot.spans and self.run_step > behind:  # further on than this daemon's θ
+            self._write()
+            with contextlib.suppress(Lost):  # the next step attaches again (Attachment.lost)
+                self._attachment.end_phase(0, 0.0, math.nan, 0.0, group_step=self.run_step)
 
     def _check_same(self) -> None:
         """At a phase's end: every member of the group holds the same parameters, or PeerdError."""

@@ -35,9 +35,11 @@ from peerd.protos import records_pb2
 logger = logging.getLogger(__name__)
 
 # A member's role in its heartbeat (ListPeers shows it): "trainer" while something trains the run on
-# it (a task, or an attached process), "idle" while it only takes part in discovery; idle members are
-# nobody's group mates.
+# it (a task, or an attached process), "follower" while its processes train in a local group that
+# another daemon leads on the WAN (daemon/groupspan.py), "idle" while it only takes part in
+# discovery. Only trainers are round mates.
 TRAINER = "trainer"
+FOLLOWER = "follower"
 IDLE = "idle"
 
 GOODBYE_HANDLER = "peerd.membership.Goodbye"
@@ -57,7 +59,7 @@ class Announcement:
 
     step: int = 0  # the global step
     sketches: tuple[ParamSketch, ...] = ()  # parameter sketches of the latest rounds, oldest first
-    dear_address: str = ""  # its DeAR engine's address (a --local-group member)
+    dear_address: str = ""  # its DeAR engine's or its local group store's address (a --local-group member)
     delegated_lanes: int = 0  # lanes its DeAR group's other members average for it, as a bit mask
     dear_group: str = ""  # that group's ID
     links: tuple[LinkReport, ...] = ()  # its fresh link reports (--local-group auto)

@@ -55,7 +55,9 @@ class MemberRecord:
     timestamp: float
     step: int = 0  # the peer's global step in the run; 0 when it does not train
     local_group: str = ""  # the operator's --local-group label; "" when unset
-    dear_address: str = ""  # "host:port" of its DeAR engine (docs/dear.md); "" when none
+    dear_address: str = (
+        ""  # "host:port" of its DeAR engine (docs/dear.md) or its local group's store (daemon/groupspan.py)
+    )
     probe_address: str = ""  # "host:port" where it answers link probes (peers/linkprobe.py); "" when none
     delegated_lanes: int = 0  # bit l: another member of its local group averages lane l (peers/dear/hierarchy.py)
     dear_group: str = ""  # ID of its active DeAR group (hierarchy.group_id); "" when none

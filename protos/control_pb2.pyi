@@ -241,16 +241,22 @@ class AttachRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., pid: _Optional[int] = ..., device: _Optional[str] = ..., layout: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., settings: _Optional[_Mapping[str, str]] = ..., step: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class LocalGroup(_message.Message):
-    __slots__ = ("epoch", "rank", "size", "store")
+    __slots__ = ("epoch", "rank", "size", "store", "host", "spans", "hands_over")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    HANDS_OVER_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     rank: int
     size: int
     store: str
-    def __init__(self, epoch: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store: _Optional[str] = ...) -> None: ...
+    host: str
+    spans: bool
+    hands_over: bool
+    def __init__(self, epoch: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store: _Optional[str] = ..., host: _Optional[str] = ..., spans: _Optional[bool] = ..., hands_over: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload", "first_phase", "group")
@@ -277,20 +283,22 @@ class AttachResponse(_message.Message):
     def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ..., first_phase: _Optional[int] = ..., group: _Optional[_Union[LocalGroup, _Mapping]] = ...) -> None: ...
 
 class EndPhaseRequest(_message.Message):
-    __slots__ = ("session", "steps", "samples", "loss", "compute_seconds", "boundary")
+    __slots__ = ("session", "steps", "samples", "loss", "compute_seconds", "boundary", "group_step")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_STEP_FIELD_NUMBER: _ClassVar[int]
     session: str
     steps: int
     samples: float
     loss: float
     compute_seconds: float
     boundary: int
-    def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., boundary: _Optional[int] = ...) -> None: ...
+    group_step: int
+    def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., boundary: _Optional[int] = ..., group_step: _Optional[int] = ...) -> None: ...
 
 class EndPhaseResponse(_message.Message):
     __slots__ = ("step", "round", "outcome", "waited_seconds", "downloaded", "group_epoch")

@@ -31,6 +31,7 @@ PROCESS_FILES = LAB_FILES | {
     "test_dear_engine.py",
     "test_dht_churn.py",
     "test_diloco_training.py",
+    "test_group_span.py",
     "test_health.py",
     "test_hivemind_parts.py",
     "test_late_answers.py",

@@ -10,6 +10,9 @@ to be remembered. Per lab:
     $TMPDIR/pdlab-<id>/           work dir: the hosts' data dirs and logs
     netns  pdlab-<id>-<host>      one per host: lo, and eth0 at 10.77.K.(i+2)/24
     veth   pdlab-<id>-<i>         the bridge end of host i's link (the other end is eth0 in its netns)
+    bridge pdlab-<id>s<j>         site j's fast link (a host of a site only): unshaped, no rules, no
+                                  delay line; eth1 of each of its hosts at 10.(78+j).K.(i+2)/24
+    veth   pdlab-<id>-<i>s        the bridge end of host i's site link
     nft    table bridge pdlab-<id>  one `forward` chain: partitions and packet loss, per named counter
 
 Shaping (see docs/lab.md): a host's `rate_mbit` is a tbf qdisc on both ends of its veth, so uplink
@@ -188,6 +191,23 @@ class Network:
         script = f"add table bridge {self.name}\nadd chain bridge {self.name} forward {{ type filter hook forward priority 0; policy accept; }}\n"
         sh("nft", "-f", "-", input=script)
         return self
+
+    def add_site_link(self, name: str, site: int) -> str:
+        """A second link for host `name` (added already) on site `site`'s bridge: unshaped, apart
+        from the lab's link (a rack's fast network beside the WAN). Returns the host's address there."""
+        h, bridge = self.hosts[name], f"{self.name}s{site}"
+        if not Path(f"/sys/class/net/{bridge}").exists():
+            sh("ip", "link", "add", bridge, "type", "bridge")
+            sh("ip", "link", "set", bridge, "up")
+        port, inner = f"{h.port}s", f"{h.port}t"
+        sh("ip", "link", "add", port, "type", "veth", "peer", "name", inner)
+        sh("ip", "link", "set", inner, "netns", h.netns)
+        sh("ip", "link", "set", port, "master", bridge, "up")
+        ns, ip = ["ip", "-n", h.netns], f"10.{78 + site}.{self.subnet_k}.{h.index + 2}"
+        sh(*ns, "link", "set", inner, "name", "eth1")
+        sh(*ns, "addr", "add", f"{ip}/24", "dev", "eth1")
+        sh(*ns, "link", "set", "eth1", "up")
+        return ip
 
     def add_host(self, name: str, shape: LinkShape = LinkShape(), congestion_control: str | None = None) -> Host:
         i = len(self.hosts)
@@ -552,7 +572,7 @@ def destroy(lab_id: str) -> list[str]:
     deadline = time.monotonic() + KILL_TIMEOUT
     while any(_running(pid) for pid in pids) and time.monotonic() < deadline:  # until each is gone or a zombie
         time.sleep(0.05)
-    links = re.findall(rf"^\d+: ({re.escape(name)}(?:-\d+)?)[@:]", sh("ip", "-o", "link", "show"), re.M)
+    links = re.findall(rf"^\d+: ({re.escape(name)}(?:-\d+s?|s\d+)?)[@:]", sh("ip", "-o", "link", "show"), re.M)
     for link in sorted(links, key=len, reverse=True):  # veths before the bridge
         sh("ip", "link", "del", link, check=False)  # a veth may already be gone with its namespace
         removed.append(f"link {link}")

@@ -227,6 +227,7 @@ class Lab:
         self.net = Network()
         self.record = Record(scenario, self.net.id)
         self.daemons: dict[str, LocalDaemon] = {}
+        self.site_ips: dict[str, str] = {}  # a host of a site: its address on the site's link
         self.state: dict[str, str] = {h.name: "not started" for h in scenario.hosts}
         self.t0 = 0.0
         self.probes: list[threading.Thread] = []  # RTT measurements after link faults, joined at the end
@@ -284,6 +285,8 @@ class Lab:
         for h in self.scenario.hosts:
             host = self.net.add_host(h.name, h.link, self.scenario.congestion_control)
             self.record.congestion_control[h.name] = self.net.congestion_control(host)
+            if h.site:  # its daemon trains in the site's local group, over the site's link
+                self.site_ips[h.name] = self.net.add_site_link(h.name, self.scenario.sites.index(h.site))
         self.record.rtt = self._measure_rtt([h.name for h in self.scenario.hosts])
         delayed = {
             n: m
@@ -321,6 +324,8 @@ class Lab:
         # The creator of the run (a restart passes the same, harmlessly); isolated, every host.
         if run.isolated or name == self.scenario.hosts[0].name:
             args += ["--task", run.task, *(a for k, v in run.settings.items() for a in ("--set", f"{k}={v}"))]
+        if name in self.site_ips:
+            args += ["--local-group", self.scenario.host(name).site, "--local-group-host", self.site_ips[name]]
         d = spawn_in(self.net.hosts[name], self._data_dir(name), [*DAEMON_DEFAULTS, *args, *run.args])
         self.daemons[name] = d
         self.state[name] = "running"

@@ -24,6 +24,8 @@
     [[host]]
     name = "a"
     join_at = 0.0                   # > 0: the host's daemon starts late, at this time
+    site = "s1"                     # hosts of one site share a second, fast link (its own bridge, unshaped)
+                                    # and train as one local group (`--local-group s1`, its address there)
     loss_pct = 5.0                  # any [link] key
 
     [[fault]]
@@ -51,6 +53,7 @@ ACTIONS = ("kill", "freeze", "thaw", "restart", "partition", "heal", "link")
 HOST_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,15}")
 CONGESTION_CONTROLS = ("reno", "bbr", "cubic")
 MAX_HOSTS = 64  # each host is a daemon with its p2pd: a machine runs out of cores long before addresses
+MAX_SITES = 8  # a site's link is a subnet 10.(78 + its index).K.0/24 (daemon/lab/netns.py)
 MAX_RTT_MS = 2000.0  # a host's rtt_ms: its delay line holds packets for rtt_ms / 2 (docs/lab.md)
 
 
@@ -77,6 +80,7 @@ class HostSpec:
     name: str
     join_at: float = 0.0  # seconds after the start of the schedule at which its daemon starts
     link: LinkShape = field(default_factory=LinkShape)
+    site: str = ""  # its site's name: a second link, unshaped, to the site's other hosts; "" when none
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,6 +106,11 @@ class Scenario:
     run: RunSpec = field(default_factory=RunSpec)
     hosts: list[HostSpec] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)  # sorted by time; equal times keep file order
+
+    @property
+    def sites(self) -> list[str]:
+        """The sites' names, in the order their subnets are numbered."""
+        return sorted({h.site for h in self.hosts if h.site})
 
     def host(self, name: str) -> HostSpec:
         return next(h for h in self.hosts if h.name == name)
@@ -142,7 +151,7 @@ def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
     default_link = _link(_Table("[link]", top.table("link"), _LINK_KEYS), LinkShape())
     hosts = []
     for i, raw in enumerate(top.array("host"), 1):
-        t = _Table(f"[[host]] {i}", raw, ("name", "join_at", *_LINK_KEYS))
+        t = _Table(f"[[host]] {i}", raw, ("name", "join_at", "site", *_LINK_KEYS))
         name = t.text("name", required=True)
         if not HOST_NAME.fullmatch(name):
             raise ScenarioError(
@@ -153,7 +162,12 @@ def parse(data: dict[str, Any], default_name: str = "scenario") -> Scenario:
         join_at = t.number("join_at", 0.0)
         if not 0 <= join_at < duration:
             raise ScenarioError(f"[[host]] {name!r}: join_at {join_at} is outside the scenario (0 to {duration} s)")
-        hosts.append(HostSpec(name=name, join_at=join_at, link=_link(t, default_link)))
+        site = t.text("site")
+        if site and not HOST_NAME.fullmatch(site):
+            raise ScenarioError(f"[[host]] {name!r}: site {site!r} must be 1-16 of a-z, 0-9 and '-'")
+        hosts.append(HostSpec(name=name, join_at=join_at, link=_link(t, default_link), site=site))
+    if len({h.site for h in hosts if h.site}) > MAX_SITES:
+        raise ScenarioError(f"more than {MAX_SITES} sites: each is a subnet of its own (10.78-10.85)")
     if not 1 <= len(hosts) <= MAX_HOSTS:
         raise ScenarioError(f"{len(hosts)} [[host]] tables: a lab has 1 to {MAX_HOSTS} hosts")
     first = [h for h in hosts if h.join_at == 0]

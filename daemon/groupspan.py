@@ -1,0 +1,195 @@
+"""A local group that spans daemons (`--local-group NAME`): the training processes of every daemon
+of a run with the same label, on fast links (a rack, a site), as one group (DESIGN.md, "A peer is a
+machine, not a process"). Each process keeps its own daemon (its shared file, lease and checkpoint);
+the daemons only agree on who is in the group, in which order, and where it meets.
+
+    store        Every daemon of the label hosts a torch.distributed TCPStore on its advertised host
+                 and publishes its address in its heartbeats (the membership record's
+                 dear_address). The *coordinator* is the daemon with the smallest peer ID among
+                 this one and the label's peers in its table that published one; its store is the
+                 group's: the daemons' beats, the epochs and the processes' Gloo rendezvous.
+    beat         Every TICK s each daemon writes `d/<peer ID>` there: a count that moves, its attached
+                 processes, the epoch it holds, and the epoch it needs to move past (one of its
+                 processes came, went, or saw the group break).
+    epoch        The coordinator lists the daemons whose beat moved within STALE s and that have a
+                 process: itself first, then by peer ID. Where the list differs from the last
+                 epoch's, or a daemon asks to move past it, it writes `e/<E>` (the list) and then
+                 `epoch` = E, above every epoch any daemon reported (a new coordinator goes on
+                 from the old one's numbers).
+    placement    Each daemon reads `epoch`. In an epoch that lists it, its first `procs` processes
+                 take the ranks base .. base + procs - 1 (base: the processes of the daemons listed
+                 before it) of a group of the list's total. The daemon listed first *leads*: its
+                 first process is the group's leader, which hands the group's phases to it, and
+                 its rounds average the group's pseudo-gradient on the WAN as one peer (weighted by
+                 the group's samples). The others *follow*: at each phase's end their first process
+                 hands over the parameters the leader broadcast, and they take them as θ without a
+                 round (daemon/attached.py, `end_phase`).
+
+A daemon that dies stops beating: STALE s later the coordinator lists the group without it, and the
+processes, whose collectives broke at once, regroup in that epoch. A coordinator that dies leaves
+the others' tables after the membership's peer TTL; the next smallest peer ID coordinates, on its
+own store. The TCPStore is not authenticated: a group's daemons must trust their fast links (as
+Gloo's connections do; docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+TICK = 0.5  # seconds between two beats (and, on the coordinator, two looks at the beats)
+STALE = 4.0  # seconds a daemon's beat may stand still before the coordinator leaves it out
+STORE_TIMEOUT = 2.0  # seconds one store operation (or a connection to a coordinator) may take
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """This daemon's place in an epoch of its spanning group."""
+
+    epoch: int
+    base: int  # rank of this daemon's first process
+    procs: int  # this daemon's processes the epoch counts (its first ones)
+    size: int  # processes in the group
+    store: str  # "tcp://host:port": the coordinator's store, where the epoch's processes meet
+    daemons: tuple[str, ...]  # peer IDs of the epoch's daemons, the leading one first
+
+    @property
+    def spans(self) -> bool:
+        return len(self.daemons) > 1
+
+
+def plan_epoch(beats: dict[str, dict], me: str) -> tuple[tuple[str, int], ...]:
+    """The coordinator's list for a new epoch from the fresh beats: (peer ID, processes) of each
+    daemon with a process, `me` first, then by peer ID. Pure."""
+    listed = [(peer, int(b["procs"])) for peer, b in beats.items() if int(b["procs"]) > 0]
+    return tuple(sorted(listed, key=lambda item: (item[0] != me, item[0])))
+
+
+def place(listed: list[tuple[str, int]], me: str, epoch: int, store: str) -> Placement | None:
+    """This daemon's Placement in the epoch that lists `listed`; None where it is not listed."""
+    base = 0
+    for peer, procs in listed:
+        if peer == me:
+            total = sum(n for _, n in listed)
+            return Placement(epoch, base, procs, total, store, tuple(p for p, _ in listed))
+        base += procs
+    return None
+
+
+class GroupSpan:
+    """One run's spanning group on this daemon. `peers()`: (peer ID, store address) of the label's
+    peers in this daemon's table; `local()`: (attached processes, the epoch to move past); `placed`
+    takes each new Placement. `tick()` blocks (store operations): call it from a worker thread every
+    TICK s."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        peer_id: str,
+        label: str,
+        host: str,
+        peers: Callable[[], list[tuple[str, str]]],
+        local: Callable[[], tuple[int, int]],
+        placed: Callable[[Placement], None],
+    ):
+        self.run_id, self.peer_id, self.label, self.host = run_id, peer_id, label, host
+        self.peers, self.local, self.placed = peers, local, placed
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT)
+        )
+        self.address = f"{host}:{self._store.port}"
+        self._clients: dict[str, dist.TCPStore] = {}
+        self._beat = 0
+        self.held = 0  # the epoch of the latest placement
+        self._held_from = ""  # ... and its coordinator
+        self.coordinator = ""
+        # The coordinator's side: when each daemon's beat last moved, the last epoch it issued, and
+        # its list.
+        self._moved: dict[str, tuple[int, float]] = {}
+        self._issued = 0
+        self._listed: tuple[tuple[str, int], ...] = ()
+
+    def tick(self) -> None:
+        addresses = {peer: address for peer, address in self.peers() if address}
+        coordinator = min([self.peer_id, *addresses])
+        if coordinator != self.coordinator:
+            logger.info("run %s: local group coordinator %s", self.run_id, coordinator[-8:])
+            self.coordinator = coordinator
+        address = self.address if coordinator == self.peer_id else addresses[coordinator]
+        try:
+            store = self._connect(coordinator, address)
+            procs, after = self.local()
+            if self.held and self._held_from != coordinator:  # its numbers may be behind ours: move past ours
+                after = max(after, self.held)
+            self._beat += 1
+            beat = {"beat": self._beat, "procs": procs, "held": self.held, "after": after}
+            store.set(f"d/{self.peer_id}", json.dumps(beat))
+            if coordinator == self.peer_id:
+                self._coordinate([peer for peer, _ in self.peers()])
+            if not store.check(["epoch"]):
+                return
+            epoch = int(store.get("epoch"))
+            if epoch <= self.held:
+                return
+            listed = [(peer, procs) for peer, procs in json.loads(store.get(f"e/{epoch}"))]
+        except (RuntimeError, ValueError, KeyError) as e:  # DistError is a RuntimeError
+            self._clients.pop(coordinator, None)
+            logger.debug("run %s: local group store at %s: %s", self.run_id, address, e)
+            return
+        placement = place(listed, self.peer_id, epoch, f"tcp://{address}")
+        if placement is not None:
+            self.held, self._held_from = epoch, coordinator
+            self.placed(placement)
+
+    def _connect(self, coordinator: str, address: str) -> dist.Store:
+        if coordinator == self.peer_id:
+            return self._store
+        store = self._clients.get(coordinator)
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT))
+            self._clients = {coordinator: store}
+        return store
+
+    def _coordinate(self, label_peers: list[str]) -> None:
+        now, store, beats, ask = time.monotonic(), self._store, {}, 0
+        for peer in {self.peer_id, *label_peers}:
+            key = f"d/{peer}"
+            if not store.check([key]):
+                continue
+            b = json.loads(store.get(key))
+            moved = self._moved.get(peer)
+            if moved is None or moved[0] != b["beat"]:
+                self._moved[peer] = (b["beat"], now)
+            elif now - moved[1] > STALE:
+                continue
+            beats[peer] = b
+            ask = max(ask, int(b["after"]), int(b["held"]) if self._issued == 0 else 0)
+        listed = plan_epoch(beats, self.peer_id)
+        if listed == self._listed and ask < self._issued:
+            return
+        self._issued = max(self._issued, ask) + 1
+        self._listed = listed
+        store.set(f"e/{self._issued}", json.dumps(listed))
+        store.set("epoch", str(self._issued))
+        if self._issued > 2:
+            store.delete_key(f"e/{self._issued - 2}")
+        logger.info(
+            "run %s: local group epoch %d: %s",
+            self.run_id,
+            self._issued,
+            ", ".join(f"{peer[-8:]} x{n}" for peer, n in listed) or "no process",
+        )
+
+    def close(self) -> None:
+        self._clients.clear()
+        self._store = None

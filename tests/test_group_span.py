@@ -1,0 +1,235 @@
+"""Local groups that span daemons (--local-group NAME; daemon/groupspan.py): real daemons on
+loopback, real scripts (examples/your_loop.py, tests/attach_script.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import pytest
+import torch
+
+from peerd.daemon import groupspan
+from peerd.daemon.client import ControlClient
+from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch
+from tests.helpers import wait_for
+from tests.test_your_loop import EXAMPLE, finish, run_status, run_status_peer, script
+
+
+# -- the coordination alone: real TCPStores on loopback, the daemons' callbacks by hand ----------
+
+
+def test_the_epochs_list_the_daemons_with_a_process_coordinator_first_and_place_each():
+    assert plan_epoch({"b": {"procs": 2}, "a": {"procs": 1}, "c": {"procs": 0}}, "b") == (("b", 2), ("a", 1))
+    listed = [("b", 2), ("a", 1)]
+    assert place(listed, "a", 7, "tcp://h:1") == Placement(7, 2, 1, 3, "tcp://h:1", ("b", "a"))
+    assert place(listed, "b", 7, "tcp://h:1").base == 0 and place(listed, "c", 7, "tcp://h:1") is None
+
+
+class Daemon:
+    """A GroupSpan with the daemon's side by hand: its processes, its table, its placements."""
+
+    def __init__(self, peer_id: str, table: dict):
+        self.procs, self.after, self.placements, self.table = 1, 0, [], table
+        self.span = GroupSpan(
+            run_id="r",
+            peer_id=peer_id,
+            label="rack",
+            host="127.0.0.1",
+            peers=lambda: [(p, d.span.address) for p, d in self.table.items() if p != peer_id],
+            local=lambda: (self.procs, self.after),
+            placed=self.placements.append,
+        )
+
+    @property
+    def placed(self) -> Placement | None:
+        return self.placements[-1] if self.placements else None
+
+
+def tick_all(daemons, times: int = 3) -> None:
+    for _ in range(times):
+        for d in daemons:
+            d.span.tick()
+
+
+def test_a_span_places_every_daemon_follows_comings_and_goings_and_survives_its_coordinator(monkeypatch):
+    monkeypatch.setattr(groupspan, "STALE", 0.3)
+    table = {}
+    a, b, c = (table.setdefault(p, Daemon(p, table)) for p in ("a", "b", "c"))
+    tick_all([a, b, c])
+    e = a.placed.epoch
+    assert [d.placed.epoch for d in (a, b, c)] == [e] * 3 and a.placed.daemons == ("a", "b", "c")
+    assert [(d.placed.base, d.placed.size) for d in (a, b, c)] == [(0, 3), (1, 3), (2, 3)]
+    assert a.placed.store == b.placed.store == f"tcp://{a.span.address}"
+    b.procs = 2  # a second process on b: a new epoch, c's ranks move up
+    tick_all([a, b, c])
+    assert a.placed.epoch > e and (b.placed.procs, c.placed.base, c.placed.size) == (2, 3, 4)
+    e = c.placed.epoch
+    c.after = e  # one of c's processes saw the group break: an epoch after e, the same daemons
+    tick_all([a, b, c])
+    assert c.placed.epoch > e and c.placed.daemons == ("a", "b", "c")
+    e = c.placed.epoch
+    time.sleep(0.4)  # c stops beating (its daemon died): out after STALE
+    tick_all([a, b])
+    time.sleep(0.4)
+    tick_all([a, b])
+    assert b.placed.epoch > e and b.placed.daemons == ("a", "b")
+    # a, the coordinator, dies: b and c (back) coordinate on b's store, above every epoch held
+    del table["a"]
+    held = b.placed.epoch
+    tick_all([b, c], 4)
+    assert b.placed.epoch > held and c.placed.epoch == b.placed.epoch and b.placed.daemons == ("b", "c")
+    assert b.placed.store == f"tcp://{b.span.address}" and b.span.coordinator == "b"
+
+
+def roles(daemon, run: str) -> dict[str, str]:
+    with ControlClient(daemon.control) as c:
+        return {p.peer_id: p.role for p in c.list_peers(run).peers}
+
+
+@pytest.mark.heavy
+def test_two_daemons_of_one_label_train_as_one_wan_peer_beside_a_third(spawn, tmp_path):
+    """Daemons a and b with --local-group rack, one script each, and c on the WAN side with its own:
+    a and b's processes are one group (the same parameters at every phase's end: the digest check
+    raises otherwise), c rounds with the group's leader only, the follower announces itself as such,
+    the loss falls, and at the end all three models are one θ."""
+    a = spawn("span-a", ["--run", "span", "--local-group", "rack"])
+    b = spawn("span-b", ["--run", "span", "--local-group", "rack", "--initial-peers", a.maddrs[0]])
+    c = spawn("span-c", ["--run", "span", "--initial-peers", a.maddrs[0]])
+    common = ["span", "--steps", 160, "--every", 20]
+    procs = [
+        script(*common, "--daemon", d.data_dir, "--seed", i, "--save", tmp_path / f"{i}.pt", path=EXAMPLE)
+        for i, d in enumerate((a, b, c))
+    ]
+    try:
+        check(a, b, c, procs, tmp_path)
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def check(a, b, c, procs, tmp_path):
+    ids = [run_status_peer(d) for d in (a, b, c)]
+    leader, follower = (0, 1) if ids[0] < ids[1] else (1, 0)
+    wait_for(
+        lambda: (
+            run_status((a, b)[leader], "span").local_group_size == 2
+            and run_status((a, b)[follower], "span").local_group_rank == 1
+            and roles(c, "span").get(ids[follower]) == "follower"
+        ),
+        timeout=120,
+        what="a and b's processes one group, the follower announced",
+    )
+    assert roles(c, "span")[ids[leader]] == "trainer"
+    st = run_status((a, b)[follower], "span")
+    assert st.local_group == "rack" and st.local_group_size == 2 and st.local_group_rank == 1, st
+    outs = [finish(p, 300) for p in procs]
+    evals = []
+    for out in outs:
+        first = float(re.search(r"attached at run step \d+ \(rank \d of \d\); eval ([\d.]+)", out).group(1))
+        evals.append(float(re.search(r"done: run step 160; eval ([\d.]+)", out).group(1)))
+        assert evals[-1] < first - 1.0, out
+    status = run_status(c, "span")
+    assert status.last_round_outcome == "completed" and status.group_size == 2, status  # c and the group's leader
+    assert set(status.last_round_group) == {ids[2], ids[leader]}, status
+    # The group's two processes hold one model; c's θ is the group's but for rounds that one side
+    # completed without the other (DiLoCo does not re-sync θ: repair rounds do).
+    ma, mb = (torch.load(tmp_path / f"{i}.pt", weights_only=True) for i in range(2))
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert abs(evals[2] - evals[0]) < 0.2, evals
+
+
+@pytest.mark.heavy
+def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wan_peer(spawn):
+    """A built-in task's run with --local-group on two daemons trains in their children (no thread),
+    under DiLoCo, as one WAN peer beside a third daemon: the follower announces itself, the third
+    daemon's rounds have the group's leader as their only mate, and every daemon ends at the run's
+    last step with a trained model."""
+    task = ["--run", "spantask", "--task", "digits-mlp", "--set", "averaging.average_every=10", "--max-steps", "120"]
+    common = [*task, "--min-peers", "3", "--eval-every", "1000", "--torch-threads", "1"]
+    a = spawn("spant-a", [*common, "--local-group", "rack"])
+    b = spawn("spant-b", [*common, "--local-group", "rack", "--initial-peers", a.maddrs[0]])
+    c = spawn("spant-c", [*common, "--initial-peers", a.maddrs[0]])
+    ids = [run_status_peer(d) for d in (a, b, c)]
+    leader, follower = ((a, 0), (b, 1)) if ids[0] < ids[1] else ((b, 1), (a, 0))
+    wait_for(
+        lambda: roles(c, "spantask").get(ids[follower[1]]) == "follower",
+        timeout=120,
+        what="the follower announced",
+    )
+    done = [
+        wait_for(
+            lambda: (s := run_status(d, "spantask")).train_state == "FINISHED" and s, timeout=180, what="120 steps"
+        )
+        for d in (a, b, c)
+    ]
+    for r in done:
+        assert r.step == 120 and r.algorithm == "diloco" and r.train_process_state == "EXITED", r
+        assert r.eval_metric == "accuracy" and r.eval_score > 0.5, r
+    assert done[follower[1]].local_group == "rack" and done[follower[1]].local_group_rank == 1, done[follower[1]]
+    assert set(done[2].last_round_group) == {ids[2], ids[leader[1]]}, done[2]
+    assert done[2].last_round_outcome == "completed", done[2]
+
+
+@pytest.mark.heavy
+def test_a_member_killed_on_either_daemon_leaves_the_group_the_other_goes_on_and_a_new_one_rejoins(spawn):
+    """Two daemons of one label, a script on each (one group of two). The follower's process is
+    killed mid-step: the leader's goes on alone within the op timeout plus a phase; a new process on
+    the follower's daemon rejoins the group at a later phase. Then the leader's process is killed:
+    the follower's daemon leads the group it is left with (its rounds go on). The run's step never
+    goes backwards on either daemon."""
+    a = spawn("spank-a", ["--run", "spank", "--local-group", "rack"])
+    b = spawn("spank-b", ["--run", "spank", "--local-group", "rack", "--initial-peers", a.maddrs[0]])
+    ids = [run_status_peer(d) for d in (a, b)]
+    lead, follow = (a, b) if ids[0] < ids[1] else (b, a)
+    common = ["--run", "spank", "--every", 10, "--sleep", 0.02, "--steps", 100_000]
+    procs = [script(*common, "--daemon", lead.data_dir)]
+    try:
+        assert json.loads(procs[0].stdout.readline()) == {"attached": 0}
+        procs.append(script(*common, "--daemon", follow.data_dir))
+        seen = {id(lead): [], id(follow): []}
+
+        def status(d, predicate):
+            s = run_status(d, "spank")
+            seen[id(d)].append(s.step)
+            return predicate(s)
+
+        wait_for(
+            lambda: (
+                status(lead, lambda s: s.local_group_size == 2) and status(follow, lambda s: s.local_group_rank == 1)
+            ),
+            timeout=60,
+            what="one group of two",
+        )
+        wait_for(lambda: status(follow, lambda s: s.step >= seen[id(follow)][0] + 20), timeout=60, what="it trains")
+        procs[1].kill()
+        procs[1].wait()
+        killed = time.monotonic()
+        wait_for(lambda: status(lead, lambda s: s.local_group_size == 1), timeout=30, what="the leader alone")
+        left = seen[id(lead)][-1]
+        wait_for(lambda: status(lead, lambda s: s.step >= left + 20), timeout=60, what="the leader trains on")
+        assert time.monotonic() - killed < 60 + 30  # GROUP_TIMEOUT plus slack: a kill is seen at once
+        procs.append(script(*common, "--daemon", follow.data_dir))
+        wait_for(
+            lambda: (
+                status(lead, lambda s: s.local_group_size == 2) and status(follow, lambda s: s.local_group_rank == 1)
+            ),
+            timeout=60,
+            what="a new process on the follower's daemon rejoins",
+        )
+        joined = seen[id(follow)][-1]
+        wait_for(lambda: status(follow, lambda s: s.step >= joined + 20), timeout=60, what="the group trains")
+        procs[0].kill()
+        procs[0].wait()
+        wait_for(
+            lambda: status(follow, lambda s: s.local_group_size == 1 and s.local_group_rank == 0),
+            timeout=60,
+            what="the follower's daemon leads",
+        )
+        left = seen[id(follow)][-1]
+        wait_for(lambda: status(follow, lambda s: s.step >= left + 20), timeout=60, what="it trains on, leading")
+        for d in (lead, follow):
+            assert seen[id(d)] == sorted(seen[id(d)]), seen  # the run's step never went backwards
+    finally:
+        for p in procs:
+            p.kill()
