@@ -591,7 +591,7 @@ class AttachedTrainer:
         if self.span is None:
             store = str(self._shared.store(self.group_epoch))
             return GroupSlot(self.group_epoch, i, len(self.members), store, hands_over=i == 0)
-        if p is None:
+        if p is None or p.epoch <= self._after:  # none yet, or one this daemon asked to move past
             return GroupSlot(self.group_epoch, -1, 0, "")
         rank = p.base + i if i < p.procs else -1
         if not p.spans:  # this daemon's processes alone: they meet on a file, as without a span
@@ -599,9 +599,10 @@ class AttachedTrainer:
         return GroupSlot(p.epoch, rank, p.size, p.store, self.span.host, True, hands_over=i == 0)
 
     def _placed(self, s: Session) -> bool:
-        """Whether member `s` has a rank in the spanning group's current epoch."""
+        """Whether member `s` has a rank in the spanning group's current epoch (one after the epoch
+        this daemon last asked to move past: the one before holds members that are gone)."""
         p = self._placement
-        return p is not None and p.epoch == self.group_epoch and s in self.members[: p.procs]
+        return p is not None and self._after < p.epoch == self.group_epoch and s in self.members[: p.procs]
 
     @property
     def follows(self) -> bool:
@@ -770,7 +771,7 @@ class AttachedTrainer:
             if s is not self.members[0]:
                 return self._follow(s, boundary)
         if group_step:
-            return self._take_group(group_step, steps, loss)
+            return self._take_group(group_step, steps, loss, compute_seconds)
         began = time.monotonic()
         with self._lock:
             self.renew(token)
@@ -812,10 +813,14 @@ class AttachedTrainer:
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
         return end
 
-    def _take_group(self, step: int, steps: int, loss: float) -> PhaseEnd:
+    def _take_group(self, step: int, steps: int, loss: float, compute_seconds: float) -> PhaseEnd:
         """A follower's phase end: the group's parameters (in the vector) become θ at the leader's
         step, with no round; momentum and error feedback start over (the leader holds the group's).
-        The group's samples are counted once, by the leading daemon: not here."""
+        The group's samples are counted once, by the leading daemon: not here. Compute waited for
+        the leader's phase end for whatever of the phase's wall time it did not compute."""
+        if steps:  # not an adoption at a regroup (peerd/torch.py _take_leaders)
+            self.compute_seconds += compute_seconds
+            self.train_wait_seconds += max(time.monotonic() - self._phase_began - compute_seconds, 0.0)
         with self._lock:
             self._shared.set_count(PHASE_STEPS_OFFSET, 0)
             self._local_done += steps

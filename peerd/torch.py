@@ -255,7 +255,7 @@ class Optimizer(torch.optim.Optimizer):
         flat = self._flat()
         self._collective.broadcast_(flat)
         if not self._collective.leader:
-            from_vector(flat, self.params, False)
+            from_vector(flat, self._tensors, False)
         self._landed = landed
 
     def _flat(self) -> torch.Tensor:
@@ -505,14 +505,15 @@ class Optimizer(torch.optim.Optimizer):
     def _take_leaders(self) -> None:
         """A new epoch's start: every member takes the parameters, optimizer state and counters of
         the member furthest on in the run (the leader where they are level: a process restarted on
-        the leading daemon must not take the group back to its daemon's older θ), and the leader's
-        count of landed rounds. Where that member is on another daemon, the leader hands them to
-        its daemon, which takes them as θ (daemon/attached.py `end_phase`, group_step)."""
+        the leading daemon must not take the group back to its daemon's older θ), and the count of
+        landed rounds the leader's daemon says its parameters hold (APPLIED: a daemon that led
+        before or never counts its own). Where that member is on another daemon, the leader hands
+        them to its daemon, which takes them as θ (daemon/attached.py `end_phase`, group_step)."""
         c = self._collective
         source = c.furthest(self.run_step)
         counters = torch.tensor([self.run_step, self._phase_steps, self._phase_samples], dtype=torch.float64)
         c.broadcast_(counters, source)
-        landed = torch.tensor([self._landed], dtype=torch.int64)
+        landed = torch.tensor([self._attachment.held() if c.leader else 0], dtype=torch.int64)
         c.broadcast_(landed)
         flat = torch.empty(self._vector.numel(), dtype=torch.float32)
         mine = c.slot.rank == source

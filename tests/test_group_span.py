@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import threading
 import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -80,6 +84,19 @@ def test_a_span_places_every_daemon_follows_comings_and_goings_and_survives_its_
     tick_all([b, c], 4)
     assert b.placed.epoch > held and c.placed.epoch == b.placed.epoch and b.placed.daemons == ("b", "c")
     assert b.placed.store == f"tcp://{b.span.address}" and b.span.coordinator == "b"
+
+
+def drain(proc: subprocess.Popen, log: Path) -> subprocess.Popen:
+    """Copy a script's output to `log` as it comes (a line per phase: a full pipe would stop it)."""
+
+    def copy() -> None:
+        with open(log, "a") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+
+    threading.Thread(target=copy, name="drain", daemon=True).start()
+    return proc
 
 
 def roles(daemon, run: str) -> dict[str, str]:
@@ -172,7 +189,7 @@ def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wa
 
 
 @pytest.mark.heavy
-def test_a_member_killed_on_either_daemon_leaves_the_group_the_other_goes_on_and_a_new_one_rejoins(spawn):
+def test_a_member_killed_on_either_daemon_leaves_the_group_the_other_goes_on_and_a_new_one_rejoins(spawn, tmp_path):
     """Two daemons of one label, a script on each (one group of two). The follower's process is
     killed mid-step: the leader's goes on alone within the op timeout plus a phase; a new process on
     the follower's daemon rejoins the group at a later phase. Then the leader's process is killed:
@@ -186,7 +203,8 @@ def test_a_member_killed_on_either_daemon_leaves_the_group_the_other_goes_on_and
     procs = [script(*common, "--daemon", lead.data_dir)]
     try:
         assert json.loads(procs[0].stdout.readline()) == {"attached": 0}
-        procs.append(script(*common, "--daemon", follow.data_dir))
+        drain(procs[0], tmp_path / "lead.out")
+        procs.append(drain(script(*common, "--daemon", follow.data_dir), tmp_path / "follow-1.out"))
         seen = {id(lead): [], id(follow): []}
 
         def status(d, predicate):
@@ -209,7 +227,7 @@ def test_a_member_killed_on_either_daemon_leaves_the_group_the_other_goes_on_and
         left = seen[id(lead)][-1]
         wait_for(lambda: status(lead, lambda s: s.step >= left + 20), timeout=60, what="the leader trains on")
         assert time.monotonic() - killed < 60 + 30  # GROUP_TIMEOUT plus slack: a kill is seen at once
-        procs.append(script(*common, "--daemon", follow.data_dir))
+        procs.append(drain(script(*common, "--daemon", follow.data_dir), tmp_path / "follow-2.out"))
         wait_for(
             lambda: (
                 status(lead, lambda s: s.local_group_size == 2) and status(follow, lambda s: s.local_group_rank == 1)
