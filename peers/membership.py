@@ -63,6 +63,15 @@ class Announcement:
     links: tuple[LinkReport, ...] = ()  # its fresh link reports (--local-group auto)
 
 
+@dataclass(frozen=True, slots=True)
+class Roll:
+    """Where the group mates of a round stand when its rendezvous ends (RunMembership.rendezvous):
+    those not listed announce the round's boundary (or a later step)."""
+
+    behind: tuple[str, ...] = ()  # still before the boundary when the wait ended: given up on
+    gone: tuple[str, ...] = ()  # not in the table (timed out, left, never seen) or further behind than the floor
+
+
 @dataclass(kw_only=True, slots=True)
 class DiscoverySettings:
     heartbeat_interval: float = 2.0
@@ -176,11 +185,12 @@ class RunMembership:
             if any(answered):
                 logger.info("run %s: %d of %d lost peers answered again", self.run_id, sum(answered), len(targets))
 
-    async def rendezvous(self, mates: list[str], step: int, floor: int, timeout: float) -> list[str]:
+    async def rendezvous(self, mates: list[str], step: int, floor: int, timeout: float) -> Roll:
         """Announce this daemon's step now, then wait at most `timeout` seconds until none of `mates`
         announces a step in [floor, step): each has reached `step`, is further behind (it meets a
         later round, or downloads the state when two rounds behind), or left the table. Returns
-        those still between."""
+        where the mates that will not be at this round stand: those still between (behind) and those
+        further behind or not in the table (gone)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         polls = 0
@@ -191,10 +201,9 @@ class RunMembership:
                 logger.debug("run %s: refresh during rendezvous failed", self.run_id, exc_info=True)
             polls += 1
             steps = {e.peer_id: e.step for e in self.table.entries()}
-            behind = [p for p in mates if floor <= steps.get(p, -1) < step]
+            behind = tuple(p for p in mates if floor <= steps.get(p, -1) < step)
             if not behind or loop.time() >= deadline:
-                return behind
-            await asyncio.sleep(min(RENDEZVOUS_POLL, max(deadline - loop.time(), 0.0)))
+                return Roll(behind, tuple(p for p in mates if steps.get(p, floor - 1) < floor))
 
     def accept(self, envelope: object, *, subkey: str | None, at: float) -> str | None:
         """Check a record from the DHT or a peer and apply it; returns the table's verdict or None."""
