@@ -171,6 +171,9 @@ class RunMembership:
         t = self.clock()
         for subkey, (value, _expiration) in records.items():
             self.accept(value, subkey=subkey, at=t)
+        self._expire(t)
+
+    def _expire(self, t: float) -> None:
         for peer_id in self.table.expire(t):
             logger.info("run %s: peer %s timed out", self.run_id, peer_id)
             self._lost[peer_id] = t
@@ -190,20 +193,36 @@ class RunMembership:
         announces a step in [floor, step): each has reached `step`, is further behind (it meets a
         later round, or downloads the state when two rounds behind), or left the table. Returns
         where the mates that will not be at this round stand: those still between (behind) and those
-        further behind or not in the table (gone)."""
+        further behind or not in the table (gone).
+
+        The table is looked at every RENDEZVOUS_POLL seconds, the peer TTL applied on the clock each
+        time, while reads of the run's records go on one at a time beside the looks: a read that
+        waits out the DHT's request timeout (a request to a node that is gone) does not keep a mate
+        that timed out in the table, and the members of a round stop waiting for it about together
+        (a member that stopped later than the view's leader missed its join window)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        polls = 0
+        # The first read goes with the announcement and is waited for: the table may be a few seconds old.
+        reading = asyncio.ensure_future(asyncio.gather(self.heartbeat(), self.refresh()))
+        reading.add_done_callback(self._read_done)
+        await asyncio.wait({reading})
         while True:
-            try:  # the first read goes with the announcement: the table may be a few seconds old
-                await (asyncio.gather(self.heartbeat(), self.refresh()) if polls == 0 else self.refresh())
-            except Exception:  # a failed read is one missed poll; the deadline still holds
-                logger.debug("run %s: refresh during rendezvous failed", self.run_id, exc_info=True)
-            polls += 1
+            self._expire(self.clock())
             steps = {e.peer_id: e.step for e in self.table.entries()}
             behind = tuple(p for p in mates if floor <= steps.get(p, -1) < step)
-            if not behind or loop.time() >= deadline:
+            if not behind or loop.time() >= deadline:  # a read still going finishes on its own, as any refresh
                 return Roll(behind, tuple(p for p in mates if steps.get(p, floor - 1) < floor))
+            poll = min(RENDEZVOUS_POLL, max(deadline - loop.time(), 0.0))
+            if reading.done():
+                await asyncio.sleep(poll)
+                reading = asyncio.ensure_future(self.refresh())
+                reading.add_done_callback(self._read_done)
+                poll = min(RENDEZVOUS_POLL, max(deadline - loop.time(), 0.0))
+            await asyncio.wait({reading}, timeout=poll)
+
+    def _read_done(self, reading: asyncio.Future) -> None:
+        if not reading.cancelled() and reading.exception() is not None:  # one missed read; the deadline holds
+            logger.debug("run %s: refresh during rendezvous failed", self.run_id, exc_info=reading.exception())
 
     def accept(self, envelope: object, *, subkey: str | None, at: float) -> str | None:
         """Check a record from the DHT or a peer and apply it; returns the table's verdict or None."""
