@@ -129,11 +129,11 @@ def seek(planned: Sequence[str], roll: Roll) -> tuple[list[str], str]:
     Matchmaking waits for every mate it is given (the view's leader up to join_window for their
     joins; a follower up to join_timeout for its leader), then falls back to the DHT read: a mate
     that will not come costs the round seconds and, when it is the leader, often the group
-    (docs/algorithms.md, "Rounds"). So the mates away are left out; when that is all of them the
-    round does not look at all (an empty list). The DHT read could still meet a peer that this
-    view does not list yet (a late joiner, a host back from a cut), but such a peer's view lists
-    this one, so it is in the view a refresh later, by the next round; meanwhile the round is owed
-    (daemon/diloco.py), its samples carried into the next."""
+    (docs/algorithms.md, "Who matchmaking looks for"). So the mates away are left out; when that
+    is all of them the round does not look at all (an empty list). The DHT read could still meet a
+    peer that this view does not list yet (a late joiner, a host back from a cut), but such a
+    peer's view lists this one, so it is in the view a refresh later, by the next round; meanwhile
+    the round is owed (daemon/diloco.py), its samples carried into the next."""
     away = set(roll.behind) | set(roll.gone)
     here = [p for p in planned if p not in away]
     if not planned or len(here) == len(planned):
