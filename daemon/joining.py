@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from peerd.daemon.tasks import Task
     from peerd.daemon.trainer import Trainer
     from peerd.peers.averaging import RoundResult
+    from peerd.peers.membership import Roll
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def rendezvous_for(membership, phases: Phases, round_timeout: float):
 
     patience = rendezvous_patience(round_timeout)
 
-    async def rendezvous(round_t: int, mates: list[str]):
+    async def rendezvous(round_t: int, mates: list[str]) -> Roll:
         roll = await membership.rendezvous(mates, phases.end(round_t), phases.end(round_t - 2), patience)
         if roll.behind:
             logger.info(

@@ -46,7 +46,7 @@ LOST_MEMORY = 600.0  # seconds a timed-out peer is still re-dialed: partitions t
 # next round's answer (which also lifts the DHT's ban on it, PeerNode.ping) before its records are read.
 REJOIN_INTERVAL = 2.0
 REJOIN_MAX = 8  # timed-out peers re-dialed per round, the most recently lost first
-RENDEZVOUS_POLL = 0.2  # seconds between two reads of the run's records while waiting for group mates
+RENDEZVOUS_POLL = 0.2  # seconds between two looks at the table while waiting for group mates, and between reads
 
 
 @dataclass(frozen=True, slots=True)
