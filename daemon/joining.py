@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from peerd.daemon.tasks import Task
     from peerd.daemon.trainer import Trainer
     from peerd.peers.averaging import RoundResult
+    from peerd.peers.membership import Roll
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ SYNC_TIMEOUT = 120.0  # seconds one download of the run's state may take
 
 
 def rendezvous_for(membership, phases: Phases, round_timeout: float):
-    """The averager's `rendezvous(round_t, mates)`: announce this daemon's step, then wait for the
-    mates that announce a step in either of the two previous rounds (peers/membership.py,
+    """The averager's `rendezvous(round_t, mates) -> Roll`: announce this daemon's step, then wait for
+    the mates that announce a step in either of the two previous rounds (peers/membership.py,
     RunMembership.rendezvous): one round behind, a mate trains on to this boundary; two behind, it
     downloads the latest round's state first (daemon/straggler.catch_up_from), then does the same.
     A mate further behind is not waited for; one that would arrive after the wait ends its phase
@@ -57,16 +58,16 @@ def rendezvous_for(membership, phases: Phases, round_timeout: float):
 
     patience = rendezvous_patience(round_timeout)
 
-    async def rendezvous(round_t: int, mates: list[str]) -> list[str]:
-        behind = await membership.rendezvous(mates, phases.end(round_t), phases.end(round_t - 2), patience)
-        if behind:
+    async def rendezvous(round_t: int, mates: list[str]) -> Roll:
+        roll = await membership.rendezvous(mates, phases.end(round_t), phases.end(round_t - 2), patience)
+        if roll.behind:
             logger.info(
                 "run %s: round %d goes on without %d group mate(s) still behind it",
                 membership.run_id,
                 round_t,
-                len(behind),
+                len(roll.behind),
             )
-        return behind
+        return roll
 
     return rendezvous
 

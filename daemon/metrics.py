@@ -313,6 +313,12 @@ class DaemonMetrics:
         self.stragglers = Counter(
             "peerd_round_stragglers", "Group mates a round stopped waiting for (still behind it).", ["run"], registry=r
         )
+        self.matchmaking_skipped = Counter(
+            "peerd_matchmaking_skipped",
+            "Rounds (per lane) that ran no matchmaking: the rendezvous found every planned group mate behind or gone.",
+            ["run"],
+            registry=r,
+        )
         self.link_probes = Counter(
             "peerd_link_probes",
             "Link probes sent to peers, by result: answered, lost, late (echoed after its measurement counted it lost).",
@@ -411,6 +417,8 @@ class DaemonMetrics:
             self.stragglers.labels(run_id).inc(result.stragglers)
         if result.planned and result.group_size == 1 and not result.cancelled:
             self.missed.labels(run_id).inc()
+        if result.skipped:
+            self.matchmaking_skipped.labels(run_id).inc()
         for transport, (sent, received) in result.bytes_by_transport.items():
             self.sent_bytes.labels(transport).inc(sent)
             self.received_bytes.labels(transport).inc(received)

@@ -8,7 +8,8 @@ Round t of a run with live peers P (this daemon included):
    two previous rounds, peers/membership.py), then peers/matchmaking forms the group under that key
    (one leader, one agreed member order): matchmaking only meets peers that arrive within about
    a second of each other, and peers that train at slightly different speeds would otherwise
-   drift out of phase and meet nobody;
+   drift out of phase and meet nobody. Matchmaking looks for the mates the rendezvous did not find
+   behind or gone, and does not run when that is none of them (`seek`);
 3. the collective engine all-reduces the flat parameter vector within the group, weighted by the
    samples each member processed since its previous round. Each round listens on a fresh transport
    whose address goes into the matchmaking entry: a transport holds incoming bytes unread until its
@@ -61,6 +62,7 @@ from peerd.peers.collective.tcp import split_address
 from peerd.peers.dear.hierarchy import lane_bounds, lane_view
 from peerd.peers.events import PeerEvents
 from peerd.peers.matchmaking import Matchmaker, Member
+from peerd.peers.membership import Roll
 from peerd.peers.moshpit import grid_shape, group_key, view_coords
 from peerd.peers.run_ids import RunSecret, run_namespace
 
@@ -81,6 +83,7 @@ class RoundResult:
         0.0  # seconds the rendezvous waited for group mates; NaN in the other lanes of a round (counted once)
     )
     stragglers: int = 0  # group mates the rendezvous gave up on (still behind it)
+    skipped: bool = False  # no matchmaking: the rendezvous found every planned mate of this lane away (`seek`)
     planned: int = 0  # group mates the grid gave this lane among the live peers (0: alone in the run)
     lane: int = 0  # the slice of the state vector this round averaged (peers/dear/hierarchy.py)
     delegated: bool = False  # not a round: every lane of this daemon was averaged by its local group's other members
@@ -117,6 +120,29 @@ class RoundResult:
         if self.delegated:
             return "delegated"
         return "no_group" if self.outcome is None else self.outcome.status.value
+
+
+def seek(planned: Sequence[str], roll: Roll) -> tuple[list[str], str]:
+    """Which of a lane's `planned` mates (the view's group) its matchmaking meets, given where the
+    rendezvous left them: those it did not find behind or gone, and why, for the round's result.
+
+    Matchmaking waits for every mate it is given (the view's leader up to join_window for their
+    joins; a follower up to join_timeout for its leader), then falls back to the DHT read: a mate
+    that will not come costs the round seconds and, when it is the leader, often the group
+    (docs/algorithms.md, "Who matchmaking looks for"). So the mates away are left out; when that
+    is all of them the round does not look at all (an empty list). The DHT read could still meet a
+    peer that this view does not list yet (a late joiner, a host back from a cut), but such a
+    peer's view lists this one, so it is in the view a refresh later, by the next round; meanwhile
+    the round is owed (daemon/diloco.py), its samples carried into the next."""
+    away = set(roll.behind) | set(roll.gone)
+    here = [p for p in planned if p not in away]
+    if not planned or len(here) == len(planned):
+        return here, ""
+    behind, gone = sum(p in roll.behind for p in planned), sum(p in roll.gone for p in planned)
+    why = f"{behind} behind, {gone} gone" if behind and gone else f"{behind} behind" if behind else f"{gone} gone"
+    if here:
+        return here, f"{len(here)} of {len(planned)} planned mates ({why})"
+    return here, f"every planned mate is away ({why}): matchmaking skipped"
 
 
 class Average(Protocol):
@@ -158,11 +184,12 @@ class MoshpitAverager:
         udp_rate_bps: float | None = None,
         settings: AllReduceSettings | None = None,
         events: PeerEvents | None = None,
-        rendezvous: Callable[[int, list[str]], Awaitable[list[str]]] | None = None,
+        rendezvous: Callable[[int, list[str]], Awaitable[Roll]] | None = None,
         lanes: int = 1,
     ):
         """`rendezvous(round_t, mates)` waits (bounded) for the mates of round_t's group and returns
-        those it gave up on. In loss-tolerant rounds `data_path` says how data reaches a member:
+        where those that will not be there stand (peers/membership.Roll); matchmaking meets the
+        others (`seek`). In loss-tolerant rounds `data_path` says how data reaches a member:
         "udp" (always datagrams), "reliable" (always packets over the reliable link) or "auto"
         (datagrams where `udp_path_ok(peer_id)`, the link prober's verdict, says the path passes)."""
         if data_path not in ("auto", "udp", "reliable"):
@@ -218,22 +245,24 @@ class MoshpitAverager:
             key = group_key(namespace, round_t, coords[self.peer_id], shape)
             mates = [p for p in view if p != self.peer_id and group_key(namespace, round_t, coords[p], shape) == key]
             plans[lane] = (namespace, key, mates)
-        began, waited, stragglers = time.monotonic(), 0.0, 0
+        began, waited, roll = time.monotonic(), 0.0, Roll()
         mates = sorted({p for plan in plans.values() if plan for p in plan[2]})
         if self.rendezvous is not None and mates:
             started = time.monotonic()
-            stragglers = len(await self.rendezvous(round_t, mates))
+            roll = await self.rendezvous(round_t, mates)
             waited = time.monotonic() - started
 
         async def one(lane: int) -> RoundResult:
             if plans[lane] is None:
                 return RoundResult(round_t, 1, None, "alone in the run", lane=lane)
-            namespace, key, _ = plans[lane]
+            namespace, key, planned = plans[lane]
+            here, why = seek(planned, roll)
+            if not here:
+                return RoundResult(round_t, 1, None, f"no group: {why}", skipped=True, lane=lane)
             s, e = bounds[lane]
             try:
-                return await self._round(
-                    vector[s:e], weight, round_t, namespace, key, lane, restore, payload, plans[lane][2]
-                )
+                result = await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, payload, here)
+                return dataclasses.replace(result, reason=f"{result.reason} ({why})") if why else result
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
                 return RoundResult(
@@ -252,7 +281,7 @@ class MoshpitAverager:
         took = time.monotonic() - began
         # The rendezvous served every lane: its wait is counted once, with the first, as the round's time.
         return [
-            dataclasses.replace(r, waited=waited, stragglers=stragglers, seconds=took)
+            dataclasses.replace(r, waited=waited, stragglers=len(roll.behind), seconds=took)
             if k == 0
             else dataclasses.replace(r, waited=math.nan)
             for k, r in enumerate(results)

@@ -48,7 +48,7 @@ LOST_MEMORY = 600.0  # seconds a timed-out peer is still re-dialed: partitions t
 # next round's answer (which also lifts the DHT's ban on it, PeerNode.ping) before its records are read.
 REJOIN_INTERVAL = 2.0
 REJOIN_MAX = 8  # timed-out peers re-dialed per round, the most recently lost first
-RENDEZVOUS_POLL = 0.2  # seconds between two reads of the run's records while waiting for group mates
+RENDEZVOUS_POLL = 0.2  # seconds between two looks at the table while waiting for group mates, and between reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +63,15 @@ class Announcement:
     delegated_lanes: int = 0  # lanes its DeAR group's other members average for it, as a bit mask
     dear_group: str = ""  # that group's ID
     links: tuple[LinkReport, ...] = ()  # its fresh link reports (--local-group auto)
+
+
+@dataclass(frozen=True, slots=True)
+class Roll:
+    """Where the group mates of a round stand when its rendezvous ends (RunMembership.rendezvous):
+    those not listed announce the round's boundary (or a later step)."""
+
+    behind: tuple[str, ...] = ()  # still before the boundary when the wait ended: given up on
+    gone: tuple[str, ...] = ()  # not in the table (timed out, left, never seen) or further behind than the floor
 
 
 @dataclass(kw_only=True, slots=True)
@@ -164,6 +173,9 @@ class RunMembership:
         t = self.clock()
         for subkey, (value, _expiration) in records.items():
             self.accept(value, subkey=subkey, at=t)
+        self._expire(t)
+
+    def _expire(self, t: float) -> None:
         for peer_id in self.table.expire(t):
             logger.info("run %s: peer %s timed out", self.run_id, peer_id)
             self._lost[peer_id] = t
@@ -178,25 +190,41 @@ class RunMembership:
             if any(answered):
                 logger.info("run %s: %d of %d lost peers answered again", self.run_id, sum(answered), len(targets))
 
-    async def rendezvous(self, mates: list[str], step: int, floor: int, timeout: float) -> list[str]:
+    async def rendezvous(self, mates: list[str], step: int, floor: int, timeout: float) -> Roll:
         """Announce this daemon's step now, then wait at most `timeout` seconds until none of `mates`
         announces a step in [floor, step): each has reached `step`, is further behind (it meets a
         later round, or downloads the state when two rounds behind), or left the table. Returns
-        those still between."""
+        where the mates that will not be at this round stand: those still between (behind) and those
+        further behind or not in the table (gone).
+
+        The table is looked at every RENDEZVOUS_POLL seconds, the peer TTL applied on the clock each
+        time, while reads of the run's records go on one at a time beside the looks: a read that
+        waits out the DHT's request timeout (a request to a node that is gone) does not keep a mate
+        that timed out in the table, and the members of a round stop waiting for it about together
+        (a member that stopped later than the view's leader missed its join window)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        polls = 0
+        # The first read goes with the announcement and is waited for: the table may be a few seconds old.
+        reading = asyncio.ensure_future(asyncio.gather(self.heartbeat(), self.refresh()))
+        reading.add_done_callback(self._read_done)
+        await asyncio.wait({reading})
         while True:
-            try:  # the first read goes with the announcement: the table may be a few seconds old
-                await (asyncio.gather(self.heartbeat(), self.refresh()) if polls == 0 else self.refresh())
-            except Exception:  # a failed read is one missed poll; the deadline still holds
-                logger.debug("run %s: refresh during rendezvous failed", self.run_id, exc_info=True)
-            polls += 1
+            self._expire(self.clock())
             steps = {e.peer_id: e.step for e in self.table.entries()}
-            behind = [p for p in mates if floor <= steps.get(p, -1) < step]
-            if not behind or loop.time() >= deadline:
-                return behind
-            await asyncio.sleep(min(RENDEZVOUS_POLL, max(deadline - loop.time(), 0.0)))
+            behind = tuple(p for p in mates if floor <= steps.get(p, -1) < step)
+            if not behind or loop.time() >= deadline:  # a read still going finishes on its own, as any refresh
+                return Roll(behind, tuple(p for p in mates if steps.get(p, floor - 1) < floor))
+            poll = min(RENDEZVOUS_POLL, max(deadline - loop.time(), 0.0))
+            if reading.done():
+                await asyncio.sleep(poll)
+                reading = asyncio.ensure_future(self.refresh())
+                reading.add_done_callback(self._read_done)
+                poll = min(RENDEZVOUS_POLL, max(deadline - loop.time(), 0.0))
+            await asyncio.wait({reading}, timeout=poll)
+
+    def _read_done(self, reading: asyncio.Future) -> None:
+        if not reading.cancelled() and reading.exception() is not None:  # one missed read; the deadline holds
+            logger.debug("run %s: refresh during rendezvous failed", self.run_id, exc_info=reading.exception())
 
     def accept(self, envelope: object, *, subkey: str | None, at: float) -> str | None:
         """Check a record from the DHT or a peer and apply it; returns the table's verdict or None."""

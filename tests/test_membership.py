@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from peerd.peers.membership import Announcement, DiscoverySettings, RunMembership
+from peerd.peers.membership import Announcement, DiscoverySettings, Roll, RunMembership
 from tests.helpers import peer_nodes
 
 EVERY = 10
@@ -41,11 +41,11 @@ def test_rendezvous_waits_for_a_mate_in_the_previous_round_until_it_arrives(tmp_
                     return await b.rendezvous([a.node.peer_id], 20, 10, timeout=5.0)
 
                 started = time.monotonic()
-                behind_a, behind_b = await asyncio.gather(
+                roll_a, roll_b = await asyncio.gather(
                     a.rendezvous([b.node.peer_id, c.node.peer_id], 20, 20 - EVERY, timeout=8.0), b_arrives()
                 )
                 waited = time.monotonic() - started
-                assert behind_a == [] and behind_b == []
+                assert roll_a == Roll(gone=(c.node.peer_id,)) and roll_b == Roll()  # c will not be at this round
                 assert 1.0 <= waited < 4.0, waited  # b's announcement was seen at one of a's next polls
             finally:
                 await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
@@ -61,12 +61,14 @@ def test_rendezvous_gives_up_on_a_stuck_mate_after_its_patience(tmp_path):
                 a.announcement, b.announcement = (lambda: Announcement(step=30)), (lambda: Announcement(step=25))
                 await b.heartbeat()
                 started = time.monotonic()
-                behind = await a.rendezvous([b.node.peer_id], 30, 20, timeout=1.5)
-                assert behind == [b.node.peer_id]
+                roll = await a.rendezvous([b.node.peer_id], 30, 20, timeout=1.5)
+                assert roll == Roll(behind=(b.node.peer_id,))
                 assert 1.5 <= time.monotonic() - started < 4.0
                 # A mate that is not in the table (gone, or never seen) is not waited for.
                 started = time.monotonic()
-                assert await a.rendezvous(["QmNotAPeerOfThisRun"], 30, 20, timeout=5.0) == []
+                assert await a.rendezvous(["QmNotAPeerOfThisRun"], 30, 20, timeout=5.0) == Roll(
+                    gone=("QmNotAPeerOfThisRun",)
+                )
                 assert time.monotonic() - started < 1.0
             finally:
                 await asyncio.gather(*(m.leave() for m in members), return_exceptions=True)
