@@ -304,10 +304,15 @@ def _cmd_status(args) -> int:
         if r.local_group:
             rank = str(r.local_group_rank) if r.local_group_rank >= 0 else "-"
             overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"
-            print(
-                f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
-                f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}"
-            )
+            if r.algorithm == "diloco":  # the processes of the label's daemons (daemon/groupspan.py)
+                print(
+                    f"{r.run_id}: local group {r.local_group}  processes {r.local_group_size}  first rank here {rank}"
+                )
+            else:  # a state run's DeAR group of daemons (daemon/trainer.py)
+                print(
+                    f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
+                    f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}"
+                )
             if r.local_group_reason:
                 print(f"{r.run_id}: local group decision: {r.local_group_reason}")
         if len(r.last_round_group) > 1:

@@ -16,7 +16,7 @@ import torch
 from peerd.daemon import groupspan
 from peerd.daemon.client import ControlClient
 from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch
-from tests.helpers import wait_for
+from tests.helpers import peerd as peerd_cli, wait_for
 from tests.test_your_loop import EXAMPLE, finish, run_status, run_status_peer, script
 
 
@@ -140,6 +140,9 @@ def check(a, b, c, procs, tmp_path):
     assert roles(c, "span")[ids[leader]] == "trainer"
     st = run_status((a, b)[follower], "span")
     assert st.local_group == "rack" and st.local_group_size == 2 and st.local_group_rank == 1, st
+    shown = peerd_cli("status", "--control", (a, b)[follower].control).stdout
+    assert "span: local group rack  processes 2  first rank here 1" in shown, shown
+    assert f"follows {ids[leader]}" in shown, shown
     outs = [finish(p, 300) for p in procs]
     evals = []
     for out in outs:
