@@ -426,12 +426,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def _regroup(self) -> None:
         """The group changed or broke: this process's place in the daemon's next epoch."""
-        try:
-            slot = self._attachment.regroup(self._slot.epoch)
-        except Lost:
-            self._reattach()
-            return
-        self._join(slot)
+        if (slot := self._after(self._slot.epoch)) is not None:
+            self._join(slot)
 
     def _join(self, slot: Slot) -> None:
         """Form the group of `slot` and take its leader's parameters, optimizer state and counters."""
@@ -441,10 +437,7 @@ class Optimizer(torch.optim.Optimizer):
             self._close_group()
             self._slot = slot
             if slot.rank < 0:  # a spanning group's coordinator has not placed it yet: the next epoch
-                try:
-                    slot = self._attachment.regroup(slot.epoch)
-                except Lost:
-                    self._reattach()
+                if (slot := self._after(slot.epoch)) is None:
                     return
                 continue
             if slot.size == 1:
@@ -462,10 +455,7 @@ class Optimizer(torch.optim.Optimizer):
                     self._dear = self._start_dear()
             except GroupBroke as e:
                 logger.warning("peerd: run %s: local group epoch %d: %s; forming it again", self.run, slot.epoch, e)
-                try:
-                    slot = self._attachment.regroup(slot.epoch)
-                except Lost:
-                    self._reattach()
+                if (slot := self._after(slot.epoch)) is None:
                     return
                 continue
             logger.info(
@@ -473,6 +463,15 @@ class Optimizer(torch.optim.Optimizer):
             )
             return
         raise PeerdError(f"run {self.run}: the local group did not form in {REGROUP_TRIES} epochs")
+
+    def _after(self, epoch: int) -> Slot | None:
+        """This process's place in an epoch after `epoch`; None where the attachment was lost and
+        this process attached again (its place comes with the new attachment)."""
+        try:
+            return self._attachment.regroup(epoch)
+        except Lost:
+            self._reattach()
+            return None
 
     def _start_dear(self):
         """DeAR over the group's data backend: bucketed reduce-scatters from backward hooks, each

@@ -39,6 +39,7 @@ def test_precedence_cli_over_env_over_file_over_default(tmp_path):
         ({"network.reliable_links": "reliable"}, "not one of auto, tcp, libp2p"),
         ({"discovery.peer_ttl": "4"}, "at most half of peer_ttl"),
         ({"train.train_processes": "0"}, "train_processes must be in 1..64"),
+        ({"train.local_group_host": "rack7.lan"}, "local_group_host must be an IP address"),
     ],
 )
 def test_bad_values(cli, message):
