@@ -351,9 +351,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def _end_spanning(self, loss: float, compute: float) -> None:
         """The phase's end in a group that spans daemons: the leader ends it on its daemon (the round)
-        and broadcasts the run's step and its vector; the first process on each other daemon hands
-        them over, and its daemon follows (daemon/groupspan.py). Raises GroupBroke, or Lost (the
-        leader's daemon went away)."""
+        and broadcasts the run's step, its vector and (with overlap, where θ is not the vector) the
+        run's θ; the first process on each other daemon hands θ over, and its daemon follows
+        (daemon/groupspan.py). Raises GroupBroke, or Lost (the leader's daemon went away)."""
         c, key = self._collective, f"end/{self._boundary}"
         header = torch.zeros(3, dtype=torch.float64)  # the run's step, the landed rounds held, the round
         if c.leader:
@@ -376,12 +376,18 @@ class Optimizer(torch.optim.Optimizer):
         c.broadcast_(header)
         flat = self._flat()
         c.broadcast_(flat)
+        theta = None
+        if self._attached.theta is not None:  # with overlap the run's θ is not the vector: it too
+            theta = torch.empty(self._vector.numel(), dtype=torch.float32)
+            if c.leader:
+                self._attachment.copy_theta(theta.copy_)
+            c.broadcast_(theta)
         step, held = int(header[0]), int(header[1])
         if not c.leader:
             from_vector(flat, self._tensors, False)
             self.last_outcome = "the group's leader ended the phase"
-            if self._slot.hands_over:  # this daemon takes the group's parameters as θ
-                self._write()
+            if self._slot.hands_over:  # this daemon takes the run's θ (its checkpoints, export, evaluations)
+                self._vector.copy_(flat if theta is None else theta)
                 self._attachment.end_phase(
                     self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary, group_step=step
                 )
