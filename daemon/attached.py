@@ -42,7 +42,10 @@ averages it without an outer loop (daemon/statechild.py).
                that attaches later, exits, lapses or detaches moves the group's epoch (GROUP_EPOCH in
                the shared file): the members see it at their next step and Regroup, taking the
                leader's parameters and optimizer state. The first process of a group that expects
-               others (AttachRequest.group_size) waits up to GROUP_FORM_WAIT s for them.
+               others (AttachRequest.group_size) waits up to GROUP_FORM_WAIT s for them. With
+               --local-group NAME the group takes in the processes of the label's other daemons:
+               epochs and ranks come from its coordinator (daemon/groupspan.py, `placed`), and a
+               daemon that does not lead follows (`_take_group`).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
-from peerd.daemon.groupspan import GroupSpan, Placement
+from peerd.daemon.groupspan import TICK, GroupSpan, Placement
 from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
@@ -274,8 +277,9 @@ class AttachedTrainer:
 
     Callbacks as the Trainer's: `average` (the blocking round bridge, daemon/joining.round_bridge),
     `on_round`, `peer_steps`, `sync` (download [θ; m] from peers), `on_sync`; `on_role(role)`
-    announces whether a process trains here (peers/membership.py TRAINER, FOLLOWER, IDLE). attach/end_phase/renew/detach block (a round, a
-    download, a checkpoint): the control server calls them in worker threads; one lock orders them."""
+    announces whether a process trains here (peers/membership.py TRAINER, FOLLOWER, IDLE).
+    attach/end_phase/renew/detach block (a round, a download, a checkpoint): the control server
+    calls them in worker threads; one lock orders them."""
 
     # The thread's DeAR groups (daemon/trainer.py) do not apply here; the status reads these.
     delegation = (0, "")
@@ -478,6 +482,8 @@ class AttachedTrainer:
             if self._outer is not None:
                 self._outer.close()
             self._shared.close()
+            if self.span is not None:  # its store (its beat was cancelled above)
+                self.span.close()
         finally:
             self._lock.release()
 
@@ -643,7 +649,7 @@ class AttachedTrainer:
             self._group.notify_all()
             active = bool(self.members)
         if self.follows:
-            self.snapshot = None  # a follower's θ is the group's last phase end, with no momentum: not served
+            self.snapshot = None  # a follower holds θ without the run's momentum: not served to joiners
         if active and self.follows != was:
             self.on_role(self.role)
         logger.info(
@@ -764,7 +770,7 @@ class AttachedTrainer:
         """The process ended an inner phase of `steps` steps whose end is the run's step `boundary`
         (0: not said); the leader's parameters are in the vector. Another member of the local group
         waits for the leader's EndPhase of that boundary and gets its answer. `group_step`: a spanning
-        group's leader (on another daemon) reached that step; the vector holds the group's parameters."""
+        group's leader (on another daemon) reached that step; the vector holds the run's θ there."""
         with self._group:
             s = self._member(token)
             s.renewed = time.monotonic()
@@ -814,12 +820,13 @@ class AttachedTrainer:
         return end
 
     def _take_group(self, step: int, steps: int, loss: float, compute_seconds: float) -> PhaseEnd:
-        """A follower's phase end: the group's parameters (in the vector) become θ at the leader's
-        step, with no round; momentum and error feedback start over (the leader holds the group's).
+        """A follower's phase end: the run's θ the leader broadcast (in the vector) becomes this
+        daemon's θ at the leader's step, with no round; momentum and error feedback start over (the leader holds the group's).
         The group's samples are counted once, by the leading daemon: not here. Compute waited for
         the leader's phase end for whatever of the phase's wall time it did not compute."""
         if steps:  # not an adoption at a regroup (peerd/torch.py _take_leaders)
             self.compute_seconds += compute_seconds
+            self.compute_steps += steps
             self.train_wait_seconds += max(time.monotonic() - self._phase_began - compute_seconds, 0.0)
         with self._lock:
             self._shared.set_count(PHASE_STEPS_OFFSET, 0)
@@ -1035,8 +1042,6 @@ class AttachedTrainer:
 
     async def _beat(self) -> None:
         """The span's beat, every groupspan.TICK s (its store operations block: in a worker thread)."""
-        from peerd.daemon.groupspan import TICK
-
         while True:
             try:
                 await asyncio.to_thread(self.span.tick)

@@ -191,5 +191,6 @@ class GroupSpan:
         )
 
     def close(self) -> None:
+        """Drop the connections and this daemon's store (the run stops here)."""
         self._clients.clear()
         self._store = None
