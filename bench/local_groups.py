@@ -20,7 +20,8 @@ fraction, MB the round engine sent per 1,000 samples, and the eval loss of the h
 checkpoint. WAN bytes are what the round engine sends (the sites' own links carry the group's
 gradients and are not counted); a setup's WAN bytes per sample are its hosts' bytes over its
 samples, each group's counted once (by its leading daemon). Headline: WAN bytes per sample, (a) over
-(b). Needs root (namespaces). The hosts share this machine's cores: every setup has the same four
+(b). `--lanes 2`: each group's two hosts average one lane each over their own WAN links
+(peers/dear/delegate.py); the summary lists each host's WAN MB. Needs root (namespaces). The hosts share this machine's cores: every setup has the same four
 hosts training, so the comparison is within one CPU budget.
 """
 
@@ -43,10 +44,15 @@ def progress(message: str) -> None:
     _progress(BENCH, message)
 
 
+def wan_mb(host: dict) -> float:
+    """MB a host's round engine sent (bench.wan_training reports it per 1,000 samples)."""
+    return host["mb_per_1000_samples"] * max(host["samples"], 1) / 1000
+
+
 def wan_bytes_per_1000(setup: dict) -> float:
     """MB the round engines of a setup's hosts sent per 1,000 samples its hosts trained on."""
     hosts = setup["hosts"].values()
-    mb = sum(h["mb_per_1000_samples"] * max(h["samples"], 1) / 1000 for h in hosts)
+    mb = sum(wan_mb(h) for h in hosts)
     samples = sum(h["samples"] for h in hosts)
     return mb / max(samples, 1) * 1000
 
@@ -60,13 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", type=float, default=1.0, help="%% of the WAN's packets dropped (default 1)")
     p.add_argument("--every", type=int, default=50, help="H, inner steps per phase (default 50)")
     p.add_argument("--task", default="charlm")
+    p.add_argument(
+        "--lanes",
+        type=int,
+        default=1,
+        help="averaging.lanes of (a) and (b): with 2, each of a group's hosts averages one",
+    )
     p.add_argument("--logs", type=Path, default=None, help="keep each host's daemon log under this directory")
     args = p.parse_args(argv)
     if args.quick:
         args.seconds = 60.0
     # What bench.wan_training's scenario() reads.
     args.hosts, args.curve = len(SITES), 0.0
-    diloco = {"averaging.average_every": args.every}
+    diloco = {"averaging.average_every": args.every, "averaging.lanes": args.lanes}
     sites = scenario("a_sites", args, diloco)
     for host in sites["host"]:
         host["site"] = SITES[host["name"]]
@@ -85,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         "bench": BENCH,
         "setup": "summary",
         "wan_mb_per_1000_samples": {"a": round(ours, 4), "b": round(base, 4)},
+        "lanes": args.lanes,
+        # How (a)'s WAN bytes spread over its hosts' links: with lanes, each group's hosts share them.
+        "wan_mb_by_host_a": {name: round(wan_mb(h), 3) for name, h in a["hosts"].items()},
     }
     for name, out in lines.items():  # means over the hosts
         for key in ("eval", "compute_fraction", "steps"):

@@ -28,7 +28,7 @@ from peerd.peers.collective.group import MAX_GROUP
 from peerd.peers.dear.member import AUTO, GroupPeer, LocalGroupMember
 from peerd.peers.linkprobe import LinkProber
 from peerd.peers.matchmaking import Matchmaker, MatchmakingSettings
-from peerd.peers.membership import IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
+from peerd.peers.membership import FOLLOWER, IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
 from peerd.peers.node import NodeSettings, PeerNode
 from peerd.peers.clock import now as dht_now
 from peerd.peers.run_ids import RunSecret, validate_run_id
@@ -79,6 +79,7 @@ class PeerView:
     last_seen_seconds: float
     version: str
     role: str
+    delegated_lanes: int = 0
 
 
 class Daemon:
@@ -395,6 +396,7 @@ class Daemon:
         # that the loop does not stop for the seconds torch takes to import.
         await asyncio.to_thread(run_setup.preload, manifest.task)
         from peerd.peers.averaging import MoshpitAverager
+        from peerd.peers.dear.delegate import spread_round
 
         run_id, secret = handle.run_id, handle.secret
         handle.manifest = manifest
@@ -421,12 +423,37 @@ class Daemon:
             lanes=manifest.averaging.lanes,
         )
 
+        def live() -> dict[str, tuple[int, str]]:
+            # Peers with nothing training (role idle: no process attached) are nobody's mates, and
+            # so are the followers of a spanning local group, but for the lanes they average for it
+            # (they announce its ID; peers/dear/delegate.py).
+            return {
+                e.peer_id: (e.delegated_lanes, e.dear_group)
+                for e in membership.peers()
+                if e.role == TRAINER or (e.role == FOLLOWER and e.dear_group)
+            }
+
         async def run_round(vector, weight, round_t, lanes, restore, payload):
-            # Peers with nothing training (role idle: no process attached), and followers of a local
-            # group whose leader averages for it, are nobody's mates.
-            live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers() if e.role == TRAINER}
             # The trainer thread waits for this round: its delegation cannot change meanwhile.
-            return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore, payload)
+            group = trainer.delegation[1]
+            owners = trainer.lane_owners() if lanes is None and hasattr(trainer, "lane_owners") else []
+            if not owners:
+                return await averager.average(vector, weight, round_t, live(), lanes, group, restore, payload)
+            # The leader of a local group that spans daemons: each daemon averages its lanes.
+            stores = {e.peer_id: e.dear_address for e in membership.peers()}
+            timeout = manifest.averaging.round_timeout
+
+            async def own(which):
+                return await averager.average(vector, weight, round_t, live(), which, group, restore, payload)
+
+            async def ask(peer, request):
+                if not stores.get(peer):
+                    raise OSError("its store's address is not in the table")
+                return await asyncio.to_thread(trainer.span.ask, stores[peer], request, timeout)
+
+            return await spread_round(
+                vector, weight, round_t, manifest.averaging.lanes, payload, self.node.peer_id, owners, own, ask
+            )
 
         loop = asyncio.get_running_loop()
         average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
@@ -441,6 +468,23 @@ class Daemon:
             handle.trainer = trainer = self._task_trainer(manifest, membership, average, sync, loop, secret)
             auto = self.config.train.local_group == AUTO
             training = RunTraining(trainer, trainer.local_group, self.prober if auto else None)
+        if getattr(trainer, "span", None) is not None and manifest.averaging.lanes > 1:
+            from peerd.daemon.groupspan import serve_lanes
+
+            async def average_lanes(vector, weight, round_t, which, payload):
+                group = trainer.delegation[1]
+                return await averager.average(vector, weight, round_t, live(), which, group, True, payload)
+
+            trainer.lanes_served = lambda: serve_lanes(
+                trainer.span,
+                trainer.owned,
+                trainer.numel,
+                manifest.averaging.lanes,
+                average_lanes,
+                lambda result: self.metrics.observe_round(run_id, result),
+                lambda why: self.reject("lane_request"),
+                manifest.averaging.round_timeout,
+            )
         membership.announcement = training.announcement
         self.state_server.serve(run_id, secret, lambda: trainer.snapshot)
         await asyncio.to_thread(trainer.load)  # status shows the restored step from its first answer
@@ -737,7 +781,7 @@ class Daemon:
         membership = self._membership(run_id)
         t = dht_now()
         return [
-            PeerView(e.peer_id, list(e.maddrs), max(t - e.last_seen, 0.0), e.version, e.role)
+            PeerView(e.peer_id, list(e.maddrs), max(t - e.last_seen, 0.0), e.version, e.role, e.delegated_lanes)
             for e in membership.peers()
         ]
 

@@ -60,7 +60,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import torch
 
@@ -71,6 +71,7 @@ from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
+from peerd.peers.dear.hierarchy import group_id, owned_lanes
 from peerd.peers.manifest import TensorSpec
 from peerd.peers.membership import FOLLOWER, IDLE, TRAINER
 from peerd.peers.phases import Phases
@@ -282,7 +283,6 @@ class AttachedTrainer:
     calls them in worker threads; one lock orders them."""
 
     # The thread's DeAR groups (daemon/trainer.py) do not apply here; the status reads these.
-    delegation = (0, "")
     wan_share = 1.0
     dear_steps = dear_buckets = dear_bucket_bytes = 0
     dear_overlap_ratio = math.nan
@@ -360,6 +360,10 @@ class AttachedTrainer:
         self._ended: tuple[int, PhaseEnd] = (-1, PhaseEnd(0, -1, "", 0.0, False))
         self._watcher: asyncio.Task | None = None
         self._spanning: asyncio.Task | None = None
+        # The span's lane requests (daemon/groupspan.serve_lanes), set by the daemon for a run of
+        # several lanes, and their task.
+        self.lanes_served: Callable[[], Awaitable[None]] | None = None
+        self._serving: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state = TrainState.LOADING
         # global_step: the run's step at the latest attach or EndPhase (a phase's start); the steps of
@@ -463,6 +467,8 @@ class AttachedTrainer:
         self._watcher = self._loop.create_task(self._watch(), name=f"lease:{self.run_id}")
         if self.span is not None:
             self._spanning = self._loop.create_task(self._beat(), name=f"span:{self.run_id}")
+            if self.lanes_served is not None:
+                self._serving = self._loop.create_task(self.lanes_served(), name=f"lanes:{self.run_id}")
 
     def stop(self, timeout: float = 30.0) -> None:
         """Leave or drain: end the attachment (the process sees NOT_FOUND and re-attaches to the
@@ -472,8 +478,9 @@ class AttachedTrainer:
         self._stopping.set()
         if self._watcher is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self._watcher.cancel)
-            if self._spanning is not None:
-                self._loop.call_soon_threadsafe(self._spanning.cancel)
+            for task in (self._spanning, self._serving):
+                if task is not None:
+                    self._loop.call_soon_threadsafe(task.cancel)
         if not self._lock.acquire(timeout=timeout):
             logger.error("run %s: a phase still runs after %.0f s; stopping without a checkpoint", self.run_id, timeout)
             return
@@ -635,6 +642,33 @@ class AttachedTrainer:
         why = "leads: averages the group on the WAN" if p.base == 0 else f"follows {p.daemons[0]}"
         return SpanView(self.span.label, p.size, p.base, f"epoch {p.epoch}: {len(p.daemons)} daemon(s); {why}")
 
+    def lane_owners(self) -> list[tuple[str, tuple[int, ...]]]:
+        """A spanning group's lanes (peers/dear/delegate.py): (peer ID, the lanes it averages) of each
+        daemon of the epoch, the leading one first; [] where this daemon does not lead such a group
+        or the run has one lane (the leader averages everything)."""
+        p, lanes = self._placement, self._outer.settings.lanes if self._outer is not None else 1
+        if p is None or not p.spans or p.base > 0 or lanes < 2:
+            return []
+        return [(peer, owned_lanes(lanes, len(p.daemons), j)) for j, peer in enumerate(p.daemons)]
+
+    def owned(self) -> tuple[int, ...]:
+        """The lanes this daemon averages for its spanning group ((): none, or no such group)."""
+        p, lanes = self._placement, self._outer.settings.lanes if self._outer is not None else 1
+        if p is None or not p.spans or lanes < 2 or self.span is None or self.span.peer_id not in p.daemons:
+            return ()
+        return owned_lanes(lanes, len(p.daemons), p.daemons.index(self.span.peer_id))
+
+    @property
+    def delegation(self) -> tuple[int, str]:
+        """What the heartbeat announces of the lanes: those the group's other daemons average for this
+        one (a bit mask), and the group's ID; (0, "") where this daemon averages every lane it
+        averages at all (no spanning group with lanes, or one that gives this daemon none)."""
+        p, mine = self._placement, self.owned()
+        if not mine:
+            return 0, ""
+        lanes = self._outer.settings.lanes
+        return sum(1 << lane for lane in range(lanes) if lane not in mine), group_id(p.daemons)
+
     def spanned(self) -> tuple[int, int]:
         """For the span's beat: the attached processes, and the epoch to move past."""
         return len(self.members), self._after
@@ -642,7 +676,7 @@ class AttachedTrainer:
     def placed(self, p: Placement) -> None:
         """The span's coordinator placed this daemon in epoch `p` (from the span's thread)."""
         with self._group:
-            was = self.follows
+            was, lanes = self.follows, self.delegation
             self._placement, self.group_epoch = p, p.epoch
             self._shared.set_group_epoch(p.epoch)
             self._shared.store(p.epoch - 2).unlink(missing_ok=True)
@@ -650,8 +684,8 @@ class AttachedTrainer:
             active = bool(self.members)
         if self.follows:
             self.snapshot = None  # a follower holds θ without the run's momentum: not served to joiners
-        if active and self.follows != was:
-            self.on_role(self.role)
+        if active and (self.follows != was or self.delegation != lanes):
+            self.on_role(self.role)  # announced now: peers plan this round's lanes from it
         logger.info(
             "run %s: local group epoch %d: ranks %d..%d of %d, %s",
             self.run_id,
@@ -922,7 +956,8 @@ class AttachedTrainer:
             self.samples_averaged += applied.weight
         self._snapshot(self.global_step)
         for result in results:
-            self.on_round(result)
+            if not result.delegated:  # another daemon of the group averaged it and counts it
+                self.on_round(result)
 
     # -- landing (overlap): a round that ends between two EndPhases -----------------------------
 

@@ -342,6 +342,7 @@ def _cmd_peers(args) -> int:
                         "last_seen_seconds": round(p.last_seen_seconds, 2),
                         "version": p.version,
                         "role": p.role,
+                        "delegated_lanes": p.delegated_lanes,
                     }
                     for p in r.peers
                 ]

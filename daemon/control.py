@@ -121,6 +121,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                     last_seen_seconds=p.last_seen_seconds,
                     version=p.version,
                     role=p.role,
+                    delegated_lanes=p.delegated_lanes,
                 )
                 for p in peers
             ],

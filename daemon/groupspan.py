@@ -25,6 +25,12 @@ the daemons only agree on who is in the group, in which order, and where it meet
                  hands over the parameters the leader broadcast, and they take them as θ without a
                  round (daemon/attached.py, `end_phase`).
 
+**Lanes** (a run with `averaging.lanes` >= 2; peers/dear/delegate.py): the leading daemon asks each
+other daemon of the epoch to average that daemon's lanes of the group's vector over its own link.
+It writes the request into that daemon's own store (`q/<n>`, n from the counter `asks`) and waits
+for the answer there (`a/<n>`); each daemon looks for requests in its store every ASK_POLL s
+(`asked`) and writes its answers (`answer`).
+
 A daemon that dies stops beating: STALE s later the coordinator lists the group without it, and the
 processes, whose collectives broke at once, regroup in that epoch. A coordinator that dies leaves
 the others' tables after the membership's peer TTL; the next smallest peer ID coordinates, on its
@@ -34,20 +40,28 @@ Gloo's connections do; docs/security.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable
 
+import torch
 import torch.distributed as dist
+
+from peerd.peers.averaging import RoundResult
+from peerd.peers.dear.delegate import Refused, decode_request, encode_answer, encode_refusal
+from peerd.peers.dear.hierarchy import lane_bounds
 
 logger = logging.getLogger(__name__)
 
 TICK = 0.5  # seconds between two beats (and, on the coordinator, two looks at the beats)
 STALE = 4.0  # seconds a daemon's beat may stand still before the coordinator leaves it out
 STORE_TIMEOUT = 2.0  # seconds one store operation (or a connection to a coordinator) may take
+ASK_POLL = 0.05  # seconds between two looks for a leader's lane requests in this daemon's store
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +122,7 @@ class GroupSpan:
         )
         self.address = f"{host}:{self._store.port}"
         self._clients: dict[str, dist.TCPStore] = {}
+        self._owners: dict[str, dist.TCPStore] = {}  # a leader's connections to its lanes' owners
         self._beat = 0
         self.held = 0  # the epoch of the latest placement
         self._held_from = ""  # ... and its coordinator
@@ -190,7 +205,116 @@ class GroupSpan:
             ", ".join(f"{peer[-8:]} x{n}" for peer, n in listed) or "no process",
         )
 
+    # -- lanes (the leader asks, the others answer) ----------------------------------------------
+
+    def ask(self, address: str, request: bytes, timeout: float) -> bytes:
+        """Blocking: hand `request` to the daemon whose store is at `address` and wait at most
+        `timeout` s for its answer. Raises RuntimeError (DistError) when it does not answer."""
+        store = self._owners.get(address)
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT))
+            self._owners[address] = store
+        try:
+            n = store.add("asks", 1)
+            store.set(f"q/{n}", request)
+            store.wait([f"a/{n}"], timedelta(seconds=timeout))
+            answer = store.get(f"a/{n}")
+            store.delete_key(f"a/{n}")
+            return answer
+        except RuntimeError:
+            self._owners.pop(address, None)  # a broken connection is not reused
+            raise
+
+    def asked(self, served: int) -> tuple[int, list[tuple[int, bytes]]]:
+        """Blocking: the requests written into this daemon's store after the `served`-th, and the
+        count to pass next time. A request whose counter moved but whose bytes did not come within
+        STORE_TIMEOUT is skipped (its leader times out)."""
+        store = self._store
+        if store is None:
+            return served, []
+        n, found = store.add("asks", 0), []
+        for k in range(served + 1, n + 1):
+            try:
+                store.wait([f"q/{k}"], timedelta(seconds=STORE_TIMEOUT))
+                found.append((k, store.get(f"q/{k}")))
+                store.delete_key(f"q/{k}")
+            except RuntimeError:
+                logger.warning("run %s: lane request %d never arrived", self.run_id, k)
+        return n, found
+
+    def answer(self, k: int, data: bytes) -> None:
+        """Blocking: the answer to request `k` (its leader reads it from this daemon's store)."""
+        if self._store is not None:
+            self._store.set(f"a/{k}", data)
+            self._store.delete_key(f"a/{k - 64}")  # one its leader gave up on long ago
+
     def close(self) -> None:
         """Drop the connections and this daemon's store (the run stops here)."""
         self._clients.clear()
+        self._owners.clear()
         self._store = None
+
+
+async def serve_lanes(
+    span: GroupSpan,
+    owned: Callable[[], tuple[int, ...]],
+    numel: int,
+    lanes: int,
+    average: Callable[[torch.Tensor, float, int, list[int], str], Awaitable[list[RoundResult]]],
+    on_round: Callable[[RoundResult], None],
+    on_refused: Callable[[str], None],
+    timeout: float,
+) -> None:
+    """This daemon's side of its leader's lane requests (peers/dear/delegate.py), until cancelled:
+    every ASK_POLL s, each new request in its store is checked against the lanes it owns now
+    (`owned()`), averaged (`average(vector, weight, round_t, lanes, payload)`, bounded by `timeout`),
+    recorded as this daemon's rounds (`on_round`) and answered; one that does not check out is
+    answered with the reason (`on_refused` counts it) so that its leader need not wait."""
+    served, answering = 0, set()
+
+    async def answer(k: int, data: bytes) -> None:
+        try:
+            request = decode_request(data, numel, lanes, owned())
+        except Refused as e:
+            logger.warning("run %s: a lane request refused: %s", span.run_id, e)
+            on_refused(str(e))
+            await asyncio.to_thread(span.answer, k, encode_refusal(str(e)))
+            return
+        vector = torch.zeros(numel)
+        bounds, offset = lane_bounds(numel, lanes), 0
+        for lane in request.lanes:
+            s, e = bounds[lane]
+            vector[s:e].numpy()[:] = request.values[offset : offset + e - s]
+            offset += e - s
+        try:
+            async with asyncio.timeout(timeout):
+                results = await average(vector, request.weight, request.round_t, list(request.lanes), request.payload)
+        except TimeoutError:
+            results = [
+                RoundResult(
+                    request.round_t, 1, None, f"round timed out after {timeout:.0f} s", lane=lane, interrupted=True
+                )
+                for lane in request.lanes
+            ]
+        for result in results:
+            on_round(result)
+        await asyncio.to_thread(span.answer, k, encode_answer(results, vector, lanes))
+
+    async def guarded(k: int, data: bytes) -> None:
+        try:
+            await answer(k, data)
+        except Exception:  # this request's leader times out; the next ones are answered
+            logger.exception("run %s: lane request %d failed", span.run_id, k)
+
+    while True:
+        await asyncio.sleep(ASK_POLL)
+        try:
+            served, found = await asyncio.to_thread(span.asked, served)
+        except RuntimeError as e:  # the store closed: the run stops
+            logger.debug("run %s: lane requests: %s", span.run_id, e)
+            continue
+        for k, data in found:
+            task = asyncio.create_task(guarded(k, data), name=f"lanes:{span.run_id}:{k}")
+            answering.add(task)
+            task.add_done_callback(answering.discard)

@@ -86,7 +86,9 @@ class RoundResult:
     skipped: bool = False  # no matchmaking: the rendezvous found every planned mate of this lane away (`seek`)
     planned: int = 0  # group mates the grid gave this lane among the live peers (0: alone in the run)
     lane: int = 0  # the slice of the state vector this round averaged (peers/dear/hierarchy.py)
-    delegated: bool = False  # not a round: every lane of this daemon was averaged by its local group's other members
+    # Not this daemon's round: its local group's other members averaged the lane (the thread's DeAR
+    # groups), or another daemon of its spanning group did and counts it (peers/dear/delegate.py).
+    delegated: bool = False
     # The round stopped without an outcome (an error, a timeout, a cancel) and may have written into
     # its lane; a result with no outcome and not interrupted (alone, no group) left the lane as it was.
     interrupted: bool = False

@@ -141,18 +141,20 @@ class ListPeersRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PeerEntry(_message.Message):
-    __slots__ = ("peer_id", "maddrs", "last_seen_seconds", "version", "role")
+    __slots__ = ("peer_id", "maddrs", "last_seen_seconds", "version", "role", "delegated_lanes")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MADDRS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    DELEGATED_LANES_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     maddrs: _containers.RepeatedScalarFieldContainer[str]
     last_seen_seconds: float
     version: str
     role: str
-    def __init__(self, peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., last_seen_seconds: _Optional[float] = ..., version: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    delegated_lanes: int
+    def __init__(self, peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ..., last_seen_seconds: _Optional[float] = ..., version: _Optional[str] = ..., role: _Optional[str] = ..., delegated_lanes: _Optional[int] = ...) -> None: ...
 
 class ListPeersResponse(_message.Message):
     __slots__ = ("run_id", "peers")

@@ -3,6 +3,7 @@ loopback, real scripts (examples/your_loop.py, tests/attach_script.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -10,13 +11,18 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from peerd.daemon import groupspan
 from peerd.daemon.client import ControlClient
-from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch
-from tests.helpers import peerd as peerd_cli, wait_for
+from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch, serve_lanes
+from peerd.peers.averaging import RoundResult
+from peerd.peers.collective.outcome import Outcome, Status
+from peerd.peers.dear.delegate import Refused, decode_answer, encode_request
+from peerd.peers.dear.hierarchy import lane_bounds
+from tests.helpers import peerd as peerd_cli, scrape, wait_for
 from tests.test_your_loop import EXAMPLE, finish, run_status, run_status_peer, script
 
 
@@ -84,6 +90,45 @@ def test_a_span_places_every_daemon_follows_comings_and_goings_and_survives_its_
     tick_all([b, c], 4)
     assert b.placed.epoch > held and c.placed.epoch == b.placed.epoch and b.placed.daemons == ("b", "c")
     assert b.placed.store == f"tcp://{b.span.address}" and b.span.coordinator == "b"
+
+
+def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store():
+    """A leader's lane request reaches the other daemon's store, is averaged there (by hand: each
+    value doubled) and answered; a request for a lane that daemon does not own is answered with
+    the reason (counted), not left to time out. Real stores, in one process."""
+    table = {}
+    a, b = Daemon("a", table), Daemon("b", table)
+    table.update(a=a, b=b)
+    n, lanes, rounds, refused = 10, 2, [], []
+
+    async def average(vector, weight, round_t, which, payload):
+        (s, e), done = (
+            lane_bounds(n, lanes)[1],
+            Outcome(Status.COMPLETED, "", round_t, ("b", "c"), (1.0,), 1, 1, 0.1, b""),
+        )
+        vector[s:e] *= weight
+        return [RoundResult(round_t, 2, done, "by hand", lane=lane) for lane in which]
+
+    async def main():
+        served = asyncio.create_task(
+            serve_lanes(b.span, lambda: (1,), n, lanes, average, rounds.append, refused.append, 5)
+        )
+        try:
+            ok = encode_request("a", 4, [1], 2.0, "fp32", np.arange(5, dtype=np.float32))
+            answered = await asyncio.to_thread(a.span.ask, b.span.address, ok, 10.0)
+            wrong = encode_request("a", 4, [0], 2.0, "fp32", np.arange(5, dtype=np.float32))
+            return answered, await asyncio.to_thread(a.span.ask, b.span.address, wrong, 10.0)
+        finally:
+            served.cancel()
+
+    answered, refusal = asyncio.run(main())
+    ((result, values),) = decode_answer(answered, n, lanes, [1], 4)
+    assert result.delegated and result.applied and values.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    assert [r.lane for r in rounds] == [1] and len(refused) == 1 and "not among the lanes" in refused[0]
+    with pytest.raises(Refused, match="refused: lanes \\[0\\]"):
+        decode_answer(refusal, n, lanes, [0], 4)
+    a.span.close()
+    b.span.close()
 
 
 def drain(proc: subprocess.Popen, log: Path) -> subprocess.Popen:
@@ -162,10 +207,13 @@ def check(a, b, c, procs, tmp_path):
 @pytest.mark.heavy
 def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wan_peer(spawn):
     """A built-in task's run with --local-group on two daemons trains in their children (no thread),
-    under DiLoCo, as one WAN peer beside a third daemon: the follower announces itself, the third
-    daemon's rounds have the group's leader as their only mate, and every daemon ends at the run's
-    last step with a trained model."""
+    under DiLoCo, as one WAN peer beside a third daemon, each of the group's daemons averaging one of
+    the run's two lanes over its own link (peers/dear/delegate.py): the follower announces itself
+    and the lane it averages, the third daemon's rounds of lane 0 have the group's leader as their
+    only mate, both of the group's daemons complete rounds (lane 1's are the follower's), and every
+    daemon ends at the run's last step with a trained model."""
     task = ["--run", "spantask", "--task", "digits-mlp", "--set", "averaging.average_every=10", "--max-steps", "120"]
+    task += ["--set", "averaging.lanes=2"]
     common = [*task, "--min-peers", "3", "--eval-every", "1000", "--torch-threads", "1"]
     a = spawn("spant-a", [*common, "--local-group", "rack"])
     b = spawn("spant-b", [*common, "--local-group", "rack", "--initial-peers", a.maddrs[0]])
@@ -189,6 +237,14 @@ def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wa
     assert done[follower[1]].local_group == "rack" and done[follower[1]].local_group_rank == 1, done[follower[1]]
     assert set(done[2].last_round_group) == {ids[2], ids[leader[1]]}, done[2]
     assert done[2].last_round_outcome == "completed", done[2]
+    with ControlClient(c.control) as client:
+        said = {p.peer_id: p for p in client.list_peers("spantask").peers}
+    assert said[ids[follower[1]]].delegated_lanes == 0b01 and said[ids[leader[1]]].delegated_lanes == 0b10, said
+    completed = ("peerd_rounds_total", (("outcome", "completed"), ("run", "spantask")))
+    rounds = [scrape(d.metrics_url) for d in (a, b, c)]
+    # c averages both lanes every round; each of the group's daemons one, counted where it ran.
+    assert rounds[follower[1]].get(completed, 0) >= 3 and rounds[leader[1]].get(completed, 0) >= 3, rounds
+    assert not any(k[0] == "peerd_rounds_total" and ("outcome", "delegated") in k[1] for m in rounds for k in m)
 
 
 @pytest.mark.heavy

@@ -1,0 +1,259 @@
+"""A local group that spans daemons averages its pseudo-gradient over the WAN as one peer, each
+daemon a share of the lanes, over its own link (DESIGN.md: "each member averaging its own lanes").
+
+    results = await spread_round(vector, weight, round_t, lanes, payload, owners, own, ask)
+
+The group's leading daemon holds the group's vector (its processes' pseudo-gradient: every member
+holds the same). With `averaging.lanes` L >= 2 and k daemons in the group, daemon j *owns* lanes
+j, j + k, ... (`hierarchy.owned_lanes`) and announces the others as delegated, with the group's ID
+(`hierarchy.delegated_mask`, `group_id`): peers leave it out of the views of the lanes it does not
+average (`hierarchy.lane_view`). At each round the leader
+
+1. starts the rounds of its own lanes (`own`, MoshpitAverager.average on those lanes), and
+2. sends each other daemon its lanes' values, the weight (the group's samples), the round and the
+   payload's format (`ask`: a request over the group's stores, daemon/groupspan.py); that daemon
+   averages them with each lane's Moshpit group and answers each lane's result and, where it
+   applied, the lane's mean;
+3. writes every applied mean into the vector. A lane whose daemon did not answer (gone, timed out)
+   keeps the leader's own values, as a lane that met no mate does: its result says why. A lane
+   whose daemon refused it (it does not own it in its epoch: the group changed a beat ago, and it
+   does not announce the lane either) the leader averages itself.
+
+The outer step, its momentum and the error feedback stay the leader's (daemon/diloco.py): the
+values sent are already on the payload's grid (int8 with the residual kept), so the other daemon's
+encoding of them loses nothing more. What crosses the WAN: the group's pseudo-gradient once,
+spread over min(k, L) links instead of the leader's alone.
+
+The wire format (`encode_request`, `decode_request`, `encode_answer`, `decode_answer`) is a JSON
+header, a newline, then float32 values of the lanes in order; every field is checked before it is
+used, and what does not check out is refused with a reason (`Refused`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from peerd.peers.averaging import RoundResult
+from peerd.peers.collective.codec import Format
+from peerd.peers.collective.outcome import Outcome, Status
+from peerd.peers.dear.hierarchy import lane_bounds
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 64 * 1024  # a header lists at most 64 lanes' results
+
+
+class Refused(ValueError):
+    """A request or answer that does not check out; the message says why, in one line."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneRequest:
+    leader: str  # the peer ID of the group's leading daemon, which asks
+    round_t: int
+    lanes: tuple[int, ...]  # sorted, distinct
+    weight: float  # the group's samples
+    payload: str  # the format the lanes travel in (peers/collective/codec.py)
+    values: np.ndarray  # float32: the lanes' values, one after the other
+
+
+def _lane_sizes(n: int, lanes: int, which: Sequence[int]) -> list[int]:
+    bounds = lane_bounds(n, lanes)
+    return [bounds[lane][1] - bounds[lane][0] for lane in which]
+
+
+def _split(data: bytes) -> tuple[dict, memoryview]:
+    end = data.find(b"\n", 0, MAX_HEADER_BYTES)
+    if end < 0:
+        raise Refused("no header line")
+    try:
+        header = json.loads(data[:end])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused(f"the header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise Refused("the header is not an object")
+    return header, memoryview(data)[end + 1 :]
+
+
+def _floats(body: memoryview, count: int) -> np.ndarray:
+    if len(body) != 4 * count:
+        raise Refused(f"{len(body)} bytes of values where {count} float32 values take {4 * count}")
+    values = np.frombuffer(body, dtype=np.float32)
+    if not np.isfinite(values).all():
+        raise Refused("values that are not finite")
+    return values
+
+
+def encode_request(leader: str, round_t: int, lanes: Sequence[int], weight: float, payload: str, values) -> bytes:
+    header = {"leader": leader, "round": round_t, "lanes": list(lanes), "weight": weight, "payload": payload}
+    return json.dumps(header).encode() + b"\n" + np.ascontiguousarray(values, dtype=np.float32).tobytes()
+
+
+def decode_request(data: bytes, n: int, lanes: int, owned: Sequence[int]) -> LaneRequest:
+    """The request in `data` for a vector of n values in `lanes` lanes, of which this daemon owns
+    `owned`. Raises Refused: a lane it does not own, a size, weight, round or format that is wrong."""
+    header, body = _split(data)
+    try:
+        leader, round_t, which = str(header["leader"]), header["round"], header["lanes"]
+        weight, payload = header["weight"], str(header["payload"])
+    except KeyError as e:
+        raise Refused(f"the header has no {e}") from None
+    if not isinstance(round_t, int) or round_t < 0:
+        raise Refused(f"round {round_t!r} is not a round number")
+    if not isinstance(which, list) or not which or any(not isinstance(x, int) for x in which):
+        raise Refused(f"lanes {which!r} are not a list of lane numbers")
+    if sorted(set(which)) != which or not set(which) <= set(owned):
+        raise Refused(f"lanes {which} are not among the lanes this daemon owns ({list(owned)})")
+    if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+        raise Refused(f"weight {weight!r} is not a sample count")
+    try:
+        Format(payload)
+    except ValueError:
+        raise Refused(f"payload {payload!r} is not a format") from None
+    values = _floats(body, sum(_lane_sizes(n, lanes, which)))
+    return LaneRequest(leader, round_t, tuple(which), float(weight), payload, values)
+
+
+def _result_json(r: RoundResult) -> dict:
+    o = r.outcome
+    return {
+        "lane": r.lane,
+        "group_size": r.group_size,
+        "reason": r.reason,
+        "planned": r.planned,
+        "skipped": r.skipped,
+        "interrupted": r.interrupted,
+        "cancelled": r.cancelled,
+        "outcome": None if o is None else {**o.as_dict(), "duration": o.duration, "digest": o.digest.hex()},
+    }
+
+
+def encode_answer(results: Sequence[RoundResult], vector: torch.Tensor, lanes: int) -> bytes:
+    """The results of the lanes averaged here and, for each lane that applied, its values (in lane
+    order; `vector` is the whole vector those lanes were averaged in)."""
+    bounds = lane_bounds(vector.numel(), lanes)
+    parts = [vector[bounds[r.lane][0] : bounds[r.lane][1]].numpy() for r in results if r.applied]
+    body = np.concatenate(parts).astype(np.float32, copy=False).tobytes() if parts else b""
+    return json.dumps({"results": [_result_json(r) for r in results]}).encode() + b"\n" + body
+
+
+def encode_refusal(why: str) -> bytes:
+    """The answer to a request that did not check out: its asker stops waiting, and says why."""
+    return json.dumps({"refused": why}).encode() + b"\n"
+
+
+def _outcome(o: dict) -> Outcome:
+    return Outcome(
+        status=Status(o["status"]),
+        reason=str(o["reason"]),
+        round=int(o["round"]),
+        members=tuple(str(m) for m in o["members"]),
+        coverage=tuple(float(c) for c in o["coverage"]),
+        bytes_sent=int(o["bytes_sent"]),
+        bytes_received=int(o["bytes_received"]),
+        duration=float(o["duration"]),
+        digest=bytes.fromhex(o["digest"]),
+        held=tuple(float(h) for h in o["held"]),
+    )
+
+
+def decode_answer(
+    data: bytes, n: int, lanes: int, asked: Sequence[int], round_t: int
+) -> list[tuple[RoundResult, np.ndarray | None]]:
+    """Each asked lane's result (marked `delegated`: the other daemon counted it as its round) and,
+    where it applied, its values. Raises Refused: a lane not asked or missing, sizes that differ."""
+    header, body = _split(data)
+    if "refused" in header:
+        raise Refused(f"refused: {header['refused']}")
+    try:
+        results = []
+        for r in header["results"]:
+            outcome = None if r["outcome"] is None else _outcome(r["outcome"])
+            results.append(
+                RoundResult(
+                    round_t,
+                    int(r["group_size"]),
+                    outcome,
+                    str(r["reason"]),
+                    planned=int(r["planned"]),
+                    skipped=bool(r["skipped"]),
+                    lane=int(r["lane"]),
+                    delegated=True,
+                    interrupted=bool(r["interrupted"]),
+                    cancelled=bool(r["cancelled"]),
+                )
+            )
+    except (KeyError, TypeError, ValueError) as e:
+        raise Refused(f"a result that does not parse: {type(e).__name__}: {e}") from None
+    if [r.lane for r in results] != list(asked):
+        raise Refused(f"results for lanes {[r.lane for r in results]} where lanes {list(asked)} were asked")
+    if any(r.outcome is not None and r.outcome.round != round_t for r in results):
+        raise Refused(f"a result of another round than {round_t}")
+    applied = [r for r in results if r.applied]
+    values = _floats(body, sum(_lane_sizes(n, lanes, [r.lane for r in applied])))
+    out, offset = [], 0
+    sizes = dict(zip([r.lane for r in applied], _lane_sizes(n, lanes, [r.lane for r in applied])))
+    for r in results:
+        if r.applied:
+            out.append((r, values[offset : offset + sizes[r.lane]]))
+            offset += sizes[r.lane]
+        else:
+            out.append((r, None))
+    return out
+
+
+Own = Callable[[list[int]], Awaitable[list[RoundResult]]]  # this daemon's rounds of these lanes
+Ask = Callable[[str, bytes], Awaitable[bytes]]  # (the owner's peer ID, the request) -> its answer
+
+
+async def spread_round(
+    vector: torch.Tensor,
+    weight: float,
+    round_t: int,
+    lanes: int,
+    payload: str,
+    leader: str,
+    owners: Sequence[tuple[str, Sequence[int]]],
+    own: Own,
+    ask: Ask,
+) -> list[RoundResult]:
+    """One round of the group's vector (in place), each lane averaged by its owner: `owners` lists
+    (peer ID, its lanes) of the group's daemons, this one (`leader`) first; `own(lanes)` runs this
+    daemon's rounds, `ask(peer, request)` another's. Returns one RoundResult per lane, in lane order.
+    A lane whose owner fails is left as it was, its result saying why (`delegated`, no outcome); one
+    its owner refuses is averaged here."""
+    n = vector.numel()
+    bounds = lane_bounds(n, lanes)
+
+    async def delegate(peer: str, which: list[int]) -> list[RoundResult]:
+        values = torch.cat([vector[bounds[lane][0] : bounds[lane][1]] for lane in which]).numpy()
+        request = encode_request(leader, round_t, which, weight, payload, values)
+        try:
+            answered = decode_answer(await ask(peer, request), n, lanes, which, round_t)
+        except Refused as e:
+            # That daemon does not own these lanes now (its epoch is not the leader's yet, for a
+            # beat): it does not announce them either, so the peers expect the leader in their views.
+            logger.info("run round %d: lanes %s back from %s (%s): averaged here", round_t, which, peer[-8:], e)
+            return await own(which)
+        except (OSError, RuntimeError, TimeoutError) as e:  # DistError is a RuntimeError
+            why = f"lane averaged by {peer[-8:]}: no answer ({type(e).__name__}: {e})"
+            return [RoundResult(round_t, 1, None, why, lane=lane, delegated=True) for lane in which]
+        for result, mean in answered:
+            if mean is not None:
+                s, e = bounds[result.lane]
+                vector[s:e].numpy()[:] = mean  # numpy: the answer's bytes are read-only
+        return [result for result, _ in answered]
+
+    mine = list(owners[0][1])
+    jobs = [own(mine)] if mine else []
+    jobs += [delegate(peer, list(which)) for peer, which in owners[1:] if which]
+    done = [r for results in await asyncio.gather(*jobs) for r in results]
+    return sorted(done, key=lambda r: r.lane)

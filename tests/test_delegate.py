@@ -1,0 +1,127 @@
+"""A spanning group's lanes, each averaged by its owner (peers/dear/delegate.py): the wire format's
+checks, and how the leader merges what its own rounds and the other daemons' answers give. The two
+daemons' side over real stores is in tests/test_group_span.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from peerd.peers.averaging import RoundResult
+from peerd.peers.collective.outcome import Outcome, Status
+from peerd.peers.dear.delegate import (
+    Refused,
+    decode_answer,
+    decode_request,
+    encode_answer,
+    encode_refusal,
+    encode_request,
+    spread_round,
+)
+from peerd.peers.dear.hierarchy import lane_bounds
+
+N, LANES = 10, 3  # lanes [0, 4), [4, 7), [7, 10)
+
+
+def outcome(round_t: int, status: Status = Status.COMPLETED) -> Outcome:
+    return Outcome(status, "ok", round_t, ("a", "c"), (1.0,), 100, 90, 0.25, b"\x01\x02", (1.0,))
+
+
+def test_a_request_decodes_to_what_was_encoded_and_only_for_lanes_the_daemon_owns():
+    values = np.arange(3, dtype=np.float32)  # lane 1: 3 values
+    data = encode_request("lead", 7, [1], 12.0, "int8", values)
+    r = decode_request(data, N, LANES, owned=(1,))
+    assert (r.leader, r.round_t, r.lanes, r.weight, r.payload) == ("lead", 7, (1,), 12.0, "int8")
+    assert r.values.tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(Refused, match="not among the lanes this daemon owns"):
+        decode_request(data, N, LANES, owned=(0, 2))
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda h, b: (dict(h, weight=float("nan")), b), "not a sample count"),
+        (lambda h, b: (dict(h, weight=-1), b), "not a sample count"),
+        (lambda h, b: (dict(h, payload="int3"), b), "not a format"),
+        (lambda h, b: (dict(h, round=-2), b), "not a round number"),
+        (lambda h, b: (dict(h, lanes=[1, 1]), b), "not among"),
+        (lambda h, b: (dict(h, lanes="1"), b), "not a list"),
+        (lambda h, b: (h, b[:-4]), "bytes of values where 3"),
+        (lambda h, b: (h, np.array([0, np.inf, 0], np.float32).tobytes()), "not finite"),
+        (lambda h, b: ({k: v for k, v in h.items() if k != "weight"}, b), "no 'weight'"),
+    ],
+)
+def test_a_request_that_does_not_check_out_is_refused_with_the_reason(change, why):
+    header = {"leader": "lead", "round": 7, "lanes": [1], "weight": 12.0, "payload": "int8"}
+    body = np.zeros(3, np.float32).tobytes()
+    header, body = change(header, body)
+    with pytest.raises(Refused, match=why):
+        decode_request(json.dumps(header).encode() + b"\n" + body, N, LANES, owned=(1,))
+    with pytest.raises(Refused, match="no header line"):
+        decode_request(b"garbage", N, LANES, owned=(1,))
+
+
+def test_an_answer_carries_each_lanes_result_and_the_values_of_those_that_applied():
+    vector = torch.arange(N, dtype=torch.float32)
+    results = [
+        RoundResult(7, 2, outcome(7), "done", planned=1, lane=0),
+        RoundResult(7, 1, None, "no group: gone", planned=1, lane=2),
+    ]
+    answered = decode_answer(encode_answer(results, vector, LANES), N, LANES, [0, 2], 7)
+    (r0, v0), (r2, v2) = answered
+    assert r0.delegated and r0.applied and r0.outcome == outcome(7) and r0.planned == 1 and r0.lane == 0
+    assert v0.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert r2.delegated and not r2.applied and v2 is None and r2.reason == "no group: gone"
+    with pytest.raises(Refused, match="where lanes \\[0\\] were asked"):
+        decode_answer(encode_answer(results, vector, LANES), N, LANES, [0], 7)
+    with pytest.raises(Refused, match="another round"):
+        decode_answer(encode_answer(results, vector, LANES), N, LANES, [0, 2], 8)
+    with pytest.raises(Refused, match="refused: lanes"):
+        decode_answer(encode_refusal("lanes [1] are not ..."), N, LANES, [1], 7)
+
+
+@pytest.mark.parametrize("c_does", ["refuses", "is gone"])
+def test_the_leader_averages_its_lanes_and_takes_each_owners_mean_or_keeps_its_own_values(c_does):
+    """Three daemons, three lanes: the leader's own round (lane 0), b's answer (lane 1 applied), and
+    c's lane 2: refused (c does not own it in its epoch), the leader averages it; c gone, the
+    leader's values stay and the result says why."""
+    vector = torch.ones(N)
+    bounds = lane_bounds(N, LANES)
+    asked, own_lanes = {}, []
+
+    async def own(which):
+        own_lanes.append(which)
+        for lane in which:
+            s, e = bounds[lane]
+            vector[s:e] = 5.0
+        return [RoundResult(3, 2, outcome(3), "done", lane=lane) for lane in which]
+
+    async def ask(peer, request):
+        asked[peer] = decode_request(request, N, LANES, owned=(1, 2))
+        if peer == "c":
+            if c_does == "refuses":
+                return encode_refusal("lanes [2] are not among the lanes this daemon owns ([])")
+            raise RuntimeError("connection refused")
+        mean = torch.zeros(N)
+        s, e = bounds[1]
+        mean[s:e] = 9.0
+        return encode_answer([RoundResult(3, 2, outcome(3), "done", lane=1)], mean, LANES)
+
+    owners = [("a", (0,)), ("b", (1,)), ("c", (2,))]
+    results = asyncio.run(spread_round(vector, 4.0, 3, LANES, "int8", "a", owners, own, ask))
+    assert [r.lane for r in results] == [0, 1, 2]
+    assert "c" in asked and asked["b"].lanes == (1,) and asked["b"].weight == 4.0 and asked["b"].leader == "a"
+    assert asked["b"].values.tolist() == [1.0, 1.0, 1.0]  # the leader's values of lane 1 went out
+    if c_does == "refuses":
+        assert own_lanes == [[0], [2]] and [r.delegated for r in results] == [False, True, False]
+        assert [r.applied for r in results] == [True, True, True]
+        assert vector.tolist() == [5.0] * 4 + [9.0] * 3 + [5.0] * 3
+    else:
+        assert own_lanes == [[0]] and [r.delegated for r in results] == [False, True, True]
+        assert [r.applied for r in results] == [True, True, False]
+        assert vector.tolist() == [5.0] * 4 + [9.0] * 3 + [1.0] * 3
+        assert "no answer (RuntimeError: connection refused)" in results[2].reason
