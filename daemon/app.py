@@ -481,7 +481,7 @@ class Daemon:
                 trainer.numel,
                 manifest.averaging.lanes,
                 average_lanes,
-                lambda result: self.metrics.observe_round(run_id, result),
+                trainer.served,
                 lambda why: self.reject("lane_request"),
                 manifest.averaging.round_timeout,
             )

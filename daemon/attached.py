@@ -669,6 +669,12 @@ class AttachedTrainer:
         lanes = self._outer.settings.lanes
         return sum(1 << lane for lane in range(lanes) if lane not in mine), group_id(p.daemons)
 
+    def served(self, result: RoundResult) -> None:
+        """A round of a lane this daemon averaged for its group's leader (daemon/groupspan.serve_lanes):
+        counted here, and what status shows of a follower's rounds."""
+        self.last_round = result
+        self.on_round(result)
+
     def spanned(self) -> tuple[int, int]:
         """For the span's beat: the attached processes, and the epoch to move past."""
         return len(self.members), self._after
