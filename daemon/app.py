@@ -25,7 +25,8 @@ from peerd.daemon.progress import ProgressLog
 from peerd.daemon import joining as run_setup
 from peerd.daemon.joining import RunHandle
 from peerd.peers.collective.group import MAX_GROUP
-from peerd.peers.dear.member import AUTO, GroupPeer, LocalGroupMember
+from peerd.peers.dear.localgroup import LocalGroupRules
+from peerd.peers.dear.member import AUTO, GroupPeer, LocalGroupMember, plan_group
 from peerd.peers.linkprobe import LinkProber
 from peerd.peers.matchmaking import Matchmaker, MatchmakingSettings
 from peerd.peers.membership import FOLLOWER, IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
@@ -43,6 +44,8 @@ PROBE_BATCH = 8  # links measured at once
 # Seconds between two bandwidth measurements of one link (--local-group auto only, one link at a time):
 # a report stays fresh for LocalGroupRules.max_age (60 s), so a live link's is never near that.
 BANDWIDTH_INTERVAL = 30.0
+# --local-group auto: the daemon measures each link from one side per record, so a pair needs both sides'.
+AUTO_RULES = LocalGroupRules(both_directions=True)
 MANIFEST_POLL = 5.0  # seconds between two looks for the manifest of a run joined without one
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 
@@ -458,16 +461,18 @@ class Daemon:
         loop = asyncio.get_running_loop()
         average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
         sync = run_setup.sync_bridge(handle, loop, self.node, run_id, secret, membership, self.metrics.peer_events())
+        # With --local-group auto the heartbeats carry this daemon's link reports: the group is
+        # decided from them.
+        prober = self.prober if self.config.train.local_group == AUTO else None
         if not manifest.task:
             handle.trainer = trainer = self._attached_trainer(manifest, membership, average, sync, loop)
-            training = RunTraining(trainer)
+            training = RunTraining(trainer, prober=prober)
         elif self._in_child(manifest):
             handle.trainer = trainer = await self._task_child(manifest, membership, average, sync, loop)
-            training = RunTraining(trainer)
+            training = RunTraining(trainer, prober=prober)
         else:
             handle.trainer = trainer = self._task_trainer(manifest, membership, average, sync, loop, secret)
-            auto = self.config.train.local_group == AUTO
-            training = RunTraining(trainer, trainer.local_group, self.prober if auto else None)
+            training = RunTraining(trainer, trainer.local_group, prober)
         if getattr(trainer, "span", None) is not None and manifest.averaging.lanes > 1:
             from peerd.daemon.groupspan import serve_lanes
 
@@ -599,13 +604,6 @@ class Daemon:
         shared = shared_directory(run_dir)
         if removed := remove_stale(shared):
             logger.info("removed %d shared-memory file(s) of daemons that are gone from %s", removed, shared)
-        if train.local_group == AUTO:
-            logger.warning(
-                "run %s: --local-group auto (by measured links) applies to a --task run under "
-                "averaging.algorithm=state only: this daemon's processes train as a peer of their own; name "
-                "the group (--local-group NAME) to train with the daemons of the same name (docs/your-loop.md)",
-                run_id,
-            )
         membership.role = IDLE  # until a process attaches
 
         def on_role(role: str) -> None:
@@ -636,7 +634,7 @@ class Daemon:
             inner_budget=manifest.averaging.inner_budget,
         )
         trainer = cls(**{**settings, **kwargs})
-        if train.local_group and train.local_group != AUTO:
+        if train.local_group:
             trainer.span = self._group_span(run_id, membership, trainer)
         return trainer
 
@@ -646,12 +644,27 @@ class Daemon:
         from peerd.daemon.groupspan import GroupSpan
 
         label = membership.local_group = self.config.train.local_group
+
+        def peers() -> list[tuple[str, str]]:
+            if label != AUTO:
+                return [(e.peer_id, e.dear_address) for e in membership.peers() if e.local_group == label]
+            # By measured links: the group local_groups decides among the peers labelled auto from
+            # their records' link reports, the same on every one of them (peers/dear/member.py).
+            timestamp, links = membership.published_links
+            table = [
+                GroupPeer(e.peer_id, e.local_group, e.dear_address, e.links, e.timestamp) for e in membership.peers()
+            ]
+            me = GroupPeer(self.node.peer_id, AUTO, "", links, timestamp)
+            everyone = {p.peer for p in table} | {me.peer}
+            group = set(plan_group(me, table, everyone, AUTO_RULES, dht_now()).members) - {me.peer}
+            return [(p.peer, p.address) for p in table if p.peer in group]
+
         return GroupSpan(
             run_id=run_id,
             peer_id=self.node.peer_id,
             label=label,
             host=self.config.train.local_group_host or self._advertise_host(),
-            peers=lambda: [(e.peer_id, e.dear_address) for e in membership.peers() if e.local_group == label],
+            peers=peers,
             local=trainer.spanned,
             placed=trainer.placed,
         )

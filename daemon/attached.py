@@ -72,6 +72,7 @@ from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.dear.hierarchy import group_id, owned_lanes
+from peerd.peers.dear.member import AUTO
 from peerd.peers.manifest import TensorSpec
 from peerd.peers.membership import FOLLOWER, IDLE, TRAINER
 from peerd.peers.phases import Phases
@@ -640,7 +641,8 @@ class AttachedTrainer:
         if p is None:
             return SpanView(self.span.label, 0, -1, "not placed by the group's coordinator yet")
         why = "leads: averages the group on the WAN" if p.base == 0 else f"follows {p.daemons[0]}"
-        return SpanView(self.span.label, p.size, p.base, f"epoch {p.epoch}: {len(p.daemons)} daemon(s); {why}")
+        how = "by links, " if self.span.label == AUTO else ""
+        return SpanView(self.span.label, p.size, p.base, f"{how}epoch {p.epoch}: {len(p.daemons)} daemon(s); {why}")
 
     def lane_owners(self) -> list[tuple[str, tuple[int, ...]]]:
         """A spanning group's lanes (peers/dear/delegate.py): (peer ID, the lanes it averages) of each

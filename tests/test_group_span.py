@@ -205,26 +205,46 @@ def check(a, b, c, procs, tmp_path):
 
 
 @pytest.mark.heavy
-def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wan_peer(spawn):
+@pytest.mark.parametrize("label", ["rack", "auto"])
+def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wan_peer(spawn, label):
     """A built-in task's run with --local-group on two daemons trains in their children (no thread),
     under DiLoCo, as one WAN peer beside a third daemon, each of the group's daemons averaging one of
     the run's two lanes over its own link (peers/dear/delegate.py): the follower announces itself
     and the lane it averages, the third daemon's rounds of lane 0 have the group's leader as their
     only mate, both of the group's daemons complete rounds (lane 1's are the follower's), and every
-    daemon ends at the run's last step with a trained model."""
+    daemon ends at the run's last step with a trained model. The group by its label, or by the links
+    its daemons measured between them (`auto`: loopback passes the thresholds; c, unlabelled, is no
+    member)."""
     task = ["--run", "spantask", "--task", "digits-mlp", "--set", "averaging.average_every=10", "--max-steps", "120"]
     task += ["--set", "averaging.lanes=2"]
     common = [*task, "--min-peers", "3", "--eval-every", "1000", "--torch-threads", "1"]
-    a = spawn("spant-a", [*common, "--local-group", "rack"])
-    b = spawn("spant-b", [*common, "--local-group", "rack", "--initial-peers", a.maddrs[0]])
+    a = spawn("spant-a", [*common, "--local-group", label])
+    b = spawn("spant-b", [*common, "--local-group", label, "--initial-peers", a.maddrs[0]])
     c = spawn("spant-c", [*common, "--initial-peers", a.maddrs[0]])
     ids = [run_status_peer(d) for d in (a, b, c)]
     leader, follower = ((a, 0), (b, 1)) if ids[0] < ids[1] else ((b, 1), (a, 0))
-    wait_for(
-        lambda: roles(c, "spantask").get(ids[follower[1]]) == "follower",
-        timeout=120,
-        what="the follower announced",
-    )
+
+    def grouped():
+        """While the group trains (its end changes epochs as processes exit): c sees the follower and
+        the lanes each of the two averages, the follower's status its place, and c's latest round of
+        lane 0 was with the leader alone."""
+        with ControlClient(c.control) as client:
+            said = {p.peer_id: p for p in client.list_peers("spantask").peers}
+        f, r = run_status((a, b)[follower[1]], "spantask"), run_status(c, "spantask")
+        return (
+            said.get(ids[follower[1]]) is not None
+            and said[ids[follower[1]]].role == "follower"
+            and said[ids[follower[1]]].delegated_lanes == 0b01
+            and said.get(ids[leader[1]]) is not None
+            and said[ids[leader[1]]].delegated_lanes == 0b10
+            and (f.local_group, f.local_group_rank) == (label, 1)
+            and ("by links" in f.local_group_reason) == (label == "auto")
+            and set(r.last_round_group) == {ids[2], ids[leader[1]]}
+            and r.last_round_outcome == "completed"
+        )
+
+    # auto: both sides' link reports, bandwidth included, must be in the records first
+    wait_for(grouped, timeout=180, what="the group trains, the follower announced with its lane")
     done = [
         wait_for(
             lambda: (s := run_status(d, "spantask")).train_state == "FINISHED" and s, timeout=180, what="120 steps"
@@ -234,12 +254,7 @@ def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wa
     for r in done:
         assert r.step == 120 and r.algorithm == "diloco" and r.train_process_state == "EXITED", r
         assert r.eval_metric == "accuracy" and r.eval_score > 0.5, r
-    assert done[follower[1]].local_group == "rack" and done[follower[1]].local_group_rank == 1, done[follower[1]]
-    assert set(done[2].last_round_group) == {ids[2], ids[leader[1]]}, done[2]
-    assert done[2].last_round_outcome == "completed", done[2]
-    with ControlClient(c.control) as client:
-        said = {p.peer_id: p for p in client.list_peers("spantask").peers}
-    assert said[ids[follower[1]]].delegated_lanes == 0b01 and said[ids[leader[1]]].delegated_lanes == 0b10, said
+    assert done[follower[1]].local_group == label, done[follower[1]]
     completed = ("peerd_rounds_total", (("outcome", "completed"), ("run", "spantask")))
     rounds = [scrape(d.metrics_url) for d in (a, b, c)]
     # c averages both lanes every round; each of the group's daemons one, counted where it ran.
