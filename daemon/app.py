@@ -455,7 +455,16 @@ class Daemon:
                 return await asyncio.to_thread(trainer.span.ask, stores[peer], request, timeout)
 
             return await spread_round(
-                vector, weight, round_t, manifest.averaging.lanes, payload, self.node.peer_id, owners, own, ask
+                vector,
+                weight,
+                round_t,
+                manifest.averaging.lanes,
+                payload,
+                self.node.peer_id,
+                owners,
+                own,
+                ask,
+                lambda why: self.reject("lane_answer"),
             )
 
         loop = asyncio.get_running_loop()

@@ -260,6 +260,8 @@ def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wa
     # c averages both lanes every round; each of the group's daemons one, counted where it ran.
     assert rounds[follower[1]].get(completed, 0) >= 3 and rounds[leader[1]].get(completed, 0) >= 3, rounds
     assert not any(k[0] == "peerd_rounds_total" and ("outcome", "delegated") in k[1] for m in rounds for k in m)
+    # Every answer the leader got checked out (none refused: its lanes took the follower's means).
+    assert rounds[leader[1]].get(("peerd_rejected_total", (("reason", "lane_answer"),)), 0) == 0, rounds[leader[1]]
     assert done[follower[1]].last_round > 0 and done[follower[1]].last_round_outcome, done[follower[1]]  # its lane's
 
 

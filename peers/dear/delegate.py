@@ -55,6 +55,10 @@ class Refused(ValueError):
     """A request or answer that does not check out; the message says why, in one line."""
 
 
+class OwnerRefused(Refused):
+    """The answer of a daemon that refused the request (it does not own those lanes now)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LaneRequest:
     leader: str  # the peer ID of the group's leading daemon, which asks
@@ -172,7 +176,7 @@ def decode_answer(
     where it applied, its values. Raises Refused: a lane not asked or missing, sizes that differ."""
     header, body = _split(data)
     if "refused" in header:
-        raise Refused(f"refused: {header['refused']}")
+        raise OwnerRefused(f"refused: {header['refused']}")
     try:
         results = []
         for r in header["results"]:
@@ -195,8 +199,6 @@ def decode_answer(
         raise Refused(f"a result that does not parse: {type(e).__name__}: {e}") from None
     if [r.lane for r in results] != list(asked):
         raise Refused(f"results for lanes {[r.lane for r in results]} where lanes {list(asked)} were asked")
-    if any(r.outcome is not None and r.outcome.round != round_t for r in results):
-        raise Refused(f"a result of another round than {round_t}")
     applied = [r for r in results if r.applied]
     values = _floats(body, sum(_lane_sizes(n, lanes, [r.lane for r in applied])))
     out, offset = [], 0
@@ -224,12 +226,13 @@ async def spread_round(
     owners: Sequence[tuple[str, Sequence[int]]],
     own: Own,
     ask: Ask,
+    rejected: Callable[[str], None] = lambda why: None,
 ) -> list[RoundResult]:
     """One round of the group's vector (in place), each lane averaged by its owner: `owners` lists
     (peer ID, its lanes) of the group's daemons, this one (`leader`) first; `own(lanes)` runs this
     daemon's rounds, `ask(peer, request)` another's. Returns one RoundResult per lane, in lane order.
     A lane whose owner fails is left as it was, its result saying why (`delegated`, no outcome); one
-    its owner refuses is averaged here."""
+    its owner refuses is averaged here. An answer that does not check out is counted (`rejected`)."""
     n = vector.numel()
     bounds = lane_bounds(n, lanes)
 
@@ -238,12 +241,14 @@ async def spread_round(
         request = encode_request(leader, round_t, which, weight, payload, values)
         try:
             answered = decode_answer(await ask(peer, request), n, lanes, which, round_t)
-        except Refused as e:
+        except OwnerRefused as e:
             # That daemon does not own these lanes now (its epoch is not the leader's yet, for a
             # beat): it does not announce them either, so the peers expect the leader in their views.
             logger.info("run round %d: lanes %s back from %s (%s): averaged here", round_t, which, peer[-8:], e)
             return await own(which)
-        except (OSError, RuntimeError, TimeoutError) as e:  # DistError is a RuntimeError
+        except (Refused, OSError, RuntimeError, TimeoutError) as e:  # DistError is a RuntimeError
+            if isinstance(e, Refused):
+                rejected(str(e))
             why = f"lane averaged by {peer[-8:]}: no answer ({type(e).__name__}: {e})"
             return [RoundResult(round_t, 1, None, why, lane=lane, delegated=True) for lane in which]
         for result, mean in answered:
