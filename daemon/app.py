@@ -590,6 +590,8 @@ class Daemon:
             on_sync=lambda result: self.metrics.observe_sync(run_id, result),
             on_role=on_role,
             inner_budget=manifest.averaging.inner_budget,
+            auto_every=_auto_bounds(manifest.averaging),
+            round_seconds=lambda: self.metrics.round_seconds(run_id),
         )
         trainer = cls(**{**settings, **kwargs})
         if train.local_group and train.local_group != AUTO:
@@ -758,7 +760,8 @@ class Daemon:
                 joined_seconds=t - m.joined_at,
                 task=manifest.task if manifest else "",
                 algorithm=manifest.averaging.algorithm if manifest else "",
-                average_every=manifest.averaging.average_every if manifest else 0,
+                average_every=manifest.averaging.phases.every if manifest else 0,
+                average_every_auto=manifest.averaging.average_every_auto if manifest else False,
                 payload=payload,
                 overlap=overlap,
                 round_seconds=self.metrics.round_seconds(m.run_id),
@@ -794,6 +797,8 @@ class Daemon:
                 r.parameters = tr.parameters
                 if tr.compute_steps:
                     r.step_seconds = tr.compute_seconds / tr.compute_steps
+                if tr.fitted is not None:  # average_every=auto's decision
+                    r.average_every, r.average_every_reason = tr.fitted.every, tr.fitted.reason
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device
@@ -829,6 +834,11 @@ class Daemon:
         if self.memberships is None:
             return {}
         return {run_id: len(m.table) for run_id, m in self.memberships.runs.items()}
+
+
+def _auto_bounds(averaging) -> tuple[int, int] | None:
+    """averaging.average_every=auto's bounds for the trainer (daemon/plan.py fit_every); None: off."""
+    return (averaging.average_every_min, averaging.average_every_max) if averaging.average_every_auto else None
 
 
 def _rounds(averaging) -> tuple[str, bool]:

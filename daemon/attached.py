@@ -67,6 +67,7 @@ import torch
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.groupspan import TICK, GroupSpan, Placement
+from peerd.daemon.plan import Fit, fit_every
 from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
@@ -165,6 +166,7 @@ class AttachInfo:
     phase_timeout: float
     upload: bool  # the process writes its parameters and calls EndPhase with 0 steps: they become θ
     group: GroupSlot
+    phase_steps: int = 0  # average_every=auto: the steps the process's next phase takes (0: the schedule's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +309,8 @@ class AttachedTrainer:
         on_role: Callable[[str], None] = lambda role: None,
         lease_seconds: float = LEASE_SECONDS,
         inner_budget: float = 0.0,
+        auto_every: tuple[int, int] | None = None,
+        round_seconds: Callable[[], float] = lambda: math.nan,
         identity: dict | None = None,
         numel: int | None = None,
     ):
@@ -384,6 +388,11 @@ class AttachedTrainer:
         # shared file's header; the phase begins when its attach or previous EndPhase answers.
         self._early = EarlyEnd.for_run(round_timeout, inner_budget)
         self._phase_began = time.monotonic()
+        # averaging.average_every=auto: its bounds (None: off), the run's recent round duration
+        # (DaemonMetrics.round_seconds, the figure `peerd plan` compares), and the latest decision,
+        # taken again at each phase's end and handed to the process with the EndPhase's answer.
+        self._auto_every, self._round_seconds = auto_every, round_seconds
+        self.fitted: Fit | None = None
 
     # -- the surface the daemon uses ----------------------------------------------------------
 
@@ -533,6 +542,7 @@ class AttachedTrainer:
                 self._group.wait_for(lambda: self._placed(s) or s not in self.members, timeout=PLACE_WAIT)
             if s not in self.members:
                 raise AttachRefused(f"run {self.run_id!r}: the attachment ended while it formed; attach again")
+            self._refit()
             return AttachInfo(
                 s.token,
                 str(self._shared.path),
@@ -543,6 +553,7 @@ class AttachedTrainer:
                 self.phase_timeout,
                 upload,
                 self._slot(s),
+                self.fitted_steps,
             )
 
     def _found(self, s: Session, step: int, gone: list[Session], group_size: int) -> bool:
@@ -817,7 +828,25 @@ class AttachedTrainer:
         self.compute_steps += steps
         self.train_wait_seconds += wall
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
+        self._refit()
         return end
+
+    @property
+    def fitted_steps(self) -> int:
+        """average_every=auto: the steps the process's next phase takes (EndPhaseResponse.phase_steps),
+        or fewer where the schedule's boundary comes first; 0 without auto."""
+        return self.fitted.every if self.fitted is not None else 0
+
+    def _refit(self) -> None:
+        """average_every=auto: decide H again from this daemon's mean step time and the run's recent
+        round duration (daemon/plan.py fit_every)."""
+        if self._auto_every is None:
+            return
+        step_s = self.compute_seconds / self.compute_steps if self.compute_steps else math.nan
+        fit = fit_every(step_s, self._round_seconds(), *self._auto_every)
+        if self.fitted is None or fit.every != self.fitted.every:
+            logger.info("run %s: average_every=auto: H=%d (%s)", self.run_id, fit.every, fit.reason)
+        self.fitted = fit
 
     def _take_group(self, step: int, steps: int, loss: float, compute_seconds: float) -> PhaseEnd:
         """A follower's phase end: the run's θ the leader broadcast (in the vector) becomes this

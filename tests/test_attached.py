@@ -328,3 +328,36 @@ def test_an_attach_that_waited_for_a_long_download_is_not_taken_for_a_lapsed_lea
         t.stop()
         loop.call_soon_threadsafe(loop.stop)
         watching.join(10)
+
+
+def test_average_every_auto_answers_each_phase_end_with_the_h_its_figures_give(tmp_path):
+    """average_every=auto on the daemon's side: before a step time the answer is the schedule's
+    phase (the top bound); after a phase of 0.1 s steps, against a 0.5 s round (1.2 x 0.5 / 0.1 = 6),
+    H is 8 on the ladder 2, 4, 8, 16, and the next phase's answer carries it; a slower round moves it."""
+    round_s = [0.5]
+    t = trainer(
+        tmp_path,
+        HalfMean(),
+        phases=Phases(16),
+        auto_every=(2, 16),
+        round_seconds=lambda: round_s[0],
+    )
+    try:
+        info = t.attach(pid=0, device="cpu", step=0)
+        assert info.phase_steps == 16 and t.fitted.reason == "no step time yet: the schedule's phases"
+        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # the upload
+        t.end_phase(info.session, 16, 16.0, 1.0, 1.6)
+        assert t.fitted_steps == 8, t.fitted
+        assert t.fitted.reason.startswith("1.2 x a 0.5 s round over 0.1 s steps needs H >= 6"), t.fitted
+        round_s[0] = 2.0  # 1.2 x 2.0 / 0.1 = 24: past the top
+        t.end_phase(info.session, 8, 8.0, 1.0, 0.8)
+        assert t.fitted_steps == 16 and "the largest H, average_every_max=16" in t.fitted.reason
+        assert t.global_step == 32  # each phase moved the run's step by the schedule's 16
+    finally:
+        t.stop()
+    (tmp_path / "plain").mkdir()
+    plain = trainer(tmp_path / "plain", HalfMean())  # a fixed H: no answer of auto's
+    try:
+        assert plain.attach(pid=0, device="cpu", step=0).phase_steps == 0 and plain.fitted is None
+    finally:
+        plain.stop()
