@@ -30,6 +30,7 @@ from peerd.peers.linkprobe import LinkProber
 from peerd.peers.matchmaking import Matchmaker, MatchmakingSettings
 from peerd.peers.membership import IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
 from peerd.peers.node import NodeSettings, PeerNode
+from peerd.peers.pace import Pace
 from peerd.peers.clock import now as dht_now
 from peerd.peers.run_ids import RunSecret, validate_run_id
 from peerd.peers.statesync import StateServer
@@ -426,7 +427,11 @@ class Daemon:
             # group whose leader averages for it, are nobody's mates.
             live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers() if e.role == TRAINER}
             # The trainer thread waits for this round: its delegation cannot change meanwhile.
-            return await averager.average(vector, weight, round_t, live, lanes, trainer.delegation[1], restore, payload)
+            # This daemon's pace goes in its matchmaking entries: the group agrees on average_every=auto's
+            # figures from them (peers/pace.py).
+            pace = Pace(_step_seconds(trainer), self.metrics.round_seconds(run_id))
+            group = trainer.delegation[1]
+            return await averager.average(vector, weight, round_t, live, lanes, group, restore, payload, pace)
 
         loop = asyncio.get_running_loop()
         average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
@@ -795,8 +800,7 @@ class Daemon:
                 r.dear_overlap_ratio, r.wan_share = tr.dear_overlap_ratio, tr.wan_share
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
                 r.parameters = tr.parameters
-                if tr.compute_steps:
-                    r.step_seconds = tr.compute_seconds / tr.compute_steps
+                r.step_seconds = _step_seconds(tr)
                 if tr.fitted is not None:  # average_every=auto's decision
                     r.average_every, r.average_every_reason = tr.fitted.every, tr.fitted.reason
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
@@ -834,6 +838,12 @@ class Daemon:
         if self.memberships is None:
             return {}
         return {run_id: len(m.table) for run_id, m in self.memberships.runs.items()}
+
+
+def _step_seconds(trainer) -> float:
+    """The mean seconds of one inner step of the trainer's process or thread (RunStatus.step_seconds);
+    NaN before its first phase ends."""
+    return trainer.compute_seconds / trainer.compute_steps if trainer.compute_steps else math.nan
 
 
 def _auto_bounds(averaging) -> tuple[int, int] | None:

@@ -73,6 +73,7 @@ from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.pace import Pace
 from peerd.peers.membership import FOLLOWER, IDLE, TRAINER
 from peerd.peers.phases import Phases
 from peerd.peers.sketch import HISTORY, SketchPlan
@@ -389,9 +390,11 @@ class AttachedTrainer:
         self._early = EarlyEnd.for_run(round_timeout, inner_budget)
         self._phase_began = time.monotonic()
         # averaging.average_every=auto: its bounds (None: off), the run's recent round duration
-        # (DaemonMetrics.round_seconds, the figure `peerd plan` compares), and the latest decision,
-        # taken again at each phase's end and handed to the process with the EndPhase's answer.
+        # (DaemonMetrics.round_seconds, the figure `peerd plan` compares), the group paces of the
+        # latest rounds by round number (peers/pace.py), and the latest decision, taken again at each
+        # phase's end and handed to the process with the EndPhase's answer.
         self._auto_every, self._round_seconds = auto_every, round_seconds
+        self._paces: dict[int, Pace] = {}
         self.fitted: Fit | None = None
 
     # -- the surface the daemon uses ----------------------------------------------------------
@@ -838,12 +841,24 @@ class AttachedTrainer:
         return self.fitted.every if self.fitted is not None else 0
 
     def _refit(self) -> None:
-        """average_every=auto: decide H again from this daemon's mean step time and the run's recent
-        round duration (daemon/plan.py fit_every)."""
+        """average_every=auto: decide H for the phase that begins now (daemon/plan.py fit_every). A
+        phase ending at round r's boundary takes the pace its group agreed in round r - 1 (peers/pace.py),
+        the last round every member holds by then, with or without overlap: the members of that group
+        give the next phase the same H. Without it (no group in that round) the decision stays; the
+        first one comes from this daemon's own figures."""
         if self._auto_every is None:
             return
-        step_s = self.compute_seconds / self.compute_steps if self.compute_steps else math.nan
-        fit = fit_every(step_s, self._round_seconds(), *self._auto_every)
+        round_t = self.phases.round_of(self.global_step)
+        pace = self._paces.get(round_t - 1)
+        if pace is not None:
+            fit = fit_every(pace.step_seconds, pace.round_seconds, *self._auto_every)
+            fit = Fit(fit.every, f"round {round_t - 1}'s group of {pace.members}: {fit.reason}")
+        elif self.fitted is None:
+            step_s = self.compute_seconds / self.compute_steps if self.compute_steps else math.nan
+            fit = fit_every(step_s, self._round_seconds(), *self._auto_every)
+            fit = Fit(fit.every, f"this daemon's figures: {fit.reason}")
+        else:
+            return
         if self.fitted is None or fit.every != self.fitted.every:
             logger.info("run %s: average_every=auto: H=%d (%s)", self.run_id, fit.every, fit.reason)
         self.fitted = fit
@@ -946,6 +961,10 @@ class AttachedTrainer:
     def _record(self, applied) -> None:
         results = applied.results
         self.last_round = results[0]
+        if results[0].pace is not None:  # the first lane's group's (with lanes, each lane has a group)
+            self._paces[results[0].round_t] = results[0].pace
+            for old in [r for r in self._paces if r < results[0].round_t - 2]:
+                del self._paces[old]
         if any(r.applied for r in results):
             self.param_distance_to_group_mean = self._outer.distance
             self.samples_averaged += applied.weight

@@ -208,7 +208,7 @@ class GoodbyeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GroupEntry(_message.Message):
-    __slots__ = ("format_version", "group_key", "round", "engine_addr", "weight", "timestamp", "gather_timeout")
+    __slots__ = ("format_version", "group_key", "round", "engine_addr", "weight", "timestamp", "gather_timeout", "step_seconds", "round_seconds")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,8 @@ class GroupEntry(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     GATHER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     group_key: str
     round: int
@@ -223,7 +225,9 @@ class GroupEntry(_message.Message):
     weight: float
     timestamp: float
     gather_timeout: float
-    def __init__(self, format_version: _Optional[int] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., timestamp: _Optional[float] = ..., gather_timeout: _Optional[float] = ...) -> None: ...
+    step_seconds: float
+    round_seconds: float
+    def __init__(self, format_version: _Optional[int] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., timestamp: _Optional[float] = ..., gather_timeout: _Optional[float] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupRequest(_message.Message):
     __slots__ = ("group_key", "round", "envelope")
@@ -236,16 +240,20 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, group_key: _Optional[str] = ..., round: _Optional[int] = ..., envelope: _Optional[bytes] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "engine_addr", "weight", "gather_timeout")
+    __slots__ = ("peer_id", "engine_addr", "weight", "gather_timeout", "step_seconds", "round_seconds")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     GATHER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     engine_addr: str
     weight: float
     gather_timeout: float
-    def __init__(self, peer_id: _Optional[str] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., gather_timeout: _Optional[float] = ...) -> None: ...
+    step_seconds: float
+    round_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., gather_timeout: _Optional[float] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
     __slots__ = ("status", "members")
