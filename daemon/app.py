@@ -803,6 +803,7 @@ class Daemon:
                 r.step_seconds = _step_seconds(tr)
                 if tr.fitted is not None:  # average_every=auto's decision
                     r.average_every, r.average_every_reason = tr.fitted.every, tr.fitted.reason
+                    r.average_every_round = tr.fitted_round
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device

@@ -396,6 +396,7 @@ class AttachedTrainer:
         self._auto_every, self._round_seconds = auto_every, round_seconds
         self._paces: dict[int, Pace] = {}
         self.fitted: Fit | None = None
+        self.fitted_round = 0  # the round whose group pace `fitted` came from; 0: own figures
 
     # -- the surface the daemon uses ----------------------------------------------------------
 
@@ -848,20 +849,20 @@ class AttachedTrainer:
         first one comes from this daemon's own figures."""
         if self._auto_every is None:
             return
-        round_t = self.phases.round_of(self.global_step)
-        pace = self._paces.get(round_t - 1)
+        source = self.phases.round_of(self.global_step) - 1
+        pace = self._paces.get(source)
         if pace is not None:
             fit = fit_every(pace.step_seconds, pace.round_seconds, *self._auto_every)
-            fit = Fit(fit.every, f"round {round_t - 1}'s group of {pace.members}: {fit.reason}")
+            fit = Fit(fit.every, f"round {source}'s group of {pace.members}: {fit.reason}")
         elif self.fitted is None:
             step_s = self.compute_seconds / self.compute_steps if self.compute_steps else math.nan
-            fit = fit_every(step_s, self._round_seconds(), *self._auto_every)
+            fit, source = fit_every(step_s, self._round_seconds(), *self._auto_every), 0
             fit = Fit(fit.every, f"this daemon's figures: {fit.reason}")
         else:
             return
         if self.fitted is None or fit.every != self.fitted.every:
             logger.info("run %s: average_every=auto: H=%d (%s)", self.run_id, fit.every, fit.reason)
-        self.fitted = fit
+        self.fitted, self.fitted_round = fit, source
 
     def _take_group(self, step: int, steps: int, loss: float, compute_seconds: float) -> PhaseEnd:
         """A follower's phase end: the run's θ the leader broadcast (in the vector) becomes this

@@ -367,14 +367,14 @@ def test_average_every_auto_answers_each_phase_end_with_the_h_of_the_group_pace_
         t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 1 starts: no group pace yet
         assert t.fitted_steps == 16
         t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 1 landed: its pace decides
-        assert t.fitted_steps == 8, t.fitted
+        assert (t.fitted_steps, t.fitted_round) == (8, 1), t.fitted
         assert t.fitted.reason.startswith("round 1's group of 2: 1.2 x a 0.5 s round over 0.1 s steps needs H >= 6")
         t.end_phase(info.session, 8, 8.0, 1.0, 0.8)  # round 2 (0.5 s) landed
         assert t.fitted_steps == 8
         t.end_phase(info.session, 8, 8.0, 1.0, 0.8)  # round 3 landed
-        assert t.fitted_steps == 16 and "the largest H, average_every_max=16" in t.fitted.reason
+        assert (t.fitted_steps, t.fitted_round) == (16, 3) and "the largest H, average_every_max=16" in t.fitted.reason
         t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 4 landed, without a group
-        assert t.fitted_steps == 16
+        assert (t.fitted_steps, t.fitted_round) == (16, 3)
         assert t.global_step == 5 * 16  # each phase moved the run's step by the schedule's 16
     finally:
         t.stop()
