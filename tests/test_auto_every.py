@@ -58,8 +58,8 @@ def test_two_daemons_fit_the_same_h_from_their_groups_pace(spawn):
     # runs ahead of the steps computed. Without the cut both would be equal.
     for d in (a, b):
         wait_for(lambda: (r := run_status(d, "auto")).step - r.local_step >= HIGH // 4, timeout=60, what="phases cut")
-    r = run_status(a, "auto")
-    m = scrape(a.metrics_url)
-    assert m[("peerd_average_every", (("run", "auto"),))] in (r.average_every, *seen["a"].values()), m
+    before = run_status(a, "auto").average_every
+    metric = scrape(a.metrics_url)[("peerd_average_every", (("run", "auto"),))]
+    assert metric in (before, run_status(a, "auto").average_every), metric  # a decision may come between
     out = peerd("status", "--data-dir", str(a.data_dir))
     assert out.returncode == 0 and "auto: average_every=auto: H=" in out.stdout, out.stdout
