@@ -31,6 +31,7 @@ from peerd.peers.linkprobe import LinkProber
 from peerd.peers.matchmaking import Matchmaker, MatchmakingSettings
 from peerd.peers.membership import FOLLOWER, IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
 from peerd.peers.node import NodeSettings, PeerNode
+from peerd.peers.pace import Pace
 from peerd.peers.clock import now as dht_now
 from peerd.peers.run_ids import RunSecret, validate_run_id
 from peerd.peers.statesync import StateServer
@@ -438,16 +439,19 @@ class Daemon:
 
         async def run_round(vector, weight, round_t, lanes, restore, payload):
             # The trainer thread waits for this round: its delegation cannot change meanwhile.
+            # This daemon's pace goes in its matchmaking entries: the group agrees on average_every=auto's
+            # figures from them (peers/pace.py).
+            pace = Pace(_step_seconds(trainer), self.metrics.round_seconds(run_id))
             group = trainer.delegation[1]
             owners = trainer.lane_owners() if lanes is None and hasattr(trainer, "lane_owners") else []
             if not owners:
-                return await averager.average(vector, weight, round_t, live(), lanes, group, restore, payload)
+                return await averager.average(vector, weight, round_t, live(), lanes, group, restore, payload, pace)
             # The leader of a local group that spans daemons: each daemon averages its lanes.
             stores = {e.peer_id: e.dear_address for e in membership.peers()}
             timeout = manifest.averaging.round_timeout
 
             async def own(which):
-                return await averager.average(vector, weight, round_t, live(), which, group, restore, payload)
+                return await averager.average(vector, weight, round_t, live(), which, group, restore, payload, pace)
 
             async def ask(peer, request):
                 if not stores.get(peer):
@@ -641,6 +645,8 @@ class Daemon:
             on_sync=lambda result: self.metrics.observe_sync(run_id, result),
             on_role=on_role,
             inner_budget=manifest.averaging.inner_budget,
+            auto_every=_auto_bounds(manifest.averaging),
+            round_seconds=lambda: self.metrics.round_seconds(run_id),
         )
         trainer = cls(**{**settings, **kwargs})
         if train.local_group:
@@ -824,7 +830,8 @@ class Daemon:
                 joined_seconds=t - m.joined_at,
                 task=manifest.task if manifest else "",
                 algorithm=manifest.averaging.algorithm if manifest else "",
-                average_every=manifest.averaging.average_every if manifest else 0,
+                average_every=manifest.averaging.phases.every if manifest else 0,
+                average_every_auto=manifest.averaging.average_every_auto if manifest else False,
                 payload=payload,
                 overlap=overlap,
                 round_seconds=self.metrics.round_seconds(m.run_id),
@@ -858,8 +865,10 @@ class Daemon:
                 r.dear_overlap_ratio, r.wan_share = tr.dear_overlap_ratio, tr.wan_share
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
                 r.parameters = tr.parameters
-                if tr.compute_steps:
-                    r.step_seconds = tr.compute_seconds / tr.compute_steps
+                r.step_seconds = _step_seconds(tr)
+                if tr.fitted is not None:  # average_every=auto's decision
+                    r.average_every, r.average_every_reason = tr.fitted.every, tr.fitted.reason
+                    r.average_every_round = tr.fitted_round
                 r.resumed_from, r.synced_from = tr.resumed_from, tr.synced_from
                 if session is not None:
                     r.attached_pid, r.attached_device = session.pid, session.device
@@ -895,6 +904,17 @@ class Daemon:
         if self.memberships is None:
             return {}
         return {run_id: len(m.table) for run_id, m in self.memberships.runs.items()}
+
+
+def _step_seconds(trainer) -> float:
+    """The mean seconds of one inner step of the trainer's process or thread (RunStatus.step_seconds);
+    NaN before its first phase ends."""
+    return trainer.compute_seconds / trainer.compute_steps if trainer.compute_steps else math.nan
+
+
+def _auto_bounds(averaging) -> tuple[int, int] | None:
+    """averaging.average_every=auto's bounds for the trainer (daemon/plan.py fit_every); None: off."""
+    return (averaging.average_every_min, averaging.average_every_max) if averaging.average_every_auto else None
 
 
 def _rounds(averaging) -> tuple[str, bool]:

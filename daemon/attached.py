@@ -67,6 +67,7 @@ import torch
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
 from peerd.daemon.diloco import OuterLoop, OuterSettings
 from peerd.daemon.groupspan import TICK, GroupSpan, Placement
+from peerd.daemon.plan import Fit, fit_every
 from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
 from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
@@ -74,6 +75,7 @@ from peerd.peers.averaging import Average, RoundResult
 from peerd.peers.dear.hierarchy import group_id, owned_lanes
 from peerd.peers.dear.member import AUTO
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.pace import Pace
 from peerd.peers.membership import FOLLOWER, IDLE, TRAINER
 from peerd.peers.phases import Phases
 from peerd.peers.sketch import HISTORY, SketchPlan
@@ -167,6 +169,7 @@ class AttachInfo:
     phase_timeout: float
     upload: bool  # the process writes its parameters and calls EndPhase with 0 steps: they become θ
     group: GroupSlot
+    phase_steps: int = 0  # average_every=auto: the steps the process's next phase takes (0: the schedule's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +311,8 @@ class AttachedTrainer:
         on_role: Callable[[str], None] = lambda role: None,
         lease_seconds: float = LEASE_SECONDS,
         inner_budget: float = 0.0,
+        auto_every: tuple[int, int] | None = None,
+        round_seconds: Callable[[], float] = lambda: math.nan,
         identity: dict | None = None,
         numel: int | None = None,
     ):
@@ -389,6 +394,14 @@ class AttachedTrainer:
         # shared file's header; the phase begins when its attach or previous EndPhase answers.
         self._early = EarlyEnd.for_run(round_timeout, inner_budget)
         self._phase_began = time.monotonic()
+        # averaging.average_every=auto: its bounds (None: off), the run's recent round duration
+        # (DaemonMetrics.round_seconds, the figure `peerd plan` compares), the group paces of the
+        # latest rounds by round number (peers/pace.py), and the latest decision, taken again at each
+        # phase's end and handed to the process with the EndPhase's answer.
+        self._auto_every, self._round_seconds = auto_every, round_seconds
+        self._paces: dict[int, Pace] = {}
+        self.fitted: Fit | None = None
+        self.fitted_round = 0  # the round whose group pace `fitted` came from; 0: own figures
 
     # -- the surface the daemon uses ----------------------------------------------------------
 
@@ -541,6 +554,7 @@ class AttachedTrainer:
                 self._group.wait_for(lambda: self._placed(s) or s not in self.members, timeout=PLACE_WAIT)
             if s not in self.members:
                 raise AttachRefused(f"run {self.run_id!r}: the attachment ended while it formed; attach again")
+            self._refit()
             return AttachInfo(
                 s.token,
                 str(self._shared.path),
@@ -551,6 +565,7 @@ class AttachedTrainer:
                 self.phase_timeout,
                 upload,
                 self._slot(s),
+                self.fitted_steps,
             )
 
     def _found(self, s: Session, step: int, gone: list[Session], group_size: int) -> bool:
@@ -859,7 +874,37 @@ class AttachedTrainer:
         self.compute_steps += steps
         self.train_wait_seconds += wall
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
+        self._refit()
         return end
+
+    @property
+    def fitted_steps(self) -> int:
+        """average_every=auto: the steps the process's next phase takes (EndPhaseResponse.phase_steps),
+        or fewer where the schedule's boundary comes first; 0 without auto."""
+        return self.fitted.every if self.fitted is not None else 0
+
+    def _refit(self) -> None:
+        """average_every=auto: decide H for the phase that begins now (daemon/plan.py fit_every). A
+        phase ending at round r's boundary takes the pace its group agreed in round r - 1 (peers/pace.py),
+        the last round every member holds by then, with or without overlap: the members of that group
+        give the next phase the same H. Without it (no group in that round) the decision stays; the
+        first one comes from this daemon's own figures."""
+        if self._auto_every is None:
+            return
+        source = self.phases.round_of(self.global_step) - 1
+        pace = self._paces.get(source)
+        if pace is not None:
+            fit = fit_every(pace.step_seconds, pace.round_seconds, *self._auto_every)
+            fit = Fit(fit.every, f"round {source}'s group of {pace.members}: {fit.reason}")
+        elif self.fitted is None:
+            step_s = self.compute_seconds / self.compute_steps if self.compute_steps else math.nan
+            fit, source = fit_every(step_s, self._round_seconds(), *self._auto_every), 0
+            fit = Fit(fit.every, f"this daemon's figures: {fit.reason}")
+        else:
+            return
+        if self.fitted is None or fit.every != self.fitted.every:
+            logger.info("run %s: average_every=auto: H=%d (%s)", self.run_id, fit.every, fit.reason)
+        self.fitted, self.fitted_round = fit, source
 
     def _take_group(self, step: int, steps: int, loss: float, compute_seconds: float) -> PhaseEnd:
         """A follower's phase end: the run's θ the leader broadcast (in the vector) becomes this
@@ -959,6 +1004,10 @@ class AttachedTrainer:
     def _record(self, applied) -> None:
         results = applied.results
         self.last_round = results[0]
+        if results[0].pace is not None:  # the first lane's group's (with lanes, each lane has a group)
+            self._paces[results[0].round_t] = results[0].pace
+            for old in [r for r in self._paces if r < results[0].round_t - 2]:
+                del self._paces[old]
         if any(r.applied for r in results):
             self.param_distance_to_group_mean = self._outer.distance
             self.samples_averaged += applied.weight

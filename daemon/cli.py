@@ -315,6 +315,9 @@ def _cmd_status(args) -> int:
                 )
             if r.local_group_reason:
                 print(f"{r.run_id}: local group decision: {r.local_group_reason}")
+        if r.average_every_auto:
+            why = r.average_every_reason or "no decision yet"
+            print(f"{r.run_id}: average_every=auto: H={r.average_every} ({why})")
         if len(r.last_round_group) > 1:
             # Peer IDs share their first characters ("12D3KooW..."); the last ones tell them apart.
             mates = ", ".join("…" + p[-8:] for p in r.last_round_group[1:])

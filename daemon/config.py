@@ -299,7 +299,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("train.task", "task of a run created at start (e.g. digits-mlp, charlm)", "NAME"),
     Option(
         "train.set",
-        "hyper-parameter of a run created at start, KEY=VALUE, or averaging.SETTING=VALUE (repeatable)",
+        "hyper-parameter of a run created at start, KEY=VALUE, or averaging.SETTING=VALUE (repeatable; "
+        "averaging.average_every=auto fits H to the link: docs/algorithms.md)",
         "KEY=VALUE",
     ),
     Option("train.torch_threads", "torch threads of the trainer", "N"),

@@ -198,6 +198,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             phase_timeout=info.phase_timeout,
             upload=info.upload,
             group=_group(info.group),
+            phase_steps=info.phase_steps,
         )
 
     async def EndPhase(self, request, context):
@@ -225,6 +226,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
             waited_seconds=end.waited,
             downloaded=end.downloaded,
             group_epoch=end.group_epoch,
+            phase_steps=trainer.fitted_steps,
         )
 
     async def Regroup(self, request, context):

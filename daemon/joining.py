@@ -313,7 +313,7 @@ def _check_asked(
 
 def check_attach(manifest: RunManifest, model: tuple[TensorSpec, ...], settings: dict[str, str]) -> None:
     """Refuse (RunRefused) a script whose model or averaging settings differ from the run's."""
-    _check_asked(manifest, "", manifests.upgrade_legacy_settings(settings), "", model)
+    _check_asked(manifest, "", manifests.settings_fields(settings), "", model)
 
 
 def _differs(
@@ -345,7 +345,7 @@ async def resolve(
     cannot be trained here as asked: another task, settings that differ from the manifest's, or
     --set without --task for a run that has no manifest."""
     path = manifest_path(data_dir, run_id)
-    settings = manifests.upgrade_legacy_settings(settings)
+    settings = manifests.settings_fields(settings)
     try:
         found = await manifests.fetch(node, run_id, secret, on_rejected)
     except manifests.InvalidManifests as e:

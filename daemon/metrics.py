@@ -103,6 +103,12 @@ class _TrainingCollector(Collector):
         step = GaugeMetricFamily(
             "peerd_train_step", "Global step of the run's state this daemon holds.", labels=["run"]
         )
+        every = GaugeMetricFamily(
+            "peerd_average_every",
+            "Inner steps per phase the run takes now: averaging.average_every, or under average_every=auto "
+            "the H fitted to its round and step times.",
+            labels=["run"],
+        )
         local = CounterMetricFamily(
             "peerd_local_steps", "Optimizer steps this daemon computed in the run.", labels=["run"]
         )
@@ -194,6 +200,7 @@ class _TrainingCollector(Collector):
             for name in TRAIN_STATES:
                 state.add_metric([r.run_id, name], 1 if r.train_state == name else 0)
             step.add_metric([r.run_id], r.step)
+            every.add_metric([r.run_id], r.average_every)
             if not math.isnan(r.compute_fraction):
                 compute.add_metric([r.run_id], r.compute_fraction)
             waited.add_metric([r.run_id], r.train_wait_seconds)
@@ -217,6 +224,7 @@ class _TrainingCollector(Collector):
         yield state
         yield from (
             step,
+            every,
             local,
             loss,
             samples,

@@ -195,9 +195,47 @@ def plan(
         phase = every * step_s
         fraction = phase / max(phase, took) if overlap else phase / (phase + took)
         sent = math.ceil(member_sends(size, group))
-        hiding = max(1, math.ceil(MARGIN * took / step_s))
-        out.append(PayloadPlan(fmt.value, sent, round(took, 3), round(fraction, 4), hiding))
+        out.append(PayloadPlan(fmt.value, sent, round(took, 3), round(fraction, 4), hiding_every(took, step_s)))
     return sorted(out, key=lambda p: p.bytes_per_outer_step)
+
+
+def hiding_every(round_s: float, step_s: float) -> int:
+    """The smallest H whose phase of `step_s` steps lasts MARGIN x a round of `round_s` (at least 1)."""
+    return max(1, math.ceil(MARGIN * round_s / step_s))
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """What `averaging.average_every=auto` decided: the phase length, and why, in words."""
+
+    every: int
+    reason: str
+
+
+def fit_every(step_s: float, round_s: float, low: int, high: int) -> Fit:
+    """The phase length of a run under `averaging.average_every=auto`: the smallest H on the ladder
+    low, 2 low, 4 low, ... (and `high`, its top) whose phase hides a round of `round_s` behind steps
+    of `step_s` with the plan's MARGIN (`hiding_every`), within [low, high]. A pure function of its
+    four figures, so members that hold the same figures pick the same H; the ladder keeps figures a
+    little apart (two members' clocks, one noisy round) on the same rung, and H from moving at every
+    round. Without both figures (NaN: no phase ended, no round completed yet) it is `high`, the
+    phases of the run's schedule. Raises ValueError for bounds that are not 1 <= low <= high."""
+    if not 1 <= low <= high:
+        raise ValueError(f"auto's bounds need 1 <= low <= high, got {low} and {high}")
+    if not (math.isfinite(step_s) and step_s > 0):
+        return Fit(high, "no step time yet: the schedule's phases")
+    if not (math.isfinite(round_s) and round_s >= 0):
+        return Fit(high, "no completed round yet: the schedule's phases")
+    need = hiding_every(round_s, step_s)
+    rung = low
+    while rung < need and rung < high:
+        rung = min(rung * 2, high)
+    figures = f"{MARGIN:g} x a {round_s:.3g} s round over {step_s:.3g} s steps needs H >= {need}"
+    if need > high:
+        return Fit(high, f"{figures}: the largest H, average_every_max={high}; compute waits for the rest")
+    if need <= low:
+        return Fit(low, f"{figures}: the smallest H, average_every_min={low}")
+    return Fit(rung, f"{figures}: {rung} on the ladder {low}, {2 * low}, ... {high}")
 
 
 def table(plans: list[PayloadPlan], every: int, overlap: bool) -> str:

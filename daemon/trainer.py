@@ -108,6 +108,7 @@ class Trainer:
     as one peer, each member its own lanes (peers/dear/hierarchy.py).
     """
 
+    fitted = None  # average_every=auto's decision (daemon/attached.py): none, a state run's phases are H
     session = None  # no process attaches: the task trains in this daemon (daemon/attached.py does)
 
     def __init__(

@@ -103,6 +103,7 @@ class Attached:
     phase_timeout: float
     upload: bool
     group: Slot
+    phase_steps: int = 0  # average_every=auto: the steps the first phase takes (0: the schedule's)
 
 
 class Attachment:
@@ -181,6 +182,7 @@ class Attachment:
             response.phase_timeout,
             response.upload,
             Slot.of(response.group),
+            response.phase_steps,
         )
         self.lost.clear()
         if self._renewer is None:

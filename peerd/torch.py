@@ -136,6 +136,7 @@ class Optimizer(torch.optim.Optimizer):
         self._loss_count = 0
         self._phase_began = time.monotonic()
         self._boundary = self._phase_length = 0  # set by _new_phase once attached
+        self._fitted = 0  # average_every=auto: the steps the daemon gave this phase (0: its length)
         self._vector: torch.Tensor | None = None
         self._landed = 0  # the landed rounds the parameters hold (daemon/attached.py, "landing")
         self._pinned = 0  # the page-locked address of the shared vector (CUDA models); 0: pageable
@@ -176,7 +177,7 @@ class Optimizer(torch.optim.Optimizer):
         a = self._attachment
         if self._collective is None:
             result = self.inner.step(closure) if closure is not None else self.inner.step()
-            epoch, end_now, landed = a.group_epoch(), a.phase_ends_at() == self._boundary, a.landed()
+            epoch, end_now, landed = a.group_epoch(), self._ends_now(), a.landed()
         else:
             result = closure() if closure is not None else None
             shared = self._group_step(samples)
@@ -197,7 +198,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._slot.hands_over:
             a.stepped(self._phase_steps, self._phase_samples, live_loss, self._boundary)
         # At the phase's length (peers/phases.py), or earlier where the daemon ends it (MateWait, the
-        # straggler budget).
+        # straggler budget, average_every=auto's H).
         if self._phase_steps >= self._phase_length or end_now:
             self._end_phase()
         # A member came or went: every member of the group sees it at this step (the leader's view),
@@ -217,7 +218,7 @@ class Optimizer(torch.optim.Optimizer):
         from peerd.peers.dear.backend import CollectiveError
 
         a, leader = self._attachment, self._slot.rank == 0
-        extras = [samples, a.group_epoch(), a.phase_ends_at() == self._boundary, a.landed()]
+        extras = [samples, a.group_epoch(), self._ends_now(), a.landed()]
         if not leader:
             extras[1:] = [0.0, 0.0, 0.0]
         n = 0 if self._dear is not None else self._vector.numel()
@@ -246,6 +247,13 @@ class Optimizer(torch.optim.Optimizer):
             self._regroup()
             return None
         return samples, int(epoch), end_now > 0, int(landed)
+
+    def _ends_now(self) -> bool:
+        """The step under way ends the phase before its boundary: the daemon ended it (END_AT), or it
+        is the last of the H steps average_every=auto gave it. In a local group the leader's view
+        decides for every member (it rides the step's all-reduce)."""
+        a = self._attachment
+        return a.phase_ends_at() == self._boundary or 0 < self._fitted <= self._phase_steps + 1
 
     def _land_spanning(self, landed: int) -> None:
         """A group that spans daemons: the leader lands the round from its daemon's file, and every
@@ -327,6 +335,7 @@ class Optimizer(torch.optim.Optimizer):
             except Lost:
                 lost = True
                 break
+            self._fitted = end.phase_steps
             if end.step >= self._boundary:
                 break
             # The group's leader left (or did not end the phase within the daemon's phase timeout):
@@ -363,6 +372,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary
             )
             self._read()
+            self._fitted = end.phase_steps
             header[:] = torch.tensor([end.step, self._attachment.held(), end.round], dtype=torch.float64)
             self.last_outcome = end.outcome
             c.signal(key)
@@ -578,7 +588,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _attach(self) -> None:
         self._attached = a = self._attachment.attach(max(self.run_step, 0))
-        self._vector, self.run_step = a.vector, a.step
+        self._vector, self.run_step, self._fitted = a.vector, a.step, a.phase_steps
         if (n := sum(t.numel() for t in self._tensors)) != a.vector.numel():
             what = "state vector" if self._state_vector else "parameters"
             self._attachment.close()

@@ -64,6 +64,7 @@ from peerd.peers.events import PeerEvents
 from peerd.peers.matchmaking import Matchmaker, Member
 from peerd.peers.membership import Roll
 from peerd.peers.moshpit import grid_shape, group_key, view_coords
+from peerd.peers.pace import Pace, group_pace, on_the_wire
 from peerd.peers.run_ids import RunSecret, run_namespace
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,9 @@ class RoundResult:
     # lane's end, what the model of daemon/plan.py predicts; on the first lane only, NaN in the others
     # (counted once) and in a result that is no round.
     seconds: float = math.nan
+    # The group's pace (peers/pace.py): the same on every member of the group, from their entries;
+    # None where no group formed.
+    pace: Pace | None = None
 
     @property
     def completed(self) -> bool:
@@ -225,6 +229,7 @@ class MoshpitAverager:
         group: str = "",
         restore: bool = True,
         payload: str = "fp32",
+        pace: Pace = Pace(),
     ) -> list[RoundResult]:
         """Average `lanes` of `vector` (flat float32, in place; every lane of the run when None) with
         this round's groups, one round per lane. `live_peers`: peer ID -> (the lanes it delegated as
@@ -232,7 +237,8 @@ class MoshpitAverager:
         none). Returns one RoundResult per lane, in lane order. restore=False: a lane whose round
         did not complete may hold part of a result (GroupAllReduce.all_reduce); the caller puts
         back the lanes that did not apply a result. `payload`: how the vector travels (fp32, fp16 or
-        int8 blocks, peers/collective/codec.py); owners reduce in float32 either way."""
+        int8 blocks, peers/collective/codec.py); owners reduce in float32 either way. `pace`: this
+        daemon's own (peers/pace.py), for its matchmaking entries."""
         mine = sorted(range(self.lanes) if lanes is None else set(lanes))
         bounds = lane_bounds(vector.numel(), self.lanes)
         plans: dict[int, tuple[str, str, list[str]] | None] = {}
@@ -263,7 +269,9 @@ class MoshpitAverager:
                 return RoundResult(round_t, 1, None, f"no group: {why}", skipped=True, lane=lane)
             s, e = bounds[lane]
             try:
-                result = await self._round(vector[s:e], weight, round_t, namespace, key, lane, restore, payload, here)
+                result = await self._round(
+                    vector[s:e], weight, round_t, namespace, key, lane, restore, payload, here, pace
+                )
                 return dataclasses.replace(result, reason=f"{result.reason} ({why})") if why else result
             except (OSError, RuntimeError) as error:  # one lane's listener or engine: the other lanes go on
                 logger.exception("run %s: round %d lane %d failed", self.run_id, round_t, lane)
@@ -300,6 +308,7 @@ class MoshpitAverager:
         restore: bool,
         payload: str = "fp32",
         mates: Sequence[str] = (),
+        pace: Pace = Pace(),
     ) -> RoundResult:
         """One lane's round under group key `key`: listen, matchmaking (directly with `mates`, the group
         the view gives, peers/matchmaking.py), all-reduce of `vector` (a slice)."""
@@ -307,11 +316,19 @@ class MoshpitAverager:
         buffers: InboxBuffers | None = None
         try:
             port = split_address(address)[1]
-            me = Member(self.peer_id, f"{self.advertise_host}:{port}", float(weight), self.gather_timeout.proposal())
+            me = Member(
+                self.peer_id,
+                f"{self.advertise_host}:{port}",
+                float(weight),
+                self.gather_timeout.proposal(),
+                on_the_wire(pace.step_seconds),
+                on_the_wire(pace.round_seconds),
+            )
             matched = await self.matchmaker.form_group(namespace, self.secret, round_t, key, me, mates)
             if matched.group is None:
                 return RoundResult(round_t, 1, None, f"no group: {matched.reason}", lane=lane)
             g = matched.group
+            agreed_pace = group_pace((m.step_seconds, m.round_seconds) for m in g.members)
             addresses = [member_address(m.engine_addr, m.peer_id) for m in g.members]
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
             if self.loss_tolerant:
@@ -328,6 +345,7 @@ class MoshpitAverager:
                         None,
                         f"{vector.numel()} values cannot be shared among {group.size} members",
                         lane=lane,
+                        pace=agreed_pace,
                     )
             buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
             gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
@@ -350,6 +368,7 @@ class MoshpitAverager:
                 self._links(transport, group),
                 transport.bytes_by_transport(),
                 lane=lane,
+                pace=agreed_pace,
             )
         finally:
             await transport.close()

@@ -34,6 +34,16 @@ FLOAT_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16", "torch.float
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AveragingSettings:
     average_every: int = 50  # local (inner) optimizer steps between two averaging rounds: DiLoCo's H
+    # `average_every=auto` (the text of --set; this field in the manifest): the daemon picks each
+    # phase's length from the run's measured round and step times, the smallest H on a ladder from
+    # average_every_min to average_every_max whose phase hides a round with a margin (daemon/plan.py
+    # fit_every). The phases' schedule, which rendezvous and round numbers follow, is then that of
+    # average_every_max, and a phase ends after the fitted H steps, as one the straggler budget ends
+    # early: members that fit different H still meet at the same rounds, and the run's step moves by
+    # the schedule's phase (local_step counts the steps computed). DiLoCo runs only.
+    average_every_auto: bool = False
+    average_every_min: int = 10  # auto's smallest H: a round's fixed cost is not worth fewer steps
+    average_every_max: int = 200  # auto's largest H, the schedule's: a longer phase averages too rarely
     # The first phase's length: the first average_every steps are cut into phases of first_phase,
     # 2x, 4x, ... steps and the rest, then every phase is average_every (peers/phases.py), so that
     # the run's model is averaged early (docs/algorithms.md, "Training: DiLoCo"); the cost is the
@@ -101,6 +111,13 @@ class AveragingSettings:
             raise ValueError(f"datagram_bytes must be in 512..65507, got {self.datagram_bytes}")
         if not 1 <= self.average_every <= 100_000:
             raise ValueError(f"average_every must be in 1..100000, got {self.average_every}")
+        if not 1 <= self.average_every_min <= self.average_every_max <= 100_000:
+            raise ValueError(
+                "average_every_min and average_every_max must be 1 <= min <= max <= 100000, got "
+                f"{self.average_every_min} and {self.average_every_max}"
+            )
+        if self.average_every_auto and self.algorithm != "diloco":
+            raise ValueError("average_every=auto needs algorithm=diloco (a state run's phases all take H steps)")
         if not 0 <= self.first_phase <= 100_000:
             raise ValueError(f"first_phase must be 0 (every phase H) or in 1..100000, got {self.first_phase}")
         if not 2 <= self.max_group_size <= 1024:
@@ -116,8 +133,8 @@ class AveragingSettings:
 
     @property
     def phases(self) -> Phases:
-        """Where the run's phases end (peers/phases.py)."""
-        return Phases(self.average_every, self.first_phase)
+        """Where the run's phases end (peers/phases.py); with auto, the schedule of its largest H."""
+        return Phases(self.average_every_max if self.average_every_auto else self.average_every, self.first_phase)
 
 
 ENGINES = ("reliable", "loss-tolerant")
@@ -128,14 +145,17 @@ ENGINES = ("reliable", "loss-tolerant")
 _LEGACY_ENGINE = {"udp": "loss-tolerant"}
 
 
-def upgrade_legacy_settings(settings: dict[str, str]) -> dict[str, str]:
-    """`settings` (the KEY=VALUE text of --set, "averaging." keys included) with peerd 0.1.0's
-    `averaging.transport` read as `averaging.engine`."""
-    if "averaging.transport" not in settings:
-        return settings
-    out = {k: v for k, v in settings.items() if k != "averaging.transport"}
-    legacy = settings["averaging.transport"]
-    out.setdefault("averaging.engine", _LEGACY_ENGINE.get(legacy, legacy))
+def settings_fields(settings: dict[str, str]) -> dict[str, str]:
+    """`settings` (the KEY=VALUE text of --set, "averaging." keys included) with the manifest's field
+    names: `averaging.average_every=auto` as `averaging.average_every_auto=true`, and peerd 0.1.0's
+    `averaging.transport` as `averaging.engine`."""
+    out = dict(settings)
+    if out.get("averaging.average_every", "").strip().lower() == "auto":
+        del out["averaging.average_every"]
+        out["averaging.average_every_auto"] = "true"
+    if "averaging.transport" in out:
+        legacy = out.pop("averaging.transport")
+        out.setdefault("averaging.engine", _LEGACY_ENGINE.get(legacy, legacy))
     return out
 
 
@@ -237,6 +257,9 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
             overlap=a.overlap,
             inner_budget=a.inner_budget,
             repair_every=a.repair_every,
+            average_every_auto=a.average_every_auto,
+            average_every_min=a.average_every_min,
+            average_every_max=a.average_every_max,
         ),
         creator=manifest.creator,
         created_at=manifest.created_at,
@@ -280,7 +303,10 @@ def decode_manifest(data: object, *, run_id: str, secret: RunSecret | None, subk
 
 
 def _diloco_fields(a: records_pb2.AveragingSettings) -> dict:
+    # auto's bounds are 0 in manifests made before auto (off in them): the defaults
+    bounds = {k: v for k in ("average_every_min", "average_every_max") if (v := getattr(a, k))}
     return dict(
+        **bounds,
         algorithm="diloco",
         outer_lr=a.outer_lr,
         outer_momentum=a.outer_momentum,
@@ -288,6 +314,7 @@ def _diloco_fields(a: records_pb2.AveragingSettings) -> dict:
         overlap=a.overlap,
         inner_budget=a.inner_budget,
         repair_every=a.repair_every,
+        average_every_auto=a.average_every_auto,
     )
 
 

@@ -2,7 +2,9 @@
 
 Protocol of one round t (every wait bounded; settings in MatchmakingSettings):
 1. Each peer stores a signed (sealed in secret runs) GroupEntry under the group key, subkey = its
-   peer ID: round, engine address, weight, timestamp. The expiration covers the store itself, the
+   peer ID: round, engine address, weight, timestamp, and what its group agrees from its members'
+   entries: a gather_timeout proposal (peers/collective/gather_timeout.py) and its pace
+   (peers/pace.py). The expiration covers the store itself, the
    join window and the joins (`MatchmakingSettings.entry_ttl` plus one DHT request timeout).
 2. `join_window` seconds after its store, each peer reads the key. The leader is the smallest
    peer ID among the valid entries (the reader's own entry always counts).
@@ -48,6 +50,7 @@ from peerd.peers.events import PeerEvents
 from peerd.peers.node import P2PContext, PeerNode
 from peerd.peers.records import MAX_CLOCK_SKEW_SECONDS
 from peerd.peers.run_ids import RunSecret
+from peerd.peers.pace import pace_ok
 from peerd.protos import records_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -86,6 +89,8 @@ class Member(NamedTuple):
     weight: float  # samples since its last round
     gather_timeout: float = 0.0  # seconds it proposes for the round's all-gather; 0: none
     #                              (peers/collective/gather_timeout.py)
+    step_seconds: float = 0.0  # its pace: mean inner step time and recent round duration; 0: none
+    round_seconds: float = 0.0  # (peers/pace.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +173,9 @@ def open_entry(data: object, *, namespace: str, secret: RunSecret | None, subkey
         raise RecordRejected("record_malformed", "weight or timestamp out of range")
     if not proposal_ok(body.gather_timeout):
         raise RecordRejected("record_malformed", "gather_timeout out of range")
-    member = Member(signer, body.engine_addr, body.weight, body.gather_timeout)
+    if not (pace_ok(body.step_seconds) and pace_ok(body.round_seconds)):
+        raise RecordRejected("record_malformed", "step_seconds or round_seconds out of range")
+    member = Member(signer, body.engine_addr, body.weight, body.gather_timeout, body.step_seconds, body.round_seconds)
     return Entry(member, body.group_key, body.round, body.timestamp)
 
 
@@ -222,6 +229,8 @@ class Matchmaker:
             weight=me.weight,
             timestamp=now(),
             gather_timeout=me.gather_timeout,
+            step_seconds=me.step_seconds,
+            round_seconds=me.round_seconds,
         ).SerializeToString()
         return seal(RecordKind.GROUP_ENTRY, body, self.node.identity, secret, namespace)
 
@@ -343,9 +352,14 @@ class Matchmaker:
             return Matched(None, f"leader {leader} unreachable: {type(e).__name__}: {' '.join(str(e).split())}")
         if response.status != pb.JOIN_STATUS_ACCEPTED:
             return Matched(None, f"leader {leader} answered {pb.JoinStatus.Name(response.status)}")
-        members = tuple(Member(m.peer_id, m.engine_addr, m.weight, m.gather_timeout) for m in response.members)
+        members = tuple(
+            Member(m.peer_id, m.engine_addr, m.weight, m.gather_timeout, m.step_seconds, m.round_seconds)
+            for m in response.members
+        )
         ids = [m.peer_id for m in members]
-        bad = not all(proposal_ok(m.gather_timeout) for m in members)
+        bad = not all(
+            proposal_ok(m.gather_timeout) and pace_ok(m.step_seconds) and pace_ok(m.round_seconds) for m in members
+        )
         if bad or not ids or ids[0] != leader or self.node.peer_id not in ids or ids != sorted(set(ids)):
             self.events.rejected("join_bad_answer")
             return Matched(None, f"leader {leader} answered an inconsistent group")
@@ -388,7 +402,12 @@ class Matchmaker:
             return pb.JoinGroupResponse(status=pb.JOIN_STATUS_GROUP_FULL)
         wire = [
             pb.GroupMember(
-                peer_id=m.peer_id, engine_addr=m.engine_addr, weight=m.weight, gather_timeout=m.gather_timeout
+                peer_id=m.peer_id,
+                engine_addr=m.engine_addr,
+                weight=m.weight,
+                gather_timeout=m.gather_timeout,
+                step_seconds=m.step_seconds,
+                round_seconds=m.round_seconds,
             )
             for m in members
         ]

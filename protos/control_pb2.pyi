@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason", "parameters", "step_seconds", "round_seconds", "average_every", "payload", "overlap")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason", "parameters", "step_seconds", "round_seconds", "average_every", "payload", "overlap", "average_every_auto", "average_every_reason", "average_every_round")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,9 @@ class RunStatus(_message.Message):
     AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_AUTO_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_REASON_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_ROUND_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: int
     secured: bool
@@ -112,7 +115,10 @@ class RunStatus(_message.Message):
     average_every: int
     payload: str
     overlap: bool
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ..., parameters: _Optional[int] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., average_every: _Optional[int] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    average_every_auto: bool
+    average_every_reason: str
+    average_every_round: int
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ..., parameters: _Optional[int] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., average_every: _Optional[int] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., average_every_auto: _Optional[bool] = ..., average_every_reason: _Optional[str] = ..., average_every_round: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")
@@ -261,7 +267,7 @@ class LocalGroup(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ..., store: _Optional[str] = ..., host: _Optional[str] = ..., spans: _Optional[bool] = ..., hands_over: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload", "first_phase", "group")
+    __slots__ = ("session", "shared_path", "numel", "step", "average_every", "lease_seconds", "phase_timeout", "upload", "first_phase", "group", "phase_steps")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SHARED_PATH_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +278,7 @@ class AttachResponse(_message.Message):
     UPLOAD_FIELD_NUMBER: _ClassVar[int]
     FIRST_PHASE_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_STEPS_FIELD_NUMBER: _ClassVar[int]
     session: str
     shared_path: str
     numel: int
@@ -282,7 +289,8 @@ class AttachResponse(_message.Message):
     upload: bool
     first_phase: int
     group: LocalGroup
-    def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ..., first_phase: _Optional[int] = ..., group: _Optional[_Union[LocalGroup, _Mapping]] = ...) -> None: ...
+    phase_steps: int
+    def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ..., first_phase: _Optional[int] = ..., group: _Optional[_Union[LocalGroup, _Mapping]] = ..., phase_steps: _Optional[int] = ...) -> None: ...
 
 class EndPhaseRequest(_message.Message):
     __slots__ = ("session", "steps", "samples", "loss", "compute_seconds", "boundary", "group_step")
@@ -303,20 +311,22 @@ class EndPhaseRequest(_message.Message):
     def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., boundary: _Optional[int] = ..., group_step: _Optional[int] = ...) -> None: ...
 
 class EndPhaseResponse(_message.Message):
-    __slots__ = ("step", "round", "outcome", "waited_seconds", "downloaded", "group_epoch")
+    __slots__ = ("step", "round", "outcome", "waited_seconds", "downloaded", "group_epoch", "phase_steps")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DOWNLOADED_FIELD_NUMBER: _ClassVar[int]
     GROUP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PHASE_STEPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     outcome: str
     waited_seconds: float
     downloaded: bool
     group_epoch: int
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., outcome: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., downloaded: _Optional[bool] = ..., group_epoch: _Optional[int] = ...) -> None: ...
+    phase_steps: int
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., outcome: _Optional[str] = ..., waited_seconds: _Optional[float] = ..., downloaded: _Optional[bool] = ..., group_epoch: _Optional[int] = ..., phase_steps: _Optional[int] = ...) -> None: ...
 
 class ReportEvalRequest(_message.Message):
     __slots__ = ("session", "metric", "score", "higher_is_better", "loss")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apeerd/protos/records.proto\x12\x10peerd.records.v1\"\x8e\x03\n\nPeerRecord\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0e\n\x06maddrs\x18\x04 \x03(\t\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x0c\n\x04role\x18\x06 \x01(\t\x12,\n\x05state\x18\x07 \x01(\x0e\x32\x1d.peerd.records.v1.MemberState\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x13\n\x0blocal_group\x18\n \x01(\t\x12\x14\n\x0c\x64\x65\x61r_address\x18\x0b \x01(\t\x12\x15\n\rprobe_address\x18\x0c \x01(\t\x12+\n\x05links\x18\r \x03(\x0b\x32\x1c.peerd.records.v1.LinkReport\x12\x17\n\x0f\x64\x65legated_lanes\x18\x0e \x01(\x04\x12\x12\n\ndear_group\x18\x0f \x01(\t\x12-\n\x06sketch\x18\x10 \x01(\x0b\x32\x1d.peerd.records.v1.ParamSketch\"9\n\x0bParamSketch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"X\n\nLinkReport\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0b\n\x03rtt\x18\x02 \x01(\x01\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x0b\n\x03\x61ge\x18\x05 \x01(\x01\"\xa5\x01\n\x08\x45nvelope\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06sealed\x18\x02 \x01(\x08\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12*\n\x04kind\x18\x07 \x01(\x0e\x32\x1c.peerd.records.v1.RecordKind\"\xb0\x02\n\x11\x41veragingSettings\x12\x15\n\raverage_every\x18\x01 \x01(\r\x12\x16\n\x0emax_group_size\x18\x02 \x01(\r\x12\x15\n\rround_timeout\x18\x03 \x01(\x01\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x61tagram_bytes\x18\x05 \x01(\r\x12\r\n\x05lanes\x18\x06 \x01(\r\x12\x11\n\talgorithm\x18\x07 \x01(\t\x12\x10\n\x08outer_lr\x18\x08 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\t \x01(\x01\x12\x0f\n\x07payload\x18\n \x01(\t\x12\x0f\n\x07overlap\x18\x0b \x01(\x08\x12\x14\n\x0cinner_budget\x18\x0c \x01(\x01\x12\x14\n\x0crepair_every\x18\r \x01(\r\x12\x13\n\x0b\x66irst_phase\x18\x0e \x01(\r\"\xbb\x02\n\x0bRunManifest\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12;\n\x07hparams\x18\x04 \x03(\x0b\x32*.peerd.records.v1.RunManifest.HparamsEntry\x12\x36\n\taveraging\x18\x05 \x01(\x0b\x32#.peerd.records.v1.AveragingSettings\x12\x0f\n\x07\x63reator\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12,\n\x05model\x18\x08 \x03(\x0b\x32\x1d.peerd.records.v1.ModelTensor\x1a.\n\x0cHparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"9\n\x0bModelTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\"3\n\x0eGoodbyeRequest\x12\x0f\n\x07run_key\x18\x01 \x01(\t\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\"\x11\n\x0fGoodbyeResponse\"\x96\x01\n\nGroupEntry\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x13\n\x0b\x65ngine_addr\x18\x04 \x01(\t\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x16\n\x0egather_timeout\x18\x07 \x01(\x01\"F\n\x10JoinGroupRequest\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x65nvelope\x18\x03 \x01(\x0c\"[\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ngine_addr\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x16\n\x0egather_timeout\x18\x04 \x01(\x01\"q\n\x11JoinGroupResponse\x12,\n\x06status\x18\x01 \x01(\x0e\x32\x1c.peerd.records.v1.JoinStatus\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.peerd.records.v1.GroupMember*[\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x01\x12\x15\n\x11MEMBER_STATE_LEFT\x10\x02*x\n\nRecordKind\x12\x1b\n\x17RECORD_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12RECORD_KIND_MEMBER\x10\x01\x12\x18\n\x14RECORD_KIND_MANIFEST\x10\x02\x12\x1b\n\x17RECORD_KIND_GROUP_ENTRY\x10\x03*\xaa\x01\n\nJoinStatus\x12\x1b\n\x17JOIN_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14JOIN_STATUS_ACCEPTED\x10\x01\x12\x17\n\x13JOIN_STATUS_REFUSED\x10\x02\x12\x1a\n\x16JOIN_STATUS_NOT_LEADER\x10\x03\x12\x14\n\x10JOIN_STATUS_LATE\x10\x04\x12\x1a\n\x16JOIN_STATUS_GROUP_FULL\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apeerd/protos/records.proto\x12\x10peerd.records.v1\"\x8e\x03\n\nPeerRecord\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x0e\n\x06maddrs\x18\x04 \x03(\t\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x0c\n\x04role\x18\x06 \x01(\t\x12,\n\x05state\x18\x07 \x01(\x0e\x32\x1d.peerd.records.v1.MemberState\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\x12\x0c\n\x04step\x18\t \x01(\x04\x12\x13\n\x0blocal_group\x18\n \x01(\t\x12\x14\n\x0c\x64\x65\x61r_address\x18\x0b \x01(\t\x12\x15\n\rprobe_address\x18\x0c \x01(\t\x12+\n\x05links\x18\r \x03(\x0b\x32\x1c.peerd.records.v1.LinkReport\x12\x17\n\x0f\x64\x65legated_lanes\x18\x0e \x01(\x04\x12\x12\n\ndear_group\x18\x0f \x01(\t\x12-\n\x06sketch\x18\x10 \x01(\x0b\x32\x1d.peerd.records.v1.ParamSketch\"9\n\x0bParamSketch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0e\n\x06values\x18\x03 \x01(\x0c\"X\n\nLinkReport\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x0b\n\x03rtt\x18\x02 \x01(\x01\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x0b\n\x03\x61ge\x18\x05 \x01(\x01\"\xa5\x01\n\x08\x45nvelope\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06sealed\x18\x02 \x01(\x08\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x12\n\npublic_key\x18\x05 \x01(\x0c\x12\x11\n\tsignature\x18\x06 \x01(\x0c\x12*\n\x04kind\x18\x07 \x01(\x0e\x32\x1c.peerd.records.v1.RecordKind\"\x82\x03\n\x11\x41veragingSettings\x12\x15\n\raverage_every\x18\x01 \x01(\r\x12\x16\n\x0emax_group_size\x18\x02 \x01(\r\x12\x15\n\rround_timeout\x18\x03 \x01(\x01\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x61tagram_bytes\x18\x05 \x01(\r\x12\r\n\x05lanes\x18\x06 \x01(\r\x12\x11\n\talgorithm\x18\x07 \x01(\t\x12\x10\n\x08outer_lr\x18\x08 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\t \x01(\x01\x12\x0f\n\x07payload\x18\n \x01(\t\x12\x0f\n\x07overlap\x18\x0b \x01(\x08\x12\x14\n\x0cinner_budget\x18\x0c \x01(\x01\x12\x14\n\x0crepair_every\x18\r \x01(\r\x12\x13\n\x0b\x66irst_phase\x18\x0e \x01(\r\x12\x1a\n\x12\x61verage_every_auto\x18\x0f \x01(\x08\x12\x19\n\x11\x61verage_every_min\x18\x10 \x01(\r\x12\x19\n\x11\x61verage_every_max\x18\x11 \x01(\r\"\xbb\x02\n\x0bRunManifest\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12;\n\x07hparams\x18\x04 \x03(\x0b\x32*.peerd.records.v1.RunManifest.HparamsEntry\x12\x36\n\taveraging\x18\x05 \x01(\x0b\x32#.peerd.records.v1.AveragingSettings\x12\x0f\n\x07\x63reator\x18\x06 \x01(\t\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12,\n\x05model\x18\x08 \x03(\x0b\x32\x1d.peerd.records.v1.ModelTensor\x1a.\n\x0cHparamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"9\n\x0bModelTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x04\x12\r\n\x05\x64type\x18\x03 \x01(\t\"3\n\x0eGoodbyeRequest\x12\x0f\n\x07run_key\x18\x01 \x01(\t\x12\x10\n\x08\x65nvelope\x18\x02 \x01(\x0c\"\x11\n\x0fGoodbyeResponse\"\xc3\x01\n\nGroupEntry\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x13\n\x0b\x65ngine_addr\x18\x04 \x01(\t\x12\x0e\n\x06weight\x18\x05 \x01(\x01\x12\x11\n\ttimestamp\x18\x06 \x01(\x01\x12\x16\n\x0egather_timeout\x18\x07 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x15\n\rround_seconds\x18\t \x01(\x01\"F\n\x10JoinGroupRequest\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x10\n\x08\x65nvelope\x18\x03 \x01(\x0c\"\x88\x01\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x65ngine_addr\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x16\n\x0egather_timeout\x18\x04 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x05 \x01(\x01\x12\x15\n\rround_seconds\x18\x06 \x01(\x01\"q\n\x11JoinGroupResponse\x12,\n\x06status\x18\x01 \x01(\x0e\x32\x1c.peerd.records.v1.JoinStatus\x12.\n\x07members\x18\x02 \x03(\x0b\x32\x1d.peerd.records.v1.GroupMember*[\n\x0bMemberState\x12\x1c\n\x18MEMBER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MEMBER_STATE_ACTIVE\x10\x01\x12\x15\n\x11MEMBER_STATE_LEFT\x10\x02*x\n\nRecordKind\x12\x1b\n\x17RECORD_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12RECORD_KIND_MEMBER\x10\x01\x12\x18\n\x14RECORD_KIND_MANIFEST\x10\x02\x12\x1b\n\x17RECORD_KIND_GROUP_ENTRY\x10\x03*\xaa\x01\n\nJoinStatus\x12\x1b\n\x17JOIN_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14JOIN_STATUS_ACCEPTED\x10\x01\x12\x17\n\x13JOIN_STATUS_REFUSED\x10\x02\x12\x1a\n\x16JOIN_STATUS_NOT_LEADER\x10\x03\x12\x14\n\x10JOIN_STATUS_LATE\x10\x04\x12\x1a\n\x16JOIN_STATUS_GROUP_FULL\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNMANIFEST_HPARAMSENTRY']._loaded_options = None
   _globals['_RUNMANIFEST_HPARAMSENTRY']._serialized_options = b'8\001'
-  _globals['_MEMBERSTATE']._serialized_start=1955
-  _globals['_MEMBERSTATE']._serialized_end=2046
-  _globals['_RECORDKIND']._serialized_start=2048
-  _globals['_RECORDKIND']._serialized_end=2168
-  _globals['_JOINSTATUS']._serialized_start=2171
-  _globals['_JOINSTATUS']._serialized_end=2341
+  _globals['_MEMBERSTATE']._serialized_start=2128
+  _globals['_MEMBERSTATE']._serialized_end=2219
+  _globals['_RECORDKIND']._serialized_start=2221
+  _globals['_RECORDKIND']._serialized_end=2341
+  _globals['_JOINSTATUS']._serialized_start=2344
+  _globals['_JOINSTATUS']._serialized_end=2514
   _globals['_PEERRECORD']._serialized_start=49
   _globals['_PEERRECORD']._serialized_end=447
   _globals['_PARAMSKETCH']._serialized_start=449
@@ -48,23 +48,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENVELOPE']._serialized_start=599
   _globals['_ENVELOPE']._serialized_end=764
   _globals['_AVERAGINGSETTINGS']._serialized_start=767
-  _globals['_AVERAGINGSETTINGS']._serialized_end=1071
-  _globals['_RUNMANIFEST']._serialized_start=1074
-  _globals['_RUNMANIFEST']._serialized_end=1389
-  _globals['_RUNMANIFEST_HPARAMSENTRY']._serialized_start=1343
-  _globals['_RUNMANIFEST_HPARAMSENTRY']._serialized_end=1389
-  _globals['_MODELTENSOR']._serialized_start=1391
-  _globals['_MODELTENSOR']._serialized_end=1448
-  _globals['_GOODBYEREQUEST']._serialized_start=1450
-  _globals['_GOODBYEREQUEST']._serialized_end=1501
-  _globals['_GOODBYERESPONSE']._serialized_start=1503
-  _globals['_GOODBYERESPONSE']._serialized_end=1520
-  _globals['_GROUPENTRY']._serialized_start=1523
-  _globals['_GROUPENTRY']._serialized_end=1673
-  _globals['_JOINGROUPREQUEST']._serialized_start=1675
-  _globals['_JOINGROUPREQUEST']._serialized_end=1745
-  _globals['_GROUPMEMBER']._serialized_start=1747
-  _globals['_GROUPMEMBER']._serialized_end=1838
-  _globals['_JOINGROUPRESPONSE']._serialized_start=1840
-  _globals['_JOINGROUPRESPONSE']._serialized_end=1953
+  _globals['_AVERAGINGSETTINGS']._serialized_end=1153
+  _globals['_RUNMANIFEST']._serialized_start=1156
+  _globals['_RUNMANIFEST']._serialized_end=1471
+  _globals['_RUNMANIFEST_HPARAMSENTRY']._serialized_start=1425
+  _globals['_RUNMANIFEST_HPARAMSENTRY']._serialized_end=1471
+  _globals['_MODELTENSOR']._serialized_start=1473
+  _globals['_MODELTENSOR']._serialized_end=1530
+  _globals['_GOODBYEREQUEST']._serialized_start=1532
+  _globals['_GOODBYEREQUEST']._serialized_end=1583
+  _globals['_GOODBYERESPONSE']._serialized_start=1585
+  _globals['_GOODBYERESPONSE']._serialized_end=1602
+  _globals['_GROUPENTRY']._serialized_start=1605
+  _globals['_GROUPENTRY']._serialized_end=1800
+  _globals['_JOINGROUPREQUEST']._serialized_start=1802
+  _globals['_JOINGROUPREQUEST']._serialized_end=1872
+  _globals['_GROUPMEMBER']._serialized_start=1875
+  _globals['_GROUPMEMBER']._serialized_end=2011
+  _globals['_JOINGROUPRESPONSE']._serialized_start=2013
+  _globals['_JOINGROUPRESPONSE']._serialized_end=2126
 # @@protoc_insertion_point(module_scope)

@@ -121,7 +121,7 @@ class Envelope(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., kind: _Optional[_Union[RecordKind, str]] = ...) -> None: ...
 
 class AveragingSettings(_message.Message):
-    __slots__ = ("average_every", "max_group_size", "round_timeout", "engine", "datagram_bytes", "lanes", "algorithm", "outer_lr", "outer_momentum", "payload", "overlap", "inner_budget", "repair_every", "first_phase")
+    __slots__ = ("average_every", "max_group_size", "round_timeout", "engine", "datagram_bytes", "lanes", "algorithm", "outer_lr", "outer_momentum", "payload", "overlap", "inner_budget", "repair_every", "first_phase", "average_every_auto", "average_every_min", "average_every_max")
     AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,9 @@ class AveragingSettings(_message.Message):
     INNER_BUDGET_FIELD_NUMBER: _ClassVar[int]
     REPAIR_EVERY_FIELD_NUMBER: _ClassVar[int]
     FIRST_PHASE_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_AUTO_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_MIN_FIELD_NUMBER: _ClassVar[int]
+    AVERAGE_EVERY_MAX_FIELD_NUMBER: _ClassVar[int]
     average_every: int
     max_group_size: int
     round_timeout: float
@@ -150,7 +153,10 @@ class AveragingSettings(_message.Message):
     inner_budget: float
     repair_every: int
     first_phase: int
-    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., engine: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ..., algorithm: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., inner_budget: _Optional[float] = ..., repair_every: _Optional[int] = ..., first_phase: _Optional[int] = ...) -> None: ...
+    average_every_auto: bool
+    average_every_min: int
+    average_every_max: int
+    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., engine: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ..., algorithm: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., inner_budget: _Optional[float] = ..., repair_every: _Optional[int] = ..., first_phase: _Optional[int] = ..., average_every_auto: _Optional[bool] = ..., average_every_min: _Optional[int] = ..., average_every_max: _Optional[int] = ...) -> None: ...
 
 class RunManifest(_message.Message):
     __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at", "model")
@@ -202,7 +208,7 @@ class GoodbyeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GroupEntry(_message.Message):
-    __slots__ = ("format_version", "group_key", "round", "engine_addr", "weight", "timestamp", "gather_timeout")
+    __slots__ = ("format_version", "group_key", "round", "engine_addr", "weight", "timestamp", "gather_timeout", "step_seconds", "round_seconds")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +216,8 @@ class GroupEntry(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     GATHER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     group_key: str
     round: int
@@ -217,7 +225,9 @@ class GroupEntry(_message.Message):
     weight: float
     timestamp: float
     gather_timeout: float
-    def __init__(self, format_version: _Optional[int] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., timestamp: _Optional[float] = ..., gather_timeout: _Optional[float] = ...) -> None: ...
+    step_seconds: float
+    round_seconds: float
+    def __init__(self, format_version: _Optional[int] = ..., group_key: _Optional[str] = ..., round: _Optional[int] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., timestamp: _Optional[float] = ..., gather_timeout: _Optional[float] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupRequest(_message.Message):
     __slots__ = ("group_key", "round", "envelope")
@@ -230,16 +240,20 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, group_key: _Optional[str] = ..., round: _Optional[int] = ..., envelope: _Optional[bytes] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "engine_addr", "weight", "gather_timeout")
+    __slots__ = ("peer_id", "engine_addr", "weight", "gather_timeout", "step_seconds", "round_seconds")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ADDR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     GATHER_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     engine_addr: str
     weight: float
     gather_timeout: float
-    def __init__(self, peer_id: _Optional[str] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., gather_timeout: _Optional[float] = ...) -> None: ...
+    step_seconds: float
+    round_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., engine_addr: _Optional[str] = ..., weight: _Optional[float] = ..., gather_timeout: _Optional[float] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
     __slots__ = ("status", "members")

@@ -21,6 +21,7 @@ LAB_FILES = {"test_lab.py", "test_dear_lab.py", "test_linkprobe_lab.py", "test_c
 # lab, a benchmark, promtool). Each such test may be retried once, never silently: tests/FLAKY.md.
 PROCESS_FILES = LAB_FILES | {
     "test_alerts.py",
+    "test_auto_every.py",
     "test_bench_smoke.py",
     "test_cluster_training.py",
     "test_collective.py",

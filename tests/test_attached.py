@@ -5,6 +5,7 @@ process writes its parameters (the EndPhase settles it), and a copy of θ while 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -19,6 +20,7 @@ from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.diloco import OuterSettings
 from peerd.peers.averaging import RoundResult
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.pace import Pace
 from peerd.peers.phases import Phases
 from peerd.peers.statesync import FetchResult
 from peerd.shared_file import APPLIED_OFFSET, LANDED_OFFSET, THETA_SEQ_OFFSET
@@ -328,3 +330,57 @@ def test_an_attach_that_waited_for_a_long_download_is_not_taken_for_a_lapsed_lea
         t.stop()
         loop.call_soon_threadsafe(loop.stop)
         watching.join(10)
+
+
+class Paced(HalfMean):
+    """HalfMean whose group agreed a pace (peers/pace.py): 0.1 s steps and, for round t, rounds of
+    `round_s[t]` seconds; no group (no pace) where that is None."""
+
+    def __init__(self, round_s: dict[int, float | None]):
+        super().__init__()
+        self.round_s = round_s
+
+    def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
+        (result,) = super().__call__(vector, weight, round_t, live, restore, payload)
+        seconds = self.round_s[round_t]
+        return [dataclasses.replace(result, pace=None if seconds is None else Pace(0.1, seconds, 2))]
+
+
+def test_average_every_auto_answers_each_phase_end_with_the_h_of_the_group_pace_a_round_before(tmp_path):
+    """average_every=auto on the daemon's side (overlap: round r lands by the EndPhase of phase
+    r + 1). Before any group pace, this daemon's own figures: no step time, the schedule's 16. The
+    phase after round r's boundary takes round r - 1's group pace: 1.2 x 0.5 s / 0.1 s = 6, so 8 on
+    the ladder 2, 4, 8, 16; a slower round moves H one phase later; a round without a group leaves
+    it as it was."""
+    t = trainer(
+        tmp_path,
+        Paced({1: 0.5, 2: 0.5, 3: 2.0, 4: None}),  # round 3: 1.2 x 2.0 / 0.1 = 24, past the top
+        phases=Phases(16),
+        auto_every=(2, 16),
+        round_seconds=lambda: math.nan,
+    )
+    try:
+        info = t.attach(pid=0, device="cpu", step=0)
+        assert info.phase_steps == 16, t.fitted
+        assert t.fitted.reason == "this daemon's figures: no step time yet: the schedule's phases"
+        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # the upload
+        t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 1 starts: no group pace yet
+        assert t.fitted_steps == 16
+        t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 1 landed: its pace decides
+        assert (t.fitted_steps, t.fitted_round) == (8, 1), t.fitted
+        assert t.fitted.reason.startswith("round 1's group of 2: 1.2 x a 0.5 s round over 0.1 s steps needs H >= 6")
+        t.end_phase(info.session, 8, 8.0, 1.0, 0.8)  # round 2 (0.5 s) landed
+        assert t.fitted_steps == 8
+        t.end_phase(info.session, 8, 8.0, 1.0, 0.8)  # round 3 landed
+        assert (t.fitted_steps, t.fitted_round) == (16, 3) and "the largest H, average_every_max=16" in t.fitted.reason
+        t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 4 landed, without a group
+        assert (t.fitted_steps, t.fitted_round) == (16, 3)
+        assert t.global_step == 5 * 16  # each phase moved the run's step by the schedule's 16
+    finally:
+        t.stop()
+    (tmp_path / "plain").mkdir()
+    plain = trainer(tmp_path / "plain", HalfMean())  # a fixed H: no answer of auto's
+    try:
+        assert plain.attach(pid=0, device="cpu", step=0).phase_steps == 0 and plain.fitted is None
+    finally:
+        plain.stop()

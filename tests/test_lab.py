@@ -767,3 +767,35 @@ def test_lab_baselines_quick_prints_json_lines():
     assert records[-1]["metric"] == "round_s_peerd_vs_gloo_reno_5pct"
     lab_id = re.search(r"lab pdlab-([0-9a-f]{4})", r.stderr).group(1)
     assert leftovers(lab_id) == []
+
+
+AUTO_EVERY = """
+name = "lab-test-auto-every"
+duration = 12
+[run]
+id = "auto"
+settings = { "averaging.average_every" = "auto", "averaging.average_every_min" = 4, "averaging.average_every_max" = 4096 }
+[link]
+rate_mbit = 2
+[[host]]
+name = "a"
+[[host]]
+name = "b"
+"""
+
+
+@needs_lab
+@pytest.mark.heavy
+@pytest.mark.timeout(180)
+def test_two_daemons_on_a_throttled_link_fit_the_same_h(tmp_path):
+    """averaging.average_every=auto between two hosts on 2 Mbit/s links: every decision a host took
+    from a round's group pace (the lab samples them twice a second) gives the same H as the other
+    host's from that round, within the bounds. Agreement and bounds only: which H the link and the
+    machine's load give is not asserted."""
+    report, _ = run_scenario(tmp_path, AUTO_EVERY)
+    a, b = (report["hosts"][n]["average_every_by_round"] for n in "ab")
+    common = sorted(a.keys() & b.keys(), key=int)
+    print(f"H by round: a {a}, b {b}")
+    assert len(common) >= 2, (a, b)
+    assert [a[r] for r in common] == [b[r] for r in common], (a, b)
+    assert all(4 <= h <= 4096 for h in (*a.values(), *b.values())), (a, b)

@@ -9,7 +9,7 @@ from peerd.peers.manifest import (
     choose,
     decode_manifest,
     encode_manifest,
-    upgrade_legacy_settings,
+    settings_fields,
 )
 from peerd.protos import records_pb2
 from peerd.peers.records import MemberRecord, MemberState, seal_record
@@ -56,7 +56,7 @@ def test_a_manifest_of_peerd_0_1_0_loads_with_its_engine(ids):
         ).SerializeToString()
         data = seal(RecordKind.MANIFEST, body, a, None, "r")
         assert decode_manifest(data, run_id="r", secret=None, subkey=None).averaging.engine == engine
-    assert upgrade_legacy_settings({"averaging.transport": "udp", "lr": "1"}) == {
+    assert settings_fields({"averaging.transport": "udp", "lr": "1"}) == {
         "averaging.engine": "loss-tolerant",
         "lr": "1",
     }
@@ -145,3 +145,46 @@ def test_a_script_run_carries_its_model_and_names_the_first_mismatch(ids):
     ]:
         with pytest.raises(ValueError):
             RunManifest(run_id="r", creator=a.peer_id, created_at=1.0, **bad)
+
+
+def test_average_every_auto_travels_in_the_manifest_and_its_schedule_is_the_largest_h(ids):
+    """--set averaging.average_every=auto is the manifest's average_every_auto; its bounds travel
+    too, and the phases' schedule is average_every_max's. A manifest made before auto (bounds 0)
+    reads with auto off and the default bounds."""
+    a, _ = ids
+    assert settings_fields({"averaging.average_every": "auto", "lr": "1"}) == {
+        "averaging.average_every_auto": "true",
+        "lr": "1",
+    }
+    assert settings_fields({"averaging.average_every": "20"}) == {"averaging.average_every": "20"}
+    auto = AveragingSettings(average_every_auto=True, average_every_min=4, average_every_max=64, first_phase=0)
+    assert auto.phases.every == 64 and AveragingSettings(average_every=7).phases.every == 7
+    m = manifest(a, averaging=auto)
+    assert decode_manifest(encode_manifest(m, a, None), run_id="r", secret=None, subkey=a.peer_id) == m
+    body = records_pb2.RunManifest(
+        format_version=1,
+        run_id="r",
+        task="digits-mlp",
+        averaging=records_pb2.AveragingSettings(
+            average_every=5, max_group_size=16, round_timeout=30.0, algorithm="diloco", outer_lr=0.7, payload="int8"
+        ),
+        creator=a.peer_id,
+        created_at=100.0,
+    ).SerializeToString()
+    old = decode_manifest(seal(RecordKind.MANIFEST, body, a, None, "r"), run_id="r", secret=None, subkey=None)
+    assert not old.averaging.average_every_auto
+    assert (old.averaging.average_every_min, old.averaging.average_every_max) == (10, 200)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"average_every_min": 0}, "1 <= min <= max"),
+        ({"average_every_min": 30, "average_every_max": 20}, "1 <= min <= max"),
+        ({"average_every_max": 100_001}, "1 <= min <= max"),
+        ({"average_every_auto": True, "algorithm": "state"}, "needs algorithm=diloco"),
+    ],
+)
+def test_auto_bounds_are_checked(kw, message):
+    with pytest.raises(ValueError, match=message):
+        AveragingSettings(**kw)

@@ -61,6 +61,27 @@ def test_decision_excludes_stale_future_and_wrong_round_entries():
     assert "2 entry_wrong_round" in reason and "1 entry_stale" in reason and "1 record_future" in reason
 
 
+def test_an_entry_with_a_pace_out_of_range_is_refused(tmp_path):
+    """A step or round figure that is negative, NaN or over a day fails the entry's checks."""
+    from peerd.peers.envelope import RecordRejected
+    from peerd.peers.identity import Identity
+    from peerd.peers.matchmaking import open_entry
+
+    identity = Identity.load_or_create(tmp_path / "id")
+
+    def sealed(**pace) -> bytes:
+        body = pb.GroupEntry(
+            format_version=ENTRY_FORMAT_VERSION, group_key=KEY, engine_addr="127.0.0.1:7000", timestamp=1.0, **pace
+        )
+        return seal(RecordKind.GROUP_ENTRY, body.SerializeToString(), identity, None, "mm")
+
+    good = open_entry(sealed(step_seconds=0.25, round_seconds=3.0), namespace="mm", secret=None, subkey=None)
+    assert (good.member.step_seconds, good.member.round_seconds) == (0.25, 3.0)
+    for bad in ({"step_seconds": -1.0}, {"round_seconds": float("nan")}, {"step_seconds": 1e6}):
+        with pytest.raises(RecordRejected, match="step_seconds or round_seconds out of range"):
+            open_entry(sealed(**bad), namespace="mm", secret=None, subkey=None)
+
+
 def test_settings_refuse_a_join_timeout_shorter_than_the_assembly():
     with pytest.raises(ValueError):
         MatchmakingSettings(assemble_slack=2.0, join_timeout=1.0)
@@ -91,8 +112,10 @@ async def started(n: int, tmp_path, rejected: list[str]):
 
 
 def me(m: Matchmaker, weight: float = 1.0) -> Member:
-    """Each member proposes its own gather_timeout: the group's members must carry them all."""
-    return Member(m.node.peer_id, f"127.0.0.1:{7000 + hash(m.node.peer_id) % 1000}", weight, 3.0 + weight)
+    """Each member proposes its own gather_timeout and says its own pace (peers/pace.py): the group's
+    members must carry them all, the same on every member."""
+    address = f"127.0.0.1:{7000 + hash(m.node.peer_id) % 1000}"
+    return Member(m.node.peer_id, address, weight, 3.0 + weight, 0.1 * (1 + weight), 2.0 + weight)
 
 
 async def form(matchmakers, key: str, secret=None, namespace="mm"):

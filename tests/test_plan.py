@@ -20,6 +20,7 @@ from peerd.daemon.plan import (
     MissingInput,
     RunFigures,
     compare,
+    fit_every,
     inputs,
     plan,
     round_seconds,
@@ -42,6 +43,36 @@ def test_a_1b_model_at_100_mbit_exact_values():
     without = {p.payload: p for p in plan(10**9, 1.0, 100.0, 50.0, every=50, overlap=False)}
     assert without["int8"].compute_fraction == round(50 / (50 + 85.655), 4)
     assert all(p.compute_fraction == 1.0 for p in plan(10**9, 1.0, 100.0, 50.0, every=400) if p.payload != "fp32")
+
+
+def test_auto_picks_the_smallest_rung_whose_phase_hides_the_round_exact_values():
+    """averaging.average_every=auto: 1.2 x the round over the step time, up the ladder 10, 20, 40,
+    80, 160, 200 (the top); at a bound, the bound; without figures, the top (the schedule's)."""
+    assert fit_every(0.1, 2.0, 10, 200).every == 40  # needs 24
+    assert fit_every(0.1, 2.5, 10, 200).every == 40  # needs 30
+    assert fit_every(0.1, 2.75, 10, 200).every == 40  # needs 33: the same rung
+    assert fit_every(0.1, 3.5, 10, 200).every == 80  # needs 42
+    assert fit_every(0.1, 14.0, 10, 200).every == 200  # needs 168: the top rung is the bound
+    fit = fit_every(0.1, 2.0, 10, 200)
+    assert fit.reason == "1.2 x a 2 s round over 0.1 s steps needs H >= 24: 40 on the ladder 10, 20, ... 200"
+    slow = fit_every(0.5, 100.0, 10, 200)  # needs 240
+    assert slow.every == 200 and "the largest H, average_every_max=200; compute waits" in slow.reason
+    fast = fit_every(0.1, 0.5, 10, 200)  # needs 6
+    assert fast.every == 10 and fast.reason.endswith("the smallest H, average_every_min=10")
+    assert fit_every(0.1, 0.0, 1, 8).every == 1
+    assert fit_every(math.nan, 2.0, 10, 200).every == fit_every(0.1, math.nan, 10, 200).every == 200
+    assert "no completed round yet" in fit_every(0.1, math.nan, 10, 200).reason
+    assert fit_every(0.1, 2.0, 7, 7).every == 7
+    for low, high in ((0, 10), (20, 10)):
+        with pytest.raises(ValueError, match="1 <= low <= high"):
+            fit_every(0.1, 2.0, low, high)
+
+
+def test_members_with_figures_a_little_apart_pick_the_same_rung():
+    """The ladder: two members whose step times differ by 20 % (and whose round differs by 10 %)
+    agree; a pure function, so the same figures always give the same H."""
+    assert fit_every(0.10, 2.0, 10, 200) == fit_every(0.10, 2.0, 10, 200)
+    assert fit_every(0.10, 2.0, 10, 200).every == fit_every(0.12, 2.2, 10, 200).every == 40
 
 
 def test_a_group_of_g_sends_2_g_minus_1_over_g_of_the_vector():

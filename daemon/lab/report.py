@@ -129,6 +129,11 @@ def _host(record: Record, name: str, samples: list[Sample]) -> dict[str, Any]:
         "delay_line": record.delay_lines.get(name),
         "checkpoint_steps": record.checkpoints.get(name, {}).get("steps", []),
         "step_regressions": regressions,
+        # average_every=auto: the H each decision from a round's group pace gave, by that round
+        # (JSON keys are strings); empty without auto
+        "average_every_by_round": {
+            str(s.average_every_round): s.average_every for s in samples if s.average_every_round
+        },
     }
 
 

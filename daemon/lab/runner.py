@@ -72,6 +72,10 @@ class Sample:
     )
     eval_score: float
     metrics: dict[str, float]  # peerd_rounds_total by outcome and byte counters (this incarnation)
+    # averaging.average_every=auto: the H in use and the round whose group pace it came from (0:
+    # the daemon's own figures, or no auto: RunStatus.average_every_round)
+    average_every: int = 0
+    average_every_round: int = 0
 
 
 @dataclass(slots=True)
@@ -186,6 +190,8 @@ def poll_daemon(name: str, d: LocalDaemon, run_id: str, t: float) -> Sample | No
         divergence=metrics.pop("divergence", math.nan),
         eval_score=run.eval_score,
         metrics=metrics,
+        average_every=run.average_every,
+        average_every_round=run.average_every_round,
     )
 
 
