@@ -499,6 +499,7 @@ class Daemon:
                 trainer.numel,
                 manifest.averaging.lanes,
                 average_lanes,
+                trainer.serving,
                 trainer.served,
                 lambda why: self.reject("lane_request"),
                 manifest.averaging.round_timeout,

@@ -369,6 +369,7 @@ class AttachedTrainer:
         # The span's lane requests (daemon/groupspan.serve_lanes), set by the daemon for a run of
         # several lanes, and their task.
         self.lanes_served: Callable[[], Awaitable[None]] | None = None
+        self._lanes_step = 0  # the boundary of the latest round whose lanes this daemon averaged for its leader
         self._serving: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state = TrainState.LOADING
@@ -429,7 +430,9 @@ class AttachedTrainer:
         peer waiting at a boundary from one past it): the phase's steps count up to one before its
         boundary, which the EndPhase takes."""
         g = self.global_step
-        return min(g + self.phase_steps, self.phases.next_end(g) - 1)
+        # A follower averaging its lanes of round r for its leader is at r's boundary, before its
+        # EndPhase takes the group's step (after the round): mates wait for none of it.
+        return max(min(g + self.phase_steps, self.phases.next_end(g) - 1), self._lanes_step)
 
     @property
     def local_step(self) -> int:
@@ -685,6 +688,11 @@ class AttachedTrainer:
             return 0, ""
         lanes = self._outer.settings.lanes
         return sum(1 << lane for lane in range(lanes) if lane not in mine), group_id(p.daemons)
+
+    def serving(self, round_t: int) -> None:
+        """The group's leader asked this daemon to average its lanes of round `round_t`: the group
+        has reached that round's boundary (live_step says so to the lanes' mates)."""
+        self._lanes_step = max(self._lanes_step, self.phases.end(round_t))
 
     def served(self, result: RoundResult) -> None:
         """A round of a lane this daemon averaged for its group's leader (daemon/groupspan.serve_lanes):

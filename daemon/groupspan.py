@@ -262,13 +262,15 @@ async def serve_lanes(
     numel: int,
     lanes: int,
     average: Callable[[torch.Tensor, float, int, list[int], str], Awaitable[list[RoundResult]]],
+    at_round: Callable[[int], None],
     on_round: Callable[[RoundResult], None],
     on_refused: Callable[[str], None],
     timeout: float,
 ) -> None:
     """This daemon's side of its leader's lane requests (peers/dear/delegate.py), until cancelled:
     every ASK_POLL s, each new request in its store is checked against the lanes it owns now
-    (`owned()`), averaged (`average(vector, weight, round_t, lanes, payload)`, bounded by `timeout`),
+    (`owned()`), announced (`at_round(round_t)`: this daemon is at that round's boundary), averaged
+    (`average(vector, weight, round_t, lanes, payload)`, bounded by `timeout`),
     recorded as this daemon's rounds (`on_round`) and answered; one that does not check out is
     answered with the reason (`on_refused` counts it) so that its leader need not wait."""
     served, answering = 0, set()
@@ -281,6 +283,7 @@ async def serve_lanes(
             on_refused(str(e))
             await asyncio.to_thread(span.answer, k, encode_refusal(str(e)))
             return
+        at_round(request.round_t)
         vector = torch.zeros(numel)
         bounds, offset = lane_bounds(numel, lanes), 0
         for lane in request.lanes:

@@ -99,7 +99,7 @@ def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store
     table = {}
     a, b = Daemon("a", table), Daemon("b", table)
     table.update(a=a, b=b)
-    n, lanes, rounds, refused = 10, 2, [], []
+    n, lanes, rounds, refused, at = 10, 2, [], [], []
 
     async def average(vector, weight, round_t, which, payload):
         (s, e), done = (
@@ -111,7 +111,7 @@ def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store
 
     async def main():
         served = asyncio.create_task(
-            serve_lanes(b.span, lambda: (1,), n, lanes, average, rounds.append, refused.append, 5)
+            serve_lanes(b.span, lambda: (1,), n, lanes, average, at.append, rounds.append, refused.append, 5)
         )
         try:
             ok = encode_request("a", 4, [1], 2.0, "fp32", np.arange(5, dtype=np.float32))
@@ -125,6 +125,7 @@ def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store
     ((result, values),) = decode_answer(answered, n, lanes, [1], 4)
     assert result.delegated and result.applied and values.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
     assert [r.lane for r in rounds] == [1] and len(refused) == 1 and "not among the lanes" in refused[0]
+    assert at == [4]  # the daemon announced round 4's boundary before averaging its lane
     with pytest.raises(Refused, match="refused: lanes \\[0\\]"):
         decode_answer(refusal, n, lanes, [0], 4)
     a.span.close()
