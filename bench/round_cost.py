@@ -21,7 +21,7 @@ gloo's init opened all of its own), then --rounds measured rounds:
     GroupAllReduce over direct TCP on a fresh per-round listener. Each round must complete in a group
     of every host. Parts of the slowest host's round: the rendezvous (RoundResult.waited),
     matchmaking (Matchmaker.form_group), the engine (Outcome.duration), and what is left (the
-    listener, the group, closing, the hop between the trainer thread and the event loop).
+    listener, the group, closing, the hop between the trainer's worker thread and the event loop).
 (2) baseline: torch.distributed gloo all_reduce of the same vector (GLOO_SOCKET_IFNAME=eth0; its
     init, which opens every connection, is not timed).
 A round's time is its slowest host's; each figure is the median over --rounds rounds. Each cell

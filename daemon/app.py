@@ -26,7 +26,7 @@ from peerd.daemon import joining as run_setup
 from peerd.daemon.joining import RunHandle
 from peerd.peers.collective.group import MAX_GROUP
 from peerd.peers.dear.localgroup import LocalGroupRules
-from peerd.peers.dear.member import AUTO, GroupPeer, LocalGroupMember, plan_group
+from peerd.peers.dear.member import AUTO, GroupPeer, plan_group
 from peerd.peers.linkprobe import LinkProber
 from peerd.peers.matchmaking import Matchmaker, MatchmakingSettings
 from peerd.peers.membership import FOLLOWER, IDLE, TRAINER, Announcement, DiscoverySettings, Memberships
@@ -54,18 +54,17 @@ UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NU
 @dataclass(slots=True)
 class RunTraining:
     """What one run's heartbeat says of its training on this daemon (peers/membership.py asks at each
-    heartbeat): the trainer's step, sketches and delegation, its DeAR engine's address, and the link
+    heartbeat): the trainer's step, sketches and lanes, its spanning group's store, and the link
     reports peers decide an automatic local group from."""
 
-    trainer: object  # peerd.daemon.trainer.Trainer or peerd.daemon.attached.AttachedTrainer
-    local_group: LocalGroupMember | None = None
+    trainer: object  # peerd.daemon.attached.AttachedTrainer (a script's) or a TaskChild (a task's)
     prober: LinkProber | None = None  # with --local-group auto
 
     def announcement(self) -> Announcement:
         sketches = self.trainer.sketches  # before the step: see Announcement
-        delegated, group = self.trainer.delegation  # one read: the trainer replaces the pair as a whole
-        span = getattr(self.trainer, "span", None)  # a local group of processes that spans daemons
-        address = self.local_group.address if self.local_group is not None else span.address if span else ""
+        delegated, group = self.trainer.delegation  # one read: from the same placement
+        span = self.trainer.span  # a local group of processes that spans daemons
+        address = span.address if span is not None else ""
         return Announcement(
             step=self.trainer.live_step,  # an attached process's phase counts up (PHASE_STEPS)
             sketches=sketches,
@@ -349,8 +348,7 @@ class Daemon:
             return False
         data_dir = self.config.data_dir
         resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject, data_dir)
-        # A run with something to train announces "idle" until its trainer starts (the thread's first
-        # step or a process attaching): a peer waiting for --min-peers waits for trainers, not daemons.
+        # A run with something to train announces "idle" until a training process attaches: a peer waiting for --min-peers waits for trainers, not daemons.
         await self.memberships.join(run_id, secret, role=IDLE if resolved is not None else TRAINER)
         self.memberships.runs[run_id].probe_address = (
             self.prober.announced(self._advertise_host()) if self.prober else ""
@@ -393,8 +391,9 @@ class Daemon:
             return
 
     async def _train(self, handle: RunHandle, manifest, data: bytes) -> None:
-        """Set up the run's rounds, state serving and trainer: the task's (daemon/trainer.py), or for a
-        run trained by scripts, the attached half (daemon/attached.py) that waits for a process."""
+        """Set up the run's rounds, state serving and trainer: the daemon's half of a training process
+        (daemon/attached.py), which waits for a script to attach or, for a task's run, starts the
+        task's children (daemon/taskchild.py)."""
         # Imported here, as the trainer is (daemon/joining.py): the averager imports torch, which a
         # daemon whose runs are discovery only never loads; in a worker thread first (preload), so
         # that the loop does not stop for the seconds torch takes to import.
@@ -438,12 +437,11 @@ class Daemon:
             }
 
         async def run_round(vector, weight, round_t, lanes, restore, payload):
-            # The trainer thread waits for this round: its delegation cannot change meanwhile.
             # This daemon's pace goes in its matchmaking entries: the group agrees on average_every=auto's
             # figures from them (peers/pace.py).
             pace = Pace(_step_seconds(trainer), self.metrics.round_seconds(run_id))
             group = trainer.delegation[1]
-            owners = trainer.lane_owners() if lanes is None and hasattr(trainer, "lane_owners") else []
+            owners = trainer.lane_owners() if lanes is None else []
             if not owners:
                 return await averager.average(vector, weight, round_t, live(), lanes, group, restore, payload, pace)
             # The leader of a local group that spans daemons: each daemon averages its lanes.
@@ -479,14 +477,10 @@ class Daemon:
         prober = self.prober if self.config.train.local_group == AUTO else None
         if not manifest.task:
             handle.trainer = trainer = self._attached_trainer(manifest, membership, average, sync, loop)
-            training = RunTraining(trainer, prober=prober)
-        elif self._in_child(manifest):
-            handle.trainer = trainer = await self._task_child(manifest, membership, average, sync, loop)
-            training = RunTraining(trainer, prober=prober)
         else:
-            handle.trainer = trainer = self._task_trainer(manifest, membership, average, sync, loop, secret)
-            training = RunTraining(trainer, trainer.local_group, prober)
-        if getattr(trainer, "span", None) is not None and manifest.averaging.lanes > 1:
+            handle.trainer = trainer = await self._task_child(manifest, membership, average, sync, loop)
+        training = RunTraining(trainer, prober)
+        if trainer.span is not None and manifest.averaging.lanes > 1:
             from peerd.daemon.groupspan import serve_lanes
 
             async def average_lanes(vector, weight, round_t, which, payload):
@@ -512,60 +506,6 @@ class Daemon:
             run_setup.republish(self.node, manifest, data, secret), name=f"manifest:{run_id}"
         )
 
-    def _task_trainer(self, manifest, membership, average, sync, loop, secret):
-        run_id = manifest.run_id
-        # "idle" until the thread starts (_trainer_started): a daemon that joined before the run's
-        # manifest existed announced "trainer" meanwhile, and its peers' --min-peers would count it.
-        membership.role = IDLE
-        local_group = None
-        if self.config.train.local_group:
-            membership.local_group = self.config.train.local_group
-            local_group = LocalGroupMember(
-                run_id=run_id,
-                peer_id=self.node.peer_id,
-                label=self.config.train.local_group,
-                host=self._advertise_host(),
-                peers=lambda: [
-                    GroupPeer(e.peer_id, e.local_group, e.dear_address, e.links, e.timestamp)
-                    for e in membership.peers()
-                ],
-                own_links=lambda: membership.published_links,
-                events=self.metrics.peer_events(),
-                engine_key=secret.engine_key if secret is not None else None,
-            )
-        trainer = run_setup.make_trainer(
-            manifest,
-            self.node,
-            self.config.data_dir,
-            self.config.train,
-            average=average,
-            on_round=lambda result: self.metrics.observe_round(run_id, result),
-            # Read from the trainer thread, as a script's daemon counts (TaskChild.trainers_ready): the
-            # peers whose trainers started, so that one that starts seconds late does not train alone.
-            peers=lambda: sum(e.role != IDLE for e in membership.peers()),
-            on_start=lambda: self._trainer_started(membership, loop),
-            peer_steps=lambda: [e.step for e in membership.peers() if e.role != IDLE],
-            sync=sync,
-            on_sync=lambda result: self.metrics.observe_sync(run_id, result),
-            local_group=local_group,
-            announce=lambda: self._announce_soon(membership, loop),
-            on_rejected=self.reject,
-        )
-        return trainer
-
-    def _in_child(self, manifest) -> bool:
-        """Whether this task's run trains in child processes: every run but a state run with a DeAR local
-        group (--local-group), whose hooks on the model need the daemon's trainer thread (docs/your-loop.md,
-        "Not yet")."""
-        if manifest.averaging.algorithm == "diloco" or not self.config.train.local_group:
-            return True
-        logger.info(
-            "run %s: trains in a thread of the daemon, not a child process: its DeAR local group (--local-group) "
-            "runs in the daemon's trainer",
-            manifest.run_id,
-        )
-        return False
-
     async def _task_child(self, manifest, membership, average, sync, loop):
         """The daemon's half of a task's run trained by its child process (daemon/taskchild.py)."""
         from peerd.daemon.taskchild import TaskChild, child_argv, task_model
@@ -574,8 +514,7 @@ class Daemon:
         layout, identity, model, optimizer = await asyncio.to_thread(task_model, manifest, seed)  # builds it once
         train = self.config.train
         argv = child_argv(manifest, self.config.data_dir, train, seed)
-        # With overlap a round lands between two of the child's steps, as in the thread (daemon/attached.py,
-        # "landing"). None: a state run, whose rounds average the child's whole state vector.
+        # With overlap a round lands between two of the child's steps (daemon/attached.py, "landing"). None: a state run, whose rounds average the child's whole state vector.
         outer = run_setup.outer_settings(manifest.averaging)
         cls, state = TaskChild, {}
         if outer is None:
@@ -584,9 +523,9 @@ class Daemon:
 
             # The optimizer's state, materialized off the loop: its first step imports torch._dynamo (1-3 s).
             await asyncio.to_thread(state_tensors, optimizer)
-            # No straggler budget, as in the thread: a state run's phases all take H steps.
+            # No straggler budget: a state run's phases all take H steps.
             cls = StateChild
-            state = {"model": model, "optimizer": optimizer, "lanes": manifest.averaging.lanes, "inner_budget": 0.0}
+            state = {"model": model, "optimizer": optimizer, "inner_budget": 0.0}
         return self._attached_trainer(
             manifest,
             membership,
@@ -648,6 +587,7 @@ class Daemon:
             inner_budget=manifest.averaging.inner_budget,
             auto_every=_auto_bounds(manifest.averaging),
             round_seconds=lambda: self.metrics.round_seconds(run_id),
+            lanes=manifest.averaging.lanes,
         )
         trainer = cls(**{**settings, **kwargs})
         if train.local_group:
@@ -737,18 +677,9 @@ class Daemon:
 
         return [t for t in trainers if isinstance(t, AttachedTrainer)]
 
-    @classmethod
-    def _trainer_started(cls, membership, loop: asyncio.AbstractEventLoop) -> None:
-        """From the trainer thread, before it waits for --min-peers trainers: announce "trainer" now."""
-        try:
-            loop.call_soon_threadsafe(setattr, membership, "role", TRAINER)
-        except RuntimeError:  # the loop is closed: the daemon is stopping
-            return
-        cls._announce_soon(membership, loop)
-
     @staticmethod
     def _announce_soon(membership, loop: asyncio.AbstractEventLoop) -> None:
-        """From the trainer thread: send a heartbeat now (its DeAR delegation changed), not at the
+        """From a worker thread: send a heartbeat now (the trainer's role or lanes changed), not at the
         next interval. A failure is the periodic heartbeat's to make up for."""
 
         async def announce() -> None:
@@ -839,7 +770,6 @@ class Daemon:
                 step_seconds=math.nan,
                 param_divergence=math.nan,
                 param_distance_to_group_mean=math.nan,
-                dear_overlap_ratio=math.nan,
                 compute_fraction=math.nan,
                 wan_share=1.0,
                 local_group_rank=-1,
@@ -862,8 +792,7 @@ class Daemon:
                 if lg is not None:
                     r.local_group, r.local_group_size, r.local_group_rank = lg.label, lg.size, lg.rank
                     r.local_group_reason = lg.last_reason
-                r.dear_buckets, r.dear_bucket_bytes, r.dear_steps = tr.dear_buckets, tr.dear_bucket_bytes, tr.dear_steps
-                r.dear_overlap_ratio, r.wan_share = tr.dear_overlap_ratio, tr.wan_share
+                r.wan_share = tr.wan_share
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
                 r.parameters = tr.parameters
                 r.step_seconds = _step_seconds(tr)

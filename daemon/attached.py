@@ -59,6 +59,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -70,9 +71,8 @@ from peerd.daemon.groupspan import TICK, GroupSpan, Placement
 from peerd.daemon.plan import Fit, fit_every
 from peerd.daemon.straggler import EarlyEnd, catch_up_from
 from peerd.daemon.tasks import EvalResult
-from peerd.daemon.trainer import CATCH_UP_PATIENCE, TrainState
 from peerd.peers.averaging import Average, RoundResult
-from peerd.peers.dear.hierarchy import group_id, owned_lanes
+from peerd.peers.dear.hierarchy import delegated_mask, group_id, owned_lanes
 from peerd.peers.dear.member import AUTO
 from peerd.peers.manifest import TensorSpec
 from peerd.peers.pace import Pace
@@ -117,6 +117,17 @@ SHARED_PREFIX = "peerd-"
 # the loop's own count, which a loop that evaluates or stops every so many of its steps would not
 # expect.
 SCRIPT_RUN_DEFAULTS = {"averaging.overlap": "false", "averaging.inner_budget": "0"}
+
+
+CATCH_UP_PATIENCE = 10.0  # seconds a trainer behind its peers keeps trying to download their state
+
+
+class TrainState(Enum):
+    LOADING = "LOADING"  # setting the run's state up, loading a checkpoint
+    TRAINING = "TRAINING"  # a process is attached (or the task's child runs)
+    FINISHED = "FINISHED"  # reached max_steps; the model is kept
+    STOPPED = "STOPPED"  # stopped by leave or drain, or its process detached
+    FAILED = "FAILED"  # the task's child failed past its restarts; see `error`
 
 
 class AttachRefused(Exception):
@@ -277,19 +288,14 @@ def layout_identity(run_id: str, layout: tuple[TensorSpec, ...]) -> dict:
 
 
 class AttachedTrainer:
-    """The daemon's half of a script-trained run: the same status surface as daemon/trainer.Trainer
-    (status, metrics and the membership read these attributes), with the steps taken elsewhere.
+    """The daemon's half of a run trained by an attached process (status, metrics and the membership
+    read its attributes; the steps are taken in the process).
 
-    Callbacks as the Trainer's: `average` (the blocking round bridge, daemon/joining.round_bridge),
+    Callbacks: `average` (the blocking round bridge, daemon/joining.round_bridge),
     `on_round`, `peer_steps`, `sync` (download [θ; m] from peers), `on_sync`; `on_role(role)`
     announces whether a process trains here (peers/membership.py TRAINER, FOLLOWER, IDLE).
     attach/end_phase/renew/detach block (a round, a download, a checkpoint): the control server
     calls them in worker threads; one lock orders them."""
-
-    # The thread's DeAR groups (daemon/trainer.py) do not apply here; the status reads these.
-    wan_share = 1.0
-    dear_steps = dear_buckets = dear_bucket_bytes = 0
-    dear_overlap_ratio = math.nan
 
     def __init__(
         self,
@@ -315,6 +321,7 @@ class AttachedTrainer:
         round_seconds: Callable[[], float] = lambda: math.nan,
         identity: dict | None = None,
         numel: int | None = None,
+        lanes: int = 1,
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
         self.phases, self.round_timeout, self.checkpoint_every = phases, round_timeout, checkpoint_every
@@ -326,11 +333,12 @@ class AttachedTrainer:
             on_sync,
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
+        self.lanes = lanes  # the run's averaging.lanes
         # The vector's values: the parameters (DiLoCo), or a whole state vector (daemon/statechild.py).
         self.parameters = sum(t.numel for t in layout)  # the model's (RunStatus.parameters)
         self.numel = numel if numel is not None else self.parameters
         # What this run's checkpoints hold (daemon/checkpoint.py): a script's model, or a task's (its
-        # own child's, daemon/taskchild.py: the identity the trainer thread's checkpoints have too).
+        # own child's, daemon/taskchild.py: the identity older releases' trainer thread wrote too).
         self._identity = identity if identity is not None else layout_identity(run_id, layout)
         overlap = outer is not None and outer.overlap
         self._shared = SharedVector(shared_dir, self.numel, theta=overlap)
@@ -464,7 +472,7 @@ class AttachedTrainer:
         """Restore the outer state from the newest checkpoint of this run's model (blocking)."""
         checkpoint = self.store.load_latest(self._identity)
         # Checkpoints of another identity (a run ID reused for another model) stay named in status
-        # for the run's life, as the trainer thread's (an attach clears other errors).
+        # for the run's life (an attach clears other errors).
         self.error = self._passed_over = passed_over_error(self.store.passed_over, checkpoint)
         if self._passed_over:
             logger.warning("run %s: %s", self.run_id, self._passed_over)
@@ -666,14 +674,14 @@ class AttachedTrainer:
         """A spanning group's lanes (peers/dear/delegate.py): (peer ID, the lanes it averages) of each
         daemon of the epoch, the leading one first; [] where this daemon does not lead such a group
         or the run has one lane (the leader averages everything)."""
-        p, lanes = self._placement, self._outer.settings.lanes if self._outer is not None else 1
+        p, lanes = self._placement, self.lanes
         if p is None or not p.spans or p.base > 0 or lanes < 2:
             return []
         return [(peer, owned_lanes(lanes, len(p.daemons), j)) for j, peer in enumerate(p.daemons)]
 
     def owned(self) -> tuple[int, ...]:
         """The lanes this daemon averages for its spanning group ((): none, or no such group)."""
-        p, lanes = self._placement, self._outer.settings.lanes if self._outer is not None else 1
+        p, lanes = self._placement, self.lanes
         if p is None or not p.spans or lanes < 2 or self.span is None or self.span.peer_id not in p.daemons:
             return ()
         return owned_lanes(lanes, len(p.daemons), p.daemons.index(self.span.peer_id))
@@ -683,11 +691,18 @@ class AttachedTrainer:
         """What the heartbeat announces of the lanes: those the group's other daemons average for this
         one (a bit mask), and the group's ID; (0, "") where this daemon averages every lane it
         averages at all (no spanning group with lanes, or one that gives this daemon none)."""
-        p, mine = self._placement, self.owned()
-        if not mine:
+        p = self._placement
+        if not self.owned():
             return 0, ""
-        lanes = self._outer.settings.lanes
-        return sum(1 << lane for lane in range(lanes) if lane not in mine), group_id(p.daemons)
+        return delegated_mask(self.lanes, len(p.daemons), p.daemons.index(self.span.peer_id)), group_id(p.daemons)
+
+    @property
+    def wan_share(self) -> float:
+        """The share of the run's vector this daemon averages on the WAN: all of it alone or leading a
+        group of one lane, none following one, its lanes' share in a group of several lanes."""
+        if self.owned():
+            return len(self.owned()) / self.lanes
+        return 0.0 if self.follows else 1.0
 
     def serving(self, round_t: int) -> None:
         """The group's leader asked this daemon to average its lanes of round `round_t`: the group

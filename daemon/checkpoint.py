@@ -96,7 +96,7 @@ def mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
 
 def passed_over_error(passed: list[tuple[Path, str]], resumed: Checkpoint | None) -> str:
     """A run's `error` in status when load_latest() passed over checkpoints of another identity
-    (left on disk); "" when it passed over none. The trainer thread's and an attached process's."""
+    (left on disk); "" when it passed over none."""
     if not passed:
         return ""
     path, why = passed[0]

@@ -303,16 +303,8 @@ def _cmd_status(args) -> int:
             print(f"{r.run_id}: training process: {pid}{r.train_process_state}, restarts {r.train_process_restarts}")
         if r.local_group:
             rank = str(r.local_group_rank) if r.local_group_rank >= 0 else "-"
-            overlap = "-" if math.isnan(r.dear_overlap_ratio) else f"{r.dear_overlap_ratio:.2f}"
-            if r.algorithm == "diloco":  # the processes of the label's daemons (daemon/groupspan.py)
-                print(
-                    f"{r.run_id}: local group {r.local_group}  processes {r.local_group_size}  first rank here {rank}"
-                )
-            else:  # a state run's DeAR group of daemons (daemon/trainer.py)
-                print(
-                    f"{r.run_id}: local group {r.local_group}  size {r.local_group_size}  rank {rank}  "
-                    f"DeAR buckets {r.dear_buckets} of {r.dear_bucket_bytes / 1024:.0f} KiB  steps {r.dear_steps}  overlap {overlap}  WAN share {r.wan_share:.2f}"
-                )
+            # The training processes of the group, of every daemon with the label (daemon/groupspan.py).
+            print(f"{r.run_id}: local group {r.local_group}  processes {r.local_group_size}  first rank here {rank}")
             if r.local_group_reason:
                 print(f"{r.run_id}: local group decision: {r.local_group_reason}")
         if r.average_every_auto:

@@ -312,9 +312,10 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "train.local_group",
         "label shared by daemons on fast links: their training processes are one local group, one WAN peer, "
-        "averaging gradients every step (DiLoCo runs: the first daemon leads the group's rounds, the others "
-        "follow; its store and Gloo links are not authenticated: trusted links only, docs/your-loop.md; state "
-        "runs: DeAR in a thread of the daemon, docs/dear.md); 'auto': group with the peers labelled auto "
+        "averaging gradients every step (the first daemon leads the group's rounds, the others follow; with "
+        "averaging.lanes >= 2 each averages its share; its store and Gloo links are not authenticated: "
+        "trusted links only, docs/your-loop.md); "
+        "'auto': group with the peers labelled auto "
         "whose measured links pass the thresholds (RTT <= 2 ms, >= 1 Gb/s, loss <= 0.1 %)",
         "NAME",
     ),

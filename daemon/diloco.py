@@ -135,8 +135,8 @@ class OuterLoop:
     """The outer state of one trainer and its rounds. `average(vector, weight, round_t, payload)` is
     the trainer's blocking round (daemon/joining.round_bridge): it averages `vector` in place, sent in
     `payload`'s format, and returns one RoundResult per lane; with overlap it runs on this loop's own
-    named thread, while the trainer thread computes. Every other method is called from the trainer
-    thread."""
+    named thread, while the process computes. Every other method is called under the trainer's
+    lock (daemon/attached.py), or from the simulation's worker."""
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib
 import concurrent.futures
 import logging
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from peerd.daemon.config import TrainConfig
 from peerd.daemon.datadir import write_atomic
 from peerd.daemon.typed import Mismatch, coerce
 from peerd.peers import manifest as manifests
@@ -34,8 +34,8 @@ from peerd.peers.statesync import FetchResult, fetch_state
 if TYPE_CHECKING:
     import torch
 
+    from peerd.daemon.attached import AttachedTrainer
     from peerd.daemon.tasks import Task
-    from peerd.daemon.trainer import Trainer
     from peerd.peers.averaging import RoundResult
     from peerd.peers.membership import Roll
 
@@ -80,7 +80,7 @@ class RunRefused(ValueError):
 class RunHandle:
     run_id: str
     manifest: RunManifest | None
-    trainer: Trainer | None  # or an AttachedTrainer, for a run trained by scripts (daemon/attached.py)
+    trainer: AttachedTrainer | None  # a script's, or a TaskChild: a task's child (daemon/taskchild.py)
     secret: RunSecret | None = None
     republisher: asyncio.Task | None = None
     round_future: concurrent.futures.Future | None = None  # the averaging round the trainer waits for
@@ -127,7 +127,7 @@ def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, 
 def sync_bridge(
     handle: RunHandle, loop: asyncio.AbstractEventLoop, node: PeerNode, run_id: str, secret, membership, events
 ):
-    """A blocking `sync(min_step, out)` for the trainer thread: downloads the run's state from the
+    """A blocking `sync(min_step, out)` for the trainer (in a worker thread): downloads the run's state from the
     live peers that announce at least min_step (peers/statesync.py), at most SYNC_TIMEOUT seconds,
     and copies it into `out` only when complete and verified. Downloads land in one buffer of the
     bridge's own, so a failed download's verified chunks survive until the next call resumes them."""
@@ -214,12 +214,13 @@ def _split_settings(text: dict[str, str]) -> tuple[dict[str, str], AveragingSett
 
 
 def preload(task: str) -> None:
-    """Import what training a run needs: torch, the averager, the trainer and the task's module.
+    """Import what training a run needs: torch, the averager, the daemon's half of a training process
+    and the task's module.
     Seconds on a busy machine (1.3 s of the loop's time at a load of 2 when a `--task` run started,
     3.4 s seen under load), so the daemon runs this in a worker thread (asyncio.to_thread) before
     it resolves or trains a run, not on its event loop, where heartbeats, probe echoes and control
     calls would wait. A task that cannot be loaded is left for resolve() to refuse, with its reason."""
-    importlib.import_module("peerd.daemon.trainer")
+    importlib.import_module("peerd.daemon.attached")
     importlib.import_module("peerd.peers.averaging")
     if task:
         with contextlib.suppress(RunRefused):
@@ -403,67 +404,13 @@ async def resolve(
     return settled
 
 
-def make_trainer(
-    manifest: RunManifest,
-    node: PeerNode,
-    data_dir: Path,
-    train: TrainConfig,
-    *,
-    average=None,
-    on_round=None,
-    peers=None,
-    peer_steps=None,
-    sync=None,
-    on_sync=None,
-    local_group=None,
-    announce=None,
-    on_start=None,
-    on_rejected=None,
-) -> Trainer:
-    """The trainer thread of a `state` run with a DeAR local group (daemon/trainer.py; every other
-    run trains in children). `on_rejected(reason)` counts the checkpoints it cannot load: `checkpoint_corrupt`
-    (does not verify), `checkpoint_foreign` (of another run, task, hyper-parameters or model)."""
-    from peerd.daemon.checkpoint import CheckpointStore
-    from peerd.daemon.trainer import Trainer, seed_from
-
-    count = on_rejected or (lambda reason: None)
-    task = _installed(manifest.task)
-    return Trainer(
-        run_id=manifest.run_id,
-        task=task,
-        hparams=hparams_from_text(task, manifest.hparams),
-        # Every peer starts from the same parameters; each sees its own stream of samples.
-        init_seed=init_seed(manifest),
-        peer_seed=seed_from(manifest.run_id, node.peer_id),
-        store=CheckpointStore(
-            data_dir / "runs" / manifest.run_id / "checkpoints",
-            on_corrupt=lambda path, why: count("checkpoint_corrupt"),
-            on_foreign=lambda path, why: count("checkpoint_foreign"),
-        ),
-        threads=train.torch_threads,
-        checkpoint_every=train.checkpoint_every,
-        eval_every=train.eval_every,
-        max_steps=train.max_steps,
-        phases=manifest.averaging.phases,
-        lanes=manifest.averaging.lanes,
-        round_timeout=manifest.averaging.round_timeout,
-        average=average,
-        on_round=on_round,
-        peer_steps=peer_steps,
-        sync=sync,
-        on_sync=on_sync,
-        ready_to_train=(lambda: peers() + 1 >= train.min_peers) if peers is not None else None,
-        ready_timeout=train.min_peers_timeout,
-        local_group=local_group,
-        announce=announce,
-        on_start=on_start,
-    )
+def seed_from(*parts: str) -> int:
+    """A 63-bit seed every peer derives the same way from the same strings."""
+    return int.from_bytes(hashlib.blake2b("\x00".join(parts).encode(), digest_size=8).digest(), "little") >> 1
 
 
 def init_seed(manifest: RunManifest) -> int:
     """The seed of a task run's first parameters: the same on every peer."""
-    from peerd.daemon.trainer import seed_from
-
     return seed_from(manifest.run_id, manifest.creator, repr(manifest.created_at))
 
 

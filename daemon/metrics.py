@@ -44,7 +44,7 @@ disable_created_metrics()  # the *_created series double every counter for no us
 
 REQUEST_HEAD_LIMIT = 8192  # bytes of request line + headers we read before giving up
 REQUEST_READ_TIMEOUT = 5.0  # seconds a client may take to send its request head
-# peerd.daemon.trainer.TrainState's values, named here so that metrics never import torch
+# peerd.daemon.attached.TrainState's values, named here so that metrics never import torch
 # (tests/test_health.py checks that the two agree).
 TRAIN_STATES = ("LOADING", "TRAINING", "FINISHED", "STOPPED", "FAILED")
 RECENT_ROUNDS = 16  # completed rounds whose median duration status shows (RunStatus.round_seconds)
@@ -136,25 +136,12 @@ class _TrainingCollector(Collector):
         )
         group = GaugeMetricFamily(
             "peerd_local_group_size",
-            "Members of the run's active DeAR local group, this daemon included; 0 when none.",
-            labels=["run"],
-        )
-        dear_steps = CounterMetricFamily(
-            "peerd_dear_steps", "Steps this daemon took under DeAR in the run.", labels=["run"]
-        )
-        overlap = GaugeMetricFamily(
-            "peerd_dear_overlap_ratio",
-            "Share of DeAR's communication hidden behind compute (latest local group).",
-            labels=["run"],
-        )
-        bucket_bytes = GaugeMetricFamily(
-            "peerd_dear_bucket_bytes",
-            "Fusion target (bytes) of the active DeAR group's buckets, as tuned; 0 when none.",
+            "Training processes of the run's local group (--local-group: of its daemons); 0 while not placed.",
             labels=["run"],
         )
         wan_share = GaugeMetricFamily(
             "peerd_wan_share",
-            "Fraction of the run's state this daemon averages over the WAN (1 outside a local group).",
+            "Fraction of the run's vector this daemon averages over the WAN (1 outside a local group).",
             labels=["run"],
         )
         compute = GaugeMetricFamily(
@@ -217,10 +204,6 @@ class _TrainingCollector(Collector):
             wan_share.add_metric([r.run_id], r.wan_share)
             if r.local_group:
                 group.add_metric([r.run_id], r.local_group_size)
-                dear_steps.add_metric([r.run_id], r.dear_steps)
-                bucket_bytes.add_metric([r.run_id], r.dear_bucket_bytes)
-                if not math.isnan(r.dear_overlap_ratio):
-                    overlap.add_metric([r.run_id], r.dear_overlap_ratio)
         yield state
         yield from (
             step,
@@ -233,10 +216,7 @@ class _TrainingCollector(Collector):
             divergence,
             to_mean,
             group,
-            dear_steps,
-            overlap,
             wan_share,
-            bucket_bytes,
             compute,
             waited,
             attached,
@@ -414,7 +394,7 @@ class DaemonMetrics:
                 counter.labels(transport)
 
     def observe_round(self, run_id: str, result: RoundResult) -> None:
-        """Record one averaging round (called from the trainer thread; the client is thread-safe)."""
+        """Record one averaging round (called from the trainer's worker threads; the client is thread-safe)."""
         outcome = result.outcome
         self.rounds.labels(run_id, result.outcome_name).inc()
         if outcome is not None:
@@ -444,7 +424,7 @@ class DaemonMetrics:
         return statistics.median(recent) if recent else math.nan
 
     def observe_sync(self, run_id: str, result: FetchResult) -> None:
-        """Record one state download (called from the trainer thread)."""
+        """Record one state download (called from the trainer's worker threads)."""
         self.state_syncs.labels(run_id, "ok" if result.ok else "failed").inc()
         self.state_sync_bytes.labels(run_id).inc(result.bytes)
         self.state_sync_seconds.labels(run_id).inc(result.duration)

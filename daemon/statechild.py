@@ -1,17 +1,18 @@
 """The daemon's half of a state run (averaging.algorithm=state) trained by its child process: a
 TaskChild whose shared vector is the run's *state vector* (the parameters, then the inner
-optimizer's floating-point state, in daemon/flat.py state_tensors' order: the trainer thread's
-vector, the same on every peer), not the parameters alone.
+optimizer's floating-point state, in daemon/flat.py state_tensors' order, the same on every peer),
+not the parameters alone.
 
-At each phase's end the child writes its state vector; the daemon runs the round on it in place as
-the trainer thread does (daemon/trainer.py `_average_round`, without DeAR: a completed round leaves
-the group's mean, a partial one the mean where it arrived, a failed one or none the vector as it
-was); the child copies the vector back into its model and its optimizer. No outer optimizer, no
-overlap. Peers download the vector, as a thread peer's snapshot: thread and child peers share a run.
+At each phase's end the child writes its state vector; the daemon runs the round on it in place (a
+completed round leaves the group's mean, a partial one the mean where it arrived, a failed one or
+none the vector as it was); the child copies the vector back into its model and its optimizer. No
+outer optimizer, no overlap. Peers download the vector. With a local group (--local-group), the
+group's leader runs the round (each of its daemons its own lanes, peers/dear/delegate.py) and the
+others take the group's vector (daemon/groupspan.py).
 
-Checkpoints are the thread's ("model" and "optimizer" state dicts): the daemon keeps the task's
-model and optimizer (built once to know the layout) to convert the vector to them and back, so a
-restart resumes the run in a child or, with a DeAR local group (--local-group), in a thread alike.
+Checkpoints are the task's model and optimizer ("model" and "optimizer" state dicts, as older
+releases' trainer thread wrote them): the daemon keeps the task's model and optimizer (built once
+to know the layout) to convert the vector to them and back.
 """
 
 from __future__ import annotations
@@ -24,18 +25,29 @@ import torch
 from peerd.daemon.attached import PhaseEnd
 from peerd.daemon.flat import from_flat, state_tensors, to_flat
 from peerd.daemon.taskchild import TaskChild
-from peerd.daemon.trainer import lanes_to_put_back
 from peerd.peers.dear.hierarchy import lane_bounds
 from peerd.peers.sketch import HISTORY, SketchPlan
 from peerd.peers.statesync import Snapshot
 
 
+def lanes_to_put_back(results: list, lanes: int) -> list[int]:
+    """The lanes a round run with restore=False may have left partly written: those whose result
+    ran the engine without applying its outcome, was interrupted, or is missing (an interrupted
+    round answers once for every lane). A lane alone or without a group was not touched."""
+    by_lane = {r.lane: r for r in results}
+    return [
+        lane
+        for lane in range(lanes)
+        if (r := by_lane.get(lane)) is None or (not r.applied and (r.outcome is not None or r.interrupted))
+    ]
+
+
 class StateChild(TaskChild):
     """A TaskChild of a state run. `model` and `optimizer`: the task's, as built from the run's
-    manifest (daemon/taskchild.py task_model); `lanes`: the run's averaging.lanes."""
+    manifest (daemon/taskchild.py task_model)."""
 
-    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lanes: int, **child):
-        self._model, self._optimizer, self.lanes = model, optimizer, lanes
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **child):
+        self._model, self._optimizer = model, optimizer
         self._tensors, self._n_params = state_tensors(optimizer)
         super().__init__(numel=sum(t.numel() for t in self._tensors), **child)  # its `outer`: None
         self._params_numel = sum(t.numel() for t in self._tensors[: self._n_params])

@@ -8,10 +8,9 @@ the rules that keep every peer in the run's rounds (docs/algorithms.md, "Rounds"
 * catch_up_from: a peer two rounds behind downloads the run's state instead of rounds that would
   find nobody.
 
-One decision for both ways of training: the daemon's own trainer thread asks between two steps
-(daemon/trainer.py), and for an attached process (daemon/attached.py) the daemon asks on its lease
-watch and, when a phase ends, writes its boundary into the shared file's header; the process reads
-it at each step (peerd/torch.py) and ends its phase there.
+For an attached process (daemon/attached.py) the daemon asks on its lease watch and, when a phase
+ends, writes its boundary into the shared file's header; the process reads it at each step
+(peerd/torch.py) and ends its phase there.
 """
 
 from __future__ import annotations
@@ -96,8 +95,7 @@ class StragglerBudget:
 @dataclass(slots=True)
 class EarlyEnd:
     """Whether a phase ends before its boundary, and why: MateWait first, then the straggler
-    budget. Both ways of training ask it (daemon/trainer.py between two steps, daemon/attached.py
-    on its lease watch)."""
+    budget. daemon/attached.py asks it on its lease watch."""
 
     mates: MateWait
     budget: StragglerBudget

@@ -11,8 +11,8 @@ state vector, parameters and the inner optimizer's state), except that:
   "landing"), and it evaluates θ (peerd.torch.Optimizer.run_parameters);
 - every daemon of the run may start it from the manifest's seed (the same first parameters on
   every peer), so a joiner with no peer to download from is not refused;
-- checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one the
-  trainer thread writes (a state run with a DeAR local group trains there).
+- checkpoints have the task's identity (run, task, hyper-parameters, model layout), the one older
+  releases' trainer thread wrote: their checkpoints resume here.
 
 The inner optimizer's state is the child's, in the run's data dir (STATE_FILE; for a state run only
 what the state vector does not hold, such as Adam's step count). Status: the child's
@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from peerd.daemon import SOURCE_ROOT
-from peerd.daemon.attached import AttachedTrainer
+from peerd.daemon.attached import AttachedTrainer, TrainState
 from peerd.daemon.joining import RunRefused
 from peerd.daemon.supervisor import ChildState, Supervisor
-from peerd.daemon.trainer import TrainState
 from peerd.peers.manifest import RunManifest, TensorSpec, layout_mismatch
 from peerd.peers.membership import IDLE
 
@@ -51,7 +50,7 @@ STATE_FILE = "taskproc.state"  # the child's inner optimizer state, in the run's
 
 def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec, ...], dict, object, object]:
     """The layout of the run's task's model as the child's Optimizer sends it, the identity of the
-    run's checkpoints (the trainer thread's), and the model and optimizer built for them (a state
+    run's checkpoints, and the model and optimizer built for them (a state
     run's daemon keeps them: daemon/statechild.py). Builds the model once (blocking)."""
     from peerd.daemon.checkpoint import identity_of
     from peerd.daemon.joining import hparams_from_text

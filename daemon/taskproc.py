@@ -90,9 +90,8 @@ def load_state(opt, path: Path, identity: dict, model: torch.nn.Module) -> None:
 def train(args: argparse.Namespace) -> int:
     import peerd.torch
     from peerd.daemon.checkpoint import identity_of
-    from peerd.daemon.joining import hparams_from_text
+    from peerd.daemon.joining import hparams_from_text, seed_from
     from peerd.daemon.tasks import get_task
-    from peerd.daemon.trainer import seed_from
 
     torch.set_num_threads(args.torch_threads)
     task = get_task(args.task)

@@ -100,7 +100,7 @@ class Optimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer has no parameters")
         # What the shared vector holds: the parameters, or with `state_vector` (a built-in task's state
         # run, daemon/taskproc.py; a script's run is DiLoCo's) the parameters then the inner optimizer's
-        # floating-point state, in the trainer thread's order (daemon/flat.py state_tensors).
+        # floating-point state, in the state run's order (daemon/flat.py state_tensors).
         self._state_vector = state_vector
         self._tensors = self._vector_tensors()
         self.layout = model_layout(optimizer, model)

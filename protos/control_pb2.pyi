@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "dear_buckets", "dear_steps", "dear_overlap_ratio", "wan_share", "dear_bucket_bytes", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason", "parameters", "step_seconds", "round_seconds", "average_every", "payload", "overlap", "average_every_auto", "average_every_reason", "average_every_round")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "wan_share", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason", "parameters", "step_seconds", "round_seconds", "average_every", "payload", "overlap", "average_every_auto", "average_every_reason", "average_every_round")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -34,11 +34,7 @@ class RunStatus(_message.Message):
     LOCAL_GROUP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
-    DEAR_BUCKETS_FIELD_NUMBER: _ClassVar[int]
-    DEAR_STEPS_FIELD_NUMBER: _ClassVar[int]
-    DEAR_OVERLAP_RATIO_FIELD_NUMBER: _ClassVar[int]
     WAN_SHARE_FIELD_NUMBER: _ClassVar[int]
-    DEAR_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_GROUP_FIELD_NUMBER: _ClassVar[int]
     PARAM_DIVERGENCE_STEP_FIELD_NUMBER: _ClassVar[int]
     PARAM_DISTANCE_TO_GROUP_MEAN_FIELD_NUMBER: _ClassVar[int]
@@ -87,11 +83,7 @@ class RunStatus(_message.Message):
     local_group: str
     local_group_size: int
     local_group_rank: int
-    dear_buckets: int
-    dear_steps: int
-    dear_overlap_ratio: float
     wan_share: float
-    dear_bucket_bytes: int
     last_round_group: _containers.RepeatedScalarFieldContainer[str]
     param_divergence_step: int
     param_distance_to_group_mean: float
@@ -118,7 +110,7 @@ class RunStatus(_message.Message):
     average_every_auto: bool
     average_every_reason: str
     average_every_round: int
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., dear_buckets: _Optional[int] = ..., dear_steps: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ..., wan_share: _Optional[float] = ..., dear_bucket_bytes: _Optional[int] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ..., parameters: _Optional[int] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., average_every: _Optional[int] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., average_every_auto: _Optional[bool] = ..., average_every_reason: _Optional[str] = ..., average_every_round: _Optional[int] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., wan_share: _Optional[float] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ..., parameters: _Optional[int] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., average_every: _Optional[int] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., average_every_auto: _Optional[bool] = ..., average_every_reason: _Optional[str] = ..., average_every_round: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")

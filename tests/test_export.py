@@ -1,11 +1,10 @@
 """`peerd export` (issue 16): a run's weights out of its checkpoints, as a plain state_dict that
 torch.load(weights_only=True) reads and the task's model loads with strict=True.
 
-State checkpoints come from a real trainer (daemon/trainer.py) run in-process, a lone peer (its
-rounds find no group, as a daemon alone in a run): the exported weights are the model. DiLoCo
-checkpoints of the format the daemon's thread wrote (the inner "model" and the outer state; files
-of older releases: the thread now trains state runs only) are written here from real inner steps:
-the exported weights are θ, not the inner parameters. A plug-in task with buffers and optimizer
+State checkpoints (a state run's: the task's model and optimizer, daemon/statechild.py) and DiLoCo
+checkpoints of the format the daemon's trainer thread wrote (the inner "model" and the outer state;
+files of older releases) are written here from real inner steps of the task: a state run's exported
+weights are the model, a DiLoCo run's θ, not the inner parameters. A plug-in task with buffers and optimizer
 groups in another order than model.parameters() checks how θ maps onto names. A run of a user's own
 script (and a task's child: both write a model_layout) is a checkpoint written here by hand.
 """
@@ -13,6 +12,8 @@ script (and a task's child: both write a model_layout) is a checkpoint written h
 from __future__ import annotations
 
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -26,10 +27,6 @@ from peerd.daemon.cli import main
 from peerd.daemon.export import ExportError, Kind, export
 from peerd.daemon.flat import from_flat, to_flat
 from peerd.daemon.tasks import Batch, EvalResult, Hparams, Task, generator, get_task, seeded
-from peerd.daemon.trainer import Trainer, TrainState
-from peerd.peers.averaging import RoundResult
-from peerd.peers.phases import Phases
-from tests.helpers import wait_for
 
 BN_TASK = "export-bn"
 
@@ -74,36 +71,26 @@ def bn_task_installed(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
 
 
-def alone(vector, weight, round_t, lanes=None, restore=True, payload="fp32") -> list[RoundResult]:
-    """A round that found no group: the vector is left as it was (a peer alone in its run)."""
-    return [RoundResult(round_t, 1, None, "no group: alone in the run")]
-
-
-def train(data_dir: Path, run: str, task: str, max_steps: int, checkpoint_every: int) -> Trainer:
-    """A lone peer's trainer of a state run, run to max_steps; its checkpoints land where a daemon
-    keeps them."""
+@torch.no_grad()
+def write_state(data_dir: Path, run: str, task: str, max_steps: int, checkpoint_every: int) -> None:
+    """Checkpoints of a lone peer's state run, as a state child's daemon writes them (the model and
+    the optimizer after real inner steps of the task; init seed 1, peer seed 2), at every
+    `checkpoint_every` steps and at the end. A lone peer's rounds find no group: nothing else moves."""
     t = get_task(task)
-    trainer = Trainer(
-        run_id=run,
-        task=t,
-        hparams=t.parse_hparams({}),
-        init_seed=1,
-        peer_seed=2,
-        store=CheckpointStore(data_dir / "runs" / run / "checkpoints"),
-        threads=1,
-        checkpoint_every=checkpoint_every,
-        eval_every=10_000,
-        max_steps=max_steps,
-        phases=Phases(4),
-        average=alone,
-    )
-    trainer.start()
-    wait_for(
-        lambda: trainer.state in (TrainState.FINISHED, TrainState.FAILED), timeout=60, interval=0.02, what="training"
-    )
-    trainer.stop()
-    assert trainer.state is TrainState.FINISHED, trainer.error
-    return trainer
+    hparams = t.parse_hparams({})
+    model, optimizer = t.build(hparams, 1)
+    store = CheckpointStore(data_dir / "runs" / run / "checkpoints")
+    identity = identity_of(run, t.name, {k: str(v) for k, v in hparams.to_dict().items()}, model)
+    data = t.data(hparams, 2)
+    for step in range(1, max_steps + 1):
+        with torch.enable_grad():
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            t.loss(model, next(data)).backward()
+            optimizer.step()
+        if step % checkpoint_every == 0 or step == max_steps:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "samples": 0, "local_step": step}
+            store.save(step, state, identity)
 
 
 @torch.no_grad()
@@ -175,7 +162,7 @@ def runs(tmp_path_factory) -> Path:
     algorithm=state, checkpoints at 4 and 5."""
     data_dir = tmp_path_factory.mktemp("data")
     write_diloco(data_dir, "dl", "digits-mlp", max_steps=7, checkpoint_every=3)
-    train(data_dir, "st", "digits-mlp", max_steps=5, checkpoint_every=4)
+    write_state(data_dir, "st", "digits-mlp", max_steps=5, checkpoint_every=4)
     return data_dir
 
 
@@ -336,32 +323,21 @@ def test_the_cli_writes_the_weights_or_exits_2_with_one_line(runs, tmp_path, cap
     assert "θ" in capsys.readouterr().out
 
 
-def test_export_while_the_trainer_writes_checkpoints(tmp_path):
+def test_export_while_a_daemon_writes_checkpoints(tmp_path):
     """A daemon writes a checkpoint every step and deletes the older ones meanwhile: every export
     reads a whole one."""
-    t = get_task("digits-mlp")
-    trainer = Trainer(
-        run_id="busy",
-        task=t,
-        hparams=t.parse_hparams({}),
-        init_seed=1,
-        peer_seed=2,
-        store=CheckpointStore(tmp_path / "runs" / "busy" / "checkpoints"),
-        threads=1,
-        checkpoint_every=1,
-        eval_every=10_000,
-        max_steps=30,
-        phases=Phases(4),
-        average=alone,
-    )
-    trainer.start()
+    writer = threading.Thread(target=write_state, args=(tmp_path, "busy", "digits-mlp", 200, 1), daemon=True)
+    writer.start()
     steps = []
-    try:
-        wait_for(lambda: trainer.global_step >= 2, timeout=60, interval=0.02, what="a first checkpoint")
-        while trainer.state is TrainState.TRAINING or not steps:
+    deadline = time.monotonic() + 60
+    while (writer.is_alive() or not steps) and time.monotonic() < deadline:
+        try:
             r = export(tmp_path, "busy", tmp_path / "model.pt")
-            load_strict("digits-mlp", r.path)
-            steps.append(r.step)
-    finally:
-        trainer.stop()
+        except ExportError:  # no checkpoint yet
+            assert not steps
+            time.sleep(0.01)
+            continue
+        load_strict("digits-mlp", r.path)
+        steps.append(r.step)
+    writer.join(60)
     assert len(steps) >= 2 and steps == sorted(steps), steps

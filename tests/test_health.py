@@ -14,8 +14,8 @@ from tests.failing_task import MESSAGE, NAME, plugin_env
 from tests.helpers import peerd, scrape, wait_for
 
 
-def test_train_states_match_the_trainer():
-    from peerd.daemon.trainer import TrainState
+def test_train_states_match_the_metrics_names():
+    from peerd.daemon.attached import TrainState
 
     assert TRAIN_STATES == tuple(s.value for s in TrainState)
 

@@ -51,7 +51,7 @@ def test_peers_imports_what_it_needs_without_hivemind_init_then_import_hivemind_
         assert not loaded, loaded
 
         # Training code imports torch, and hivemind's packages stay lazy.
-        import peerd.peers.averaging, peerd.peers.collective.p2p, peerd.peers.collective.fallback, peerd.daemon.trainer
+        import peerd.peers.averaging, peerd.peers.collective.p2p, peerd.peers.collective.fallback, peerd.daemon.attached
         assert "torch" in sys.modules and all(hivemind_parts.is_lazy(p) for p in hivemind_parts.PACKAGES)
 
         # Tools that probe dunders do not pull the package in.

@@ -308,11 +308,11 @@ def test_the_trainer_gathers_all_of_the_state_vector_or_one_slice():
     assert tensors[1].tolist() == [20, 22, 24, 26, 28, 30, 32] and float(tensors[2]) == 198
 
 
-def test_the_trainer_puts_back_only_lanes_a_round_may_have_written():
-    """After a round with restore=False, the trainer copies back from its model the lanes that ran
+def test_a_state_round_puts_back_only_lanes_it_may_have_written():
+    """After a round with restore=False, a state child copies back from the vector before it the lanes that ran
     the engine without applying a result, were interrupted, or got no result; a lane alone or without
     a group was not touched and costs no copy."""
-    from peerd.daemon.trainer import lanes_to_put_back
+    from peerd.daemon.statechild import lanes_to_put_back
     from peerd.peers.averaging import RoundResult
     from peerd.peers.collective import Outcome, Status
 

@@ -95,12 +95,14 @@ def test_a_task_run_trains_in_a_local_group_of_children_one_peer_of_the_run(spaw
     assert done[0].eval_metric == "accuracy" and done[0].eval_score > 0.5, done[0]  # the group's leader reports
 
 
-def test_a_state_run_with_a_local_group_keeps_the_thread_and_says_why(spawn):
+def test_a_state_run_with_a_local_group_trains_in_a_child(spawn):
+    """No run trains in the daemon's interpreter: a state run with --local-group (once its trainer
+    thread's) trains in a child, placed in its group."""
     args = ["--run", "st", "--task", "digits-mlp", "--max-steps", "20", "--set", "averaging.algorithm=state"]
     d = spawn("state-run", [*args, "--set", "averaging.average_every=10", "--local-group", "rack", *PROCESS])
     r = wait_for(lambda: (s := run_status(d, "st")).train_state == "FINISHED" and s, timeout=60, what="20 steps")
-    assert r.step == 20 and r.train_process_state == "" and r.attached_pid == 0, r
-    assert "trains in a thread of the daemon, not a child process: its DeAR local group" in d.log_tail(200)
+    assert r.step == 20 and r.train_process_state == "EXITED" and r.local_group == "rack", r
+    assert r.local_group_size == 1 and r.local_group_rank == 0 and r.wan_share == 1.0, r
     assert d.stop() == 0
 
 

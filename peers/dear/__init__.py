@@ -10,7 +10,8 @@ gloo backend), engine.py (peerd's own engine: peers/collective/halves.py), fake.
 backend for tests), buckets.py (tensor fusion), schedule.py (the
 hooks and the three modes), overlap.py (overlap ratio from timestamps), tuner.py (online bucket
 size from fitted latency and bandwidth), localgroup.py (which peers form a fast local group),
-member.py (a daemon's labelled local group: when it forms, its engine; used by daemon/trainer.py).
+member.py (which daemons are a local group: by label or by measured links), hierarchy.py (lanes),
+delegate.py (a spanning local group's lanes, each averaged by its daemon).
 """
 
 from peerd.peers.dear.localgroup import LinkSample, LocalGroupRules, LocalGroups, PeerSample, local_groups
