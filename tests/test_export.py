@@ -71,6 +71,15 @@ def bn_task_installed(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
 
 
+def inner_step(t: Task, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> None:
+    """One step of the task's own optimizer, as its child takes it."""
+    with torch.enable_grad():
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        t.loss(model, batch).backward()
+        optimizer.step()
+
+
 @torch.no_grad()
 def write_state(data_dir: Path, run: str, task: str, max_steps: int, checkpoint_every: int) -> None:
     """Checkpoints of a lone peer's state run, as a state child's daemon writes them (the model and
@@ -83,11 +92,7 @@ def write_state(data_dir: Path, run: str, task: str, max_steps: int, checkpoint_
     identity = identity_of(run, t.name, {k: str(v) for k, v in hparams.to_dict().items()}, model)
     data = t.data(hparams, 2)
     for step in range(1, max_steps + 1):
-        with torch.enable_grad():
-            model.train()
-            optimizer.zero_grad(set_to_none=True)
-            t.loss(model, next(data)).backward()
-            optimizer.step()
+        inner_step(t, model, optimizer, next(data))
         if step % checkpoint_every == 0 or step == max_steps:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "samples": 0, "local_step": step}
             store.save(step, state, identity)
@@ -116,11 +121,7 @@ def write_diloco(data_dir: Path, run: str, task: str, max_steps: int, checkpoint
         store.save(step, {**state, "outer": outer.clone(), "residual": torch.zeros(n)}, identity)
 
     for step in range(1, max_steps + 1):
-        with torch.enable_grad():
-            model.train()
-            optimizer.zero_grad(set_to_none=True)
-            t.loss(model, next(data)).backward()
-            optimizer.step()
+        inner_step(t, model, optimizer, next(data))
         if step % every == 0:
             to_flat(params, outer[:n])
         if step == max_steps:
