@@ -22,21 +22,37 @@ gradients and are not counted); a setup's WAN bytes per sample are its hosts' by
 samples, each group's counted once (by its leading daemon). Headline: WAN bytes per sample, (a) over
 (b). Needs root (namespaces). The hosts share this machine's cores: every setup has the same four
 hosts training, so the comparison is within one CPU budget.
+
+    sudo .venv/bin/python -m bench.local_groups --same-host [--seconds 150] [--every 50] [--task charlm]
+
+One machine's two training processes, in turn, as (a) one daemon's local group (`--train-processes
+2`: a Gloo all-reduce of the gradients every step, one peer) against (b) two daemons of one process
+each (two peers under DiLoCo), every daemon in one lab host (one network namespace: what the
+processes and daemons send each other goes over its loopback, unshaped). Per setup: steps,
+samples, MB the round engines sent per 1,000 samples, MB over the loopback per 1,000 samples (all
+of it: the group's all-reduce, the daemons' rounds, DHT and state sync), eval, compute fraction,
+and the peak memory (RSS and PSS) of every daemon, p2pd and training process. Headline: samples
+trained, (a) over (b).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
-
+import threading
 from pathlib import Path
 
+import psutil
+
 from bench.common import emit, progress as _progress, result
-from bench.wan_training import ALONE_EVERY, line, run_setup, scenario, untrained
+from bench.wan_training import ALONE_EVERY, TrainingLab, line, run_setup, scenario, untrained
+from peerd.daemon.lab.netns import sh
 
 BENCH = "local_groups"
 SITES = {"h0": "s0", "h1": "s0", "h2": "s1", "h3": "s1"}
+MEMORY_EVERY = 2.0  # seconds between two readings of every process's memory (--same-host)
 
 
 def progress(message: str) -> None:
@@ -51,6 +67,103 @@ def wan_bytes_per_1000(setup: dict) -> float:
     return mb / max(samples, 1) * 1000
 
 
+class OneHostLab(TrainingLab):
+    """Every daemon of the scenario in its first host's namespace: one machine, whose daemons and
+    processes reach each other over its loopback. Reads the peak memory of every process of every
+    daemon while it runs, and the loopback's bytes when the daemons have stopped."""
+
+    memory: dict[int, dict]
+    loopback_bytes: int = 0
+
+    def run(self):
+        self.memory, stop = {}, threading.Event()
+        sampler = threading.Thread(target=self._sample_memory, args=(stop,), name="memory", daemon=True)
+        sampler.start()
+        try:
+            return super().run()
+        finally:
+            stop.set()
+            sampler.join(30)
+
+    def _build(self) -> None:
+        self.net.create()
+        first = self.scenario.hosts[0]
+        host = self.net.add_host(first.name, first.link, self.scenario.congestion_control)
+        for h in self.scenario.hosts[1:]:
+            self.net.hosts[h.name] = host  # its daemon starts in the first host's namespace, at its address
+
+    def _sample_memory(self, stop: threading.Event) -> None:
+        while not stop.wait(MEMORY_EVERY):
+            for name, d in list(self.daemons.items()):
+                try:
+                    root = psutil.Process(d.proc.pid)  # `ip netns exec` execs: the daemon itself
+                    processes = [root, *root.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    continue
+                for p in processes:
+                    try:
+                        command = " ".join(p.cmdline())
+                        m = p.memory_full_info()  # PSS too: torch's pages are shared between the processes
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        continue
+                    role = (
+                        "daemon" if p.pid == root.pid else "train" if "taskproc" in command else p.name()  # p2pd
+                    )
+                    peak = self.memory.setdefault(p.pid, {"host": name, "role": role, "rss_mb": 0.0, "pss_mb": 0.0})
+                    peak["rss_mb"] = round(max(peak["rss_mb"], m.rss / 2**20), 1)
+                    peak["pss_mb"] = round(max(peak["pss_mb"], m.pss / 2**20), 1)
+
+    def _check_checkpoints(self) -> None:
+        super()._check_checkpoints()
+        ns = self.net.hosts[self.scenario.hosts[0].name].netns
+        self.loopback_bytes = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", "lo"))[0]["stats64"]["tx"][
+            "bytes"
+        ]
+
+    def extras(self) -> dict:
+        memory = sorted(self.memory.values(), key=lambda m: (m["host"], m["role"]))
+        return {"memory": memory, "loopback_bytes": self.loopback_bytes}
+
+
+def same_host(args) -> int:
+    """--same-host: (a) one daemon of two processes, (b) two daemons of one, one namespace, in turn."""
+    args.curve, args.rate, args.rtt_ms, args.loss = 0.0, 0.0, 0.0, 0.0  # unshaped: one machine's loopback
+    diloco = {"averaging.average_every": args.every}
+    setups = [
+        ("a_one_daemon", scenario("a_one_daemon", args, diloco, daemon_args=("--train-processes", "2"), hosts=1)),
+        ("b_two_daemons", scenario("b_two_daemons", args, diloco, hosts=2)),
+    ]
+    lines = {name: run_setup(name, data, logs=args.logs, lab_class=OneHostLab) for name, data in setups}
+    if failed := untrained(lines, args.task):
+        for why in failed:
+            progress(f"FAILED: {why}")
+        return 1
+    summary: dict = {"bench": BENCH, "setup": "summary_same_host"}
+    for name, out in lines.items():
+        hosts = out["hosts"].values()
+        samples = sum(h["samples"] for h in hosts)
+        memory = out["memory"]
+        summary[name] = {
+            "steps": [h["steps"] for h in hosts],
+            "samples": samples,
+            "wan_mb_per_1000_samples": round(wan_bytes_per_1000(out), 4),
+            "loopback_mb_per_1000_samples": round(out["loopback_bytes"] / 1e6 / max(samples, 1) * 1000, 3),
+            "eval": [h["eval"] for h in hosts],
+            "compute_fraction": [h["compute_fraction"] for h in hosts],
+            **{
+                f"{role}_rss_mb": [m["rss_mb"] for m in memory if m["role"] == role]
+                for role in sorted({m["role"] for m in memory})
+            },
+            "rss_mb_all": round(sum(m["rss_mb"] for m in memory), 1),
+            "pss_mb_all": round(sum(m["pss_mb"] for m in memory), 1),
+        }
+    line(summary)
+    a, b = summary["a_one_daemon"]["samples"], summary["b_two_daemons"]["samples"]
+    metric = "samples trained on one host in the same time, one daemon of two processes over two daemons of one"
+    emit(result(BENCH, metric, a, b, "samples"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.local_groups", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a short check: 60 s per setup, no (c)")
@@ -61,7 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=50, help="H, inner steps per phase (default 50)")
     p.add_argument("--task", default="charlm")
     p.add_argument("--logs", type=Path, default=None, help="keep each host's daemon log under this directory")
+    p.add_argument(
+        "--same-host",
+        action="store_true",
+        help="one host's two processes: one daemon's local group against two daemons (no WAN shaping)",
+    )
     args = p.parse_args(argv)
+    if args.same_host:
+        return same_host(args)
     if args.quick:
         args.seconds = 60.0
     # What bench.wan_training's scenario() reads.
