@@ -42,6 +42,7 @@ import json
 import math
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -74,9 +75,12 @@ class OneHostLab(TrainingLab):
 
     memory: dict[int, dict]
     loopback_bytes: int = 0
+    cpu: dict[int, float]  # pid: its CPU seconds at its latest reading
+    machine: tuple[float, float] = (0.0, 0.0)  # the machine's busy CPU seconds and the time, at the start
 
     def run(self):
-        self.memory, stop = {}, threading.Event()
+        self.memory, self.cpu, stop = {}, {}, threading.Event()
+        self.machine = (_busy(), time.monotonic())
         sampler = threading.Thread(target=self._sample_memory, args=(stop,), name="memory", daemon=True)
         sampler.start()
         try:
@@ -104,6 +108,7 @@ class OneHostLab(TrainingLab):
                     try:
                         command = " ".join(p.cmdline())
                         m = p.memory_full_info()  # PSS too: torch's pages are shared between the processes
+                        times = p.cpu_times()
                     except (psutil.NoSuchProcess, psutil.AccessDenied):
                         continue
                     role = (
@@ -112,17 +117,31 @@ class OneHostLab(TrainingLab):
                     peak = self.memory.setdefault(p.pid, {"host": name, "role": role, "rss_mb": 0.0, "pss_mb": 0.0})
                     peak["rss_mb"] = round(max(peak["rss_mb"], m.rss / 2**20), 1)
                     peak["pss_mb"] = round(max(peak["pss_mb"], m.pss / 2**20), 1)
+                    self.cpu[p.pid] = times.user + times.system
 
     def _check_checkpoints(self) -> None:
         super()._check_checkpoints()
         ns = self.net.hosts[self.scenario.hosts[0].name].netns
+        busy, start = self.machine
+        seconds = time.monotonic() - start
+        self.cores = {  # the lab's processes (up to MEMORY_EVERY s short at their end) and everything
+            "lab": round(sum(self.cpu.values()) / seconds, 2),
+            "machine": round((_busy() - busy) / seconds, 2),
+            "of": psutil.cpu_count(),
+        }
         self.loopback_bytes = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", "lo"))[0]["stats64"]["tx"][
             "bytes"
         ]
 
     def extras(self) -> dict:
         memory = sorted(self.memory.values(), key=lambda m: (m["host"], m["role"]))
-        return {"memory": memory, "loopback_bytes": self.loopback_bytes}
+        return {"memory": memory, "loopback_bytes": self.loopback_bytes, "cores_busy": self.cores}
+
+
+def _busy() -> float:
+    """CPU seconds this machine's cores have spent busy since boot (nice included: the lab's processes)."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq  # guest time is in user already
 
 
 def same_host(args) -> int:
@@ -154,6 +173,7 @@ def same_host(args) -> int:
                 f"{role}_rss_mb": [m["rss_mb"] for m in memory if m["role"] == role]
                 for role in sorted({m["role"] for m in memory})
             },
+            "cores_busy": out["cores_busy"],
             "rss_mb_all": round(sum(m["rss_mb"] for m in memory), 1),
             "pss_mb_all": round(sum(m["pss_mb"] for m in memory), 1),
         }
