@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ import torch
 from peerd.daemon import groupspan
 from peerd.daemon.client import ControlClient
 from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch
-from tests.helpers import peerd as peerd_cli, wait_for
+from tests.helpers import drain, peerd as peerd_cli, wait_for
 from tests.test_your_loop import EXAMPLE, finish, run_status, run_status_peer, script
 
 
@@ -84,19 +81,6 @@ def test_a_span_places_every_daemon_follows_comings_and_goings_and_survives_its_
     tick_all([b, c], 4)
     assert b.placed.epoch > held and c.placed.epoch == b.placed.epoch and b.placed.daemons == ("b", "c")
     assert b.placed.store == f"tcp://{b.span.address}" and b.span.coordinator == "b"
-
-
-def drain(proc: subprocess.Popen, log: Path) -> subprocess.Popen:
-    """Copy a script's output to `log` as it comes (a line per phase: a full pipe would stop it)."""
-
-    def copy() -> None:
-        with open(log, "a") as out:
-            for line in proc.stdout:
-                out.write(line)
-                out.flush()
-
-    threading.Thread(target=copy, name="drain", daemon=True).start()
-    return proc
 
 
 def roles(daemon, run: str) -> dict[str, str]:
