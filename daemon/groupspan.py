@@ -119,7 +119,8 @@ class GroupSpan:
         self._listed: tuple[tuple[str, int], ...] = ()
 
     def tick(self) -> None:
-        addresses = {peer: address for peer, address in self.peers() if address}
+        table = self.peers()
+        addresses = {peer: address for peer, address in table if address}
         coordinator = min([self.peer_id, *addresses])
         if coordinator != self.coordinator:
             logger.info("run %s: local group coordinator %s", self.run_id, coordinator[-8:])
@@ -134,7 +135,7 @@ class GroupSpan:
             beat = {"beat": self._beat, "procs": procs, "held": self.held, "after": after}
             store.set(f"d/{self.peer_id}", json.dumps(beat))
             if coordinator == self.peer_id:
-                self._coordinate([peer for peer, _ in self.peers()])
+                self._coordinate([peer for peer, _ in table])
             if not store.check(["epoch"]):
                 return
             epoch = int(store.get("epoch"))
