@@ -610,6 +610,7 @@ class Daemon:
             peers=lambda: [(e.peer_id, e.dear_address) for e in membership.peers() if e.local_group == label],
             local=trainer.spanned,
             placed=trainer.placed,
+            failed=self.metrics.local_group_store_failures.labels(run_id).inc,
         )
 
     async def attach(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from peerd.daemon import groupspan
 from peerd.daemon.client import ControlClient
 from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch
+from peerd.daemon.metrics import DaemonMetrics
 from tests.helpers import drain, peerd as peerd_cli, wait_for
 from tests.test_your_loop import EXAMPLE, finish, run_status, run_status_peer, script
 
@@ -81,6 +83,30 @@ def test_a_span_places_every_daemon_follows_comings_and_goings_and_survives_its_
     tick_all([b, c], 4)
     assert b.placed.epoch > held and c.placed.epoch == b.placed.epoch and b.placed.daemons == ("b", "c")
     assert b.placed.store == f"tcp://{b.span.address}" and b.span.coordinator == "b"
+
+
+def test_a_coordinator_whose_store_nobody_listens_at_counts_a_failure_and_places_nothing():
+    """The table's smallest peer ID (the coordinator) publishes a store address where a socket is
+    bound but does not listen: the tick's connection is refused, nothing is placed, and the daemon's
+    peerd_local_group_store_failures_total counts it."""
+    metrics = DaemonMetrics(version="test", states=(), peers_by_run=dict)
+    placements = []
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # held, not listening: no one else can take the port meanwhile
+        span = GroupSpan(
+            run_id="r",
+            peer_id="b",
+            label="rack",
+            host="127.0.0.1",
+            peers=lambda: [("a", f"127.0.0.1:{closed.getsockname()[1]}")],
+            local=lambda: (1, 0),
+            placed=placements.append,
+            failed=metrics.local_group_store_failures.labels("r").inc,
+        )
+        span.tick()
+    assert span.coordinator == "a" and placements == []
+    assert metrics.registry.get_sample_value("peerd_local_group_store_failures_total", {"run": "r"}) == 1
+    span.close()
 
 
 def roles(daemon, run: str) -> dict[str, str]:
