@@ -31,8 +31,9 @@ each (two peers under DiLoCo), every daemon in one lab host (one network namespa
 processes and daemons send each other goes over its loopback, unshaped). Per setup: steps,
 samples, MB the round engines sent per 1,000 samples, MB over the loopback per 1,000 samples (all
 of it: the group's all-reduce, the daemons' rounds, DHT and state sync), eval, compute fraction,
-and the peak memory (RSS and PSS) of every daemon, p2pd and training process. Headline: samples
-trained, (a) over (b).
+the peak memory (RSS and PSS) of every daemon, p2pd and training process, and the cores the lab's
+processes and the whole machine kept busy meanwhile (what else ran shows as their difference).
+Headline: samples trained, (a) over (b).
 """
 
 from __future__ import annotations
