@@ -31,9 +31,10 @@ each (two peers under DiLoCo), every daemon in one lab host (one network namespa
 processes and daemons send each other goes over its loopback, unshaped). Per setup: steps,
 samples, MB the round engines sent per 1,000 samples, MB over the loopback per 1,000 samples (all
 of it: the group's all-reduce, the daemons' rounds, DHT and state sync), eval, compute fraction,
-the peak memory (RSS and PSS) of every daemon, p2pd and training process, and the cores the lab's
-processes and the whole machine kept busy meanwhile (what else ran shows as their difference).
-Headline: samples trained, (a) over (b).
+the peak memory (RSS and PSS) of every daemon, p2pd and training process, the cores the lab's
+processes and the whole machine kept busy while the setup trained (what else ran shows as their
+difference), and the samples trained per CPU second the setup's processes got (comparable across
+runs on a shared machine). Headline: samples trained in the schedule's --seconds, (a) over (b).
 """
 
 from __future__ import annotations
@@ -72,17 +73,16 @@ def wan_bytes_per_1000(setup: dict) -> float:
 class OneHostLab(TrainingLab):
     """Every daemon of the scenario in its first host's namespace: one machine, whose daemons and
     processes reach each other over its loopback. Reads the peak memory of every process of every
-    daemon while it runs, and the loopback's bytes when the daemons have stopped."""
+    daemon while it runs, the CPU seconds its processes and the whole machine spent while it trained
+    (from the schedule's start to its end), and the loopback's bytes when the daemons have stopped."""
 
     memory: dict[int, dict]
     loopback_bytes: int = 0
-    cpu: dict[int, float]  # pid: its CPU seconds at its latest reading
-    machine: tuple[float, float] = (0.0, 0.0)  # the machine's busy CPU seconds and the time, at the start
+    window: list[tuple[float, float, float]]  # at the schedule's start and end: (time, machine busy, lab CPU s)
 
     def run(self):
-        self.memory, self.cpu, stop = {}, {}, threading.Event()
-        self.machine = (_busy(), time.monotonic())
-        sampler = threading.Thread(target=self._sample_memory, args=(stop,), name="memory", daemon=True)
+        self.memory, self.window, stop = {}, [], threading.Event()
+        sampler = threading.Thread(target=self._sample, args=(stop,), name="memory", daemon=True)
         sampler.start()
         try:
             return super().run()
@@ -97,46 +97,69 @@ class OneHostLab(TrainingLab):
         for h in self.scenario.hosts[1:]:
             self.net.hosts[h.name] = host  # its daemon starts in the first host's namespace, at its address
 
-    def _sample_memory(self, stop: threading.Event) -> None:
-        while not stop.wait(MEMORY_EVERY):
-            for name, d in list(self.daemons.items()):
+    def _processes(self):
+        """(host, role, process) of every process of every daemon: the daemon, its p2pd, its training processes."""
+        for name, d in list(self.daemons.items()):
+            try:
+                root = psutil.Process(d.proc.pid)  # `ip netns exec` execs: the daemon itself
+                children = root.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            yield name, "daemon", root
+            for p in children:
                 try:
-                    root = psutil.Process(d.proc.pid)  # `ip netns exec` execs: the daemon itself
-                    processes = [root, *root.children(recursive=True)]
+                    yield name, "train" if "taskproc" in " ".join(p.cmdline()) else p.name(), p  # else p2pd
                 except psutil.NoSuchProcess:
+                    pass
+
+    def _mark(self) -> None:
+        cpu = 0.0
+        for _, _, p in self._processes():
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            cpu += t.user + t.system
+        self.window.append((time.monotonic(), _busy(), cpu))
+
+    def _sample(self, stop: threading.Event) -> None:
+        while not stop.wait(MEMORY_EVERY):
+            if self.t0 and not self.window:
+                self._mark()  # the schedule began (every host trains) up to MEMORY_EVERY s ago
+            for name, role, p in self._processes():
+                try:
+                    m = p.memory_full_info()  # PSS too: torch's pages are shared between the processes
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
-                for p in processes:
-                    try:
-                        command = " ".join(p.cmdline())
-                        m = p.memory_full_info()  # PSS too: torch's pages are shared between the processes
-                        times = p.cpu_times()
-                    except (psutil.NoSuchProcess, psutil.AccessDenied):
-                        continue
-                    role = (
-                        "daemon" if p.pid == root.pid else "train" if "taskproc" in command else p.name()  # p2pd
-                    )
-                    peak = self.memory.setdefault(p.pid, {"host": name, "role": role, "rss_mb": 0.0, "pss_mb": 0.0})
-                    peak["rss_mb"] = round(max(peak["rss_mb"], m.rss / 2**20), 1)
-                    peak["pss_mb"] = round(max(peak["pss_mb"], m.pss / 2**20), 1)
-                    self.cpu[p.pid] = times.user + times.system
+                peak = self.memory.setdefault(p.pid, {"host": name, "role": role, "rss_mb": 0.0, "pss_mb": 0.0})
+                peak["rss_mb"] = round(max(peak["rss_mb"], m.rss / 2**20), 1)
+                peak["pss_mb"] = round(max(peak["pss_mb"], m.pss / 2**20), 1)
+
+    def _stop_all(self) -> None:
+        self._mark()  # the schedule's end, before the daemons stop
+        super()._stop_all()
 
     def _check_checkpoints(self) -> None:
         super()._check_checkpoints()
         ns = self.net.hosts[self.scenario.hosts[0].name].netns
-        busy, start = self.machine
-        seconds = time.monotonic() - start
-        self.cores = {  # the lab's processes (up to MEMORY_EVERY s short at their end) and everything
-            "lab": round(sum(self.cpu.values()) / seconds, 2),
-            "machine": round((_busy() - busy) / seconds, 2),
-            "of": psutil.cpu_count(),
-        }
-        self.loopback_bytes = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", "lo"))[0]["stats64"]["tx"][
-            "bytes"
-        ]
+        link = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", "lo"))[0]
+        self.loopback_bytes = link["stats64"]["tx"]["bytes"]
 
     def extras(self) -> dict:
         memory = sorted(self.memory.values(), key=lambda m: (m["host"], m["role"]))
-        return {"memory": memory, "loopback_bytes": self.loopback_bytes, "cores_busy": self.cores}
+        (t0, busy0, cpu0), (t1, busy1, cpu1) = self.window[0], self.window[-1]
+        cores = {"lab": round((cpu1 - cpu0) / (t1 - t0), 2), "machine": round((busy1 - busy0) / (t1 - t0), 2)}
+        trained = 0.0  # samples from the schedule's start (the collector's first poll) to its end
+        for host in {s.host for s in self.record.samples}:
+            polls = [s.metrics.get("samples", 0.0) for s in self.record.samples if s.host == host]
+            trained += polls[-1] - polls[0]
+        return {
+            "samples_in_schedule": trained,
+            "memory": memory,
+            "loopback_bytes": self.loopback_bytes,
+            "cpu_seconds": round(cpu1 - cpu0, 1),  # the lab's processes, while they trained
+            "cores_busy": {**cores, "of": psutil.cpu_count()},
+        }
 
 
 def _busy() -> float:
@@ -166,6 +189,7 @@ def same_host(args) -> int:
         summary[name] = {
             "steps": [h["steps"] for h in hosts],
             "samples": samples,
+            "samples_in_schedule": out["samples_in_schedule"],
             "wan_mb_per_1000_samples": round(wan_bytes_per_1000(out), 4),
             "loopback_mb_per_1000_samples": round(out["loopback_bytes"] / 1e6 / max(samples, 1) * 1000, 3),
             "eval": [h["eval"] for h in hosts],
@@ -175,11 +199,13 @@ def same_host(args) -> int:
                 for role in sorted({m["role"] for m in memory})
             },
             "cores_busy": out["cores_busy"],
+            # Comparable between runs on a shared machine: what the setup trained for the CPU it got.
+            "samples_per_cpu_second": round(out["samples_in_schedule"] / max(out["cpu_seconds"], 1e-9), 1),
             "rss_mb_all": round(sum(m["rss_mb"] for m in memory), 1),
             "pss_mb_all": round(sum(m["pss_mb"] for m in memory), 1),
         }
     line(summary)
-    a, b = summary["a_one_daemon"]["samples"], summary["b_two_daemons"]["samples"]
+    a, b = (summary[name]["samples_in_schedule"] for name in ("a_one_daemon", "b_two_daemons"))
     metric = "samples trained on one host in the same time, one daemon of two processes over two daemons of one"
     emit(result(BENCH, metric, a, b, "samples"))
     return 0
