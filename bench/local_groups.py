@@ -206,7 +206,7 @@ def same_host(args) -> int:
         }
     line(summary)
     # Per CPU second, not per wall-clock second: on a shared machine what each setup trains in its
-    # --seconds follows the cores the other tenants leave it (runs 1-6 in bench/results/local_groups.jsonl).
+    # --seconds follows the cores the other tenants leave it (runs 3-7 in bench/results/local_groups.jsonl).
     a, b = (summary[name]["samples_per_cpu_second"] for name in ("a_one_daemon", "b_two_daemons"))
     metric = "samples per CPU second of the setup's processes, one daemon of two processes over two daemons of one"
     emit(result(BENCH, metric, a, b, "samples/CPU s"))
