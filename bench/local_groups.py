@@ -168,14 +168,19 @@ def _busy() -> float:
     return t.user + t.nice + t.system + t.irq + t.softirq  # guest time is in user already
 
 
-def same_host(args) -> int:
-    """--same-host: (a) one daemon of two processes, (b) two daemons of one, one namespace, in turn."""
+def same_host_setups(args) -> list[tuple[str, dict]]:
+    """--same-host's lab scenarios: (a) one daemon of two processes, (b) two daemons of one."""
     args.curve, args.rate, args.rtt_ms, args.loss = 0.0, 0.0, 0.0, 0.0  # unshaped: one machine's loopback
     diloco = {"averaging.average_every": args.every}
-    setups = [
+    return [
         ("a_one_daemon", scenario("a_one_daemon", args, diloco, daemon_args=("--train-processes", "2"), hosts=1)),
         ("b_two_daemons", scenario("b_two_daemons", args, diloco, hosts=2)),
     ]
+
+
+def same_host(args) -> int:
+    """--same-host: its two setups in turn, every daemon in one namespace (OneHostLab)."""
+    setups = same_host_setups(args)
     lines = {name: run_setup(name, data, logs=args.logs, lab_class=OneHostLab) for name, data in setups}
     if failed := untrained(lines, args.task):
         for why in failed:
