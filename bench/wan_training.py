@@ -123,6 +123,10 @@ class TrainingLab(Lab):
             raise RuntimeError(f"{name}'s checkpoint lacks parameters {missing}")
         return ckpt.step, task.evaluate(model, hparams).score
 
+    def extras(self) -> dict:
+        """More of the setup's result line, once the run is over: none here."""
+        return {}
+
     def _check_checkpoints(self) -> None:
         super()._check_checkpoints()
         self.evaluations = {}
@@ -222,9 +226,17 @@ def _throttle(lab: "TrainingLab", slow: str, group: Path, stop: threading.Event)
                 pass
 
 
-def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = None, curve: float = 0.0) -> dict:
+def run_setup(
+    name: str,
+    data: dict,
+    throttle: str = "",
+    logs: Path | None = None,
+    curve: float = 0.0,
+    lab_class: type[TrainingLab] = TrainingLab,
+) -> dict:
+    """One setup's result line; a `lab_class` adds what its `extras()` returns."""
     progress(f"{name}: {data['duration']:.0f} s of training on {len(data['host'])} hosts")
-    lab = TrainingLab(parse(data, name), progress=lambda m: progress(f"  {m}"), logs=logs / name if logs else None)
+    lab = lab_class(parse(data, name), progress=lambda m: progress(f"  {m}"), logs=logs / name if logs else None)
     lab.curve_every = curve
     stop, pinning, group = threading.Event(), None, None
     if throttle:
@@ -265,6 +277,7 @@ def run_setup(name: str, data: dict, throttle: str = "", logs: Path | None = Non
         "duration": round(record.duration, 1),
         "exit_codes": record.exit_codes,
         **({"curve": lab.curve} if curve else {}),
+        **lab.extras(),
     }
     line(out)
     return out

@@ -623,6 +623,7 @@ class Daemon:
             peers=peers,
             local=trainer.spanned,
             placed=trainer.placed,
+            failed=self.metrics.local_group_store_failures.labels(run_id).inc,
         )
 
     async def attach(

@@ -101,8 +101,9 @@ def place(listed: list[tuple[str, int]], me: str, epoch: int, store: str) -> Pla
 class GroupSpan:
     """One run's spanning group on this daemon. `peers()`: (peer ID, store address) of the label's
     peers in this daemon's table; `local()`: (attached processes, the epoch to move past); `placed`
-    takes each new Placement. `tick()` blocks (store operations): call it from a worker thread every
-    TICK s."""
+    takes each new Placement; `failed` is called for each tick whose connection to the coordinator's
+    store, or an operation on it, failed. `tick()` blocks (store operations): call it from a worker
+    thread every TICK s."""
 
     def __init__(
         self,
@@ -114,9 +115,10 @@ class GroupSpan:
         peers: Callable[[], list[tuple[str, str]]],
         local: Callable[[], tuple[int, int]],
         placed: Callable[[Placement], None],
+        failed: Callable[[], None] = lambda: None,
     ):
         self.run_id, self.peer_id, self.label, self.host = run_id, peer_id, label, host
-        self.peers, self.local, self.placed = peers, local, placed
+        self.peers, self.local, self.placed, self.failed = peers, local, placed, failed
         self._store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT)
         )
@@ -134,7 +136,8 @@ class GroupSpan:
         self._listed: tuple[tuple[str, int], ...] = ()
 
     def tick(self) -> None:
-        addresses = {peer: address for peer, address in self.peers() if address}
+        table = self.peers()
+        addresses = {peer: address for peer, address in table if address}
         coordinator = min([self.peer_id, *addresses])
         if coordinator != self.coordinator:
             logger.info("run %s: local group coordinator %s", self.run_id, coordinator[-8:])
@@ -149,7 +152,7 @@ class GroupSpan:
             beat = {"beat": self._beat, "procs": procs, "held": self.held, "after": after}
             store.set(f"d/{self.peer_id}", json.dumps(beat))
             if coordinator == self.peer_id:
-                self._coordinate([peer for peer, _ in self.peers()])
+                self._coordinate([peer for peer, _ in table])
             if not store.check(["epoch"]):
                 return
             epoch = int(store.get("epoch"))
@@ -158,6 +161,7 @@ class GroupSpan:
             listed = [(peer, procs) for peer, procs in json.loads(store.get(f"e/{epoch}"))]
         except (RuntimeError, ValueError, KeyError) as e:  # DistError is a RuntimeError
             self._clients.pop(coordinator, None)
+            self.failed()
             logger.debug("run %s: local group store at %s: %s", self.run_id, address, e)
             return
         placement = place(listed, self.peer_id, epoch, f"tcp://{address}")

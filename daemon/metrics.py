@@ -352,6 +352,12 @@ class DaemonMetrics:
             ["run"],
             registry=r,
         )
+        self.local_group_store_failures = Counter(
+            "peerd_local_group_store_failures",
+            "Ticks of a spanning local group whose connection to its coordinator's store, or an operation on it, failed.",
+            ["run"],
+            registry=r,
+        )
         self.sent_bytes = Counter(
             "peerd_sent_bytes", "Bytes the collective engine sent, by transport.", ["transport"], registry=r
         )

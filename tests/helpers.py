@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from contextlib import asynccontextmanager
@@ -26,6 +27,19 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "cond
             return last
         time.sleep(interval)
     raise AssertionError(f"{what} not reached within {timeout} s (last value: {last!r})")
+
+
+def drain(proc: subprocess.Popen, log: Path) -> subprocess.Popen:
+    """Copy a script's output to `log` as it comes (a line per phase: a full pipe would stop it)."""
+
+    def copy() -> None:
+        with open(log, "a") as out:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()
+
+    threading.Thread(target=copy, name="drain", daemon=True).start()
+    return proc
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

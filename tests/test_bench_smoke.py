@@ -137,6 +137,24 @@ def test_wan_training_builds_valid_lab_scenarios_for_every_setup():
     assert parse(scenario("c", args, {"averaging.average_every": 50}), "c").run.checkpoint_every == 50
 
 
+def test_local_groups_same_host_builds_one_daemon_of_two_processes_and_two_daemons_of_one():
+    """bench.local_groups --same-host needs root and minutes; here only its scenarios are checked,
+    as the lab would check them: (a) one host training in two processes, (b) two hosts of one,
+    both DiLoCo with the same H, and no WAN shaping (one machine's loopback)."""
+    import argparse
+
+    from bench.local_groups import same_host_setups
+    from peerd.daemon.lab.scenario import parse
+
+    args = argparse.Namespace(seconds=150.0, task="charlm", every=50)
+    (a_name, a), (b_name, b) = ((name, parse(data, name)) for name, data in same_host_setups(args))
+    assert (a_name, len(a.hosts)) == ("a_one_daemon", 1) and (b_name, len(b.hosts)) == ("b_two_daemons", 2)
+    assert a.run.args[-2:] == ["--train-processes", "2"] and "--train-processes" not in b.run.args
+    for s in (a, b):
+        assert s.duration == 150.0 and s.run.settings == {"averaging.average_every": "50"} and not s.run.isolated
+        assert all((h.link.rate_mbit, h.link.rtt_ms, h.link.loss_pct) == (0, 0, 0) for h in s.hosts)
+
+
 @pytest.mark.heavy
 def test_round_cost_quick_prints_a_line_per_rtt_and_the_headline_last():
     """bench.round_cost --quick: 3 lab hosts, each a PeerNode, membership and averager, at 0 and 50 ms

@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-import threading
+import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,11 +16,12 @@ import torch
 from peerd.daemon import groupspan
 from peerd.daemon.client import ControlClient
 from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch, serve_lanes
+from peerd.daemon.metrics import DaemonMetrics
 from peerd.peers.averaging import RoundResult
 from peerd.peers.collective.outcome import Outcome, Status
 from peerd.peers.dear.delegate import Refused, decode_answer, encode_request
 from peerd.peers.dear.hierarchy import lane_bounds
-from tests.helpers import peerd as peerd_cli, scrape, wait_for
+from tests.helpers import drain, peerd as peerd_cli, scrape, wait_for
 from tests.test_your_loop import EXAMPLE, finish, run_status, run_status_peer, script
 
 
@@ -132,17 +131,28 @@ def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store
     b.span.close()
 
 
-def drain(proc: subprocess.Popen, log: Path) -> subprocess.Popen:
-    """Copy a script's output to `log` as it comes (a line per phase: a full pipe would stop it)."""
-
-    def copy() -> None:
-        with open(log, "a") as out:
-            for line in proc.stdout:
-                out.write(line)
-                out.flush()
-
-    threading.Thread(target=copy, name="drain", daemon=True).start()
-    return proc
+def test_a_coordinator_whose_store_nobody_listens_at_counts_a_failure_and_places_nothing():
+    """The table's smallest peer ID (the coordinator) publishes a store address where a socket is
+    bound but does not listen: the tick's connection is refused, nothing is placed, and the daemon's
+    peerd_local_group_store_failures_total counts it."""
+    metrics = DaemonMetrics(version="test", states=(), peers_by_run=dict)
+    placements = []
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # held, not listening: no one else can take the port meanwhile
+        span = GroupSpan(
+            run_id="r",
+            peer_id="b",
+            label="rack",
+            host="127.0.0.1",
+            peers=lambda: [("a", f"127.0.0.1:{closed.getsockname()[1]}")],
+            local=lambda: (1, 0),
+            placed=placements.append,
+            failed=metrics.local_group_store_failures.labels("r").inc,
+        )
+        span.tick()
+    assert span.coordinator == "a" and placements == []
+    assert metrics.registry.get_sample_value("peerd_local_group_store_failures_total", {"run": "r"}) == 1
+    span.close()
 
 
 def roles(daemon, run: str) -> dict[str, str]:

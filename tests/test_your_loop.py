@@ -20,7 +20,7 @@ import peerd
 import peerd.torch
 from peerd.daemon.client import ControlClient
 from peerd.peers.manifest import decode_manifest
-from tests.helpers import peerd as peerd_cli, scrape, wait_for
+from tests.helpers import drain, peerd as peerd_cli, scrape, wait_for
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,7 +159,7 @@ def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
         assert missed <= 1, (name, missed, ends)
 
 
-def test_status_and_metrics_follow_a_scripts_steps_in_the_middle_of_a_phase(spawn):
+def test_status_and_metrics_follow_a_scripts_steps_in_the_middle_of_a_phase(spawn, tmp_path):
     """A phase of 100,000 steps: the daemon's status and metrics still move with every step the
     process takes (its local step: PHASE_STEPS in the shared file), and samples and the loss (passed
     as floats) with each lease renewal, long before the phase's end. The run's step is the state's,
@@ -168,6 +168,7 @@ def test_status_and_metrics_follow_a_scripts_steps_in_the_middle_of_a_phase(spaw
     p = script("--run", "live", "--daemon", a.data_dir, "--every", 100_000, "--sleep", 0.02, "--float-loss")
     try:
         assert json.loads(p.stdout.readline()) == {"attached": 0}
+        drain(p, tmp_path / "live.out")
         wait_for(lambda: run_status(a, "live").local_step >= 10, timeout=60, what="ten steps shown")
         before = run_status(a, "live")
         wait_for(lambda: run_status(a, "live").samples > before.samples + 160, timeout=60, what="ten steps' samples")
@@ -184,12 +185,13 @@ def test_status_and_metrics_follow_a_scripts_steps_in_the_middle_of_a_phase(spaw
 
 
 @pytest.mark.heavy
-def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_on(spawn):
+def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_on(spawn, tmp_path):
     a = spawn("kill-a", ["--run", "kill"])
     b = spawn("kill-b", ["--run", "kill", "--initial-peers", a.maddrs[0]])
     common = ["--run", "kill", "--every", 5, "--sleep", 0.02]
     pa = script(*common, "--daemon", a.data_dir, "--steps", 100_000)
     assert json.loads(pa.stdout.readline()) == {"attached": 0}
+    drain(pa, tmp_path / "a.out")
     pb = script(*common, "--daemon", b.data_dir, "--steps", 1000)
     wait_for(lambda: run_status(b, "kill").last_round_outcome == "completed", timeout=60, what="a completed round")
     assert run_status(a, "kill").attached_pid == pa.pid
@@ -208,7 +210,7 @@ def test_a_killed_script_is_noticed_within_the_lease_and_the_other_script_goes_o
 
 
 @pytest.mark.heavy
-def test_a_killed_member_of_a_local_group_leaves_it_the_other_goes_on_and_a_new_process_joins(spawn):
+def test_a_killed_member_of_a_local_group_leaves_it_the_other_goes_on_and_a_new_process_joins(spawn, tmp_path):
     """Two processes attached to one daemon's run are one local group; its leader killed mid-step:
     the other goes on (leading a group of one) within the op timeout plus a phase, the run's step
     never goes backwards, and a process attached later joins the group in the middle of a phase."""
@@ -216,7 +218,8 @@ def test_a_killed_member_of_a_local_group_leaves_it_the_other_goes_on_and_a_new_
     common = ["--run", "grp", "--daemon", a.data_dir, "--every", 10, "--sleep", 0.02]
     leader = script(*common, "--steps", 100_000)
     assert json.loads(leader.stdout.readline()) == {"attached": 0}
-    other = script(*common, "--steps", 100_000)
+    drain(leader, tmp_path / "leader.out")
+    other = drain(script(*common, "--steps", 100_000), tmp_path / "other.out")
     seen = []
 
     def status(predicate):
@@ -424,7 +427,7 @@ def test_garbage_attach_requests_are_refused_and_change_nothing(spawn):
 
 
 @pytest.mark.heavy
-def test_a_slow_script_ends_its_phases_at_the_straggler_budget_and_evaluations_show_in_status(spawn):
+def test_a_slow_script_ends_its_phases_at_the_straggler_budget_and_evaluations_show_in_status(spawn, tmp_path):
     a = spawn("budget-a", ["--run", "budget"])
     b = spawn("budget-b", ["--run", "budget", "--initial-peers", a.maddrs[0]])
     common = ["--run", "budget", "--every", 20, "--budget", 1.2]
@@ -432,6 +435,7 @@ def test_a_slow_script_ends_its_phases_at_the_straggler_budget_and_evaluations_s
     # at every boundary.
     fast = script(*common, "--daemon", a.data_dir, "--steps", 100_000, "--sleep", 0.01, "--eval")
     assert json.loads(fast.stdout.readline()) == {"attached": 0}
+    drain(fast, tmp_path / "fast.out")
     slow = script(*common, "--daemon", b.data_dir, "--steps", 40, "--sleep", 0.4)
     out = lines(finish(slow, 240))[-1]
     # A whole phase takes the slow loop 8 s; the fast peer reaches each boundary at once and waits
