@@ -1,10 +1,10 @@
-"""A local group that spans daemons averages its pseudo-gradient over the WAN as one peer, each
-daemon a share of the lanes, over its own link (DESIGN.md: "each member averaging its own lanes").
+"""A local group that spans daemons averages its vector over the WAN as one peer, each daemon a
+share of the lanes, over its own link (DESIGN.md: "each member averaging its own lanes").
 
-    results = await spread_round(vector, weight, round_t, lanes, payload, owners, own, ask)
+    results = await spread_round(vector, weight, round_t, lanes, payload, leader, owners, own, ask, rejected)
 
-The group's leading daemon holds the group's vector (its processes' pseudo-gradient: every member
-holds the same). With `averaging.lanes` L >= 2 and k daemons in the group, daemon j *owns* lanes
+The group's leading daemon holds the group's vector (DiLoCo's pseudo-gradient, or a state run's
+state vector, of its processes: every member holds the same). With `averaging.lanes` L >= 2 and k daemons in the group, daemon j *owns* lanes
 j, j + k, ... (`hierarchy.owned_lanes`) and announces the others as delegated, with the group's ID
 (`hierarchy.delegated_mask`, `group_id`): peers leave it out of the views of the lanes it does not
 average (`hierarchy.lane_view`). At each round the leader
@@ -19,10 +19,10 @@ average (`hierarchy.lane_view`). At each round the leader
    whose daemon refused it (it does not own it in its epoch: the group changed a beat ago, and it
    does not announce the lane either) the leader averages itself.
 
-The outer step, its momentum and the error feedback stay the leader's (daemon/diloco.py): the
-values sent are already on the payload's grid (int8 with the residual kept), so the other daemon's
-encoding of them loses nothing more. What crosses the WAN: the group's pseudo-gradient once,
-spread over min(k, L) links instead of the leader's alone.
+Under DiLoCo the outer step, its momentum and the error feedback stay the leader's
+(daemon/diloco.py): the values sent are already on the payload's grid (int8 with the residual
+kept), so the other daemon's encoding of them loses nothing more. What crosses the WAN: the group's
+vector once, spread over min(k, L) links instead of the leader's alone.
 
 The wire format (`encode_request`, `decode_request`, `encode_answer`, `decode_answer`) is a JSON
 header, a newline, then float32 values of the lanes in order; every field is checked before it is
