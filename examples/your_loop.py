@@ -32,10 +32,15 @@ p.add_argument("--every", type=int, default=50, help="inner steps per outer step
 p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 p.add_argument("--seed", type=int, default=0, help="data order; the run's parameters come from the run")
 p.add_argument("--save", help="write the model's state_dict here at the end")
+p.add_argument(
+    "--dear",
+    action="store_true",
+    help="in a local group: the all-reduce overlapped with compute (DeAR; clipping then sees no gradients)",
+)
 args = p.parse_args()
 RANK = int(os.environ.get("LOCAL_RANK", "0"))  # torchrun's process on this machine (0 under plain python)
-if args.device == "cuda":
-    args.device = f"cuda:{RANK}"
+if args.device == "cuda":  # one GPU per process; more processes than GPUs share them
+    args.device = f"cuda:{RANK % torch.cuda.device_count()}"
 torch.manual_seed(args.seed + RANK)  # each process its own data order
 torch.set_num_threads(1)
 
@@ -81,6 +86,7 @@ opt = peerd.torch.Optimizer(
     daemon=args.daemon,
     model=model,  # peerd: attach
     settings={"average_every": args.every},
+    dear=args.dear,
 )
 # Warm-up over the run's steps (opt.live_step), not this process's: the same on every member of a
 # local group, including one that joins late.

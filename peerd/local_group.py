@@ -6,13 +6,20 @@ Each process takes its place (peerd.attachment.Slot: epoch, rank, size, the epoc
 from its daemon and builds a torch.distributed Gloo process group of its own over a FileStore (one
 daemon) or the group coordinator's TCPStore (several): no `init_process_group`, so that a script's
 own torch.distributed, if any, is left alone, and a group can be re-formed (a new epoch) when a
-member comes or goes, which a default process group cannot. Tensors are staged on the CPU (Gloo).
+member comes or goes, which a default process group cannot.
+
+With `nccl=True` (peerd.torch.Optimizer's `nccl`), the backend of the step's gradient all-reduce is
+chosen per epoch, by every member alike from what each wrote into the epoch's store
+(`backend_for`): NCCL on the devices themselves where every member trains on CUDA and no two share
+a GPU (NCCL refuses two ranks on one device), Gloo through host memory otherwise. The rest (digests,
+broadcasts at a phase's end, DeAR's buckets) stays on Gloo.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import socket
 import time
 from datetime import timedelta
 from typing import Callable
@@ -30,6 +37,24 @@ RENDEZVOUS_POLL = 0.05  # seconds between two looks for an epoch's members
 CONNECT_TIMEOUT = 15.0
 
 
+def device_key(device: torch.device) -> str:
+    """What a member writes for `backend_for`: its host and GPU (the device's UUID), or "cpu"."""
+    if device.type != "cuda":
+        return device.type
+    return f"{socket.gethostname()}/{torch.cuda.get_device_properties(device).uuid}"
+
+
+def backend_for(keys: list[str], nccl: bool) -> tuple[str, str]:
+    """The gradient all-reduce's backend for members whose `device_key`s are `keys`, and why."""
+    if not nccl:
+        return "gloo", "NCCL not asked for"
+    if any(not k.count("/") for k in keys):
+        return "gloo", "not every member trains on CUDA"
+    if len(set(keys)) < len(keys):
+        return "gloo", "members share a GPU (NCCL takes one rank per device)"
+    return "nccl", "every member on a GPU of its own"
+
+
 class GroupBroke(Exception):
     """A collective of the local group failed (a member exited, stalled past the op timeout, or
     left for a new epoch): regroup."""
@@ -42,13 +67,25 @@ class Collective:
     daemon formed a newer epoch: a member of this one left meanwhile; or the daemon stopped)."""
 
     def __init__(
-        self, slot: Slot, timeout: float, rendezvous: float, superseded: Callable[[], bool], data: bool = False
+        self,
+        slot: Slot,
+        timeout: float,
+        rendezvous: float,
+        superseded: Callable[[], bool],
+        data: bool = False,
+        device: torch.device = torch.device("cpu"),
+        nccl: bool = False,
     ):
         """`data`: also a second Gloo backend, `self.data`, for DeAR's gradient buckets (its ops run in
-        a thread of their own, so they must not share a backend with this one's)."""
+        a thread of their own, so they must not share a backend with this one's). `device`: where
+        this member's parameters are; `nccl`: NCCL where `backend_for` finds it possible (every member
+        asks alike). `self.device`: where `sum_` takes its tensor (CUDA with NCCL, else the CPU)."""
         self.slot = slot
         self.data: dist.ProcessGroupGloo | None = None
         self.store: dist.Store | None = None
+        self._nccl: dist.ProcessGroup | None = None
+        self.device, self.backend, self.why = torch.device("cpu"), "gloo", ""
+        self._timeout = timedelta(seconds=timeout)
         try:
             # Gloo's connection of the members waits on this store with its timeout (5 minutes by
             # default), and nothing else uses it once they are connected: CONNECT_TIMEOUT bounds how
@@ -61,6 +98,7 @@ class Collective:
                 files = dist.FileStore(slot.store, slot.size)
                 files.set_timeout(wait)
             store = self.store = dist.PrefixStore(f"peerd/{slot.epoch}/", files)
+            store.set(f"device/{slot.rank}", device_key(device))
             store.set(f"here/{slot.rank}", "1")
             everyone, deadline = [f"here/{r}" for r in range(slot.size)], time.monotonic() + rendezvous
             while not store.check(everyone):
@@ -75,6 +113,16 @@ class Collective:
             self._group = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), slot.rank, slot.size, options)
             if data:
                 self.data = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), slot.rank, slot.size, options)
+            keys = [store.get(f"device/{r}").decode() for r in range(slot.size)]
+            self.backend, self.why = backend_for(keys, nccl)
+            if self.backend == "nccl":
+                if device.index is None:  # "cuda": the process's current device
+                    device = torch.device("cuda", torch.cuda.current_device())
+                nccl = dist.ProcessGroupNCCL.Options()
+                nccl._timeout = 2 * self._timeout  # sum_ gives up at once and aborts the group
+                torch.cuda.set_device(device)
+                self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), slot.rank, slot.size, nccl)
+                self.device = device
         except RuntimeError as e:
             raise GroupBroke(f"epoch {slot.epoch} did not form: {_first_line(e)}") from None
 
@@ -83,8 +131,16 @@ class Collective:
         return self.slot.rank == 0
 
     def sum_(self, tensor: torch.Tensor) -> None:
-        """In place: the members' sum (a CPU tensor)."""
-        self._wait(self._group.allreduce([tensor]))
+        """In place: the members' sum (a tensor on `self.device`)."""
+        if self._nccl is None:
+            self._wait(self._group.allreduce([tensor]))
+            return
+        try:  # NCCL's wait() only orders the stream: wait(timeout) blocks the CPU and raises when it passes
+            self._nccl.allreduce([tensor]).wait(self._timeout)
+        except RuntimeError as e:
+            self._nccl.abort()  # before its watchdog (at twice the timeout) would end the process
+            self._nccl = None
+            raise GroupBroke(_first_line(e)) from None
 
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> None:
         """In place: the values of rank `root` (the leader by default; a CPU tensor)."""
@@ -149,7 +205,12 @@ class Collective:
             raise GroupBroke(_first_line(e)) from None
 
     def close(self) -> None:
-        self._group = self.data = self.store = None
+        if self._nccl is not None:
+            try:
+                self._nccl.shutdown()  # frees the communicator now (a broken one's kernels are aborted)
+            except RuntimeError:
+                pass
+        self._group = self.data = self.store = self._nccl = None
 
 
 def _max():

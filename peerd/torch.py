@@ -73,7 +73,10 @@ class Optimizer(torch.optim.Optimizer):
     `dear=True` (needs `model`): in a group, the gradients' all-reduce runs under DeAR, overlapped
     with backward and the next forward (docs/dear.md), instead of one all-reduce after backward;
     then gradients are not in `p.grad` after backward (whole-model clipping sees none), and each
-    bucket's update is applied in the next forward.
+    bucket's update is applied in the next forward. `nccl=True`: the gradients' all-reduce runs
+    on the GPUs through NCCL where every member of the group trains on a GPU of its own (else Gloo
+    through host memory, as by default; a log line says which). Off by default: it has not yet been
+    tried with more than one GPU (docs/your-loop.md).
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class Optimizer(torch.optim.Optimizer):
         group_timeout: float = GROUP_TIMEOUT,
         dear: bool = False,
         dear_bucket_bytes: float = DEAR_BUCKET_BYTES,
+        nccl: bool = False,
     ):
         # torch.optim.Optimizer.__init__ is not called: the inner optimizer holds the groups and state.
         self.inner = optimizer
@@ -122,7 +126,7 @@ class Optimizer(torch.optim.Optimizer):
         self.group_timeout = group_timeout
         if dear and model is None:
             raise ValueError("dear=True needs model=: DeAR's hooks go on the model's modules")
-        self.model, self._use_dear, self.dear_bucket_bytes = model, dear, dear_bucket_bytes
+        self.model, self._use_dear, self.dear_bucket_bytes, self.nccl = model, dear, dear_bucket_bytes, nccl
         self._dear = None  # peerd.peers.dear.schedule.DeAR while a group of more than one trains with it
         self._slot = Slot(0, 0, 1, "")  # this process's place in the local group (the daemon's answer)
         self._collective = None  # peerd.local_group.Collective where the group has more than one process
@@ -221,9 +225,9 @@ class Optimizer(torch.optim.Optimizer):
         extras = [samples, a.group_epoch(), self._ends_now(), a.landed()]
         if not leader:
             extras[1:] = [0.0, 0.0, 0.0]
-        n = 0 if self._dear is not None else self._vector.numel()
-        if self._grads is None or self._grads.numel() != n + GROUP_EXTRAS:
-            self._grads = torch.empty(n + GROUP_EXTRAS, dtype=torch.float32)
+        n, device = 0 if self._dear is not None else self._vector.numel(), self._collective.device
+        if self._grads is None or self._grads.numel() != n + GROUP_EXTRAS or self._grads.device != device:
+            self._grads = torch.empty(n + GROUP_EXTRAS, dtype=torch.float32, device=device)
         buffer = self._grads
         try:
             with torch.no_grad():
@@ -465,6 +469,8 @@ class Optimizer(torch.optim.Optimizer):
                     self._attached.phase_timeout,
                     superseded=lambda: self._attachment.group_epoch() > slot.epoch or self._attachment.replaced(),
                     data=self._use_dear,
+                    device=self.params[0].device,
+                    nccl=self.nccl,
                 )
                 self._take_leaders()
                 if self._use_dear:
@@ -475,7 +481,13 @@ class Optimizer(torch.optim.Optimizer):
                     return
                 continue
             logger.info(
-                "peerd: run %s: local group epoch %d: rank %d of %d", self.run, slot.epoch, slot.rank, slot.size
+                "peerd: run %s: local group epoch %d: rank %d of %d, gradients over %s (%s)",
+                self.run,
+                slot.epoch,
+                slot.rank,
+                slot.size,
+                self._collective.backend,
+                self._collective.why,
             )
             return
         raise PeerdError(f"run {self.run}: the local group did not form in {REGROUP_TRIES} epochs")
@@ -511,6 +523,11 @@ class Optimizer(torch.optim.Optimizer):
         if self._collective is not None:
             self._collective.close()
             self._collective = None
+
+    @property
+    def group_backend(self) -> str:
+        """What the local group's gradients are all-reduced over ("gloo" or "nccl"); "" alone."""
+        return self._collective.backend if self._collective is not None else ""
 
     @property
     def dear_overlap_ratio(self) -> float:

@@ -32,6 +32,8 @@ p.add_argument(
 p.add_argument("--layers", type=int, default=1, help="linear layers (two: a model of several modules for DeAR)")
 p.add_argument("--group-size", type=int, default=None, help="processes expected in the local group (torchrun's)")
 p.add_argument("--save", default=None, help="write the model's state_dict here at the end")
+p.add_argument("--device", default="cpu", help="where the model trains (cuda: every process on the one GPU)")
+p.add_argument("--nccl", action="store_true", help="in a local group, NCCL where every member has a GPU of its own")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -41,7 +43,7 @@ model = (
     else torch.nn.Sequential(
         *[torch.nn.Linear(args.dim, args.dim) for _ in range(args.layers - 1)], torch.nn.Linear(args.dim, 1)
     )
-)
+).to(args.device)
 opt = peerd.torch.Optimizer(
     torch.optim.SGD(model.parameters(), lr=0.05),
     run=args.run,
@@ -58,16 +60,17 @@ opt = peerd.torch.Optimizer(
     dear=args.dear,
     group_size=args.group_size,
     dear_bucket_bytes=args.dear_bucket_bytes,
+    nccl=args.nccl,
 )
 torch.manual_seed(args.seed)
 print(json.dumps({"attached": opt.run_step}), flush=True)
-target = torch.arange(args.dim, dtype=torch.float32) / args.dim
+target = torch.arange(args.dim, dtype=torch.float32, device=args.device) / args.dim
 phases = []  # steps of each phase this loop ended (the run's step moves at a phase's end only)
 phase_began, run_step = opt.local_step, opt.run_step
 for i in range(args.steps if args.until is None else 10**9):
     if args.until is not None and time.time() >= args.until:
         break
-    x = torch.randn(16, args.dim)
+    x = torch.randn(16, args.dim).to(args.device)
     loss = ((model(x).squeeze(-1) - x @ target) ** 2).mean()
     loss.backward()
     opt.step(samples=16, loss=loss.item() if args.float_loss else loss)
@@ -83,6 +86,7 @@ for i in range(args.steps if args.until is None else 10**9):
                     "steps": phases[-1],
                     "group": [opt.group_rank, opt.group_size],
                     "dear_overlap": opt.dear_overlap_ratio,  # NaN without DeAR
+                    "backend": opt.group_backend,
                 }
             ),
             flush=True,

@@ -1,19 +1,28 @@
 """The copies between a model and the shared vector (peerd/torch.py), on every device present: the
 CPU here, a GPU where CUDA is (the vector then page-locked in place). No daemon: the vector is a
-mapped file laid out as daemon/attached.py's SharedVector."""
+mapped file laid out as daemon/attached.py's SharedVector. Then a local group's processes on a GPU
+(skipped without one): the NCCL path of its collective, and two processes on one GPU under a daemon."""
 
 from __future__ import annotations
 
+import json
+import math
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from peerd.attachment import Slot
+from peerd.local_group import Collective, backend_for, device_key
 from peerd.shared_file import HEADER_BYTES
 from peerd.torch import from_vector, move_by, pin, to_vector, unpin
 
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "attach_script.py"
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -71,3 +80,71 @@ def test_a_landed_round_moves_the_parameters_by_theta_minus_the_phase_end(device
     assert torch.equal(params[0].cpu(), torch.tensor([0.75, 1.0, 1.25]))
     assert torch.equal(params[1].float().cpu(), torch.tensor([3.0, 4.0]))
     unpin(address)
+
+
+def test_nccl_is_chosen_only_where_every_member_has_a_gpu_of_its_own():
+    """peerd/local_group.py backend_for: what every member of an epoch derives alike from the keys
+    they wrote (device_key: host/GPU UUID, or the device type)."""
+    gpus = ["h1/GPU-a", "h1/GPU-b", "h2/GPU-a"]
+    assert backend_for(gpus, nccl=True) == ("nccl", "every member on a GPU of its own")
+    assert backend_for(gpus, nccl=False)[0] == "gloo"  # not asked for
+    assert backend_for(["h1/GPU-a", "h1/GPU-a"], nccl=True) == (
+        "gloo",
+        "members share a GPU (NCCL takes one rank per device)",
+    )
+    assert backend_for(["h1/GPU-a", "cpu"], nccl=True) == ("gloo", "not every member trains on CUDA")
+    assert device_key(torch.device("cpu")) == "cpu"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: NCCL runs on CUDA devices only")
+def test_a_group_over_nccl_sums_on_the_gpu(tmp_path):
+    """The NCCL path of a local group's Collective on the one GPU there is: a group of one rank (NCCL
+    refuses two ranks on one device, so more needs a machine of several GPUs)."""
+    slot = Slot(epoch=1, rank=0, size=1, store=str(tmp_path / "store"))
+    group = Collective(
+        slot, timeout=30, rendezvous=30, superseded=lambda: False, device=torch.device("cuda"), nccl=True
+    )
+    try:
+        assert (group.backend, group.device.type) == ("nccl", "cuda"), group.why
+        t = torch.arange(5, dtype=torch.float32, device="cuda")
+        group.sum_(t)
+        assert torch.equal(t.cpu(), torch.arange(5, dtype=torch.float32))
+        assert group.same([t])[0]
+    finally:
+        group.close()
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the processes train on CUDA")
+@pytest.mark.parametrize("dear", [False, True], ids=["all-reduce", "dear"])
+def test_two_processes_on_one_gpu_train_as_one_local_group(spawn, dear):
+    """Two processes of a script whose model is on the GPU, attached to one daemon:
+    one local group (Gloo through host memory: the two share the GPU, so NCCL is not taken even when
+    asked for), phases completed as a group, the members' digests equal at every phase's end (a
+    mismatch raises in the script), and the loss falls."""
+    a = spawn("gpu-a", ["--run", "gpu"])
+    args = ["--run", "gpu", "--daemon", a.data_dir, "--device", "cuda", "--nccl", "--layers", 3]
+    args += ["--steps", 60, "--every", 10] + (["--dear"] if dear else [])
+    # Two processes as torchrun starts them (its own --run option would take the script's --run).
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), *map(str, args), "--group-size", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"},
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, text in zip(procs, outs):
+        assert p.returncode == 0, text[-3000:]
+    out = [json.loads(line) for text in outs for line in text.splitlines() if line.startswith("{")]
+    ends = [o for o in out if "phase_end" in o]
+    assert len(ends) >= 2 * 5, out  # both processes, the phases of 60 steps by 10
+    assert {tuple(o["group"]) for o in ends} == {(0, 2), (1, 2)}, ends
+    assert {o["backend"] for o in ends} == {"gloo"}, ends
+    assert all(math.isnan(o["dear_overlap"]) != dear for o in ends), ends
+    losses = [o["loss"] for o in out if "loss" in o]
+    assert losses[-1] < losses[0], losses

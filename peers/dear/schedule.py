@@ -284,7 +284,9 @@ class DeAR:
             self._wait(self._ag[g], ledger)
         for g in indices:
             for p, view in zip(self.plan.buckets[g].params, self._views[g]):
-                p.grad = view
+                # The buckets are float32 in host memory (Gloo): a GPU's or a half-precision
+                # parameter takes a copy on its device, in its dtype.
+                p.grad = view if view.device == p.device and view.dtype == p.dtype else view.to(p.device, p.dtype)
         try:
             self.optimizer.step()
         finally:
