@@ -670,31 +670,39 @@ class AttachedTrainer:
         how = "by links, " if self.span.label == AUTO else ""
         return SpanView(self.span.label, p.size, p.base, f"{how}epoch {p.epoch}: {len(p.daemons)} daemon(s); {why}")
 
+    def _lane_place(self) -> tuple[int, tuple[str, ...]] | None:
+        """In a spanning group whose run has lanes (peers/dear/delegate.py): this daemon's index in the
+        epoch's daemons (the leading one first), and those daemons; None otherwise. One place for
+        what lane_owners, owned and delegation derive."""
+        p = self._placement
+        if p is None or not p.spans or self.lanes < 2 or self.span is None or self.span.peer_id not in p.daemons:
+            return None
+        return p.daemons.index(self.span.peer_id), tuple(p.daemons)
+
     def lane_owners(self) -> list[tuple[str, tuple[int, ...]]]:
-        """A spanning group's lanes (peers/dear/delegate.py): (peer ID, the lanes it averages) of each
-        daemon of the epoch, the leading one first; [] where this daemon does not lead such a group
-        or the run has one lane (the leader averages everything)."""
-        p, lanes = self._placement, self.lanes
-        if p is None or not p.spans or p.base > 0 or lanes < 2:
+        """(peer ID, the lanes it averages) of each daemon of the spanning group this daemon leads;
+        [] where it leads none or the run has one lane (the leader averages everything)."""
+        if (place := self._lane_place()) is None or self._placement.base > 0:
             return []
-        return [(peer, owned_lanes(lanes, len(p.daemons), j)) for j, peer in enumerate(p.daemons)]
+        daemons = place[1]
+        return [(peer, owned_lanes(self.lanes, len(daemons), j)) for j, peer in enumerate(daemons)]
 
     def owned(self) -> tuple[int, ...]:
         """The lanes this daemon averages for its spanning group ((): none, or no such group)."""
-        p, lanes = self._placement, self.lanes
-        if p is None or not p.spans or lanes < 2 or self.span is None or self.span.peer_id not in p.daemons:
+        if (place := self._lane_place()) is None:
             return ()
-        return owned_lanes(lanes, len(p.daemons), p.daemons.index(self.span.peer_id))
+        j, daemons = place
+        return owned_lanes(self.lanes, len(daemons), j)
 
     @property
     def delegation(self) -> tuple[int, str]:
         """What the heartbeat announces of the lanes: those the group's other daemons average for this
         one (a bit mask), and the group's ID; (0, "") where this daemon averages every lane it
         averages at all (no spanning group with lanes, or one that gives this daemon none)."""
-        p = self._placement
-        if not self.owned():
+        if (place := self._lane_place()) is None or not self.owned():
             return 0, ""
-        return delegated_mask(self.lanes, len(p.daemons), p.daemons.index(self.span.peer_id)), group_id(p.daemons)
+        j, daemons = place
+        return delegated_mask(self.lanes, len(daemons), j), group_id(daemons)
 
     @property
     def wan_share(self) -> float:

@@ -284,9 +284,8 @@ class DeAR:
             self._wait(self._ag[g], ledger)
         for g in indices:
             for p, view in zip(self.plan.buckets[g].params, self._views[g]):
-                # The buckets are float32 in host memory (Gloo): a GPU's or a half-precision
-                # parameter takes a copy on its device, in its dtype.
-                p.grad = view if view.device == p.device and view.dtype == p.dtype else view.to(p.device, p.dtype)
+                # The buckets are in host memory (Gloo): a GPU's parameter takes a copy on its device.
+                p.grad = view if view.device == p.device else view.to(p.device)
         try:
             self.optimizer.step()
         finally:
