@@ -315,6 +315,9 @@ def test_local_groups_by_label_and_after_a_member_dies():
 
 STEPS = 6
 OP_TIMEOUT = 3.0  # seconds one gloo op may take in these tests (also how long a frozen peer holds one up)
+# Where no peer fails (the equality tests): a rank descheduled for seconds on a busy machine must not
+# time its peers' ops out (run 70: a Gloo op timed out, its peers read "a remote worker crashing").
+EQUALITY_OP_TIMEOUT = 30.0
 
 
 def _digest(model: nn.Module) -> str:
@@ -365,7 +368,7 @@ def test_a_rank_without_a_proposal_keeps_everyone_on_the_plan_without_sending_na
     assert [d.plan.bucket_bytes for d in dears] == [300, 300]
 
 
-def _equality_rank(rank: int, world: int, backend: str = "gloo") -> dict:
+def _equality_rank(rank: int, world: int, backend: str = "gloo", op_timeout: float = EQUALITY_OP_TIMEOUT) -> dict:
     """Each mode, then a reference that all-reduces the whole gradient after backward (gloo's
     all_reduce); the digits MLP. `backend`: the collective under DeAR (bench.dear.make_collective)."""
     import torch.distributed as dist
@@ -392,7 +395,7 @@ def _equality_rank(rank: int, world: int, backend: str = "gloo") -> dict:
         return model
 
     refs = {"sgd": reference(sgd), "adam": reference(adam)}
-    collective = make_collective(backend, OP_TIMEOUT)
+    collective = make_collective(backend, op_timeout)
     cases = {  # name: (hparams, settings, step after which to retune)
         "dear": (sgd, DeARSettings(bucket_bytes=2048), None),
         "dear_adam": (adam, DeARSettings(bucket_bytes=2048), None),
@@ -419,10 +422,12 @@ def _equality_rank(rank: int, world: int, backend: str = "gloo") -> dict:
     return out
 
 
-@pytest.mark.timeout(90)
+# Bounds on a hang, not timing claims: three spawned processes importing torch and meeting over
+# Gloo took over 40 s beside the rest of the suite on a busy 2-core machine (tests/FLAKY.md).
+@pytest.mark.timeout(180)
 def test_gloo_modes_equal_a_plain_all_reduce_over_several_steps():
     world = 3  # 3 ranks: shards of unequal parameter boundaries, padded buckets
-    results = run_group(_equality_rank, world, timeout=80, op_timeout=OP_TIMEOUT)
+    results = run_group(_equality_rank, world, timeout=160, op_timeout=EQUALITY_OP_TIMEOUT)
     assert all(status == "ok" for status, _ in results), results
     reports = [value for _, value in results]
     for name in ("dear", "dear_adam", "dear_nofusion_then_tuned", "ddp", "after_backward"):
@@ -463,10 +468,10 @@ def _failure_rank(rank: int, world: int, how: str, backend: str = "gloo") -> dic
     return {"raised": True, "elapsed": elapsed, "error": dear.error, "again": again}
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("how", ["exit", "stop"])
 def test_gloo_dead_or_frozen_peer_is_an_error_not_a_hang(how):
-    results = run_group(_failure_rank, 2, how, timeout=40, op_timeout=OP_TIMEOUT, wait_for=[0])
+    results = run_group(_failure_rank, 2, how, timeout=120, op_timeout=OP_TIMEOUT, wait_for=[0])
     status, report = results[0]
     assert status == "ok", report
     assert report["raised"] and report["again"].startswith("the group is broken"), report
