@@ -129,6 +129,10 @@ class TrainConfig:
     # Training processes per --task run, children of the daemon (python -m peerd.daemon.taskproc, supervised,
     # attached like a script; docs/your-loop.md): together the daemon's local group, one WAN peer.
     train_processes: int = 1
+    # A local group of --task children averages its gradients under DeAR (docs/dear.md), overlapped with
+    # backward and the next forward; off: one Gloo all-reduce after backward (a plug-in task whose model
+    # DeAR's hooks cannot take: tied weights, parameters without a gradient in some steps).
+    dear: bool = True
 
     def __post_init__(self) -> None:
         for item in self.set:
@@ -331,6 +335,11 @@ OPTIONS: tuple[Option, ...] = (
         "gradients every step (docs/your-loop.md); costs a Python process each, a gradient all-reduce over "
         "loopback per step (with more than one) and a shared-memory hand-over of the parameters per round",
         "N",
+    ),
+    Option(
+        "train.dear",
+        "a local group of --task training processes averages its gradients under DeAR, overlapped with "
+        "backward and the next forward (docs/dear.md); --no-dear: one all-reduce after backward",
     ),
 )
 
