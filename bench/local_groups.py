@@ -36,6 +36,13 @@ the peak memory (RSS and PSS) of every daemon, p2pd and training process, the co
 processes and the whole machine kept busy while the setup trained (what else ran shows as their
 difference), and the samples trained per CPU second the setup's processes got (comparable across
 runs on a shared machine). Headline: samples per CPU second, (a) over (b).
+
+    sudo .venv/bin/python -m bench.local_groups --same-host --against no-dear [--seconds 150]
+
+The same host's one daemon of two processes, in turn, (a) with its group's gradients averaged under
+DeAR (`train.dear`, the default: docs/dear.md) against (b) `--no-dear` (one Gloo all-reduce after
+backward), the same figures per setup. Headline: samples per second of the schedule (wall clock),
+(a) over (b); the summary has samples per CPU second too.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from peerd.daemon.lab.netns import sh
 BENCH = "local_groups"
 SITES = {"h0": "s0", "h1": "s0", "h2": "s1", "h3": "s1"}
 MEMORY_EVERY = 2.0  # seconds between two readings of every process's memory (--same-host)
+TWO_DAEMONS, NO_DEAR = "two-daemons", "no-dear"  # --same-host's baselines (--against)
 
 
 def progress(message: str) -> None:
@@ -161,6 +169,7 @@ class OneHostLab(TrainingLab):
             trained += polls[-1] - polls[0]
         return {
             "samples_in_schedule": trained,
+            "schedule_seconds": round(t1 - t0, 1),
             "memory": memory,
             "loopback_bytes": self.loopback_bytes,
             "cpu_seconds": round(cpu1 - cpu0, 1),  # the lab's processes, while they trained
@@ -175,13 +184,15 @@ def _busy() -> float:
 
 
 def same_host_setups(args) -> list[tuple[str, dict]]:
-    """--same-host's lab scenarios: (a) one daemon of two processes, (b) two daemons of one."""
+    """--same-host's lab scenarios: (a) one daemon of two processes (under DeAR, the default), and
+    (b) two daemons of one, or with --against no-dear the same daemon without DeAR."""
     args.curve, args.rate, args.rtt_ms, args.loss = 0.0, 0.0, 0.0, 0.0  # unshaped: one machine's loopback
     diloco = {"averaging.average_every": args.every}
-    return [
-        ("a_one_daemon", scenario("a_one_daemon", args, diloco, daemon_args=("--train-processes", "2"), hosts=1)),
-        ("b_two_daemons", scenario("b_two_daemons", args, diloco, hosts=2)),
-    ]
+    group = ("--train-processes", "2")
+    a = ("a_one_daemon", scenario("a_one_daemon", args, diloco, daemon_args=group, hosts=1))
+    if args.against == NO_DEAR:
+        return [a, ("b_no_dear", scenario("b_no_dear", args, diloco, daemon_args=(*group, "--no-dear"), hosts=1))]
+    return [a, ("b_two_daemons", scenario("b_two_daemons", args, diloco, hosts=2))]
 
 
 def same_host(args) -> int:
@@ -212,10 +223,15 @@ def same_host(args) -> int:
             "cores_busy": out["cores_busy"],
             # Comparable between runs on a shared machine: what the setup trained for the CPU it got.
             "samples_per_cpu_second": round(out["samples_in_schedule"] / max(out["cpu_seconds"], 1e-9), 1),
+            "samples_per_second": round(out["samples_in_schedule"] / max(out["schedule_seconds"], 1e-9), 1),
             "rss_mb_all": round(sum(m["rss_mb"] for m in memory), 1),
             "pss_mb_all": round(sum(m["pss_mb"] for m in memory), 1),
         }
     line(summary)
+    if args.against == NO_DEAR:
+        a, b = (summary[name]["samples_per_second"] for name in ("a_one_daemon", "b_no_dear"))
+        emit(result(BENCH, "samples per second, one daemon of two processes with DeAR over without", a, b, "samples/s"))
+        return 0
     # Per CPU second, not per wall-clock second: on a shared machine what each setup trains in its
     # --seconds follows the cores the other tenants leave it (runs 3-7 in bench/results/local_groups.jsonl).
     a, b = (summary[name]["samples_per_cpu_second"] for name in ("a_one_daemon", "b_two_daemons"))
@@ -244,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         "--same-host",
         action="store_true",
         help="one host's two processes: one daemon's local group against two daemons (no WAN shaping)",
+    )
+    p.add_argument(
+        "--against",
+        choices=(TWO_DAEMONS, NO_DEAR),
+        default=TWO_DAEMONS,
+        help="--same-host's baseline: two daemons of one process, or the one daemon without DeAR (--no-dear)",
     )
     args = p.parse_args(argv)
     if args.same_host:
