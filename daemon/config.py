@@ -130,9 +130,10 @@ class TrainConfig:
     # attached like a script; docs/your-loop.md): together the daemon's local group, one WAN peer.
     train_processes: int = 1
     # A local group of --task children averages its gradients under DeAR (docs/dear.md), overlapped with
-    # backward and the next forward; off: one Gloo all-reduce after backward (a plug-in task whose model
-    # DeAR's hooks cannot take: tied weights, parameters without a gradient in some steps).
-    dear: bool = True
+    # backward and the next forward, instead of one Gloo all-reduce after backward. Off by default:
+    # measured on charlm's two processes sharing a machine's cores, DeAR hid 97 % of the communication
+    # but took 12-14 % more CPU per sample (docs/benchmarks.md, "DeAR in a task's group of processes").
+    dear: bool = False
 
     def __post_init__(self) -> None:
         for item in self.set:
@@ -339,7 +340,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "train.dear",
         "a local group of --task training processes averages its gradients under DeAR, overlapped with "
-        "backward and the next forward (docs/dear.md); --no-dear: one all-reduce after backward",
+        "backward and the next forward (docs/dear.md), instead of one all-reduce after backward "
+        "(measured on charlm's two processes on one machine's shared cores: more CPU per sample, so off)",
     ),
 )
 

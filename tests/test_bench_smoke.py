@@ -150,12 +150,13 @@ def test_local_groups_same_host_builds_one_daemon_of_two_processes_and_two_daemo
     (a_name, a), (b_name, b) = ((name, parse(data, name)) for name, data in same_host_setups(args))
     assert (a_name, len(a.hosts)) == ("a_one_daemon", 1) and (b_name, len(b.hosts)) == ("b_two_daemons", 2)
     assert a.run.args[-2:] == ["--train-processes", "2"] and "--train-processes" not in b.run.args
-    # --against no-dear: the same one daemon of two processes, without DeAR (train.dear off).
+    # --against no-dear: the same one daemon of two processes, with DeAR and without.
     args.against = "no-dear"
-    (_, a2), (c_name, c) = ((name, parse(data, name)) for name, data in same_host_setups(args))
-    assert (c_name, len(c.hosts)) == ("b_no_dear", 1) and a2.run.args == a.run.args
+    (d_name, d), (c_name, c) = ((name, parse(data, name)) for name, data in same_host_setups(args))
+    assert (d_name, len(d.hosts), c_name, len(c.hosts)) == ("a_dear", 1, "b_no_dear", 1)
+    assert d.run.args[-3:] == ["--train-processes", "2", "--dear"]
     assert c.run.args[-3:] == ["--train-processes", "2", "--no-dear"]
-    for s in (a, b, c):
+    for s in (a, b, c, d):
         assert s.duration == 150.0 and s.run.settings == {"averaging.average_every": "50"} and not s.run.isolated
         assert all((h.link.rate_mbit, h.link.rtt_ms, h.link.loss_pct) == (0, 0, 0) for h in s.hosts)
 

@@ -81,11 +81,10 @@ def test_a_killed_training_process_is_restarted_and_training_goes_on(spawn):
 def test_a_task_run_trains_in_a_local_group_of_children_one_peer_of_the_run(spawn):
     """--train-processes 2: the daemon starts two children for its DiLoCo task run, each with its
     own data, which are its local group (one WAN peer; docs/your-loop.md), averaging their gradients
-    under DeAR (train.dear, the default: its overlap ratio in status and metrics); with a second
-    daemon training in one child (no group, no DeAR), the rounds complete with two peers and both
-    reach --max-steps."""
+    under DeAR with --dear (its overlap ratio in status and metrics); with a second daemon training
+    in one child (no group, no DeAR), the rounds complete with two peers and both reach --max-steps."""
     common = ["--run", "tg", "--max-steps", "60", "--min-peers", "2", "--eval-every", "1000", "--torch-threads", "1"]
-    task = ["--task", "digits-mlp", "--set", "averaging.average_every=20", "--train-processes", "2"]
+    task = ["--task", "digits-mlp", "--set", "averaging.average_every=20", "--train-processes", "2", "--dear"]
     a = spawn("tg-a", [*common, *task])
     b = spawn("tg-b", [*common, "--initial-peers", a.maddrs[0]])
     r = wait_for(lambda: (s := run_status(a, "tg")).attached_processes == 2 and s, timeout=120, what="two children")
@@ -107,10 +106,10 @@ def test_a_task_run_trains_in_a_local_group_of_children_one_peer_of_the_run(spaw
     assert not any(name == "peerd_dear_overlap_ratio" for name, _ in scrape(b.metrics_url))
 
 
-def test_task_children_run_their_group_under_dear_unless_no_dear():
-    """train.dear (default on) gives every --task child --dear; --no-dear leaves it out."""
+def test_task_children_run_their_group_under_dear_with_dear():
+    """train.dear (--dear; off by default) gives every --task child --dear."""
     manifest = RunManifest(run_id="cd", task="digits-mlp", creator="me", created_at=1.0)
-    for argv, dear in (([], True), (["--no-dear"], False)):
+    for argv, dear in (([], False), (["--dear"], True), (["--no-dear"], False)):
         start = build_parser().parse_args(["start", "--train-processes", "2", *argv])
         config = load_config({o.path: getattr(start, o.path) for o in OPTIONS if hasattr(start, o.path)}, environ={})
         child = child_argv(manifest, Path("/d"), config.train, 0)
