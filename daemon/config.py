@@ -131,8 +131,8 @@ class TrainConfig:
     train_processes: int = 1
     # A local group of --task children averages its gradients under DeAR (docs/dear.md), overlapped with
     # backward and the next forward, instead of one Gloo all-reduce after backward. Off by default:
-    # measured on charlm's two processes sharing a machine's cores, DeAR hid 97 % of the communication
-    # but took 12-14 % more CPU per sample (docs/benchmarks.md, "DeAR in a task's group of processes").
+    # measured on charlm's two processes sharing a machine's cores, DeAR hid 96-97 % of the communication
+    # but took 7-14 % more CPU per sample (docs/benchmarks.md, "DeAR in a task's group of processes").
     dear: bool = False
 
     def __post_init__(self) -> None:
