@@ -36,6 +36,13 @@ the peak memory (RSS and PSS) of every daemon, p2pd and training process, the co
 processes and the whole machine kept busy while the setup trained (what else ran shows as their
 difference), and the samples trained per CPU second the setup's processes got (comparable across
 runs on a shared machine). Headline: samples per CPU second, (a) over (b).
+
+    sudo .venv/bin/python -m bench.local_groups --same-host --against no-dear [--seconds 150]
+
+The same host's one daemon of two processes, in turn, (a) `--dear`: its group's gradients averaged
+under DeAR (docs/dear.md) against (b) `--no-dear` (the default: one Gloo all-reduce after
+backward), the same figures per setup, with DeAR's overlap ratio (peerd_dear_overlap_ratio) and
+the samples per second of the schedule (wall clock). Headline: samples per CPU second, (a) over (b).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from peerd.daemon.lab.netns import sh
 BENCH = "local_groups"
 SITES = {"h0": "s0", "h1": "s0", "h2": "s1", "h3": "s1"}
 MEMORY_EVERY = 2.0  # seconds between two readings of every process's memory (--same-host)
+TWO_DAEMONS, NO_DEAR = "two-daemons", "no-dear"  # --same-host's baselines (--against)
 
 
 def progress(message: str) -> None:
@@ -156,11 +164,20 @@ class OneHostLab(TrainingLab):
         (t0, busy0, cpu0), (t1, busy1, cpu1) = self.window[0], self.window[-1]
         cores = {"lab": round((cpu1 - cpu0) / (t1 - t0), 2), "machine": round((busy1 - busy0) / (t1 - t0), 2)}
         trained = 0.0  # samples from the schedule's start (the collector's first poll) to its end
+        overlap = {}  # each host's DeAR overlap ratio at its last poll that had one
         for host in {s.host for s in self.record.samples}:
             polls = [s.metrics.get("samples", 0.0) for s in self.record.samples if s.host == host]
             trained += polls[-1] - polls[0]
+            ratios = [
+                s.metrics["dear_overlap_ratio"]
+                for s in self.record.samples
+                if s.host == host and "dear_overlap_ratio" in s.metrics
+            ]
+            overlap[host] = round(ratios[-1], 3) if ratios else None
         return {
             "samples_in_schedule": trained,
+            "schedule_seconds": round(t1 - t0, 1),
+            "dear_overlap_ratio": overlap,
             "memory": memory,
             "loopback_bytes": self.loopback_bytes,
             "cpu_seconds": round(cpu1 - cpu0, 1),  # the lab's processes, while they trained
@@ -175,11 +192,18 @@ def _busy() -> float:
 
 
 def same_host_setups(args) -> list[tuple[str, dict]]:
-    """--same-host's lab scenarios: (a) one daemon of two processes, (b) two daemons of one."""
+    """--same-host's lab scenarios: (a) one daemon of two processes, (b) two daemons of one; with
+    --against no-dear, (a) one daemon of two processes under DeAR, (b) the same without."""
     args.curve, args.rate, args.rtt_ms, args.loss = 0.0, 0.0, 0.0, 0.0  # unshaped: one machine's loopback
     diloco = {"averaging.average_every": args.every}
+    group = ("--train-processes", "2")
+    if args.against == NO_DEAR:
+        return [
+            ("a_dear", scenario("a_dear", args, diloco, daemon_args=(*group, "--dear"), hosts=1)),
+            ("b_no_dear", scenario("b_no_dear", args, diloco, daemon_args=(*group, "--no-dear"), hosts=1)),
+        ]
     return [
-        ("a_one_daemon", scenario("a_one_daemon", args, diloco, daemon_args=("--train-processes", "2"), hosts=1)),
+        ("a_one_daemon", scenario("a_one_daemon", args, diloco, daemon_args=group, hosts=1)),
         ("b_two_daemons", scenario("b_two_daemons", args, diloco, hosts=2)),
     ]
 
@@ -212,14 +236,17 @@ def same_host(args) -> int:
             "cores_busy": out["cores_busy"],
             # Comparable between runs on a shared machine: what the setup trained for the CPU it got.
             "samples_per_cpu_second": round(out["samples_in_schedule"] / max(out["cpu_seconds"], 1e-9), 1),
+            "samples_per_second": round(out["samples_in_schedule"] / max(out["schedule_seconds"], 1e-9), 1),
+            "dear_overlap_ratio": list(out["dear_overlap_ratio"].values()),
             "rss_mb_all": round(sum(m["rss_mb"] for m in memory), 1),
             "pss_mb_all": round(sum(m["pss_mb"] for m in memory), 1),
         }
     line(summary)
     # Per CPU second, not per wall-clock second: on a shared machine what each setup trains in its
-    # --seconds follows the cores the other tenants leave it (runs 3-7 in bench/results/local_groups.jsonl).
-    a, b = (summary[name]["samples_per_cpu_second"] for name in ("a_one_daemon", "b_two_daemons"))
-    metric = "samples per CPU second of the setup's processes, one daemon of two processes over two daemons of one"
+    # --seconds follows the cores the other tenants leave it (runs 3-7 and 11 in bench/results/local_groups.jsonl).
+    a, b = (summary[name]["samples_per_cpu_second"] for name in lines)
+    setups = "with DeAR over without" if args.against == NO_DEAR else "over two daemons of one"
+    metric = f"samples per CPU second of the setup's processes, one daemon of two processes {setups}"
     emit(result(BENCH, metric, a, b, "samples/CPU s"))
     return 0
 
@@ -244,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         "--same-host",
         action="store_true",
         help="one host's two processes: one daemon's local group against two daemons (no WAN shaping)",
+    )
+    p.add_argument(
+        "--against",
+        choices=(TWO_DAEMONS, NO_DEAR),
+        default=TWO_DAEMONS,
+        help="--same-host's baseline: two daemons of one process, or the one daemon without DeAR (--no-dear)",
     )
     args = p.parse_args(argv)
     if args.same_host:

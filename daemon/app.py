@@ -772,6 +772,7 @@ class Daemon:
                 param_divergence=math.nan,
                 param_distance_to_group_mean=math.nan,
                 compute_fraction=math.nan,
+                dear_overlap_ratio=math.nan,
                 wan_share=1.0,
                 local_group_rank=-1,
             )
@@ -795,6 +796,7 @@ class Daemon:
                     r.local_group_reason = lg.last_reason
                 r.wan_share = tr.wan_share
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
+                r.dear_overlap_ratio = tr.dear_overlap_ratio
                 r.parameters = tr.parameters
                 r.step_seconds = _step_seconds(tr)
                 if tr.fitted is not None:  # average_every=auto's decision

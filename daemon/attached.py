@@ -395,6 +395,9 @@ class AttachedTrainer:
         self.error = self._passed_over = ""  # _passed_over: checkpoints load() left on disk
         self.last_round: RoundResult | None = None
         self.param_distance_to_group_mean = math.nan
+        # DeAR's overlap ratio in the latest EndPhase that carried one (RunStatus.dear_overlap_ratio);
+        # NaN once a process ends a phase without DeAR.
+        self.dear_overlap_ratio = math.nan
         self.sketches: tuple = ()
         self.snapshot: Snapshot | None = None
         self._checkpointed = 0

@@ -41,7 +41,7 @@ from peerd.daemon.tables import columns
 
 logger = logging.getLogger("peerd")
 
-_BOOL_PATHS = {"network.nat_port_map", "network.auto_nat"}
+_BOOL_PATHS = {"network.nat_port_map", "network.auto_nat", "train.dear"}
 _APPEND_PATHS = {"run", "network.announce", "train.set"}
 _EXTEND_PATHS = {"network.initial_peers"}
 
@@ -307,6 +307,8 @@ def _cmd_status(args) -> int:
             print(f"{r.run_id}: local group {r.local_group}  processes {r.local_group_size}  first rank here {rank}")
             if r.local_group_reason:
                 print(f"{r.run_id}: local group decision: {r.local_group_reason}")
+        if not math.isnan(r.dear_overlap_ratio):
+            print(f"{r.run_id}: DeAR in the local group: {r.dear_overlap_ratio:.0%} of its communication hidden")
         if r.average_every_auto:
             why = r.average_every_reason or "no decision yet"
             print(f"{r.run_id}: average_every=auto: H={r.average_every} ({why})")

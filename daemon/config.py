@@ -129,6 +129,11 @@ class TrainConfig:
     # Training processes per --task run, children of the daemon (python -m peerd.daemon.taskproc, supervised,
     # attached like a script; docs/your-loop.md): together the daemon's local group, one WAN peer.
     train_processes: int = 1
+    # A local group of --task children averages its gradients under DeAR (docs/dear.md), overlapped with
+    # backward and the next forward, instead of one Gloo all-reduce after backward. Off by default:
+    # measured on charlm's two processes sharing a machine's cores, DeAR hid 96-97 % of the communication
+    # but took 7-14 % more CPU per sample (docs/benchmarks.md, "DeAR in a task's group of processes").
+    dear: bool = False
 
     def __post_init__(self) -> None:
         for item in self.set:
@@ -331,6 +336,12 @@ OPTIONS: tuple[Option, ...] = (
         "gradients every step (docs/your-loop.md); costs a Python process each, a gradient all-reduce over "
         "loopback per step (with more than one) and a shared-memory hand-over of the parameters per round",
         "N",
+    ),
+    Option(
+        "train.dear",
+        "a local group of --task training processes averages its gradients under DeAR, overlapped with "
+        "backward and the next forward (docs/dear.md), instead of one all-reduce after backward "
+        "(measured on charlm's two processes on one machine's shared cores: more CPU per sample, so off)",
     ),
 )
 

@@ -206,6 +206,8 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
 
         await self._check(request, context)
         trainer = await self._session_trainer(request.session, context)
+        overlap = request.dear_overlap_ratio if request.HasField("dear_overlap_ratio") else math.nan
+        trainer.dear_overlap_ratio = overlap if 0.0 <= overlap <= 1.0 else math.nan  # a ratio, or not shown
         try:
             end = await asyncio.to_thread(
                 trainer.end_phase,

@@ -149,6 +149,12 @@ class _TrainingCollector(Collector):
             "Forward, backward and optimizer time over wall time since training began.",
             labels=["run"],
         )
+        dear = GaugeMetricFamily(
+            "peerd_dear_overlap_ratio",
+            "Share of the run's local group's gradient communication that DeAR hid behind compute, as its "
+            "training process counted it at its latest phase's end; absent while the group does not run DeAR.",
+            labels=["run"],
+        )
         waited = CounterMetricFamily(
             "peerd_train_wait_seconds", "Seconds the trainer waited for averaging rounds in the run.", labels=["run"]
         )
@@ -190,6 +196,8 @@ class _TrainingCollector(Collector):
             every.add_metric([r.run_id], r.average_every)
             if not math.isnan(r.compute_fraction):
                 compute.add_metric([r.run_id], r.compute_fraction)
+            if not math.isnan(r.dear_overlap_ratio):
+                dear.add_metric([r.run_id], r.dear_overlap_ratio)
             waited.add_metric([r.run_id], r.train_wait_seconds)
             local.add_metric([r.run_id], r.local_step)
             if not math.isnan(r.param_divergence):
@@ -218,6 +226,7 @@ class _TrainingCollector(Collector):
             group,
             wan_share,
             compute,
+            dear,
             waited,
             attached,
             epochs,

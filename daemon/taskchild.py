@@ -106,6 +106,8 @@ def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> 
         argv += ["--state-vector"]
     if train.train_processes > 1:
         argv += ["--group-size", str(train.train_processes)]
+    if train.dear:  # used only while the process's local group has more than one (--train-processes, --local-group)
+        argv += ["--dear"]
     for key, value in sorted(manifest.hparams.items()):
         argv += ["--set", f"{key}={value}"]
     return argv

@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help="this process among --group-size (its own data stream)")
     p.add_argument("--group-size", type=int, default=None, help="processes the daemon starts for the run together")
     p.add_argument(
+        "--dear",
+        action="store_true",
+        help="in a local group, the gradients' all-reduce under DeAR (docs/dear.md; the daemon's train.dear)",
+    )
+    p.add_argument(
         "--state-vector",
         action="store_true",
         help="the run averages the state (averaging.algorithm=state): hand over the inner optimizer's state too",
@@ -105,6 +110,7 @@ def train(args: argparse.Namespace) -> int:
         settings={"average_every": args.average_every},
         state_vector=args.state_vector,
         group_size=args.group_size,
+        dear=args.dear,
     )
     text = {k: str(v) for k, v in hparams.to_dict().items()}  # as the manifest writes them
     identity = identity_of(args.run, task.name, text, model)

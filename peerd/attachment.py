@@ -298,12 +298,20 @@ class Attachment:
         raise PeerdError(f"run {self.run}: θ in the shared file kept changing for {THETA_TRIES} copies")
 
     def end_phase(
-        self, steps: int, samples: float, loss: float, compute_seconds: float, boundary: int = 0, group_step: int = 0
+        self,
+        steps: int,
+        samples: float,
+        loss: float,
+        compute_seconds: float,
+        boundary: int = 0,
+        group_step: int = 0,
+        dear_overlap_ratio: float = math.nan,
     ) -> control_pb2.EndPhaseResponse:
         """The parameters are in the vector (the leader's, in a local group): the run's outer step
         for the phase that ends at the run's step `boundary`; with `group_step`, the parameters a
-        spanning group's leader reached that step with, for this daemon to follow. Raises Lost when
-        the attachment ended (attach again), PeerdError for anything else."""
+        spanning group's leader reached that step with, for this daemon to follow;
+        `dear_overlap_ratio` (NaN: not under DeAR) for the daemon's status. Raises Lost when the
+        attachment ended (attach again), PeerdError for anything else."""
         a = self.current
         request = control_pb2.EndPhaseRequest(
             session=a.session,
@@ -314,6 +322,8 @@ class Attachment:
             boundary=boundary,
             group_step=group_step,
         )
+        if not math.isnan(dear_overlap_ratio):
+            request.dear_overlap_ratio = dear_overlap_ratio
         try:
             return self._stub.EndPhase(request, timeout=a.phase_timeout)
         except grpc.RpcError as e:

@@ -334,7 +334,12 @@ class Optimizer(torch.optim.Optimizer):
                 self._write()
             try:
                 end = self._attachment.end_phase(
-                    self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary
+                    self._phase_steps,
+                    self._phase_samples,
+                    loss,
+                    compute,
+                    boundary=self._boundary,
+                    dear_overlap_ratio=self.dear_overlap_ratio,
                 )
             except Lost:
                 lost = True
@@ -373,7 +378,12 @@ class Optimizer(torch.optim.Optimizer):
             self._land(self._attachment.landed())
             self._write()
             end = self._attachment.end_phase(
-                self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary
+                self._phase_steps,
+                self._phase_samples,
+                loss,
+                compute,
+                boundary=self._boundary,
+                dear_overlap_ratio=self.dear_overlap_ratio,
             )
             self._read()
             self._fitted = end.phase_steps
@@ -403,7 +413,13 @@ class Optimizer(torch.optim.Optimizer):
             if self._slot.hands_over:  # this daemon takes the run's θ (its checkpoints, export, evaluations)
                 self._vector.copy_(flat if theta is None else theta)
                 self._attachment.end_phase(
-                    self._phase_steps, self._phase_samples, loss, compute, boundary=self._boundary, group_step=step
+                    self._phase_steps,
+                    self._phase_samples,
+                    loss,
+                    compute,
+                    boundary=self._boundary,
+                    group_step=step,
+                    dear_overlap_ratio=self.dear_overlap_ratio,
                 )
         self.run_step, self._landed = step, held
 

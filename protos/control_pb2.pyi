@@ -11,7 +11,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunStatus(_message.Message):
-    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "wan_share", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason", "parameters", "step_seconds", "round_seconds", "average_every", "payload", "overlap", "average_every_auto", "average_every_reason", "average_every_round")
+    __slots__ = ("run_id", "peers", "secured", "joined_seconds", "task", "train_state", "step", "loss", "samples_per_second", "eval_metric", "eval_score", "error", "local_step", "last_round", "last_round_outcome", "group_size", "param_divergence", "last_round_digest", "last_round_links", "local_group", "local_group_size", "local_group_rank", "wan_share", "last_round_group", "param_divergence_step", "param_distance_to_group_mean", "compute_fraction", "train_wait_seconds", "algorithm", "attached_pid", "attached_device", "attached_processes", "attached_group_epoch", "samples", "samples_averaged", "resumed_from", "synced_from", "train_process_state", "train_process_restarts", "local_group_reason", "parameters", "step_seconds", "round_seconds", "average_every", "payload", "overlap", "average_every_auto", "average_every_reason", "average_every_round", "dear_overlap_ratio")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     SECURED_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class RunStatus(_message.Message):
     AVERAGE_EVERY_AUTO_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_EVERY_REASON_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_EVERY_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DEAR_OVERLAP_RATIO_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     peers: int
     secured: bool
@@ -110,7 +111,8 @@ class RunStatus(_message.Message):
     average_every_auto: bool
     average_every_reason: str
     average_every_round: int
-    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., wan_share: _Optional[float] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ..., parameters: _Optional[int] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., average_every: _Optional[int] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., average_every_auto: _Optional[bool] = ..., average_every_reason: _Optional[str] = ..., average_every_round: _Optional[int] = ...) -> None: ...
+    dear_overlap_ratio: float
+    def __init__(self, run_id: _Optional[str] = ..., peers: _Optional[int] = ..., secured: _Optional[bool] = ..., joined_seconds: _Optional[float] = ..., task: _Optional[str] = ..., train_state: _Optional[str] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., samples_per_second: _Optional[float] = ..., eval_metric: _Optional[str] = ..., eval_score: _Optional[float] = ..., error: _Optional[str] = ..., local_step: _Optional[int] = ..., last_round: _Optional[int] = ..., last_round_outcome: _Optional[str] = ..., group_size: _Optional[int] = ..., param_divergence: _Optional[float] = ..., last_round_digest: _Optional[str] = ..., last_round_links: _Optional[str] = ..., local_group: _Optional[str] = ..., local_group_size: _Optional[int] = ..., local_group_rank: _Optional[int] = ..., wan_share: _Optional[float] = ..., last_round_group: _Optional[_Iterable[str]] = ..., param_divergence_step: _Optional[int] = ..., param_distance_to_group_mean: _Optional[float] = ..., compute_fraction: _Optional[float] = ..., train_wait_seconds: _Optional[float] = ..., algorithm: _Optional[str] = ..., attached_pid: _Optional[int] = ..., attached_device: _Optional[str] = ..., attached_processes: _Optional[int] = ..., attached_group_epoch: _Optional[int] = ..., samples: _Optional[int] = ..., samples_averaged: _Optional[int] = ..., resumed_from: _Optional[int] = ..., synced_from: _Optional[int] = ..., train_process_state: _Optional[str] = ..., train_process_restarts: _Optional[int] = ..., local_group_reason: _Optional[str] = ..., parameters: _Optional[int] = ..., step_seconds: _Optional[float] = ..., round_seconds: _Optional[float] = ..., average_every: _Optional[int] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., average_every_auto: _Optional[bool] = ..., average_every_reason: _Optional[str] = ..., average_every_round: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("state", "peer_id", "maddrs", "runs", "uptime_seconds", "version", "metrics_url", "pid")
@@ -285,7 +287,7 @@ class AttachResponse(_message.Message):
     def __init__(self, session: _Optional[str] = ..., shared_path: _Optional[str] = ..., numel: _Optional[int] = ..., step: _Optional[int] = ..., average_every: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., phase_timeout: _Optional[float] = ..., upload: _Optional[bool] = ..., first_phase: _Optional[int] = ..., group: _Optional[_Union[LocalGroup, _Mapping]] = ..., phase_steps: _Optional[int] = ...) -> None: ...
 
 class EndPhaseRequest(_message.Message):
-    __slots__ = ("session", "steps", "samples", "loss", "compute_seconds", "boundary", "group_step")
+    __slots__ = ("session", "steps", "samples", "loss", "compute_seconds", "boundary", "group_step", "dear_overlap_ratio")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +295,7 @@ class EndPhaseRequest(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     GROUP_STEP_FIELD_NUMBER: _ClassVar[int]
+    DEAR_OVERLAP_RATIO_FIELD_NUMBER: _ClassVar[int]
     session: str
     steps: int
     samples: float
@@ -300,7 +303,8 @@ class EndPhaseRequest(_message.Message):
     compute_seconds: float
     boundary: int
     group_step: int
-    def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., boundary: _Optional[int] = ..., group_step: _Optional[int] = ...) -> None: ...
+    dear_overlap_ratio: float
+    def __init__(self, session: _Optional[str] = ..., steps: _Optional[int] = ..., samples: _Optional[float] = ..., loss: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., boundary: _Optional[int] = ..., group_step: _Optional[int] = ..., dear_overlap_ratio: _Optional[float] = ...) -> None: ...
 
 class EndPhaseResponse(_message.Message):
     __slots__ = ("step", "round", "outcome", "waited_seconds", "downloaded", "group_epoch", "phase_steps")

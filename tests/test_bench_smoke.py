@@ -146,11 +146,17 @@ def test_local_groups_same_host_builds_one_daemon_of_two_processes_and_two_daemo
     from bench.local_groups import same_host_setups
     from peerd.daemon.lab.scenario import parse
 
-    args = argparse.Namespace(seconds=150.0, task="charlm", every=50)
+    args = argparse.Namespace(seconds=150.0, task="charlm", every=50, against="two-daemons")
     (a_name, a), (b_name, b) = ((name, parse(data, name)) for name, data in same_host_setups(args))
     assert (a_name, len(a.hosts)) == ("a_one_daemon", 1) and (b_name, len(b.hosts)) == ("b_two_daemons", 2)
     assert a.run.args[-2:] == ["--train-processes", "2"] and "--train-processes" not in b.run.args
-    for s in (a, b):
+    # --against no-dear: the same one daemon of two processes, with DeAR and without.
+    args.against = "no-dear"
+    (d_name, d), (c_name, c) = ((name, parse(data, name)) for name, data in same_host_setups(args))
+    assert (d_name, len(d.hosts), c_name, len(c.hosts)) == ("a_dear", 1, "b_no_dear", 1)
+    assert d.run.args[-3:] == ["--train-processes", "2", "--dear"]
+    assert c.run.args[-3:] == ["--train-processes", "2", "--no-dear"]
+    for s in (a, b, c, d):
         assert s.duration == 150.0 and s.run.settings == {"averaging.average_every": "50"} and not s.run.isolated
         assert all((h.link.rate_mbit, h.link.rtt_ms, h.link.loss_pct) == (0, 0, 0) for h in s.hosts)
 

@@ -4,18 +4,24 @@ group of children; a task's buffers."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
 from peerd.daemon.checkpoint import CheckpointStore
+from peerd.daemon.cli import build_parser
+from peerd.daemon.config import OPTIONS, load_config
 from peerd.daemon.client import ControlClient
 from peerd.daemon.export import export
 from peerd.daemon.procs import LocalDaemon
-from peerd.daemon.taskchild import STATE_FILE
+from peerd.daemon.taskchild import STATE_FILE, child_argv
+from peerd.daemon.taskproc import parse_args
 from peerd.daemon.tasks import get_task
+from peerd.peers.manifest import RunManifest
 from peerd import PeerdError
 from peerd.torch import Optimizer
 from tests.helpers import peerd, scrape, wait_for
@@ -74,10 +80,11 @@ def test_a_killed_training_process_is_restarted_and_training_goes_on(spawn):
 @pytest.mark.heavy
 def test_a_task_run_trains_in_a_local_group_of_children_one_peer_of_the_run(spawn):
     """--train-processes 2: the daemon starts two children for its DiLoCo task run, each with its
-    own data, which are its local group (one WAN peer; docs/your-loop.md); with a second daemon
-    training in one child, the rounds complete with two peers and both reach --max-steps."""
+    own data, which are its local group (one WAN peer; docs/your-loop.md), averaging their gradients
+    under DeAR with --dear (its overlap ratio in status and metrics); with a second daemon training
+    in one child (no group, no DeAR), the rounds complete with two peers and both reach --max-steps."""
     common = ["--run", "tg", "--max-steps", "60", "--min-peers", "2", "--eval-every", "1000", "--torch-threads", "1"]
-    task = ["--task", "digits-mlp", "--set", "averaging.average_every=20", "--train-processes", "2"]
+    task = ["--task", "digits-mlp", "--set", "averaging.average_every=20", "--train-processes", "2", "--dear"]
     a = spawn("tg-a", [*common, *task])
     b = spawn("tg-b", [*common, "--initial-peers", a.maddrs[0]])
     r = wait_for(lambda: (s := run_status(a, "tg")).attached_processes == 2 and s, timeout=120, what="two children")
@@ -93,6 +100,20 @@ def test_a_task_run_trains_in_a_local_group_of_children_one_peer_of_the_run(spaw
         assert (r.last_round_outcome, r.group_size) == ("completed", 2), r
     assert done[0].last_round_digest == done[1].last_round_digest
     assert done[0].eval_metric == "accuracy" and done[0].eval_score > 0.5, done[0]  # the group's leader reports
+    assert 0 <= done[0].dear_overlap_ratio <= 1 and math.isnan(done[1].dear_overlap_ratio), done
+    m = scrape(a.metrics_url)
+    assert m[("peerd_dear_overlap_ratio", (("run", "tg"),))] == pytest.approx(done[0].dear_overlap_ratio)
+    assert not any(name == "peerd_dear_overlap_ratio" for name, _ in scrape(b.metrics_url))
+
+
+def test_task_children_run_their_group_under_dear_with_dear():
+    """train.dear (--dear; off by default) gives every --task child --dear."""
+    manifest = RunManifest(run_id="cd", task="digits-mlp", creator="me", created_at=1.0)
+    for argv, dear in (([], False), (["--dear"], True), (["--no-dear"], False)):
+        start = build_parser().parse_args(["start", "--train-processes", "2", *argv])
+        config = load_config({o.path: getattr(start, o.path) for o in OPTIONS if hasattr(start, o.path)}, environ={})
+        child = child_argv(manifest, Path("/d"), config.train, 0)
+        assert child[1:3] == ["-m", "peerd.daemon.taskproc"] and parse_args(child[3:]).dear is dear, child
 
 
 def test_a_state_run_with_a_local_group_trains_in_a_child(spawn):

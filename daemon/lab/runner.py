@@ -197,7 +197,7 @@ def poll_daemon(name: str, d: LocalDaemon, run_id: str, t: float) -> Sample | No
 
 def scrape(url: str, run_id: str) -> dict[str, float]:
     """The run's round counts by outcome, its divergence, samples (trained, and averaged into the run's
-    model), compute fraction and the engine's byte counters."""
+    model), compute fraction, DeAR's overlap ratio and the engine's byte counters."""
     with urllib.request.urlopen(url, timeout=POLL_TIMEOUT) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
@@ -211,6 +211,8 @@ def scrape(url: str, run_id: str) -> dict[str, float]:
                 out["divergence"] = s.value
             elif s.name == "peerd_train_compute_fraction":
                 out["compute_fraction"] = s.value
+            elif s.name == "peerd_dear_overlap_ratio":
+                out["dear_overlap_ratio"] = s.value
             elif s.name == "peerd_samples_total":
                 out["samples"] = s.value
             elif s.name == "peerd_samples_averaged_total":
