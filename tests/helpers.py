@@ -65,7 +65,9 @@ def families(url: str) -> dict[str, tuple[str, frozenset[str] | None]]:
     return out
 
 
-def peerd(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+def peerd(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    """`peerd ARGS` to its exit. `timeout` bounds a hang only: a refused `peerd start` boots its node
+    first, which took over 30 s beside the suite and three benchmarks on 2 cores (run 72)."""
     return subprocess.run(
         [sys.executable, "-m", "peerd.daemon.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )
