@@ -114,6 +114,9 @@ def cancelled(results: list[RoundResult]) -> bool:
 
 
 MAX_OWED = 2  # rounds in a row a member may owe; the next takes its own outer step (it still trains)
+# Elements a pass over the vector takes at a time where it would otherwise need a model-sized
+# temporary (P read again, the codec's error feedback, a distance): 4 MiB of float32, whole codec blocks.
+CHUNK = 1 << 20
 
 
 def owed(results: list[RoundResult]) -> bool:
@@ -157,7 +160,12 @@ class OuterLoop:
         self.start = torch.empty(n) if settings.overlap else None
         self._point(torch.empty(2 * n))  # [θ; m]: served to peers, checkpointed
         self._lent = False  # [θ; m] is a snapshot's too (share): it moves to a copy before it changes
-        self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
+        # P of the latest phase, kept until its round is applied. Without overlap it is not kept: s is
+        # θ and y stays where it is until the round is applied (the process waits for it), so P =
+        # θ − y is read again where needed, a chunk at a time. One copy of the model fewer.
+        self.progress = torch.empty(n) if settings.overlap else None
+        self._chunk = None if settings.overlap else torch.empty(min(CHUNK, n))
+        self._y = None  # y of the phase whose round runs (the parameters' vector, or the scratch copy)
         self.payload = torch.empty(n)  # what the round averages, in place
         # Error feedback: quantization error carried to the next phase, and a deferred round's vector.
         self.residual = torch.zeros(n)
@@ -245,14 +253,24 @@ class OuterLoop:
         else:
             to_flat(self.params, self.scratch)
             y = self.scratch
-        torch.sub(self.start, y, out=self.progress)  # P = s − y
+        self._y = y
+        if self.progress is not None:
+            torch.sub(self.start, y, out=self.progress)  # P = s − y
         if repair:
-            torch.sub(self.theta, self.progress, out=self.payload)
+            for a, b in self._spans(0, self.n):
+                torch.sub(self.theta[a:b], self._progress(a, b), out=self.payload[a:b])
         else:
-            self.payload.copy_(self.progress)
+            if self.progress is not None:
+                self.payload.copy_(self.progress)
+            else:
+                torch.sub(self.start, y, out=self.payload)
             if self.settings.payload != "fp32":
-                for a, b in lane_bounds(self.n, self.settings.lanes):  # blocks start at each lane's start
-                    codec.with_feedback(self.payload[a:b].numpy(), self.residual[a:b].numpy(), self.settings.payload)
+                coder = codec.Codec(self.settings.payload)
+                for lane in lane_bounds(self.n, self.settings.lanes):  # blocks start at each lane's start
+                    for a, b in self._spans(*lane):
+                        codec.with_feedback(
+                            self.payload[a:b].numpy(), self.residual[a:b].numpy(), self.settings.payload, coder
+                        )
             else:  # float32 travels exactly: the residual holds only what deferred rounds owe
                 self.payload.add_(self.residual)
                 self.residual.zero_()
@@ -317,6 +335,18 @@ class OuterLoop:
             self.start.copy_(self.theta)
         return Applied(round_t, results, 0.0, repair, weight)
 
+    @staticmethod
+    def _spans(start: int, end: int):
+        """[a, b) of CHUNK elements from start (whole codec blocks from there), the last one shorter."""
+        return ((a, min(a + CHUNK, end)) for a in range(start, end, CHUNK))
+
+    def _progress(self, a: int, b: int) -> torch.Tensor:
+        """P[a:b] of the phase whose round runs: a view of P where it is kept (the caller may write
+        it), else θ − y in a scratch chunk (valid until the next call)."""
+        if self.progress is not None:
+            return self.progress[a:b]
+        return torch.sub(self.start[a:b], self._y[a:b], out=self._chunk[: b - a])
+
     def _defers(self, results: list[RoundResult]) -> bool:
         """Whether this round is deferred: owed, and fewer than MAX_OWED in a row were."""
         self._owed = self._owed + 1 if owed(results) and self._owed < MAX_OWED else 0
@@ -330,7 +360,8 @@ class OuterLoop:
         next phase's P holds this one's, and the residual is put back as it was."""
         if self.start is self.theta:
             if not repaired:
-                self.residual.add_(self.payload).sub_(self.progress)
+                for a, b in self._spans(0, self.n):
+                    self.residual[a:b].add_(self.payload[a:b]).sub_(self._progress(a, b))
         else:
             self.residual.add_(self.progress if repaired else self.payload)
         self.deferred_weight = weight
@@ -340,11 +371,16 @@ class OuterLoop:
         elsewhere): a repair adopts it as θ, a pseudo-gradient takes an outer step. Before that,
         how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|)."""
         self._before_change()
-        if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
-            self.distance = float(self.progress.sub_(self.theta).add_(self.payload).norm())
+        squares = 0.0
+        for a, b in self._spans(0, self.n):
+            if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
+                squares += float(self._progress(a, b).sub_(self.theta[a:b]).add_(self.payload[a:b]).norm()) ** 2
+            else:
+                squares += float(torch.dist(self._progress(a, b), self.payload[a:b])) ** 2
+        self.distance = squares**0.5
+        if repaired:
             self.theta.copy_(self.payload)
         else:
-            self.distance = float(torch.dist(self.progress, self.payload))
             # The payload is the outer step's temporary: the mean is not needed after it either.
             outer_step(self.theta, self.momentum, self.payload, self.settings.lr, self.settings.momentum, self.payload)
 

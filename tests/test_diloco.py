@@ -391,3 +391,56 @@ def test_a_shared_outer_state_keeps_its_values_and_the_loop_moves_to_a_copy_only
         loop.adopt(torch.tensor([3.0, 0.0]))  # a download or a checkpoint: no copy of what it replaces
         assert loop.outer is not copy and loop.theta.item() == 3.0 and copy[0].item() != 3.0
         loop.close()
+
+
+@pytest.mark.parametrize("plan", ["met", "missed", "repair"])
+def test_without_overlap_p_is_read_again_a_chunk_at_a_time_with_the_same_arithmetic(monkeypatch, plan):
+    """Without overlap P = θ − y is not kept: it is read again from the shared vector in chunks.
+    Over several chunks and two lanes (blocks start at each lane's start), the int8 payload, the
+    residual, θ, m and the distance are those of the arithmetic on whole vectors."""
+    import numpy as np
+
+    from peerd.daemon import diloco
+    from peerd.peers.collective import codec
+
+    monkeypatch.setattr(diloco, "CHUNK", 128)  # two lanes of 500: chunks of 128, the last short
+    n, lr, mu = 1000, 0.7, 0.9
+    g = torch.Generator().manual_seed(1)
+    theta0 = torch.randn(n, generator=g)
+    step = torch.randn(n, generator=g) * 0.01
+    residual0 = torch.randn(n, generator=g) * 1e-4
+    vector = [theta0.clone()]  # the shared file: one flat float32 vector
+    rounds = {1: met if plan != "missed" else missed(1)}
+    loop = OuterLoop(vector, OuterSettings(lr=lr, momentum=mu, payload="int8", lanes=2), Script(rounds), plan)
+    assert loop.progress is None  # s is θ: P is not kept
+    loop.residual.copy_(residual0)
+    vector[0] -= step  # the phase: y = θ − step
+    applied = loop.end_phase(1, 4.0, repair=plan == "repair")
+    (_, sent, _) = loop.average.seen[-1]
+
+    P = theta0 - (theta0 - step)  # as the loop computes it: s − y
+    if plan == "repair":
+        payload, residual = theta0 - P, residual0
+    else:
+        payload, residual = P.clone(), residual0.clone()
+        for a, b in ((0, 500), (500, 1000)):
+            codec.with_feedback(payload[a:b].numpy(), residual[a:b].numpy(), "int8")
+    assert torch.equal(sent, payload)
+    if plan == "missed":  # owed: θ, m and y stay, and the residual is put back as it was (to rounding)
+        assert applied.deferred and torch.equal(loop.residual, residual + payload - P)
+        assert torch.allclose(loop.residual, residual0, atol=1e-8)
+        assert torch.equal(loop.theta, theta0) and torch.equal(vector[0], theta0 - step)
+        loop.close()
+        return
+    mean = payload * 0.5
+    theta, m = theta0.clone(), torch.zeros(n)
+    if plan == "repair":
+        distance = float((P - theta0 + mean).norm())
+        theta = mean
+    else:
+        distance = float(torch.dist(P, mean))
+        outer_step(theta, m, mean.clone(), lr, mu, torch.empty(n))
+    assert torch.equal(loop.residual, residual) and torch.equal(loop.momentum, m)
+    assert torch.equal(loop.theta, theta) and torch.equal(vector[0], theta)
+    assert np.isclose(loop.distance, distance, rtol=1e-5)
+    loop.close()
