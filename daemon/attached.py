@@ -1095,7 +1095,9 @@ class AttachedTrainer:
         self._shared.set_count(APPLIED_OFFSET, self._moves)
 
     def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
-        return self.average(vector, weight, round_t, None, restore=True, payload=fmt)
+        # restore=False: the outer loop writes again what a lane that did not apply held (from P and
+        # the residual), so the engine backs up only this member's own shard, not the whole vector.
+        return self.average(vector, weight, round_t, None, restore=False, payload=fmt)
 
     def _catch_up(self) -> bool:
         """Download the run's state when live peers are two rounds ahead or more

@@ -114,6 +114,21 @@ def cancelled(results: list[RoundResult]) -> bool:
 
 
 MAX_OWED = 2  # rounds in a row a member may owe; the next takes its own outer step (it still trains)
+# Elements a pass over the vector takes at a time where it would otherwise need a model-sized
+# temporary (P read again, the codec's error feedback, a distance): 4 MiB of float32, whole codec blocks.
+CHUNK = 1 << 20
+
+
+def lanes_to_put_back(results: list[RoundResult], lanes: int) -> list[int]:
+    """The lanes a round run with restore=False may have left partly written: those whose result
+    ran the engine without applying its outcome, was interrupted, or is missing (an interrupted
+    round answers once for every lane). A lane alone or without a group was not touched."""
+    by_lane = {r.lane: r for r in results}
+    return [
+        lane
+        for lane in range(lanes)
+        if (r := by_lane.get(lane)) is None or (not r.applied and (r.outcome is not None or r.interrupted))
+    ]
 
 
 def owed(results: list[RoundResult]) -> bool:
@@ -157,9 +172,17 @@ class OuterLoop:
         self.start = torch.empty(n) if settings.overlap else None
         self._point(torch.empty(2 * n))  # [θ; m]: served to peers, checkpointed
         self._lent = False  # [θ; m] is a snapshot's too (share): it moves to a copy before it changes
-        self.progress = torch.empty(n)  # P of the latest phase, kept until its round is applied
+        # P of the latest phase, kept until its round is applied. Without overlap it is not kept: s is
+        # θ and y stays where it is until the round is applied (the process waits for it), so P =
+        # θ − y is read again where needed, a chunk at a time. One copy of the model fewer.
+        self.progress = torch.empty(n) if settings.overlap else None
+        self._chunk = None if settings.overlap else torch.empty(min(CHUNK, n))
+        self._kept = torch.empty(min(CHUNK, n))  # a chunk of the residual or of P, for the codec
+        self._codec = codec.Codec(settings.payload)  # its scratch serves every chunk
+        self._y = None  # y of the phase whose round runs (the parameters' vector, or the scratch copy)
         self.payload = torch.empty(n)  # what the round averages, in place
         # Error feedback: quantization error carried to the next phase, and a deferred round's vector.
+        # While a round runs it holds the previous phase's (what the payload was made with).
         self.residual = torch.zeros(n)
         self.deferred_weight = 0.0  # samples of deferred rounds, added to the next round's weight
         self._owed = 0  # rounds deferred in a row
@@ -245,17 +268,11 @@ class OuterLoop:
         else:
             to_flat(self.params, self.scratch)
             y = self.scratch
-        torch.sub(self.start, y, out=self.progress)  # P = s − y
-        if repair:
-            torch.sub(self.theta, self.progress, out=self.payload)
-        else:
-            self.payload.copy_(self.progress)
-            if self.settings.payload != "fp32":
-                for a, b in lane_bounds(self.n, self.settings.lanes):  # blocks start at each lane's start
-                    codec.with_feedback(self.payload[a:b].numpy(), self.residual[a:b].numpy(), self.settings.payload)
-            else:  # float32 travels exactly: the residual holds only what deferred rounds owe
-                self.payload.add_(self.residual)
-                self.residual.zero_()
+        self._y = y
+        if self.progress is not None:
+            torch.sub(self.start, y, out=self.progress)  # P = s − y
+        for a, b in self._lane_spans():
+            self._fill(a, b, repair)
         fmt = "fp32" if repair else self.settings.payload
         weight, self.deferred_weight = weight + self.deferred_weight, 0.0
         if self.settings.overlap:
@@ -268,7 +285,9 @@ class OuterLoop:
         t0 = time.monotonic()
         results = self.average(self.payload, weight, round_t, fmt)
         waited = time.monotonic() - t0
-        if self._defers(results):  # the inner parameters keep their progress, still counted from θ
+        deferred = self._defers(results)
+        self._settle(results, repair, deferred)
+        if deferred:  # the inner parameters keep their progress, still counted from θ
             self._defer(repair, weight)
             return Applied(round_t, results, waited, repair, weight, deferred=True)
         if not cancelled(results):
@@ -308,7 +327,9 @@ class OuterLoop:
         pending, self._pending = self._pending, None
         results = pending.result()
         round_t, repair, weight = self._pending_round
-        if self._defers(results):  # θ stays, and the process keeps its parameters: no move
+        deferred = self._defers(results)
+        self._settle(results, repair, deferred)
+        if deferred:  # θ stays, and the process keeps its parameters: no move
             self._defer(repair, weight)
             return Applied(round_t, results, 0.0, repair, weight, deferred=True)
         if not cancelled(results):
@@ -317,6 +338,49 @@ class OuterLoop:
             self.start.copy_(self.theta)
         return Applied(round_t, results, 0.0, repair, weight)
 
+    @staticmethod
+    def _spans(start: int, end: int):
+        """[a, b) of CHUNK elements from start (whole codec blocks from there), the last one shorter."""
+        return ((a, min(a + CHUNK, end)) for a in range(start, end, CHUNK))
+
+    def _lane_spans(self, lanes: list[int] | None = None):
+        """The spans of these lanes (every lane when None): codec blocks start at each lane's start."""
+        bounds = lane_bounds(self.n, self.settings.lanes)
+        for lane in range(self.settings.lanes) if lanes is None else lanes:
+            yield from self._spans(*bounds[lane])
+
+    def _fill(self, a: int, b: int, repair: bool) -> None:
+        """payload[a:b] := what this member sends there: θ − P for a repair, else what the codec
+        delivers for P + residual (error feedback). The residual is not touched: what the codec
+        loses is taken once the round is over (`_settle`), so that until then the payload can be
+        written again from P and the residual, and the engine need not back it up (restore=False)."""
+        if repair:
+            torch.sub(self.theta[a:b], self._progress(a, b), out=self.payload[a:b])
+            return
+        self.payload[a:b].copy_(self._progress(a, b))
+        kept = self._kept[: b - a].copy_(self.residual[a:b])
+        codec.with_feedback(self.payload[a:b].numpy(), kept.numpy(), self.settings.payload, self._codec)
+
+    def _settle(self, results: list[RoundResult], repair: bool, deferred: bool) -> None:
+        """After a round, before it is applied or deferred: the lanes it may have left partly
+        written hold what this member sent again (`_fill`), and, unless it is owed, the residual
+        becomes what the codec lost of P + residual (the payload's error feedback; a repair's
+        float32 loses nothing). An owed round's residual stays: `_defer` says what it owes."""
+        for a, b in self._lane_spans(lanes_to_put_back(results, self.settings.lanes)):
+            self._fill(a, b, repair)
+        if repair or deferred:
+            return
+        for a, b in self._lane_spans():
+            sent = self._kept[: b - a].copy_(self._progress(a, b))
+            codec.with_feedback(sent.numpy(), self.residual[a:b].numpy(), self.settings.payload, self._codec)
+
+    def _progress(self, a: int, b: int) -> torch.Tensor:
+        """P[a:b] of the phase whose round runs: a view of P where it is kept (the caller may write
+        it), else θ − y in a scratch chunk (valid until the next call)."""
+        if self.progress is not None:
+            return self.progress[a:b]
+        return torch.sub(self.start[a:b], self._y[a:b], out=self._chunk[: b - a])
+
     def _defers(self, results: list[RoundResult]) -> bool:
         """Whether this round is deferred: owed, and fewer than MAX_OWED in a row were."""
         self._owed = self._owed + 1 if owed(results) and self._owed < MAX_OWED else 0
@@ -324,15 +388,11 @@ class OuterLoop:
 
     def _defer(self, repaired: bool, weight: float) -> None:
         """The round is owed to the next; its samples go into the next round's weight. With overlap
-        the next phase counts from y: what this round would have averaged goes back into the
-        residual, this member's P with the residual it took (codec.with_feedback left residual +
-        payload = P + the old residual), or a repair's P. Without, s is θ, which did not move: the
-        next phase's P holds this one's, and the residual is put back as it was."""
-        if self.start is self.theta:
-            if not repaired:
-                self.residual.add_(self.payload).sub_(self.progress)
-        else:
-            self.residual.add_(self.progress if repaired else self.payload)
+        the next phase counts from y: this member's P goes into the residual, which kept what the
+        codec lost before (`_fill`). Without, s is θ, which did not move: the next phase's P holds
+        this one's, and the residual stays as it was."""
+        if self.start is not self.theta:
+            self.residual.add_(self.progress)
         self.deferred_weight = weight
 
     def _apply(self, repaired: bool) -> None:
@@ -340,11 +400,16 @@ class OuterLoop:
         elsewhere): a repair adopts it as θ, a pseudo-gradient takes an outer step. Before that,
         how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|)."""
         self._before_change()
-        if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
-            self.distance = float(self.progress.sub_(self.theta).add_(self.payload).norm())
+        squares = 0.0
+        for a, b in self._spans(0, self.n):
+            if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
+                squares += float(self._progress(a, b).sub_(self.theta[a:b]).add_(self.payload[a:b]).norm()) ** 2
+            else:
+                squares += float(torch.dist(self._progress(a, b), self.payload[a:b])) ** 2
+        self.distance = squares**0.5
+        if repaired:
             self.theta.copy_(self.payload)
         else:
-            self.distance = float(torch.dist(self.progress, self.payload))
             # The payload is the outer step's temporary: the mean is not needed after it either.
             outer_step(self.theta, self.momentum, self.payload, self.settings.lr, self.settings.momentum, self.payload)
 

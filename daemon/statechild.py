@@ -23,23 +23,12 @@ import time
 import torch
 
 from peerd.daemon.attached import PhaseEnd
+from peerd.daemon.diloco import lanes_to_put_back
 from peerd.daemon.flat import from_flat, state_tensors, to_flat
 from peerd.daemon.taskchild import TaskChild
 from peerd.peers.dear.hierarchy import lane_bounds
 from peerd.peers.sketch import HISTORY, SketchPlan
 from peerd.peers.statesync import Snapshot
-
-
-def lanes_to_put_back(results: list, lanes: int) -> list[int]:
-    """The lanes a round run with restore=False may have left partly written: those whose result
-    ran the engine without applying its outcome, was interrupted, or is missing (an interrupted
-    round answers once for every lane). A lane alone or without a group was not touched."""
-    by_lane = {r.lane: r for r in results}
-    return [
-        lane
-        for lane in range(lanes)
-        if (r := by_lane.get(lane)) is None or (not r.applied and (r.outcome is not None or r.interrupted))
-    ]
 
 
 class StateChild(TaskChild):

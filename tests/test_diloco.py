@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,7 +226,8 @@ def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped():
     loop.close()
 
 
-STOPPED = [SimpleNamespace(cancelled=True)]  # what daemon/joining.round_bridge returns for a round the stop cancelled
+# What daemon/joining.round_bridge returns for a round the stop cancelled.
+STOPPED = [RoundResult(0, 1, None, "round cancelled: the run stops", interrupted=True, cancelled=True)]
 
 
 def test_a_round_the_stop_cancelled_is_not_applied():
@@ -391,3 +391,70 @@ def test_a_shared_outer_state_keeps_its_values_and_the_loop_moves_to_a_copy_only
         loop.adopt(torch.tensor([3.0, 0.0]))  # a download or a checkpoint: no copy of what it replaces
         assert loop.outer is not copy and loop.theta.item() == 3.0 and copy[0].item() != 3.0
         loop.close()
+
+
+@pytest.mark.parametrize("plan", ["met", "missed", "repair", "lane lost"])
+def test_without_overlap_p_is_read_again_a_chunk_at_a_time_with_the_same_arithmetic(monkeypatch, plan):
+    """Without overlap P = θ − y is not kept: it is read again from the shared vector in chunks.
+    Over several chunks and two lanes (blocks start at each lane's start), the int8 payload, the
+    residual, θ, m and the distance are those of the arithmetic on whole vectors; a lane the round
+    left partly written (the engine restores nothing: restore=False) is written again from P and
+    the residual, and takes this member's own step."""
+    import numpy as np
+
+    from peerd.daemon import diloco
+    from peerd.peers.collective import codec
+
+    monkeypatch.setattr(diloco, "CHUNK", 128)  # two lanes of 500: chunks of 128, the last short
+    n, lr, mu = 1000, 0.7, 0.9
+
+    def met(round_t, vector):
+        vector[:500].mul_(0.5)  # the group's mean: half this member's P
+        if plan == "lane lost":
+            vector[500:700].fill_(123.0)  # partly written, then its lane failed
+            return [
+                RoundResult(round_t, 2, None, "emulated: the mates met"),
+                RoundResult(round_t, 1, None, "lane 1 failed", lane=1, interrupted=True),
+            ]
+        vector[500:].mul_(0.5)
+        return [RoundResult(round_t, 2, None, "emulated: the mates met", lane=lane) for lane in (0, 1)]
+
+    g = torch.Generator().manual_seed(1)
+    theta0 = torch.randn(n, generator=g)
+    step = torch.randn(n, generator=g) * 0.01
+    residual0 = torch.randn(n, generator=g) * 1e-4
+    vector = [theta0.clone()]  # the shared file: one flat float32 vector
+    rounds = {1: met if plan != "missed" else missed(1)}
+    loop = OuterLoop(vector, OuterSettings(lr=lr, momentum=mu, payload="int8", lanes=2), Script(rounds), plan)
+    assert loop.progress is None  # s is θ: P is not kept
+    loop.residual.copy_(residual0)
+    vector[0] -= step  # the phase: y = θ − step
+    applied = loop.end_phase(1, 4.0, repair=plan == "repair")
+    (_, sent, _) = loop.average.seen[-1]
+
+    P = theta0 - (theta0 - step)  # as the loop computes it: s − y
+    if plan == "repair":
+        payload, residual = theta0 - P, residual0
+    else:
+        payload, residual = P.clone(), residual0.clone()
+        for a, b in ((0, 500), (500, 1000)):
+            codec.with_feedback(payload[a:b].numpy(), residual[a:b].numpy(), "int8")
+    assert torch.equal(sent, payload)
+    if plan == "missed":  # owed: θ, m, y and the residual stay as they were
+        assert applied.deferred and torch.equal(loop.residual, residual0)
+        assert torch.equal(loop.theta, theta0) and torch.equal(vector[0], theta0 - step)
+        loop.close()
+        return
+    mean = payload.clone()
+    mean[: 1000 if plan != "lane lost" else 500] *= 0.5
+    theta, m = theta0.clone(), torch.zeros(n)
+    if plan == "repair":
+        distance = float((P - theta0 + mean).norm())
+        theta = mean
+    else:
+        distance = float(torch.dist(P, mean))
+        outer_step(theta, m, mean.clone(), lr, mu, torch.empty(n))
+    assert torch.equal(loop.residual, residual) and torch.equal(loop.momentum, m)
+    assert torch.equal(loop.theta, theta) and torch.equal(vector[0], theta)
+    assert np.isclose(loop.distance, distance, rtol=1e-5)
+    loop.close()

@@ -312,7 +312,7 @@ def test_a_state_round_puts_back_only_lanes_it_may_have_written():
     """After a round with restore=False, a state child copies back from the vector before it the lanes that ran
     the engine without applying a result, were interrupted, or got no result; a lane alone or without
     a group was not touched and costs no copy."""
-    from peerd.daemon.statechild import lanes_to_put_back
+    from peerd.daemon.diloco import lanes_to_put_back
     from peerd.peers.averaging import RoundResult
     from peerd.peers.collective import Outcome, Status
 

@@ -129,7 +129,9 @@ class InboxBuffers:
         longest = max(e - s for align in (1, BLOCK) for s, e in shard_bounds(numel, size, align))
         return cls(
             key=(numel, size, chunk),
-            backup=torch.zeros(numel, dtype=torch.float32),
+            # Not zeroed: pages no round writes stay unmapped, so that rounds opened with
+            # restore=False hold only this member's own shard of it (and results parked early).
+            backup=torch.empty(numel, dtype=torch.float32),
             parts=tuple(torch.zeros(longest, dtype=torch.float32) for _ in range(size - 1)),
             swap=np.zeros(min(chunk, longest), dtype=np.float32),
         )
