@@ -24,7 +24,8 @@ the packets delivered to a host dropped, --rtt-ms between hosts from the delay l
   alone     the same loop, no communication: what the hosts' compute gives without peers
 
 The loop is bench/vs_peers_host.py, one process per host in its namespace; training starts at one
-moment on every host once all are set up, and ends at the deadline. Per system: steps per host,
+moment on every host once all are set up (at the links' RTT and loss, their rate unlimited: the rate
+applies from the start of training), and ends at the deadline. Per system: steps per host,
 MB sent per host per 1,000 samples (the host's eth0 transmit counter over the training time, the
 same count for every system), the eval (charlm's held-out bits per character, lower is better) of
 the model each host holds at the end, and its curve: every host's model is saved every
@@ -44,6 +45,7 @@ with --quick); --plot draws every system's curve. Needs root (namespaces).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -158,12 +160,18 @@ class SystemRun:
     def run(self) -> None:
         try:
             self.net.create()
+            shape = LinkShape(rate_mbit=self.args.rate_mbit, loss_pct=self.args.loss_pct, rtt_ms=self.args.rtt_ms)
+            # Set up at any rate, trained at --rate-mbit: a peerd joiner downloads the run's state
+            # (8 bytes a parameter: 3.8 MB for charlm) before it trains, which at 1 Mbit/s, two
+            # joiners from one host, outlasts its daemon's wait for it (ATTACH_PATIENCE, 60 s).
+            unlimited = dataclasses.replace(shape, rate_mbit=0.0)
             for i in range(self.args.hosts):
-                shape = LinkShape(rate_mbit=self.args.rate_mbit, loss_pct=self.args.loss_pct, rtt_ms=self.args.rtt_ms)
-                self.hosts.append(HostRun(self.net.add_host(f"h{i}", shape, congestion_control="bbr")))
+                self.hosts.append(HostRun(self.net.add_host(f"h{i}", unlimited, congestion_control="bbr")))
             began = time.monotonic()
             self._set_up()
             self.setup_s = time.monotonic() - began
+            for h in self.hosts:
+                self.net.shape(h.host.name, shape)
             progress(
                 f"{self.entrant.name}: every host ready after {self.setup_s:.1f} s; {self.args.seconds:.0f} s of training"
             )
