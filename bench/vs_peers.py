@@ -3,7 +3,8 @@
     sudo .venv/bin/python -m bench.vs_peers [--quick] [--hosts 3] [--rate-mbit 100] [--rtt-ms 50]
                                             [--loss-pct 1] [--seconds 120] [--every 50]
                                             [--restart-every N] [--systems peerd,hivemind,torchft,alone]
-                                            [--peerd-settings overlap=true]
+                                            [--peerd-settings KEY=VALUE,... [--peerd-settings ...]]
+                                            [--plot FILE.png]
 
 Each system trains the charlm task's model (the same initial parameters on every host, each host its
 own data order, the task's AdamW as the inner optimizer, H = --every) on --hosts hosts of a fresh
@@ -12,7 +13,10 @@ the packets delivered to a host dropped, --rtt-ms between hosts from the delay l
 --seconds of training, one system after the other:
 
   peerd     a daemon per host and the plain script's peerd.torch.Optimizer (the run's defaults, H,
-            and --peerd-settings: overlap on, which a run a script creates must ask for)
+            overlap on, which a run a script creates must ask for, and --peerd-settings over them).
+            --peerd-settings given more than once runs peerd once per value, one after the other
+            in --systems' place of peerd: the first is the line "peerd", the others its variants,
+            "peerd:" and their settings (peerd:payload=int2); the headline is the first's
   hivemind  hivemind.Optimizer, use_local_updates=True, target_batch_size = hosts x batch x H (a
             round when the hosts took about H steps each), DHT on the host's address, no UPnP/AutoNAT
   torchft   torchft's DiLoCo (torchft.local_sgd), a Manager per host over gloo, its Lighthouse on the
@@ -20,7 +24,8 @@ the packets delivered to a host dropped, --rtt-ms between hosts from the delay l
   alone     the same loop, no communication: what the hosts' compute gives without peers
 
 The loop is bench/vs_peers_host.py, one process per host in its namespace; training starts at one
-moment on every host once all are set up, and ends at the deadline. Per system: steps per host,
+moment on every host once all are set up (at the links' RTT and loss, their rate unlimited: the rate
+applies from the start of training), and ends at the deadline. Per system: steps per host,
 MB sent per host per 1,000 samples (the host's eth0 transmit counter over the training time, the
 same count for every system), the eval (charlm's held-out bits per character, lower is better) of
 the model each host holds at the end, and its curve: every host's model is saved every
@@ -32,13 +37,15 @@ SETUP_TIMEOUT, whose process exits with an error, or that is still running GRACE
 deadline is reported failed (with the reason), and every process is killed when its lab is removed.
 
 JSON lines: one per system, then the headline: the time peerd takes to reach the best competitor's
-final eval over the time that competitor takes to reach it. Raw lines are appended to
-bench/results/vs_peers.jsonl (not with --quick). Needs root (namespaces).
+final eval over the time that competitor takes to reach it (peerd's variants are not competitors;
+each line has its own time to that eval). Raw lines are appended to bench/results/vs_peers.jsonl (not
+with --quick); --plot draws every system's curve. Needs root (namespaces).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -70,9 +77,10 @@ GRACE = 30.0  # seconds after the deadline for a host to report its last snapsho
 EXIT_GRACE = 5.0  # seconds after that for its processes to exit on their own, before they are killed
 START_AHEAD = 1.0  # seconds between writing go.json and the shared start
 POLL = 0.2  # seconds between two looks at the hosts' event files
-# peerd's run settings beyond H: overlap, the default of every run but one a script creates (which
-# waits for its rounds unless it asks: docs/your-loop.md), and the design's (docs/benchmarks.md).
-PEERD_SETTINGS = "overlap=true"
+# peerd's run settings beyond H, under --peerd-settings: overlap, the default of every run but one a
+# script creates (which waits for its rounds unless it asks: docs/your-loop.md), and the design's
+# (docs/benchmarks.md).
+PEERD_SETTINGS = {"overlap": "true"}
 
 
 def progress(message: str) -> None:
@@ -108,11 +116,37 @@ class SystemFailed(RuntimeError):
     """The system could not be set up or run in its bounds; the message says why."""
 
 
+@dataclass(frozen=True, slots=True)
+class Entrant:
+    """One line of the comparison: a system, and for peerd the run's settings beyond H."""
+
+    name: str  # the line's "system": peerd, hivemind, ..., or a peerd variant, "peerd:payload=int2"
+    system: str  # one of SYSTEMS: what runs
+    peerd_settings: str = ""  # peerd: KEY=VALUE,... as the loop passes them to peerd.torch.Optimizer
+
+
+def entrants(systems: list[str], peerd_settings: list[str]) -> list[Entrant]:
+    """--systems in order, peerd once per --peerd-settings (PEERD_SETTINGS under each): the first is
+    "peerd", the others "peerd:" and the settings as given."""
+    out = []
+    for system in systems:
+        if system != "peerd":
+            out.append(Entrant(system, system))
+            continue
+        for i, given in enumerate(peerd_settings):
+            settings = {**PEERD_SETTINGS, **dict(kv.split("=", 1) for kv in given.split(",") if kv)}
+            joined = ",".join(f"{k}={v}" for k, v in settings.items())
+            out.append(Entrant("peerd" if i == 0 else f"peerd:{given}", "peerd", joined))
+    if len({e.name for e in out}) < len(out):
+        raise ValueError("two lines of the same name: give each --peerd-settings once")
+    return out
+
+
 class SystemRun:
     """One system in one lab: build, set up, train until the deadline, collect; the lab always removed."""
 
-    def __init__(self, system: str, args, out: Path):
-        self.system, self.args, self.out = system, args, out
+    def __init__(self, entrant: Entrant, args, out: Path):
+        self.entrant, self.system, self.args, self.out = entrant, entrant.system, args, out
         self.net = Network()
         self.hosts: list[HostRun] = []
         self.lighthouse: subprocess.Popen | None = None
@@ -126,14 +160,20 @@ class SystemRun:
     def run(self) -> None:
         try:
             self.net.create()
+            shape = LinkShape(rate_mbit=self.args.rate_mbit, loss_pct=self.args.loss_pct, rtt_ms=self.args.rtt_ms)
+            # Set up at any rate, trained at --rate-mbit: a peerd joiner downloads the run's state
+            # (8 bytes a parameter: 3.8 MB for charlm) before it trains, which at 1 Mbit/s, two
+            # joiners from one host, outlasts its daemon's wait for it (ATTACH_PATIENCE, 60 s).
+            unlimited = dataclasses.replace(shape, rate_mbit=0.0)
             for i in range(self.args.hosts):
-                shape = LinkShape(rate_mbit=self.args.rate_mbit, loss_pct=self.args.loss_pct, rtt_ms=self.args.rtt_ms)
-                self.hosts.append(HostRun(self.net.add_host(f"h{i}", shape, congestion_control="bbr")))
+                self.hosts.append(HostRun(self.net.add_host(f"h{i}", unlimited, congestion_control="bbr")))
             began = time.monotonic()
             self._set_up()
             self.setup_s = time.monotonic() - began
+            for h in self.hosts:
+                self.net.shape(h.host.name, shape)
             progress(
-                f"{self.system}: every host ready after {self.setup_s:.1f} s; {self.args.seconds:.0f} s of training"
+                f"{self.entrant.name}: every host ready after {self.setup_s:.1f} s; {self.args.seconds:.0f} s of training"
             )
             before = {h.host.name: self.net.link_stats(h.host.name)["tx_bytes"] for h in self.hosts}
             self.start = start = time.time() + START_AHEAD
@@ -154,7 +194,7 @@ class SystemRun:
             if self.args.logs:
                 self._keep_logs()
             removed = self.net.destroy()
-            progress(f"{self.system}: lab {self.net.name} removed ({len(removed)} items)")
+            progress(f"{self.entrant.name}: lab {self.net.name} removed ({len(removed)} items)")
 
     # ---- set-up ---------------------------------------------------------------------------------
 
@@ -196,7 +236,7 @@ class SystemRun:
         argv += ["--ip", h.host.ip, "--hosts", str(a.hosts), "--every", str(a.every)]
         argv += ["--incarnation", str(h.incarnation), "--snapshot-every", str(a.snapshot_every)]
         if self.system == "peerd":
-            argv += ["--daemon", str(h.daemon.data_dir), "--settings", a.peerd_settings]
+            argv += ["--daemon", str(h.daemon.data_dir), "--settings", self.entrant.peerd_settings]
         elif self.system == "hivemind":
             argv += ["--initial-peers", str(self.out / "h0.maddrs")]
         elif self.system == "torchft":
@@ -278,7 +318,7 @@ class SystemRun:
 
     def _restart(self, h: HostRun) -> None:
         """Kill every process of the host, then start them again: not waited for, it trains when ready."""
-        progress(f"{self.system}: t={time.time() - self.start:.0f} s  restart {h.host.name}")
+        progress(f"{self.entrant.name}: t={time.time() - self.start:.0f} s  restart {h.host.name}")
         h.kill()
         h.incarnation += 1
         self.restarts += 1
@@ -287,7 +327,7 @@ class SystemRun:
         self._start_loop(h)
 
     def _keep_logs(self) -> None:
-        dest = Path(self.args.logs) / self.system
+        dest = Path(self.args.logs) / self.entrant.name
         dest.mkdir(parents=True, exist_ok=True)
         for log in [*(self.net.dir / "hosts").glob("*.log"), *self.out.glob("*.log")]:  # daemons', loops'
             shutil.copy(log, dest / log.name)
@@ -451,7 +491,7 @@ def collect(run: SystemRun, evaluate: Evaluator, failure: str | None) -> dict:
         curve.append((float(run.args.seconds), round(statistics.fmean(finals), 4)))
     return {
         "bench": BENCH,
-        "system": run.system,
+        "system": run.entrant.name,
         "failed": failure,
         "steps": round(statistics.fmean(x["steps"] for x in hosts.values()), 1) if hosts else None,
         "mb_per_host_per_1000_samples": _mean([x["mb_per_1000_samples"] for x in hosts.values()]),
@@ -481,13 +521,38 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
 def headline(lines: dict[str, dict]) -> dict:
     """peerd's time to the best competitor's final eval, over the time that competitor took to reach it."""
     metric = "time to the best competitor's final eval, peerd vs that competitor"
-    others = {s: x for s, x in lines.items() if s != "peerd" and x["eval"] is not None and not x["failed"]}
+    others = {s: x for s, x in lines.items() if not s.startswith("peerd") and x["eval"] is not None and not x["failed"]}
     if not others or "peerd" not in lines:
         return result(BENCH, metric, None, None, "s", note="needs peerd and a competitor that finished")
     best = min(others, key=lambda s: others[s]["eval"])
     target = others[best]["eval"]
     ours, theirs = time_to(lines["peerd"]["curve"], target), time_to(others[best]["curve"], target)
     return result(BENCH, metric, ours, theirs, "s", competitor=best, target_eval=target)
+
+
+def plot(lines: dict[str, dict], args) -> None:
+    """Each system's curve (the mean eval over its hosts) against time (matplotlib: the `bench` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, line in lines.items():
+        if line["curve"]:
+            ts, evals = zip(*line["curve"])
+            ax.plot(ts, evals, marker=".", label=f"{name} ({line['mb_per_host_per_1000_samples']} MB/1k samples)")
+    ax.set_xlabel("seconds of training (wall clock)")
+    ax.set_ylabel("charlm eval, mean over the hosts (bits/char, lower is better)")
+    ax.set_title(
+        f"bench.vs_peers: {args.hosts} hosts, {args.rate_mbit:g} Mbit/s, {args.rtt_ms:g} ms RTT, "
+        f"{args.loss_pct:g} % loss, H = {args.every}"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=100)
+    progress(f"plot: {args.plot}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,9 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", default=None, help="keep the hosts' logs under this directory")
     p.add_argument(
         "--peerd-settings",
-        default=PEERD_SETTINGS,
-        help="peerd's run settings beyond H, KEY=VALUE,... (default: overlap on, every run's default but a script's)",
+        action="append",
+        help="peerd's run settings beyond H, KEY=VALUE,..., over overlap=true (every run's default but a "
+        "script's); again: one more peerd line, a variant (peerd:payload=int2)",
     )
+    p.add_argument("--plot", default=None, help="draw each system's eval against time into this PNG file")
     args = p.parse_args(argv)
     if args.quick:
         args.hosts, args.seconds = 2, min(args.seconds, 8.0)
@@ -515,26 +582,26 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     if unknown := set(systems) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    try:
+        runs = entrants(systems, args.peerd_settings or [""])
+    except ValueError as e:
+        p.error(str(e))
     if problem := environment_problem():
         print(f"bench.vs_peers: {problem}", file=sys.stderr)
         return 2
     interrupt_on_signals()
     evaluate = Evaluator()
     link = {"hosts": args.hosts, "rate_mbit": args.rate_mbit, "rtt_ms": args.rtt_ms, "loss_pct": args.loss_pct}
-    settings = {
-        "every": args.every,
-        "seconds": args.seconds,
-        "restart_every": args.restart_every,
-        "peerd_settings": args.peerd_settings,
-    }
+    settings = {"every": args.every, "seconds": args.seconds, "restart_every": args.restart_every}
     lines = {}
     scratch = Path(tempfile.mkdtemp(prefix="peerd-vs-peers-"))
     try:
-        for system in systems:
-            out = scratch / system
+        for i, entrant in enumerate(runs):
+            system = entrant.name
+            out = scratch / f"{i}-{entrant.system}"
             out.mkdir()
-            run, failure, load = SystemRun(system, args, out), None, os.getloadavg()[0]
-            if system == "torchft" and importlib.util.find_spec("torchft") is None:
+            run, failure, load = SystemRun(entrant, args, out), None, os.getloadavg()[0]
+            if entrant.system == "torchft" and importlib.util.find_spec("torchft") is None:
                 failure = "torchft is not installed (pip install '.[bench]')"
             else:
                 try:
@@ -543,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                     failure = f"{type(e).__name__}: {e}"
                     progress(f"{system} FAILED: {failure}")
             lines[system] = {**collect(run, evaluate, failure), "link": link, **settings}
+            if entrant.system == "peerd":
+                lines[system]["peerd_settings"] = entrant.peerd_settings
             # The machine's 1-minute load average before and after: other jobs share its cores.
             lines[system]["load"] = [round(load, 2), round(os.getloadavg()[0], 2)]
             progress(
@@ -563,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         records.append(line)
         print(json.dumps(line), flush=True)
     emit(head)
+    if args.plot:
+        plot(lines, args)
     if not args.quick:
         with open(RESULTS, "a") as f:
             for r in [*records, head]:

@@ -324,3 +324,22 @@ def test_diloco_sim_phases_are_the_runs_and_the_anytime_headline_compares_them(c
     assert records[1]["anytime_inner"][:2] == records[0]["anytime"][:2], (records[1], records[0])
     assert records[1]["anytime_inner"][2:] != records[0]["anytime"][2:], (records[1], records[0])
     assert records[-1]["metric"] == "step_times_until_at_or_below_alone_overlap_first_phase_2_vs_0", records[-1]
+
+
+def test_vs_peers_runs_peerd_once_per_settings_the_first_as_peerd():
+    """--peerd-settings given twice: two peerd lines in --systems' place of peerd, each over overlap=true;
+    the first is "peerd" (the headline's), the other named by its settings; a name given twice is refused."""
+    from bench.vs_peers import Entrant, entrants
+
+    assert entrants(["peerd", "alone"], [""]) == [
+        Entrant("peerd", "peerd", "overlap=true"),
+        Entrant("alone", "alone"),
+    ]
+    assert entrants(["hivemind", "peerd"], ["", "payload=int2", "overlap=false"]) == [
+        Entrant("hivemind", "hivemind"),
+        Entrant("peerd", "peerd", "overlap=true"),
+        Entrant("peerd:payload=int2", "peerd", "overlap=true,payload=int2"),
+        Entrant("peerd:overlap=false", "peerd", "overlap=false"),
+    ]
+    with pytest.raises(ValueError):
+        entrants(["peerd"], ["", "payload=int2", "payload=int2"])
