@@ -333,14 +333,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._land(self._attachment.landed())
                 self._write()
             try:
-                end = self._attachment.end_phase(
-                    self._phase_steps,
-                    self._phase_samples,
-                    loss,
-                    compute,
-                    boundary=self._boundary,
-                    dear_overlap_ratio=self.dear_overlap_ratio,
-                )
+                end = self._hand_over(loss, compute)
             except Lost:
                 lost = True
                 break
@@ -367,6 +360,18 @@ class Optimizer(torch.optim.Optimizer):
             self._landed = self._attachment.held()
         self._new_phase()
 
+    def _hand_over(self, loss: float, compute: float, group_step: int = 0):
+        """The phase's EndPhase to this process's daemon (peerd.attachment.Attachment.end_phase)."""
+        return self._attachment.end_phase(
+            self._phase_steps,
+            self._phase_samples,
+            loss,
+            compute,
+            boundary=self._boundary,
+            group_step=group_step,
+            dear_overlap_ratio=self.dear_overlap_ratio,
+        )
+
     def _end_spanning(self, loss: float, compute: float) -> None:
         """The phase's end in a group that spans daemons: the leader ends it on its daemon (the round)
         and broadcasts the run's step, its vector and (with overlap, where θ is not the vector) the
@@ -377,14 +382,7 @@ class Optimizer(torch.optim.Optimizer):
         if c.leader:
             self._land(self._attachment.landed())
             self._write()
-            end = self._attachment.end_phase(
-                self._phase_steps,
-                self._phase_samples,
-                loss,
-                compute,
-                boundary=self._boundary,
-                dear_overlap_ratio=self.dear_overlap_ratio,
-            )
+            end = self._hand_over(loss, compute)
             self._read()
             self._fitted = end.phase_steps
             header[:] = torch.tensor([end.step, self._attachment.held(), end.round], dtype=torch.float64)
@@ -412,15 +410,7 @@ class Optimizer(torch.optim.Optimizer):
             self.last_outcome = "the group's leader ended the phase"
             if self._slot.hands_over:  # this daemon takes the run's θ (its checkpoints, export, evaluations)
                 self._vector.copy_(flat if theta is None else theta)
-                self._attachment.end_phase(
-                    self._phase_steps,
-                    self._phase_samples,
-                    loss,
-                    compute,
-                    boundary=self._boundary,
-                    group_step=step,
-                    dear_overlap_ratio=self.dear_overlap_ratio,
-                )
+                self._hand_over(loss, compute, group_step=step)
         self.run_step, self._landed = step, held
 
     def _new_phase(self) -> None:
