@@ -164,7 +164,7 @@ def test_local_groups_same_host_builds_one_daemon_of_two_processes_and_two_daemo
 @pytest.mark.heavy
 def test_round_cost_quick_prints_a_line_per_rtt_and_the_headline_last():
     """bench.round_cost --quick: 3 lab hosts, each a PeerNode, membership and averager, at 0 and 50 ms
-    RTT, 3 rounds of each system (about a minute); some round of ours completed in each cell (exit 1 otherwise)."""
+    RTT, 6 rounds of each system (about a minute); some round of ours completed in each cell (exit 1 otherwise)."""
     from peerd.daemon.lab.netns import environment_problem
 
     problem = environment_problem() if sys.platform == "linux" else "not Linux"
