@@ -118,10 +118,10 @@ class Collective:
             if self.backend == "nccl":
                 if device.index is None:  # "cuda": the process's current device
                     device = torch.device("cuda", torch.cuda.current_device())
-                nccl = dist.ProcessGroupNCCL.Options()
-                nccl._timeout = 2 * self._timeout  # sum_ gives up at once and aborts the group
+                nccl_options = dist.ProcessGroupNCCL.Options()
+                nccl_options._timeout = 2 * self._timeout  # sum_ gives up at once and aborts the group
                 torch.cuda.set_device(device)
-                self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), slot.rank, slot.size, nccl)
+                self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), slot.rank, slot.size, nccl_options)
                 self.device = device
         except RuntimeError as e:
             raise GroupBroke(f"epoch {slot.epoch} did not form: {_first_line(e)}") from None
