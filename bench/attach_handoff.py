@@ -35,6 +35,7 @@ process's and the temp dir are removed whatever happens.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import json
@@ -165,7 +166,7 @@ def daemon_side(params: int, phases: int, directory: str, conn) -> None:
     # The seam: OuterLoop.end_phase calls these module-level names once each.
     diloco.to_flat, diloco.from_flat = timed(diloco.to_flat, "read"), timed(diloco.from_flat, "write")
 
-    def alone(vector, weight, round_t, payload):  # the round of a daemon alone in its run
+    async def alone(vector, weight, round_t, payload):  # the round of a daemon alone in its run
         return [RoundResult(round_t, 1, None, "alone in the run")]
 
     numel = sum(math.prod(s) for s in gpt_like(params).values())
@@ -181,7 +182,7 @@ def daemon_side(params: int, phases: int, directory: str, conn) -> None:
         for t in range(phases):
             plain_copies(a, b, timings["plain"])
             with timing(timings["end_phase"]):
-                loop.end_phase(t, 1.0)
+                asyncio.run(loop.end_phase(t, 1.0))  # as the daemon awaits it on its loop
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         conn.send(("done", timings, peak))
     finally:

@@ -17,7 +17,7 @@ payload becomes the exact weighted mean (float32, the members in a fixed order),
 and fp16 payloads, the codec's encoding of that mean (the owner's encoding of the result, as the
 engines send it). Every round completes with every member: no loss, no stragglers, no timeouts.
 With overlap each loop's round runs on the loop's own thread, and lands `--land-after` inner steps
-into the next phase (`land(wait=True)` then: how long the round took, in steps; a daemon lands a
+into the next phase (`landed()` then: how long the round took, in steps; a daemon lands a
 round as soon as it ends). The workers take each step in turn on one torch thread, so a run is
 deterministic (same seeds, same numbers).
 
@@ -49,11 +49,10 @@ Nothing of the WAN is emulated: this measures the algorithm, not the daemons
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import asyncio
 import contextlib
 import functools
 import json
-import threading
 import time
 
 import numpy as np
@@ -78,9 +77,10 @@ class Rounds:
     round, then every payload becomes their weighted mean (and the codec's encoding of it)."""
 
     def __init__(self, n: int):
+        self.n = n
         self.entries: dict[int, tuple[torch.Tensor, float, int, str]] = {}
         self.own: dict[int, torch.Tensor] = {}  # each member's payload of the latest round, before the mean
-        self.barrier = threading.Barrier(n, action=self._mean, timeout=ROUND_TIMEOUT)
+        self.met: asyncio.Event | None = None  # set when the round's last member arrives
 
     def _mean(self) -> None:
         entries = [self.entries[i] for i in sorted(self.entries)]
@@ -98,11 +98,17 @@ class Rounds:
         self.entries.clear()
 
     def member(self, i: int):
-        def average(vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+        async def average(vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+            if not self.entries:
+                self.met = asyncio.Event()
+            met = self.met
             self.entries[i] = (vector, weight, round_t, fmt)
             self.own[i] = vector.clone()
-            self.barrier.wait()
-            return [RoundResult(round_t, self.barrier.parties, None, "emulated: every member meets")]
+            if len(self.entries) == self.n:
+                self._mean()
+                met.set()
+            await asyncio.wait_for(met.wait(), ROUND_TIMEOUT)
+            return [RoundResult(round_t, self.n, None, "emulated: every member meets")]
 
         return average
 
@@ -124,27 +130,26 @@ class ArcTopK:
     def member(self, i: int):
         to_sketches, to_values = self.sketches.member(i), self.values.member(i)
 
-        def average(vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+        async def average(vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
             if self.repair_every and round_t % self.repair_every == 0:  # a repair round averages θ, densely
-                return to_values(vector, weight, round_t, fmt)
+                return await to_values(vector, weight, round_t, fmt)
             self.own[i] = vector.clone()
             x = vector.numpy()
             owed = arctopk.owe(x, self.residuals[i], self.decay)
             mine = torch.from_numpy(arctopk.sketch(owed, self.v).reshape(-1))
-            to_sketches(mine, weight, round_t, "fp32")
+            await to_sketches(mine, weight, round_t, "fp32")
             rows = arctopk.select(mine.numpy().reshape(-1, self.v.shape[1]), self.k)
             values = torch.from_numpy(arctopk.split(owed, rows, self.fmt, self.residuals[i], self.row))
-            results = to_values(values, weight, round_t, self.fmt)  # the mean, encoded as an owner does
+            results = await to_values(values, weight, round_t, self.fmt)  # the mean, encoded as an owner does
             arctopk.scatter(values.numpy(), rows, x, self.row)
             return results
 
         return average
 
 
-def together(calls: list) -> list:
-    """Run the members' calls at once (each may wait at the round's barrier), as N daemons would."""
-    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        return [f.result(ROUND_TIMEOUT) for f in [pool.submit(c) for c in calls]]
+async def together(calls: list) -> list:
+    """Run the members' coroutines at once (each may wait for the round's other members), as N daemons would."""
+    return await asyncio.gather(*(call() for call in calls))
 
 
 def hparams_of(args) -> CharLMHparams:
@@ -186,6 +191,11 @@ class Anytime:
 
 def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict:
     """N workers with real OuterLoops for args.steps steps; θ's eval along the way and at the end."""
+    return asyncio.run(_simulate(args, overlap, momentum, first_phase))
+
+
+async def _simulate(args, overlap: bool, momentum: float, first_phase: int) -> dict:
+    """simulate() on an event loop, where the OuterLoops' rounds run as on a daemon's."""
     task, hparams = CharLM(), hparams_of(args)
     built = [task.build(hparams, INIT_SEED + args.seed) for _ in range(args.workers)]
     data = [task.data(hparams, PEER_SEED + 10 * args.seed + i) for i in range(args.workers)]
@@ -215,7 +225,7 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
             step, wall = step + 1, wall + 1
             if land_at is not None and wall >= land_at:  # the round in flight lands between two steps
                 for loop in loops:
-                    loop.land(wait=True)
+                    await loop.landed()
                 land_at = None
             anytime.at(wall)
             inner.at(wall)
@@ -225,7 +235,7 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
             wall, land_at = max(wall, land_at), None
         repair = bool(args.repair_every and round_t % args.repair_every == 0)
         weight = float(length * args.batch)
-        together([functools.partial(loop.end_phase, round_t, weight, repair) for loop in loops])
+        await together([functools.partial(loop.end_phase, round_t, weight, repair) for loop in loops])
         if overlap:
             land_at = wall + args.land_after
         else:
@@ -236,7 +246,7 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
             with loops[0].outer_params():
                 curve.append((step, score(task, built[0][0], hparams)))
     before = [loop.outer.clone() for loop in loops]  # [θ; m] before the round in flight lands
-    together([lambda loop=loop: finish(loop) for loop in loops])
+    await together([functools.partial(finish, loop) for loop in loops])
     evals = [score(task, model, hparams) for model, _ in built]
     extra = {}
     if overlap:  # a daemon stopped while its last round is in flight (see the module docstring)
@@ -253,11 +263,11 @@ def simulate(args, overlap: bool, momentum: float, first_phase: int = 0) -> dict
     return {"eval": evals[0], "evals": evals, "curve": curve, **extra}
 
 
-@torch.no_grad()
-def finish(loop: OuterLoop) -> None:
+async def finish(loop: OuterLoop) -> None:
     """Training ends: the round in flight lands (waited for), and the model holds θ, the run's model."""
-    loop.land(wait=True)
-    from_flat(loop.theta, loop.params)
+    await loop.landed()
+    with torch.no_grad():
+        from_flat(loop.theta, loop.params)
 
 
 @torch.no_grad()

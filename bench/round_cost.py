@@ -14,7 +14,7 @@ ours may have to open libp2p connections between hosts that only know each other
 gloo's init opened all of its own), then --rounds measured rounds:
 (1) ours: a daemon's round, built from the daemon's own parts with their default settings: a
     PeerNode (p2pd + DHT) bound to the host's address, the run's membership (heartbeats, refreshes,
-    the table), the Matchmaker, and MoshpitAverager.average called through daemon/joining.round_bridge
+    the table), the Matchmaker, and MoshpitAverager.average called through daemon/joining.bounded_round
     from a trainer-like thread, with the daemon's rendezvous and the live table as the view. So a
     round is: the rendezvous (announce this step, read the run's records until every mate is at
     it), matchmaking directly between the view's mates (peers/matchmaking.py, no join window), and
@@ -69,7 +69,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
 
     from peerd.daemon import __version__
     from peerd.daemon.config import DiscoveryConfig, NetworkConfig
-    from peerd.daemon.joining import RunHandle, rendezvous_for, round_bridge
+    from peerd.daemon.joining import CANCEL_GRACE, RunHandle, bounded_round, rendezvous_for
     from peerd.peers.averaging import MoshpitAverager
     from peerd.peers.collective.group import MAX_GROUP
     from peerd.peers.events import PeerEvents
@@ -158,7 +158,8 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         live = {e.peer_id: (e.delegated_lanes, e.dear_group) for e in membership.peers()}
         return await averager.average(vector, weight, round_t, live, lanes, "", restore, payload)
 
-    average = round_bridge(RunHandle(RUN, None, None), loop, run_round, min(timeout, averaging.round_timeout))
+    bound = min(timeout, averaging.round_timeout)
+    average = bounded_round(RunHandle(RUN, None, None), run_round, bound)
     dist.init_process_group(
         "gloo", init_method=f"file://{scratch}/gloo.store", rank=rank, world_size=n, timeout=timedelta(seconds=timeout)
     )
@@ -170,7 +171,7 @@ def host(rank, n, numel, rounds, conn, barrier, scratch, ip, timeout) -> None:
         step = averaging.phases.end(round_t)  # the trainer's step at this round's boundary
         matchmaker.last = None
         t0 = time.perf_counter()
-        r = average(x, float(rank + 1), round_t)[0]
+        r = on_loop(average(x, float(rank + 1), round_t), bound + CANCEL_GRACE + 1.0)[0]
         total = time.perf_counter() - t0
         ok = r.completed and r.group_size == n
         outcome = r.outcome_name if r.group_size == n else f"group of {r.group_size}: {r.reason}"

@@ -470,7 +470,7 @@ class Daemon:
             )
 
         loop = asyncio.get_running_loop()
-        average = run_setup.round_bridge(handle, loop, run_round, manifest.averaging.round_timeout)
+        average = run_setup.bounded_round(handle, run_round, manifest.averaging.round_timeout)
         sync = run_setup.sync_bridge(handle, loop, self.node, run_id, secret, membership, self.metrics.peer_events())
         # With --local-group auto the heartbeats carry this daemon's link reports: the group is
         # decided from them.
@@ -707,11 +707,9 @@ class Daemon:
         return "127.0.0.1"
 
     async def _stop_run(self, handle: RunHandle) -> None:
-        handle.stopping = True  # before the cancel: a round or download the trainer starts next is not run
+        handle.cancel()  # the round and download in flight; none the trainer asks for next is run
         if self.state_server is not None:
             self.state_server.stop_serving(handle.run_id)
-        if handle.round_future is not None:
-            handle.round_future.cancel()
         if handle.republisher is not None:
             handle.republisher.cancel()
             handle.republisher = None

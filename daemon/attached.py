@@ -51,6 +51,7 @@ averages it without an outer loop (daemon/statechild.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import mmap
@@ -103,6 +104,7 @@ LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pi
 ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
 GROUP_FORM_WAIT = 30.0  # seconds the first of a group's expected processes waits for the others
 PLACE_WAIT = 30.0  # seconds an attach or regroup waits for a spanning group's coordinator to place the process
+LOCK_POLL = 0.01  # seconds between two tries of the loop at the trainer's lock while a worker thread holds it
 # The shared file's layout (header, counts, θ) is peerd/shared_file.py's, the process's too. END_AT
 # is written by the daemon only: the boundary step of the phase the straggler budget ends now (0:
 # none). The process compares it with its own phase's boundary at each step, so a value left from an
@@ -291,11 +293,13 @@ class AttachedTrainer:
     """The daemon's half of a run trained by an attached process (status, metrics and the membership
     read its attributes; the steps are taken in the process).
 
-    Callbacks: `average` (the blocking round bridge, daemon/joining.round_bridge),
-    `on_round`, `peer_steps`, `sync` (download [θ; m] from peers), `on_sync`; `on_role(role)`
+    Callbacks: `average` (the run's round, a coroutine: daemon/joining.bounded_round), `on_round`,
+    `peer_steps`, `sync` (download [θ; m] from peers; blocking), `on_sync`; `on_role(role)`
     announces whether a process trains here (peers/membership.py TRAINER, FOLLOWER, IDLE).
-    attach/end_phase/renew/detach block (a round, a download, a checkpoint): the control server
-    calls them in worker threads; one lock orders them."""
+    `end_phase` is awaited on the daemon's loop, where its round runs; the arithmetic, downloads
+    and checkpoints around the round go to worker threads. attach/renew/detach/regroup block (a
+    download, a checkpoint, a group that forms): the control server calls them in worker threads.
+    One lock orders them all (`_held` takes it from the loop)."""
 
     def __init__(
         self,
@@ -379,6 +383,7 @@ class AttachedTrainer:
         self.lanes_served: Callable[[], Awaitable[None]] | None = None
         self._lanes_step = 0  # the boundary of the latest round whose lanes this daemon averaged for its leader
         self._serving: asyncio.Task | None = None
+        self._landing: asyncio.Task | None = None  # with overlap: the landing of the round that ended last
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state = TrainState.LOADING
         # global_step: the run's step at the latest attach or EndPhase (a phase's start); the steps of
@@ -848,7 +853,7 @@ class AttachedTrainer:
                     return
             self._end_session("the process detached")
 
-    def end_phase(
+    async def end_phase(
         self,
         token: str,
         steps: int,
@@ -861,47 +866,21 @@ class AttachedTrainer:
         """The process ended an inner phase of `steps` steps whose end is the run's step `boundary`
         (0: not said); the leader's parameters are in the vector. Another member of the local group
         waits for the leader's EndPhase of that boundary and gets its answer. `group_step`: a spanning
-        group's leader (on another daemon) reached that step; the vector holds the run's θ there."""
-        with self._group:
-            s = self._member(token)
-            s.renewed = time.monotonic()
-            if s is not self.members[0]:
-                return self._follow(s, boundary)
+        group's leader (on another daemon) reached that step; the vector holds the run's θ there.
+        On the daemon's loop: the round is awaited here."""
+        followed = await asyncio.to_thread(self._follower_end, token, boundary)
+        if followed is not None:
+            return followed
         if group_step:
-            return self._take_group(group_step, steps, loss, compute_seconds)
+            return await asyncio.to_thread(self._take_group, group_step, steps, loss, compute_seconds)
         began = time.monotonic()
-        with self._lock:
-            self.renew(token)
-            done, last = self._ended
-            if boundary and boundary <= done:  # ended already (by a leader that left since): the same answer
-                return replace(last, group_epoch=self.group_epoch)
-            if not self._has_state:  # the upload asked at attach: the process's parameters become θ
-                if self._outer is not None:
-                    self._outer.reset_from_params()
-                self._has_state = True
-                self._snapshot(self.global_step)
-                self._publish_theta()
-                return PhaseEnd(self.global_step, -1, "", 0.0, False)
-            self._settle(taken=self._shared.count(APPLIED_OFFSET))
-            self._shared.set_count(PHASE_STEPS_OFFSET, 0)  # the phase's steps are in global_step now
-            self._local_done += steps
-            self._samples_done += int(samples)
-            self._live = (0.0, math.nan)
-            self._samples_since_round += samples
-            if not math.isnan(loss):
-                self._loss_done = loss
-            self.global_step = self.phases.next_end(self.global_step)
-            if self._catch_up():
-                end = PhaseEnd(self.global_step, -1, "state downloaded from peers", 0.0, True)
-            else:
-                end = self._round()
-            if self.global_step - self._checkpointed >= self.checkpoint_every:
-                self._checkpoint()
-            self._publish_theta()
-            with self._group:
-                self._ended = (self.global_step, end)
-                self._group.notify_all()
-                end = replace(end, group_epoch=self.group_epoch)
+        async with self._held():
+            early, end = await asyncio.to_thread(self._phase_ends, token, steps, samples, loss, boundary)
+            if early:
+                return end
+            if end is None:
+                end = await self._round()
+            end = await asyncio.to_thread(self._phase_closed, end)
         self._phase_began = time.monotonic()
         wall = self._phase_began - began
         self.compute_seconds += compute_seconds
@@ -910,6 +889,68 @@ class AttachedTrainer:
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
         self._refit()
         return end
+
+    @contextlib.asynccontextmanager
+    async def _held(self):
+        """The trainer's lock, taken on the loop without blocking it: its other holders (attach,
+        detach, a lease's end, a stop) run in worker threads, for bounded work."""
+        while not self._lock.acquire(blocking=False):
+            await asyncio.sleep(LOCK_POLL)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _follower_end(self, token: str, boundary: int) -> PhaseEnd | None:
+        """A member other than the leader: the leader's answer for `boundary` (waited for). None for
+        the leader."""
+        with self._group:
+            s = self._member(token)
+            s.renewed = time.monotonic()
+            if s is not self.members[0]:
+                return self._follow(s, boundary)
+        return None
+
+    def _phase_ends(
+        self, token: str, steps: int, samples: float, loss: float, boundary: int
+    ) -> tuple[bool, PhaseEnd | None]:
+        """Under the lock, the leader's phase end up to its round: (True, the answer) where the
+        phase ended already or was the upload; (False, the answer) where the run's state was
+        downloaded instead of a round; (False, None) where the round is to run."""
+        self.renew(token)
+        done, last = self._ended
+        if boundary and boundary <= done:  # ended already (by a leader that left since): the same answer
+            return True, replace(last, group_epoch=self.group_epoch)
+        if not self._has_state:  # the upload asked at attach: the process's parameters become θ
+            if self._outer is not None:
+                self._outer.reset_from_params()
+            self._has_state = True
+            self._snapshot(self.global_step)
+            self._publish_theta()
+            return True, PhaseEnd(self.global_step, -1, "", 0.0, False)
+        self._settle(taken=self._shared.count(APPLIED_OFFSET))
+        self._shared.set_count(PHASE_STEPS_OFFSET, 0)  # the phase's steps are in global_step now
+        self._local_done += steps
+        self._samples_done += int(samples)
+        self._live = (0.0, math.nan)
+        self._samples_since_round += samples
+        if not math.isnan(loss):
+            self._loss_done = loss
+        self.global_step = self.phases.next_end(self.global_step)
+        if self._catch_up():
+            return False, PhaseEnd(self.global_step, -1, "state downloaded from peers", 0.0, True)
+        return False, None
+
+    def _phase_closed(self, end: PhaseEnd) -> PhaseEnd:
+        """Under the lock, after the phase's round: a checkpoint when due, θ for the process, and the
+        answer for the group's other members."""
+        if self.global_step - self._checkpointed >= self.checkpoint_every:
+            self._checkpoint()
+        self._publish_theta()
+        with self._group:
+            self._ended = (self.global_step, end)
+            self._group.notify_all()
+            return replace(end, group_epoch=self.group_epoch)
 
     @property
     def fitted_steps(self) -> int:
@@ -1020,14 +1061,14 @@ class AttachedTrainer:
             "model_layout": [[t.name, list(t.shape), t.dtype] for t in self.layout],
         }
 
-    def _round(self) -> PhaseEnd:
+    async def _round(self) -> PhaseEnd:
         """The phase's round, the process's vector in the shared file: DiLoCo's outer step."""
         outer = self._outer
         round_t = self.phases.round_of(self.global_step)
         sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
         self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
         repair = bool(outer.settings.repair_every and round_t % outer.settings.repair_every == 0)
-        applied = outer.end_phase(round_t, self._samples_since_round, repair)
+        applied = await outer.end_phase(round_t, self._samples_since_round, repair)
         self._samples_since_round = 0.0
         if applied.round_t is None:  # overlap: no round landed now (the first, or it landed as a move)
             last = self.last_round.outcome_name if self.last_round is not None else ""
@@ -1053,17 +1094,17 @@ class AttachedTrainer:
     # -- landing (overlap): a round that ends between two EndPhases -----------------------------
 
     def _round_done(self) -> None:
-        """On the round's thread, which end_phase may be waiting for under the lock: land elsewhere."""
-        threading.Thread(target=self._land, name=f"peerd-land-{self.run_id}", daemon=True).start()
+        """On the loop, the round in flight ended: it lands as soon as the lock is free."""
+        self._landing = asyncio.get_running_loop().create_task(self._land(), name=f"land:{self.run_id}")
 
-    def _land(self) -> None:
+    async def _land(self) -> None:
         """The round in flight ended: the outer step now, and its move to the process (LANDED). An
-        EndPhase that took the lock first has landed it already (waited for): nothing to do."""
-        with self._lock:
+        EndPhase, a detach or a stop that took the lock first has landed it already: nothing to do."""
+        async with self._held():
             if self._shared.theta is None:  # the daemon stopped meanwhile
                 return
             try:
-                self._land_locked(wait=False)
+                await asyncio.to_thread(self._land_locked, False)
             except Exception:  # dropped: θ stays, and the process's progress counts from s as before
                 logger.warning("run %s: a round in flight failed", self.run_id, exc_info=True)
 
@@ -1094,10 +1135,10 @@ class AttachedTrainer:
         self._settled = self._moves
         self._shared.set_count(APPLIED_OFFSET, self._moves)
 
-    def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
+    async def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
         # restore=False: the outer loop writes again what a lane that did not apply held (from P and
         # the residual), so the engine backs up only this member's own shard, not the whole vector.
-        return self.average(vector, weight, round_t, None, restore=False, payload=fmt)
+        return await self.average(vector, weight, round_t, None, restore=False, payload=fmt)
 
     def _catch_up(self) -> bool:
         """Download the run's state when live peers are two rounds ahead or more

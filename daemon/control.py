@@ -205,12 +205,16 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         from peerd.daemon.attached import SessionLost
 
         await self._check(request, context)
-        trainer = await self._session_trainer(request.session, context)
         overlap = request.dear_overlap_ratio if request.HasField("dear_overlap_ratio") else math.nan
-        trainer.dear_overlap_ratio = overlap if 0.0 <= overlap <= 1.0 else math.nan  # a ratio, or not shown
-        try:
-            end = await asyncio.to_thread(
-                trainer.end_phase,
+        if request.HasField("dear_overlap_ratio") and not 0.0 <= overlap <= 1.0:
+            self.daemon.reject("control_invalid_field")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"dear_overlap_ratio {overlap} is not in [0, 1]")
+        trainer = await self._session_trainer(request.session, context)
+        trainer.dear_overlap_ratio = overlap  # NaN: the phase was not under DeAR
+        # The phase's end (its round) goes on if this call is cancelled (the process gone): it is the
+        # run's, and the trainer's state must not stop half-way.
+        ending = asyncio.ensure_future(
+            trainer.end_phase(
                 request.session,
                 request.steps,
                 max(request.samples, 0.0),
@@ -219,6 +223,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
                 request.boundary,
                 request.group_step,
             )
+        )
+        ending.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, if not here
+        try:
+            end = await asyncio.shield(ending)
         except SessionLost as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         return control_pb2.EndPhaseResponse(

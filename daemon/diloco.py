@@ -35,7 +35,7 @@ outer step on its own P, so that a member out of step with the run still trains.
 the run (no mate planned) takes that step every round: DiLoCo with one worker. A lane that formed
 no group while others of the round applied leaves this member's own P there (the engine restores
 it). A round the run's stop cancelled (a result
-with `cancelled`, daemon/joining.round_bridge) is not applied: θ and m stay the last shared outer
+with `cancelled`, daemon/joining.bounded_round) is not applied: θ and m stay the last shared outer
 state. Applied, a member's own P made the final charlm model 0.4-0.6 bits/char worse, and
 different on every host (docs/benchmarks.md, "Training over a WAN"). A PARTIAL round (UDP engine)
 gives the mean where its packets arrived and this member's own P elsewhere, so outer parameters may
@@ -46,11 +46,12 @@ the UDP engine or the grid has several groups, the round averages θ itself inst
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -62,9 +63,9 @@ from peerd.peers.dear.hierarchy import lane_bounds
 
 logger = logging.getLogger(__name__)
 
-# A phase's round: (vector, weight, round_t, payload format) -> one RoundResult per lane; the trainer's
-# `_round_in` over the run's peerd.peers.averaging.Average.
-PhaseRound = Callable[[torch.Tensor, float, int, str], list[RoundResult]]
+# A phase's round, awaited on the daemon's loop: (vector, weight, round_t, payload format) -> one
+# RoundResult per lane; the trainer's `_round_in` over daemon/joining.bounded_round.
+PhaseRound = Callable[[torch.Tensor, float, int, str], Awaitable[list[RoundResult]]]
 
 
 @torch.no_grad()
@@ -109,7 +110,7 @@ class Applied:
 
 
 def cancelled(results: list[RoundResult]) -> bool:
-    """Whether the run's stop cancelled the round (daemon/joining.round_bridge): its result is not applied."""
+    """Whether the run's stop cancelled the round (daemon/joining.bounded_round): its result is not applied."""
     return any(r.cancelled for r in results)
 
 
@@ -117,6 +118,7 @@ MAX_OWED = 2  # rounds in a row a member may owe; the next takes its own outer s
 # Elements a pass over the vector takes at a time where it would otherwise need a model-sized
 # temporary (P read again, the codec's error feedback, a distance): 4 MiB of float32, whole codec blocks.
 CHUNK = 1 << 20
+ENDED_POLL = 0.05  # seconds between two looks of a worker thread at a round in flight that it waits for
 
 
 def lanes_to_put_back(results: list[RoundResult], lanes: int) -> list[int]:
@@ -148,10 +150,12 @@ def owed(results: list[RoundResult]) -> bool:
 
 class OuterLoop:
     """The outer state of one trainer and its rounds. `average(vector, weight, round_t, payload)` is
-    the trainer's blocking round (daemon/joining.round_bridge): it averages `vector` in place, sent in
-    `payload`'s format, and returns one RoundResult per lane; with overlap it runs on this loop's own
-    named thread, while the process computes. Every other method is called under the trainer's
-    lock (daemon/attached.py), or from the simulation's worker."""
+    the trainer's round, a coroutine (daemon/joining.bounded_round): it averages `vector` in place,
+    sent in `payload`'s format, and returns one RoundResult per lane. `end_phase` and `landed` are
+    awaited on the daemon's event loop, where the round runs (with overlap as a task of that loop
+    while the process computes); the arithmetic over the vector runs in a worker thread meanwhile,
+    so that the loop serves the network. The other methods are called under the trainer's lock
+    (daemon/attached.py) from a worker thread, or from the simulation's loop."""
 
     def __init__(
         self,
@@ -161,9 +165,8 @@ class OuterLoop:
         name: str,
         on_round_done: Callable[[], None] | None = None,
     ):
-        """`on_round_done()`: with overlap, called on the round's thread when a round in flight ends
-        (it must not block on whatever thread calls end_phase)."""
-        self.params, self.settings, self.average = params, settings, average
+        """`on_round_done()`: with overlap, called on the loop when a round in flight ends."""
+        self.params, self.settings, self.average, self.name = params, settings, average, name
         self.on_round_done = on_round_done
         n = sum(p.numel() for p in params)
         self.n = n
@@ -192,10 +195,11 @@ class OuterLoop:
         self._flat = len(params) == 1 and params[0].dim() == 1 and params[0].dtype == torch.float32
         self._flat = self._flat and params[0].is_contiguous()
         self.scratch = None if self._flat else torch.empty(n)
-        self._pending: concurrent.futures.Future | None = None
-        # (round_t, repair, weight) of the pending round
+        # With overlap: the round in flight, a task of the loop, and (round_t, repair, weight) of it.
+        # `_ended` is set once it has ended, for a worker thread that waits for it (land_into).
+        self._pending: asyncio.Task | None = None
         self._pending_round: tuple[int, bool, float] = (0, False, 0.0)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"peerd-round-{name}")
+        self._ended = threading.Event()
         self.distance = float("nan")  # at the latest applied round: this member's distance to the group's mean
         self.reset_from_params()
 
@@ -244,25 +248,47 @@ class OuterLoop:
         self.deferred_weight = 0.0
 
     def drop_pending(self) -> None:
+        """From a worker thread (never the loop's: the round runs there): wait for the round in
+        flight, if any, and drop it."""
         if self._pending is not None:
-            try:
-                self._pending.result()
-            except Exception:  # its failure no longer matters: its result is not applied
-                logger.debug("a dropped round failed", exc_info=True)
-            self._pending = None
+            self._wait_ended()
+            pending, self._pending = self._pending, None
+            if not pending.cancelled() and pending.exception() is not None:  # no longer matters: not applied
+                logger.debug("%s: a dropped round failed", self.name, exc_info=pending.exception())
+
+    def _wait_ended(self) -> None:
+        """Block this worker thread until the round in flight has ended (its bound is the round's)."""
+        while not self._pending.done():
+            self._ended.wait(ENDED_POLL)
 
     # -- rounds -------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def end_phase(self, round_t: int, weight: float, repair: bool = False) -> Applied:
+    async def end_phase(self, round_t: int, weight: float, repair: bool = False) -> Applied:
         """The inner phase that ends now is averaged in round `round_t` (weight: its samples). With
-        overlap, a round still in flight lands first (waited for), and this one starts in the
-        background: the inner parameters stay where they are, the next phase's progress counted
-        from them until it lands. Without, this one runs and is applied, and the inner parameters
+        overlap, a round still in flight lands first (waited for), and this one starts as a task of
+        the loop: the inner parameters stay where they are, the next phase's progress counted from
+        them until it lands. Without, this one runs and is applied, and the inner parameters
         restart from θ. `repair`: this round averages θ − P (float32) and adopts the mean as θ,
         instead of an outer step on the mean P: the phase's progress is kept, the members' θ meet
         again."""
-        applied = self.land(wait=True) or Applied(None, [], 0.0)
+        applied = await self.landed() or Applied(None, [], 0.0)
+        fmt = "fp32" if repair else self.settings.payload
+        weight, self.deferred_weight = weight + self.deferred_weight, 0.0
+        await asyncio.to_thread(self._send, repair)
+        if self.settings.overlap:
+            self._pending_round = (round_t, repair, weight)
+            self._ended.clear()
+            self._pending = asyncio.ensure_future(self.average(self.payload, weight, round_t, fmt))
+            self._pending.add_done_callback(self._round_ended)
+            return applied
+        t0 = time.monotonic()
+        results = await self.average(self.payload, weight, round_t, fmt)
+        return await asyncio.to_thread(self._finish, round_t, results, repair, weight, time.monotonic() - t0)
+
+    @torch.no_grad()
+    def _send(self, repair: bool) -> None:
+        """The payload of the phase that ends: from P = s − y (kept with overlap, where the next
+        phase starts at y, the model's parameters now)."""
         if self._flat:
             y = self.params[0]
         else:
@@ -273,18 +299,12 @@ class OuterLoop:
             torch.sub(self.start, y, out=self.progress)  # P = s − y
         for a, b in self._lane_spans():
             self._fill(a, b, repair)
-        fmt = "fp32" if repair else self.settings.payload
-        weight, self.deferred_weight = weight + self.deferred_weight, 0.0
         if self.settings.overlap:
-            self._pending_round = (round_t, repair, weight)
-            self._pending = self._pool.submit(self.average, self.payload, weight, round_t, fmt)
-            if self.on_round_done is not None:
-                self._pending.add_done_callback(lambda future: self.on_round_done())
-            self.start.copy_(y)  # the next phase starts at y, where the model is
-            return applied
-        t0 = time.monotonic()
-        results = self.average(self.payload, weight, round_t, fmt)
-        waited = time.monotonic() - t0
+            self.start.copy_(y)
+
+    @torch.no_grad()
+    def _finish(self, round_t: int, results: list[RoundResult], repair: bool, weight: float, waited: float) -> Applied:
+        """Without overlap, the round's results: applied, or deferred; the inner parameters restart from θ."""
         deferred = self._defers(results)
         self._settle(results, repair, deferred)
         if deferred:  # the inner parameters keep their progress, still counted from θ
@@ -296,14 +316,28 @@ class OuterLoop:
         self.start.copy_(self.theta)
         return Applied(round_t, results, waited, repair, weight)
 
-    @torch.no_grad()
-    def land(self, wait: bool = False) -> Applied | None:
-        """`land_into` for the parameters this loop holds: if the round in flight has ended (or, with
-        `wait`, once it has), they move by θ − s in place, to θ − (s − x). The move is written in
-        P's buffer (the round's P is not needed once it landed). None when no round was in flight
-        or it still runs."""
+    def _round_ended(self, task: asyncio.Task) -> None:
+        self._ended.set()
+        if self.on_round_done is not None:
+            self.on_round_done()
+
+    async def landed(self) -> Applied | None:
+        """On the loop: wait for the round in flight, if any, and `land` it. None when none was in
+        flight (or another caller landed it meanwhile); `waited`: how long this took."""
+        if self._pending is None:
+            return None
         t0 = time.monotonic()
-        applied = self.land_into(self.progress, wait)
+        await asyncio.wait({self._pending})
+        applied = await asyncio.to_thread(self.land)
+        return None if applied is None else replace(applied, waited=time.monotonic() - t0)
+
+    @torch.no_grad()
+    def land(self) -> Applied | None:
+        """`land_into` for the parameters this loop holds: if the round in flight has ended, they
+        move by θ − s in place, to θ − (s − x). The move is written in P's buffer (the round's P
+        is not needed once it landed). None when no round was in flight or it still runs."""
+        t0 = time.monotonic()
+        applied = self.land_into(self.progress)
         if applied is None:
             return None
         if applied.moved:
@@ -316,17 +350,23 @@ class OuterLoop:
 
     @torch.no_grad()
     def land_into(self, move: torch.Tensor, wait: bool = False) -> Applied | None:
-        """Where a round lands: if the round in flight has ended (or, with `wait`, once it has), the
-        outer step on θ, and `move` := θ − s, what the parameters x take to hold θ − (s − x) (an
-        attached process adds it between two steps; `land` here); from then on the progress is
-        counted from θ. The parameters are left alone. None when no round was in flight or it still
-        runs; a cancelled round changes nothing, and `move` is not written. A round that raised is
-        dropped, and its exception raised here."""
+        """Where a round lands: if the round in flight has ended (or, with `wait`, from a worker
+        thread, once it has), the outer step on θ, and `move` := θ − s, what the parameters x take
+        to hold θ − (s − x) (an attached process adds it between two steps; `land` here); from then
+        on the progress is counted from θ. The parameters are left alone. None when no round was in
+        flight or it still runs; a cancelled round changes nothing, and `move` is not written. A
+        round that raised is dropped, and its exception raised here."""
         if self._pending is None or not (wait or self._pending.done()):
             return None
+        self._wait_ended()
         pending, self._pending = self._pending, None
-        results = pending.result()
         round_t, repair, weight = self._pending_round
+        if pending.cancelled():  # the daemon's loop ended with the round in flight
+            results = [
+                RoundResult(round_t, 1, None, "round cancelled: the daemon stops", interrupted=True, cancelled=True)
+            ]
+        else:
+            results = pending.result()
         deferred = self._defers(results)
         self._settle(results, repair, deferred)
         if deferred:  # θ stays, and the process keeps its parameters: no move
@@ -427,6 +467,5 @@ class OuterLoop:
                 from_flat(saved, self.params)
 
     def close(self) -> None:
-        """Wait for a round in flight (its bridge bounds it) and stop the round thread."""
+        """From a worker thread: wait for a round in flight (the round bounds it) and drop it."""
         self.drop_pending()
-        self._pool.shutdown(wait=True)

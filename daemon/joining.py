@@ -83,43 +83,57 @@ class RunHandle:
     trainer: AttachedTrainer | None  # a script's, or a TaskChild: a task's child (daemon/taskchild.py)
     secret: RunSecret | None = None
     republisher: asyncio.Task | None = None
-    round_future: concurrent.futures.Future | None = None  # the averaging round the trainer waits for
+    round_task: asyncio.Task | None = None  # the averaging round in flight, on the daemon's loop
+    download: concurrent.futures.Future | None = None  # the state download a trainer's thread waits for
     stopping: bool = False  # leave or drain: no round or download starts, the one in flight is cancelled
 
+    def cancel(self) -> None:
+        """The run stops (on the daemon's loop): the round and the download in flight end."""
+        self.stopping = True
+        for pending in (self.round_task, self.download):
+            if pending is not None:
+                pending.cancel()
 
-def round_bridge(handle: RunHandle, loop: asyncio.AbstractEventLoop, run_round, timeout: float):
-    """A blocking `average(vector, weight, round_t, lanes, restore, payload) -> [RoundResult]` for the
-    trainer: runs `run_round` (one round per lane; `lanes` None: every lane; the vector travels in
-    `payload`'s format, peers/collective/codec.py) on the event loop and
-    waits at most `timeout` (the run's round_timeout). Rounds that time out or are cancelled
-    (leave, drain: `handle.stopping` set and `handle.round_future` cancelled; the result says
-    `cancelled`; none starts once the run stops) are cancelled on
-    the loop and leave the vector as it was if `restore`, else partly written
+
+def bounded_round(handle: RunHandle, run_round, timeout: float):
+    """The trainer's round, awaited on the daemon's loop: `average(vector, weight, round_t, lanes,
+    restore, payload) -> [RoundResult]` runs `run_round` (one round per lane; `lanes` None: every
+    lane; the vector travels in `payload`'s format, peers/collective/codec.py) for at most `timeout`
+    s (the run's round_timeout). A round that times out, or that the run's stop cancels
+    (`RunHandle.cancel`; none starts once the run stops), answers one interrupted result, `cancelled`
+    for a stop, and leaves the vector as it was if `restore`, else partly written
     (MoshpitAverager.average); either way `average` returns once the round has stopped writing
-    into the vector, or after CANCEL_GRACE."""
+    into the vector, or after CANCEL_GRACE. The caller's own cancellation (the daemon stops)
+    cancels the round too."""
     from peerd.peers.averaging import RoundResult
 
-    def average(
+    def interrupted(round_t: int, cancelled: bool) -> list[RoundResult]:
+        reason = "round cancelled: the run stops" if cancelled else f"round timed out after {timeout:.0f} s"
+        return [RoundResult(round_t, 1, None, reason, interrupted=True, cancelled=cancelled)]
+
+    async def average(
         vector, weight: float, round_t: int, lanes=None, restore: bool = True, payload: str = "fp32"
     ) -> list[RoundResult]:
         if handle.stopping:
-            return [RoundResult(round_t, 1, None, "round cancelled: the run stops", interrupted=True, cancelled=True)]
-        future = asyncio.run_coroutine_threadsafe(run_round(vector, weight, round_t, lanes, restore, payload), loop)
-        handle.round_future = future
-        if handle.stopping:  # the stop came between the check and the publication: it missed this one
-            future.cancel()
+            return interrupted(round_t, cancelled=True)
+        task = asyncio.ensure_future(run_round(vector, weight, round_t, lanes, restore, payload))
+        handle.round_task = task
         try:
-            return future.result(timeout)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError) as e:
-            future.cancel()
-            # The engine restores the vector (or its own shard) when cancelled; wait for that before
-            # the thread reuses it (a cancelled future counts as done once its round has ended).
-            concurrent.futures.wait([future], timeout=CANCEL_GRACE)
-            cancelled = isinstance(e, concurrent.futures.CancelledError)
-            reason = "round cancelled: the run stops" if cancelled else f"round timed out after {timeout:.0f} s"
-            return [RoundResult(round_t, 1, None, reason, interrupted=True, cancelled=cancelled)]
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                # The engine restores the vector (or its own shard) when cancelled: wait for that
+                # before the caller reuses it.
+                await asyncio.wait({task}, timeout=CANCEL_GRACE)
+                return interrupted(round_t, cancelled=False)
+            if task.cancelled():  # by the run's stop
+                return interrupted(round_t, cancelled=True)
+            return task.result()
+        except asyncio.CancelledError:  # the caller's: the round goes with it
+            task.cancel()
+            raise
         finally:
-            handle.round_future = None
+            handle.round_task = None
 
     return average
 
@@ -156,7 +170,7 @@ def sync_bridge(
             events=events,
         )
         future = asyncio.run_coroutine_threadsafe(coro, loop)
-        handle.round_future = future  # cancelled like a round when the run stops
+        handle.download = future  # cancelled like a round when the run stops
         if handle.stopping:
             future.cancel()
         try:
@@ -165,7 +179,7 @@ def sync_bridge(
             future.cancel()
             return FetchResult(ok=False, reason="state download cancelled")
         finally:
-            handle.round_future = None
+            handle.download = None
         if result.ok and result.tensor is not None and result.tensor.numel() == out.numel():
             out.copy_(result.tensor)
             partial = buffer = None  # kept only for a resume: a daemon that caught up holds no copy

@@ -17,6 +17,7 @@ to know the layout) to convert the vector to them and back.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -71,18 +72,11 @@ class StateChild(TaskChild):
                 per_param["step"].fill_(self.local_step)
         return {"model": self._model.state_dict(), "optimizer": self._optimizer.state_dict()}
 
-    @torch.no_grad()
-    def _round(self) -> PhaseEnd:
-        """The state round of the phase's end, on the vector in place."""
-        vector, began = self._shared.tensor, time.monotonic()
-        round_t = self.phases.round_of(self.global_step)
-        sketch = self._sketch_plan.take(vector[: self._sketch_plan.size].numpy(), self.global_step)
-        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
-        # The vector before its round: restore=False, as the thread, and a lane the round may have left
-        # partly written is put back from there.
-        before = self._before
-        before.copy_(vector)
-        results = self.average(vector, float(self._samples_since_round), round_t, None, restore=False)
+    def _after_round(self, results: list) -> None:
+        """The lanes the round may have left partly written put back, the distance to the group's
+        mean, and the snapshot peers download: the group's mean after a completed round, else this
+        daemon's own state (as the thread's)."""
+        vector, before = self._shared.tensor, self._before
         bounds = lane_bounds(self.numel, self.lanes)
         for lane in lanes_to_put_back(results, self.lanes):
             a, b = bounds[lane]
@@ -93,8 +87,19 @@ class StateChild(TaskChild):
             self.param_distance_to_group_mean = math.sqrt(float(torch.sub(vector[:n], before[:n]).square_().sum()))
             self.samples_averaged += self._samples_since_round
             self._samples_since_round = 0.0  # otherwise they count toward the next round's weight
-        # The group's mean after a completed round, else this daemon's own state (as the thread's).
         self.snapshot = Snapshot(self.global_step, vector.clone())
+
+    async def _round(self) -> PhaseEnd:
+        """The state round of the phase's end, on the vector in place, awaited on the daemon's loop."""
+        vector, began = self._shared.tensor, time.monotonic()
+        round_t = self.phases.round_of(self.global_step)
+        sketch = self._sketch_plan.take(vector[: self._sketch_plan.size].numpy(), self.global_step)
+        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
+        # The vector before its round: restore=False, as the thread, and a lane the round may have left
+        # partly written is put back from there.
+        await asyncio.to_thread(self._before.copy_, vector)
+        results = await self.average(vector, float(self._samples_since_round), round_t, None, restore=False)
+        await asyncio.to_thread(self._after_round, results)
         for result in results:
             self.on_round(result)
         return PhaseEnd(self.global_step, round_t, results[0].outcome_name, time.monotonic() - began, False)

@@ -93,7 +93,7 @@ class RoundResult:
     # The round stopped without an outcome (an error, a timeout, a cancel) and may have written into
     # its lane; a result with no outcome and not interrupted (alone, no group) left the lane as it was.
     interrupted: bool = False
-    # The run stopped it (leave, drain: daemon/joining.round_bridge): its lane holds this member's own
+    # The run stopped it (leave, drain: daemon/joining.bounded_round): its lane holds this member's own
     # values, and an outer step must not apply them as the group's mean (daemon/diloco.py).
     cancelled: bool = False
     # Seconds from the round's start (its rendezvous: a wait for slower mates counts) to its last
@@ -152,12 +152,13 @@ def seek(planned: Sequence[str], roll: Roll) -> tuple[list[str], str]:
 
 
 class Average(Protocol):
-    """A trainer's blocking round (daemon/joining.round_bridge makes one per run): averages `vector`
-    in place with the round's group, one round per lane (`lanes` None: every lane), the vector
-    travelling in `payload`'s format (peers/collective/codec.py); `restore`: a round that stops
-    without an outcome leaves the lane as it was. One RoundResult per lane."""
+    """A trainer's round, awaited on the daemon's loop (daemon/joining.bounded_round makes one per
+    run): averages `vector` in place with the round's group, one round per lane (`lanes` None:
+    every lane), the vector travelling in `payload`'s format (peers/collective/codec.py);
+    `restore`: a round that stops without an outcome leaves the lane as it was. One RoundResult
+    per lane."""
 
-    def __call__(
+    async def __call__(
         self,
         vector: torch.Tensor,
         weight: float,

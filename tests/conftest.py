@@ -72,3 +72,13 @@ def cluster(spawn, secret_file):
         others = sorted(x.peer_id for x in daemons if x is not d)
         wait_for(lambda: peer_ids(d, CLUSTER_RUN) == others, timeout=20, what=f"{d.data_dir.name} sees the other two")
     return daemons
+
+
+@pytest.fixture
+def loop_thread():
+    """An event loop in a thread (tests/helpers.LoopThread), closed after the test."""
+    from tests.helpers import LoopThread
+
+    running = LoopThread()
+    yield running
+    running.close()

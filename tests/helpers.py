@@ -138,3 +138,37 @@ def lab_sample(
         eval_score=0.9,
         metrics=metrics or {},
     )
+
+
+class LoopThread:
+    """An event loop in a thread of its own: the daemon's loop for code under test (a trainer's
+    rounds run there), which the test drives from its own thread, as the daemon's worker threads do."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30.0):
+        """Run `coro` on the loop; its result (bounded by `timeout`)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def together(self, *calls, timeout: float = 30.0) -> list:
+        """Run the coroutines `calls()` make at once on the loop, as several daemons would; their results in order."""
+
+        async def gathered():
+            return await asyncio.gather(*(call() for call in calls))
+
+        return self.run(gathered(), timeout)
+
+    def close(self) -> None:
+        async def cancel_the_rest():
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        self.run(cancel_the_rest(), 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()

@@ -29,6 +29,22 @@ from tests.helpers import wait_for
 H = 2  # inner steps per phase
 NUMEL = 4
 
+LOOP = None  # tests/helpers.LoopThread: the daemon's loop
+
+
+@pytest.fixture(autouse=True)
+def _loop(loop_thread):
+    """The daemon's loop: EndPhase and the rounds run there (control.py awaits trainer.end_phase)."""
+    global LOOP
+    LOOP = loop_thread
+    yield
+    LOOP = None
+
+
+def run(coro):
+    """Await `coro` on the loop from this thread, as the control server's handler does on its own."""
+    return LOOP.run(coro, 30)
+
 
 class HalfMean:
     """A stand-in round: the group's mean is half this member's payload (a second member that did not
@@ -37,7 +53,7 @@ class HalfMean:
     def __init__(self):
         self.handed: dict[int, torch.Tensor] = {}
 
-    def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
+    async def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
         self.handed[round_t] = vector.clone()
         vector.mul_(0.5)
         return [RoundResult(round_t, 2, None, "emulated")]
@@ -71,17 +87,17 @@ def second_phase(tmp_path, take: bool) -> tuple[torch.Tensor, torch.Tensor]:
         assert info.upload
         vector, theta = t._shared.tensor, t._shared.theta  # the process maps the same bytes
         vector.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # these parameters become θ
+        run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # these parameters become θ
         params = vector - 1.0  # phase 1: the process moved by -1
         vector.copy_(params)
-        t.end_phase(info.session, H, 8.0, 1.0, 0.1)  # round 1 starts in the background
+        run(t.end_phase(info.session, H, 8.0, 1.0, 0.1))  # round 1 starts in the background
         params -= 0.25  # the process trains on meanwhile
         wait_for(lambda: t._shared.count(LANDED_OFFSET) == 1, timeout=10, what="round 1 landed")
         if take:  # what peerd.torch.Optimizer does at its next step: add θ − s, record it (APPLIED)
             params += theta - vector
             t._shared.set_count(APPLIED_OFFSET, 1)
         vector.copy_(params)  # the phase ends: the process writes its parameters
-        t.end_phase(info.session, H, 8.0, 1.0, 0.1)
+        run(t.end_phase(info.session, H, 8.0, 1.0, 0.1))
         wait_for(lambda: 2 in rounds.handed, timeout=10, what="round 2")
         assert t._shared.count(APPLIED_OFFSET) == 1  # the answered vector holds the one landed move
         return rounds.handed[2], vector.clone()
@@ -159,10 +175,10 @@ def test_a_renewal_of_a_phase_that_has_ended_is_not_taken_for_the_next_ones_prog
     t = trainer(tmp_path, HalfMean(), outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False))
     try:
         info = t.attach(pid=0, device="cpu", step=0)
-        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # the upload
+        run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # the upload
         t.renew(info.session, 32.0, 0.5, H)  # the first phase so far
         assert t.samples == 32
-        t.end_phase(info.session, H, 32.0, 0.5, 0.1, H)
+        run(t.end_phase(info.session, H, 32.0, 0.5, 0.1, H))
         assert t.samples == 32 and t.step == H
         t.renew(info.session, 32.0, 0.5, H)  # late: the phase that ended
         assert t.samples == 32
@@ -233,7 +249,7 @@ def test_processes_attached_to_one_run_are_one_local_group_led_by_the_first(tmp_
         first = t.attach(pid=0, device="cpu", step=0)
         assert first.upload and (first.group.epoch, first.group.rank, first.group.size) == (1, 0, 1)
         t._shared.tensor.copy_(torch.ones(NUMEL))
-        t.end_phase(first.session, 0, 0.0, math.nan, 0.0)
+        run(t.end_phase(first.session, 0, 0.0, math.nan, 0.0))
         second = t.attach(pid=0, device="cpu", step=0)
         assert not second.upload and (second.group.epoch, second.group.rank, second.group.size) == (2, 1, 2)
         assert second.group.store.endswith(".group-2") and second.group.store != first.group.store
@@ -241,11 +257,13 @@ def test_processes_attached_to_one_run_are_one_local_group_led_by_the_first(tmp_
 
         # The follower's EndPhase of boundary H waits for the leader's and answers the same.
         answers = []
-        follower = threading.Thread(target=lambda: answers.append(t.end_phase(second.session, H, 8.0, 1.0, 0.1, H)))
+        follower = threading.Thread(
+            target=lambda: answers.append(run(t.end_phase(second.session, H, 8.0, 1.0, 0.1, H)))
+        )
         follower.start()
         follower.join(0.3)
         assert follower.is_alive() and 1 not in rounds.handed  # nothing yet: the leader has not ended it
-        led = t.end_phase(first.session, H, 16.0, 1.0, 0.1, H)
+        led = run(t.end_phase(first.session, H, 16.0, 1.0, 0.1, H))
         follower.join(10)
         assert answers == [led] and led.step == H and led.round_t == 1 and led.group_epoch == 2
         assert list(rounds.handed) == [1] and t.step == H  # one round for the group, one step count
@@ -257,17 +275,19 @@ def test_processes_attached_to_one_run_are_one_local_group_led_by_the_first(tmp_
         # The leader detaches before ending the next phase: the waiting follower is told to regroup,
         # its step unmoved; it leads the group of one then, and its EndPhase ends the phase.
         answers.clear()
-        follower = threading.Thread(target=lambda: answers.append(t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H)))
+        follower = threading.Thread(
+            target=lambda: answers.append(run(t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H)))
+        )
         follower.start()
         follower.join(0.3)
         t.detach(first.session)
         follower.join(10)
         assert answers[0].step == H and answers[0].group_epoch == 4 and "leader left" in answers[0].outcome
         assert t.regroup(second.session, 3) == t._slot(t.members[0])  # epoch 4 formed already: its place
-        again = t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H)
+        again = run(t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H))
         assert again.step == 2 * H and list(rounds.handed) == [1, 2]
         # The same boundary again (a leader that ended it and left): answered, no second round.
-        assert t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H).step == 2 * H and list(rounds.handed) == [1, 2]
+        assert run(t.end_phase(second.session, H, 8.0, 1.0, 0.1, 2 * H)).step == 2 * H and list(rounds.handed) == [1, 2]
     finally:
         t.stop()
     assert not list(tmp_path.glob("*.group-*"))  # the rendezvous files go with the vector
@@ -340,8 +360,8 @@ class Paced(HalfMean):
         super().__init__()
         self.round_s = round_s
 
-    def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
-        (result,) = super().__call__(vector, weight, round_t, live, restore, payload)
+    async def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
+        (result,) = await super().__call__(vector, weight, round_t, live, restore, payload)
         seconds = self.round_s[round_t]
         return [dataclasses.replace(result, pace=None if seconds is None else Pace(0.1, seconds, 2))]
 
@@ -363,17 +383,17 @@ def test_average_every_auto_answers_each_phase_end_with_the_h_of_the_group_pace_
         info = t.attach(pid=0, device="cpu", step=0)
         assert info.phase_steps == 16, t.fitted
         assert t.fitted.reason == "this daemon's figures: no step time yet: the schedule's phases"
-        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # the upload
-        t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 1 starts: no group pace yet
+        run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # the upload
+        run(t.end_phase(info.session, 16, 16.0, 1.0, 1.6))  # round 1 starts: no group pace yet
         assert t.fitted_steps == 16
-        t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 1 landed: its pace decides
+        run(t.end_phase(info.session, 16, 16.0, 1.0, 1.6))  # round 1 landed: its pace decides
         assert (t.fitted_steps, t.fitted_round) == (8, 1), t.fitted
         assert t.fitted.reason.startswith("round 1's group of 2: 1.2 x a 0.5 s round over 0.1 s steps needs H >= 6")
-        t.end_phase(info.session, 8, 8.0, 1.0, 0.8)  # round 2 (0.5 s) landed
+        run(t.end_phase(info.session, 8, 8.0, 1.0, 0.8))  # round 2 (0.5 s) landed
         assert t.fitted_steps == 8
-        t.end_phase(info.session, 8, 8.0, 1.0, 0.8)  # round 3 landed
+        run(t.end_phase(info.session, 8, 8.0, 1.0, 0.8))  # round 3 landed
         assert (t.fitted_steps, t.fitted_round) == (16, 3) and "the largest H, average_every_max=16" in t.fitted.reason
-        t.end_phase(info.session, 16, 16.0, 1.0, 1.6)  # round 4 landed, without a group
+        run(t.end_phase(info.session, 16, 16.0, 1.0, 1.6))  # round 4 landed, without a group
         assert (t.fitted_steps, t.fitted_round) == (16, 3)
         assert t.global_step == 5 * 16  # each phase moved the run's step by the schedule's 16
     finally:

@@ -69,6 +69,24 @@ def test_a_join_beyond_max_runs_is_refused_and_the_daemon_keeps_serving(spawn):
     assert r.returncode == 0 and "joined four" in r.stdout, r
 
 
+def test_an_end_phase_with_a_ratio_out_of_range_is_refused_and_counted(spawn):
+    """EndPhase's dear_overlap_ratio is a share in [0, 1] (peerd.torch sends it clamped): any other
+    value is refused before the call reaches a session, and counted."""
+    from peerd.protos import control_pb2, control_pb2_grpc
+
+    d = spawn("ratio")
+    with grpc.insecure_channel(d.control) as channel:
+        stub = control_pb2_grpc.ControlStub(channel)
+        for bad in (1.5, -0.1, float("nan")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.EndPhase(control_pb2.EndPhaseRequest(session="none", steps=1, dear_overlap_ratio=bad), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dear_overlap_ratio" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # a ratio in range goes on to the session, unknown here
+            stub.EndPhase(control_pb2.EndPhaseRequest(session="none", steps=1, dear_overlap_ratio=0.5), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert _rejected(d, "control_invalid_field") == 3
+
+
 def test_leave_twice_succeeds_and_says_so(spawn):
     d = spawn("leaver", ["--run", "gone"])
     r = peerd("leave", "gone", "--control", d.control)

@@ -4,7 +4,7 @@ real engines are tested in test_collective.py, test_udp.py and, end to end, test
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import threading
 
 import pytest
@@ -12,6 +12,27 @@ import torch
 
 from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
 from peerd.peers.averaging import RoundResult
+from tests.helpers import LoopThread
+
+LOOP: LoopThread | None = None  # the daemon's loop, where end_phase and the rounds run
+
+
+@pytest.fixture(autouse=True)
+def _loop(loop_thread):
+    global LOOP
+    LOOP = loop_thread
+    yield
+    LOOP = None
+
+
+def run(coro):
+    """Await `coro` on the loop, from this thread (as a daemon's worker thread would wait)."""
+    return LOOP.run(coro, 10)
+
+
+def together(*calls):
+    """Run the members' end_phase (or landed) calls at once, as two daemons would; their results in order."""
+    return LOOP.together(*calls, timeout=10)
 
 
 def test_the_outer_step_is_nesterov_sgd_with_exact_values():
@@ -35,30 +56,27 @@ class Pair:
 
     def __init__(self):
         self.entries: list = []
-        self.barrier = threading.Barrier(2, action=self._mean, timeout=10)
-
-    def _mean(self):
-        total = sum(w for _, w in self.entries)
-        mean = sum(v * w for v, w in self.entries) / total
-        for v, _ in self.entries:
-            v.copy_(mean)
-        self.entries.clear()
+        self.met: asyncio.Event | None = None
 
     def member(self, params: list[torch.Tensor], overlap: bool, name: str) -> OuterLoop:
-        def average(vector, weight, round_t, fmt):
+        async def average(vector, weight, round_t, fmt):
             assert fmt == "fp32"
+            if not self.entries:
+                self.met = asyncio.Event()
+            met = self.met
             self.entries.append((vector, weight))
-            self.barrier.wait()
+            if len(self.entries) == 2:
+                total = sum(w for _, w in self.entries)
+                mean = sum(v * w for v, w in self.entries) / total
+                for v, _ in self.entries:
+                    v.copy_(mean)
+                self.entries.clear()
+                met.set()
+            await asyncio.wait_for(met.wait(), 10)
             return [RoundResult(round_t, 2, None, "emulated: every member meets")]
 
         settings = OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=overlap)
         return OuterLoop(params, settings, average, name)
-
-
-def together(*calls):
-    """Run the members' end_phase calls at once, as two daemons would; their results in order."""
-    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        return [f.result(10) for f in [pool.submit(c) for c in calls]]
 
 
 def test_without_overlap_both_members_take_the_same_outer_step_and_restart_from_it():
@@ -124,7 +142,7 @@ def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_
     together(lambda: a.end_phase(1, 1.0), lambda: b.end_phase(1, 1.0))
     pa[0] -= 0.5  # phase 2 begins while round 1 is on the network
     pb[0] -= 0.5
-    assert [a.land(wait=True).round_t, b.land(wait=True).round_t] == [1, 1]  # as the trainer would, once ended
+    assert [run(a.landed()).round_t, run(b.landed()).round_t] == [1, 1]  # as the trainer would, once ended
     assert a.land() is None  # nothing in flight any more
     # Round 1's mean P = 2: θ = 0 - 0.5*2 = -1; each model is θ plus its progress since the phase
     # began (0.5), and that progress is now counted from θ.
@@ -134,7 +152,7 @@ def test_with_overlap_a_round_lands_between_inner_steps_and_the_progress_so_far_
     pb[0] -= 0.5
     second = together(lambda: a.end_phase(2, 1.0), lambda: b.end_phase(2, 1.0))
     assert [d.round_t for d in second] == [None, None]  # round 1 landed already
-    together(lambda: a.land(wait=True), lambda: b.land(wait=True))
+    together(lambda: a.landed(), lambda: b.landed())
     # Round 2 averaged each phase's whole progress, P = -1 - (-2) = 1: θ = -1 - 0.5*1.
     assert a.theta.item() == b.theta.item() == -1.5
     assert pa[0].item() == pb[0].item() == -1.5
@@ -157,7 +175,7 @@ def test_land_moves_parameters_held_as_several_tensors_as_it_moves_a_flat_vector
     pa[0] -= 0.5
     pb[0] -= 0.5
     pb[1] -= 0.5
-    assert [d.round_t for d in together(lambda: a.land(wait=True), lambda: b.land(wait=True))] == [1, 1]
+    assert [d.round_t for d in together(lambda: a.landed(), lambda: b.landed())] == [1, 1]
     # θ = 0 - 0.5*[1, 3]; each model θ plus its progress since (-0.5).
     assert a.theta.tolist() == b.theta.tolist() == [-0.5, -1.5]
     assert pa[0].tolist() == [pb[0].item(), pb[1].item()] == [-1.0, -2.0]
@@ -184,7 +202,7 @@ def test_land_into_hands_another_process_the_move_that_land_makes_here():
     move = torch.full((1,), float("nan"))
     landed = a.land_into(move)
     assert landed.round_t == 1 and a.land_into(move) is None  # nothing in flight any more
-    b.land(wait=True)
+    run(b.landed())
     # θ = 0 - 0.5*2 = -1; s_a = -1: the move is 0, and x stays θ plus its progress since (-1.5), as
     # land() left b's (s_b = -3, moved by 2).
     assert a.theta.item() == b.theta.item() == -1.0
@@ -197,10 +215,10 @@ def test_land_into_hands_another_process_the_move_that_land_makes_here():
 
 def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped():
     """What a detach does (daemon/attached.py): the round in flight lands in the checkpoint."""
-    release = threading.Event()
+    release = asyncio.Event()
 
-    def average(vector, weight, round_t, fmt):
-        assert release.wait(10)
+    async def average(vector, weight, round_t, fmt):
+        await asyncio.wait_for(release.wait(), 10)
         if round_t == 2:
             raise RuntimeError("the round broke")
         vector.mul_(0.5)  # the group's mean: half this member's P
@@ -210,12 +228,12 @@ def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped():
     loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="fp32", overlap=True), average, "w")
     move = torch.zeros(1)
     p[0] -= 2.0  # P = 2
-    loop.end_phase(1, 1.0)
+    run(loop.end_phase(1, 1.0))
     assert loop.land_into(move) is None  # still on the network
-    threading.Timer(0.2, release.set).start()
+    threading.Timer(0.2, LOOP.loop.call_soon_threadsafe, (release.set,)).start()
     assert loop.land_into(move, wait=True).round_t == 1
     assert loop.theta.item() == -1.0 and move.item() == 1.0  # θ = 0 - 1*mean(1); θ - s = -1 - (-2)
-    loop.end_phase(2, 1.0)
+    run(loop.end_phase(2, 1.0))
     try:
         loop.land_into(move, wait=True)
     except RuntimeError as e:
@@ -226,26 +244,30 @@ def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped():
     loop.close()
 
 
-# What daemon/joining.round_bridge returns for a round the stop cancelled.
+# What daemon/joining.bounded_round returns for a round the stop cancelled.
 STOPPED = [RoundResult(0, 1, None, "round cancelled: the run stops", interrupted=True, cancelled=True)]
+
+
+async def stopped(*args):
+    return STOPPED
 
 
 def test_a_round_the_stop_cancelled_is_not_applied():
     # Without overlap: θ and m stay, and the model goes back to θ (not to θ minus its own P).
     p = [torch.tensor([1.0])]
-    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32"), lambda *args: STOPPED, "s")
+    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32"), stopped, "s")
     p[0] -= 0.5
-    done = loop.end_phase(1, 1.0)
+    done = run(loop.end_phase(1, 1.0))
     assert done.round_t == 1 and done.results == STOPPED
     assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 1.0
     loop.close()
     # With overlap, the round in flight when training ends: nothing moves, θ or the model.
     p = [torch.tensor([1.0])]
-    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32", overlap=True), lambda *args: STOPPED, "o")
+    loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32", overlap=True), stopped, "o")
     p[0] -= 0.5
-    loop.end_phase(1, 1.0)
+    run(loop.end_phase(1, 1.0))
     p[0] -= 0.25
-    landed = loop.land(wait=True)
+    landed = run(loop.landed())
     assert landed.results == STOPPED and not landed.moved
     assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 0.25
     loop.close()
@@ -262,7 +284,7 @@ class Script:
     def __init__(self, plan):
         self.plan, self.seen = plan, []
 
-    def __call__(self, vector, weight, round_t, fmt):
+    async def __call__(self, vector, weight, round_t, fmt):
         self.seen.append((round_t, vector.clone(), weight))
         step = self.plan[round_t]
         return step(round_t, vector) if callable(step) else step
@@ -280,13 +302,13 @@ def test_a_round_that_met_no_mate_is_owed_to_the_next_and_its_samples_go_with_it
     p = [torch.tensor([1.0])]
     loop = OuterLoop(p, OuterSettings(lr=0.5, momentum=0.9, payload="fp32"), script, "owed")
     p[0] -= 0.25  # P = 0.25
-    first = loop.end_phase(1, 10.0)
+    first = run(loop.end_phase(1, 10.0))
     assert first.deferred and not first.moved and first.weight == 10.0
     assert loop.theta.item() == 1.0 and loop.momentum.item() == 0.0 and p[0].item() == 0.75
     # Without overlap the next phase's P counts from θ again, which holds this one's: nothing kept aside.
     assert loop.residual.item() == 0.0 and loop.deferred_weight == 10.0
     p[0] -= 0.5  # phase 2: 0.5 more, from where phase 1 ended
-    second = loop.end_phase(2, 30.0)
+    second = run(loop.end_phase(2, 30.0))
     (_, sent, weight) = script.seen[-1]
     assert sent.item() == 0.75 and weight == 40.0  # both phases' progress and samples
     assert second.moved and not second.deferred and second.weight == 40.0
@@ -307,7 +329,7 @@ def test_an_aborted_round_is_owed_a_member_alone_is_not_and_at_most_two_rounds_i
     done = []
     for t in range(1, 5):
         p[0] -= 1.0  # every phase: P = 1
-        done.append(loop.end_phase(t, 1.0))
+        done.append(run(loop.end_phase(t, 1.0)))
     # Rounds 1 and 2 owed; round 3, the third in a row, takes the outer step on all three phases'
     # P alone (θ = 0 - 3): a member out of step with the run still trains.
     assert [d.deferred for d in done] == [True, True, False, False]
@@ -326,14 +348,14 @@ def test_with_overlap_an_owed_round_moves_nothing_in_the_process_and_goes_out_wi
     loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="fp32", overlap=True), script, "ov")
     loop.on_round_done = ended.set
     p[0] -= 1.0  # phase 1: P = 1
-    loop.end_phase(1, 5.0)
+    run(loop.end_phase(1, 5.0))
     assert ended.wait(10)
     move = torch.full((1,), float("nan"))
     landed = loop.land_into(move)
     assert landed.deferred and not landed.moved and move.isnan().all()  # nothing for the process to add
     assert loop.theta.item() == 0.0 and loop.residual.item() == 1.0
     p[0] -= 2.0  # phase 2: P = 2 (from -1, where phase 2 began)
-    loop.end_phase(2, 5.0)
+    run(loop.end_phase(2, 5.0))
     applied = loop.land_into(move, wait=True)
     (t, sent, weight) = script.seen[-1]
     assert (t, sent.item(), weight) == (2, 3.0, 10.0)
@@ -356,13 +378,17 @@ def test_an_owed_int8_round_keeps_every_value_it_did_not_send():
         before = loop.residual.clone()
         first, second = torch.randn(256), torch.randn(256)
         p[0] -= first
-        loop.end_phase(1, 1.0)
+        run(loop.end_phase(1, 1.0))
         p[0] -= second
-        loop.end_phase(2, 1.0)
-        loop.land(wait=True)
+        run(loop.end_phase(2, 1.0))
+        run(loop.landed())
         (t, sent, _) = script.seen[-1]
         assert t == 2 and torch.allclose(sent + loop.residual, first + second + before, atol=1e-5), overlap
         loop.close()
+
+
+async def alone(vector, weight, round_t, fmt):
+    return [RoundResult(round_t, 1, None, "alone in the run")]
 
 
 def test_a_shared_outer_state_keeps_its_values_and_the_loop_moves_to_a_copy_only_when_lent():
@@ -371,17 +397,17 @@ def test_a_shared_outer_state_keeps_its_values_and_the_loop_moves_to_a_copy_only
     for overlap in (False, True):
         p = [torch.tensor([1.0])]
         settings = OuterSettings(lr=0.5, momentum=0.5, payload="fp32", overlap=overlap)
-        loop = OuterLoop(p, settings, lambda v, w, t, fmt: [RoundResult(t, 1, None, "alone in the run")], "cow")
+        loop = OuterLoop(p, settings, alone, "cow")
         own = loop.outer
         p[0] -= 0.5
-        loop.end_phase(1, 1.0)
-        loop.land(wait=True)
+        run(loop.end_phase(1, 1.0))
+        run(loop.landed())
         assert loop.outer is own  # nothing held it: no copy
         lent = loop.share()
         kept = lent.clone()
         p[0] -= 0.5
-        loop.end_phase(2, 1.0)
-        loop.land(wait=True)
+        run(loop.end_phase(2, 1.0))
+        run(loop.landed())
         assert torch.equal(lent, kept) and loop.outer is not lent  # the snapshot's values stay
         assert loop.theta.item() != kept[0].item()  # θ took its step in the copy
         if not overlap:
@@ -429,7 +455,7 @@ def test_without_overlap_p_is_read_again_a_chunk_at_a_time_with_the_same_arithme
     assert loop.progress is None  # s is θ: P is not kept
     loop.residual.copy_(residual0)
     vector[0] -= step  # the phase: y = θ − step
-    applied = loop.end_phase(1, 4.0, repair=plan == "repair")
+    applied = run(loop.end_phase(1, 4.0, repair=plan == "repair"))
     (_, sent, _) = loop.average.seen[-1]
 
     P = theta0 - (theta0 - step)  # as the loop computes it: s − y

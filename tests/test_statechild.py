@@ -32,6 +32,23 @@ class Done:
     status = type("Status", (), {"value": "completed"})
 
 
+LOOP = None  # tests/helpers.LoopThread: the daemon's loop
+
+
+@pytest.fixture(autouse=True)
+def _loop(loop_thread):
+    """The daemon's loop: EndPhase and the rounds run there (control.py awaits trainer.end_phase)."""
+    global LOOP
+    LOOP = loop_thread
+    yield
+    LOOP = None
+
+
+def run(coro):
+    """Await `coro` on the loop from this thread, as the control server's handler does on its own."""
+    return LOOP.run(coro, 30)
+
+
 def built():
     task = get_task("digits-mlp")
     return task.build(task.parse_hparams({}), 0)
@@ -61,7 +78,7 @@ def state_child(tmp_path, average) -> StateChild:
 def test_a_state_childs_rounds_and_checkpoints_are_the_threads(tmp_path):
     rounds = []
 
-    def average(vector, weight, round_t, lanes, restore=True, payload="fp32"):
+    async def average(vector, weight, round_t, lanes, restore=True, payload="fp32"):
         assert not restore  # as the thread: lanes a round left partly written are put back by the caller
         rounds.append(round_t)
         if round_t == 1:  # stopped midway in lane 0, which it wrote; lane 1 had no group (left alone)
@@ -84,16 +101,16 @@ def test_a_state_childs_rounds_and_checkpoints_are_the_threads(tmp_path):
         assert info.upload and info.numel == t.numel
         vector = t._shared.tensor
         to_vector(tensors, vector, False)
-        t.end_phase(info.session, 0, 0.0, math.nan, 0.0)  # the run's first state
+        run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # the run's first state
         with torch.no_grad():
             for x in tensors:
                 x.add_(1.0)
         to_vector(tensors, vector, False)
         written = vector.clone()
-        t.end_phase(info.session, H, 32.0, 1.0, 0.1)  # round 1: put back where it wrote
+        run(t.end_phase(info.session, H, 32.0, 1.0, 0.1))  # round 1: put back where it wrote
         assert rounds == [1] and torch.equal(vector, written)
         assert t.last_round.reason == "timed out" and math.isnan(t.param_distance_to_group_mean)
-        end = t.end_phase(info.session, H, 32.0, 1.0, 0.1)  # round 2 completes: the mean (here: half)
+        end = run(t.end_phase(info.session, H, 32.0, 1.0, 0.1))  # round 2 completes: the mean (here: half)
         assert end.outcome == "completed" and torch.equal(vector, written * 0.5)
         assert torch.equal(t.snapshot.tensor, vector)  # what peers download: the state vector
         n = sum(p.numel() for p in model.parameters())
