@@ -101,7 +101,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_SECONDS = 6.0  # an attachment ends this long after its last Renew (the process renews every 2 s)
 LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pid
-ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state it must start from
+ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state (since the last chunk it got)
 GROUP_FORM_WAIT = 30.0  # seconds the first of a group's expected processes waits for the others
 PLACE_WAIT = 30.0  # seconds an attach or regroup waits for a spanning group's coordinator to place the process
 LOCK_POLL = 0.01  # seconds between two tries of the loop at the trainer's lock while a worker thread holds it
@@ -1155,7 +1155,9 @@ class AttachedTrainer:
         return self._download(min_step, CATCH_UP_PATIENCE)
 
     def _download(self, min_step: int, patience: float) -> bool:
-        """Take the run's state from peers (retried once a second for `patience` s while peers are live)."""
+        """Take the run's state from peers (retried once a second for `patience` s while peers are live;
+        a try that brought verified chunks, resumed by the next, starts the patience again: a slow link
+        is not an absent donor, and the state's size bounds the tries)."""
         if self.sync is None:
             return False
         deadline = time.monotonic() + patience
@@ -1164,6 +1166,8 @@ class AttachedTrainer:
         while True:
             if self.peer_steps():
                 result = self.sync(min_step, flat)
+                if not result.ok and result.bytes:
+                    deadline = max(deadline, time.monotonic() + patience)
                 if result.ok and result.step >= min_step:
                     self._adopt(flat)
                     self._snapshot(result.step)

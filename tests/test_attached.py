@@ -352,6 +352,37 @@ def test_an_attach_that_waited_for_a_long_download_is_not_taken_for_a_lapsed_lea
         watching.join(10)
 
 
+@pytest.mark.parametrize("progress", [True, False])
+def test_an_attach_waits_on_while_its_download_makes_progress(tmp_path, monkeypatch, progress):
+    """A slow link (a joiner at 1 Mbit/s in bench.vs_peers): tries that each bring verified chunks
+    outlast ATTACH_PATIENCE in all and the attach still gets the run's state; tries that bring
+    nothing end it at the patience."""
+    from peerd.daemon import attached
+
+    monkeypatch.setattr(attached, "ATTACH_PATIENCE", 1.0)
+    tries = []
+
+    def sync(min_step, out):
+        tries.append(time.monotonic())
+        time.sleep(0.4)
+        if len(tries) < 6:  # 6 tries and 5 retry pauses of 1 s: about 7 s, seven patiences
+            return FetchResult(ok=False, reason="the donor timed out", bytes=1000 if progress else 0)
+        out.fill_(1.0)
+        return FetchResult(ok=True, reason="downloaded at last", step=4)
+
+    t = trainer(tmp_path, HalfMean(), run_id="slowlink", creator=False, peer_steps=lambda: [4], sync=sync)
+    try:
+        if progress:
+            info = t.attach(pid=0, device="cpu", step=0)
+            assert info.step == 4 and len(tries) == 6
+        else:
+            with pytest.raises(AttachRefused, match="no peer served"):
+                t.attach(pid=0, device="cpu", step=0)
+            assert len(tries) <= 2  # the patience, 1 s, ended it
+    finally:
+        t.stop()
+
+
 class Paced(HalfMean):
     """HalfMean whose group agreed a pace (peers/pace.py): 0.1 s steps and, for round t, rounds of
     `round_s[t]` seconds; no group (no pace) where that is None."""
