@@ -514,31 +514,27 @@ class Daemon:
         layout, identity, model, optimizer = await asyncio.to_thread(task_model, manifest, seed)  # builds it once
         train = self.config.train
         argv = child_argv(manifest, self.config.data_dir, train, seed)
-        # With overlap a round lands between two of the child's steps (daemon/attached.py, "landing"). None: a state run, whose rounds average the child's whole state vector.
-        outer = run_setup.outer_settings(manifest.averaging)
-        cls, state = TaskChild, {}
-        if outer is None:
+        state = {}
+        if manifest.averaging.algorithm == "state":  # the rounds average the child's whole state vector
+            from peerd.daemon.algorithms import StateAveraging
             from peerd.daemon.flat import state_tensors
-            from peerd.daemon.statechild import StateChild
 
             # The optimizer's state, materialized off the loop: its first step imports torch._dynamo (1-3 s).
             await asyncio.to_thread(state_tensors, optimizer)
             # No straggler budget: a state run's phases all take H steps.
-            cls = StateChild
-            state = {"model": model, "optimizer": optimizer, "inner_budget": 0.0}
+            state = {"algorithm": StateAveraging(model, optimizer), "inner_budget": 0.0}
         return self._attached_trainer(
             manifest,
             membership,
             average,
             sync,
             loop,
-            cls,
+            TaskChild,
             **state,
             layout=layout,
             identity=identity,
             argv=argv,
             processes=train.train_processes,
-            outer=outer,
             max_steps=train.max_steps,
             ready=lambda: len(membership.table) + 1 >= train.min_peers,
             trainers_ready=lambda: sum(e.role != IDLE for e in membership.peers()) + 1 >= train.min_peers,
@@ -547,7 +543,9 @@ class Daemon:
 
     def _attached_trainer(self, manifest, membership, average, sync, loop, cls=None, **kwargs):
         """The daemon's half of a run trained by an attached process (docs/your-loop.md): a script's
-        (AttachedTrainer), or with `cls` and its arguments, the task's child (TaskChild)."""
+        (AttachedTrainer), or with `cls` and its arguments, the task's child (TaskChild). The run's
+        algorithm is DiLoCo (daemon/algorithms.py) unless the arguments give another."""
+        from peerd.daemon.algorithms import DiLoCo
         from peerd.daemon.attached import AttachedTrainer, remove_stale, shared_directory
         from peerd.daemon.checkpoint import CheckpointStore
 
@@ -573,7 +571,6 @@ class Daemon:
                 on_corrupt=lambda path, why: self.reject("checkpoint_corrupt"),
                 on_foreign=lambda path, why: self.reject("checkpoint_foreign"),
             ),
-            outer=run_setup.outer_settings(manifest.averaging),
             phases=manifest.averaging.phases,
             round_timeout=manifest.averaging.round_timeout,
             checkpoint_every=train.checkpoint_every,
@@ -589,6 +586,8 @@ class Daemon:
             round_seconds=lambda: self.metrics.round_seconds(run_id),
             lanes=manifest.averaging.lanes,
         )
+        if "algorithm" not in kwargs:
+            settings["algorithm"] = DiLoCo(run_setup.outer_settings(manifest.averaging))
         trainer = cls(**{**settings, **kwargs})
         if train.local_group:
             trainer.span = self._group_span(run_id, membership, trainer)

@@ -5,7 +5,7 @@ outer loop holds and the network: the outer state [θ; m], error feedback, the r
 and the state peers download. The two share one file in shared memory: a HEADER, then the model's
 parameters as one float32 vector in layout order (the *inner vector*; tensors never travel in
 control messages). A state run's child hands over its whole state vector instead, and the daemon
-averages it without an outer loop (daemon/statechild.py).
+averages it without an outer loop (daemon/algorithms.py, the run's algorithm).
 
     attach     The daemon puts the run's parameters in the vector: its checkpoint's, or the peers'
                when the run is ahead of it. For a run with no state anywhere yet, the response asks
@@ -67,7 +67,7 @@ from typing import Awaitable, Callable
 import torch
 
 from peerd.daemon.checkpoint import CheckpointStore, layout_digest, passed_over_error
-from peerd.daemon.diloco import OuterLoop, OuterSettings
+from peerd.daemon.algorithms import DiLoCo, StateAveraging
 from peerd.daemon.groupspan import TICK, GroupSpan, Placement
 from peerd.daemon.plan import Fit, fit_every
 from peerd.daemon.straggler import EarlyEnd, catch_up_from
@@ -308,7 +308,7 @@ class AttachedTrainer:
         layout: tuple[TensorSpec, ...],
         creator: bool,
         store: CheckpointStore,
-        outer: OuterSettings,
+        algorithm: DiLoCo | StateAveraging,
         phases: Phases,
         round_timeout: float,
         checkpoint_every: int,
@@ -324,7 +324,6 @@ class AttachedTrainer:
         auto_every: tuple[int, int] | None = None,
         round_seconds: Callable[[], float] = lambda: math.nan,
         identity: dict | None = None,
-        numel: int | None = None,
         lanes: int = 1,
     ):
         self.run_id, self.layout, self.creator, self.store = run_id, layout, creator, store
@@ -338,25 +337,22 @@ class AttachedTrainer:
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
         self.lanes = lanes  # the run's averaging.lanes
-        # The vector's values: the parameters (DiLoCo), or a whole state vector (daemon/statechild.py).
+        # The run's averaging.algorithm (daemon/algorithms.py): what the vector holds (the parameters,
+        # or a whole state vector), what peers download and checkpoints keep, and the round.
+        self.algorithm = algorithm
         self.parameters = sum(t.numel for t in layout)  # the model's (RunStatus.parameters)
-        self.numel = numel if numel is not None else self.parameters
+        self.numel = algorithm.numel(self.parameters)
         # What this run's checkpoints hold (daemon/checkpoint.py): a script's model, or a task's (its
         # own child's, daemon/taskchild.py: the identity older releases' trainer thread wrote too).
         self._identity = identity if identity is not None else layout_identity(run_id, layout)
-        overlap = outer is not None and outer.overlap
+        overlap = algorithm.overlap
         self._shared = SharedVector(shared_dir, self.numel, theta=overlap)
-        # None: no outer loop, the rounds average the vector itself (a state run's child: StateChild).
-        self._outer = (
-            OuterLoop([self._shared.tensor], outer, self._round_in, run_id, self._round_done if overlap else None)
-            if outer is not None
-            else None
-        )
+        algorithm.bind(self._shared.tensor, average, run_id, self._round_done, lanes)
         # Rounds landed between EndPhases (LANDED), how many of them the vector accounts for, and the
         # latest one's move θ − s (for an EndPhase to add where the process did not).
         self._moves = self._settled = 0
         self._move = torch.empty(self.numel) if overlap else None
-        self._sketch_plan = SketchPlan.for_run(run_id, self.numel)
+        self._sketch_plan = SketchPlan.for_run(run_id, self.parameters)  # of the parameters (the vector's start)
         self._lock = threading.Lock()
         self._stopping = threading.Event()  # stop() was called: downloads stop retrying
         self._has_state = False  # θ is the run's: from a checkpoint, from peers, or uploaded
@@ -486,7 +482,7 @@ class AttachedTrainer:
             logger.warning("run %s: %s", self.run_id, self._passed_over)
         if checkpoint is not None:
             state = checkpoint.state
-            self._resume(state)
+            self.algorithm.resume(state)
             self.global_step = self.resumed_from = self._checkpointed = checkpoint.step
             self._local_done, self._samples_done = int(state.get("local_step", 0)), int(state.get("samples", 0))
             self._snapshot(self.global_step)
@@ -519,8 +515,7 @@ class AttachedTrainer:
             return
         try:
             self._end_session("the daemon stops")
-            if self._outer is not None:
-                self._outer.close()
+            self.algorithm.close()
             self._shared.close()
             if self.span is not None:  # its store (its beat was cancelled above)
                 self.span.close()
@@ -922,8 +917,7 @@ class AttachedTrainer:
         if boundary and boundary <= done:  # ended already (by a leader that left since): the same answer
             return True, replace(last, group_epoch=self.group_epoch)
         if not self._has_state:  # the upload asked at attach: the process's parameters become θ
-            if self._outer is not None:
-                self._outer.reset_from_params()
+            self.algorithm.take_vector()
             self._has_state = True
             self._snapshot(self.global_step)
             self._publish_theta()
@@ -997,9 +991,8 @@ class AttachedTrainer:
             if not math.isnan(loss):
                 self._loss_done = loss
             self.global_step = max(self.global_step, step)
-            if self._outer is not None:
-                self._outer.drop_pending()
-                self._outer.reset_from_params()
+            self.algorithm.drop_pending()
+            self.algorithm.take_vector()
             self._has_state = True
             if self.global_step - self._checkpointed >= self.checkpoint_every:
                 self._checkpoint()
@@ -1033,43 +1026,18 @@ class AttachedTrainer:
         self.eval = result
 
     # -- rounds, downloads, checkpoints (under the lock) --------------------------------------
-    # What differs for a state run's child (daemon/statechild.py): _served, _resume, _adopt,
-    # _checkpoint_state and _round.
-
-    def _served(self) -> torch.Tensor:
-        """What peers download and what a download lands in: [θ; m]."""
-        return self._outer.outer
 
     def _snapshot(self, step: int) -> None:
-        """The snapshot peers download: [θ; m] itself, no copy (OuterLoop.share: the loop moves its
-        own to a copy before they next change, the snapshot keeps these values)."""
-        self.snapshot = Snapshot(step, self._outer.share())
-
-    def _resume(self, state: dict) -> None:
-        """Take a checkpoint's state (the outer state [θ; m] and the error feedback)."""
-        self._outer.adopt(state["outer"])
-        self._outer.residual.copy_(state["residual"])
-
-    def _adopt(self, flat: torch.Tensor) -> None:
-        """Take the state downloaded from peers."""
-        self._outer.adopt(flat)
-
-    def _checkpoint_state(self) -> dict:
-        return {
-            "outer": self._outer.outer,
-            "residual": self._outer.residual,
-            "model_layout": [[t.name, list(t.shape), t.dtype] for t in self.layout],
-        }
+        self.snapshot = self.algorithm.snapshot(step)
 
     async def _round(self) -> PhaseEnd:
-        """The phase's round, the process's vector in the shared file: DiLoCo's outer step."""
-        outer = self._outer
+        """The phase's round on the vector in the shared file, the run's algorithm's: DiLoCo's outer
+        step, or the state's mean."""
         round_t = self.phases.round_of(self.global_step)
-        sketch = self._sketch_plan.take(outer.theta[: self._sketch_plan.size].numpy(), self.global_step)
-        self.sketches = (*self.sketches[-(HISTORY - 1) :], sketch)
-        repair = bool(outer.settings.repair_every and round_t % outer.settings.repair_every == 0)
-        applied = await outer.end_phase(round_t, self._samples_since_round, repair)
-        self._samples_since_round = 0.0
+        sketched = self.algorithm.sketched()[: self._sketch_plan.size]
+        self.sketches = (*self.sketches[-(HISTORY - 1) :], self._sketch_plan.take(sketched.numpy(), self.global_step))
+        weight, self._samples_since_round = self._samples_since_round, 0.0
+        applied = await self.algorithm.round(round_t, weight)
         if applied.round_t is None:  # overlap: no round landed now (the first, or it landed as a move)
             last = self.last_round.outcome_name if self.last_round is not None else ""
             return PhaseEnd(self.global_step, -1, last, applied.waited, False)
@@ -1084,7 +1052,7 @@ class AttachedTrainer:
             for old in [r for r in self._paces if r < results[0].round_t - 2]:
                 del self._paces[old]
         if any(r.applied for r in results):
-            self.param_distance_to_group_mean = self._outer.distance
+            self.param_distance_to_group_mean = self.algorithm.distance
             self.samples_averaged += applied.weight
         self._snapshot(self.global_step)
         for result in results:
@@ -1109,11 +1077,11 @@ class AttachedTrainer:
                 logger.warning("run %s: a round in flight failed", self.run_id, exc_info=True)
 
     def _land_locked(self, wait: bool) -> None:
-        applied = self._outer.land_into(self._move, wait=wait)
+        applied = self.algorithm.outer.land_into(self._move, wait=wait)
         if applied is None:
             return
         if applied.moved:
-            self._shared.write_theta(self._outer.theta)
+            self._shared.write_theta(self.algorithm.outer.theta)
             self._moves += 1
             self._shared.set_count(LANDED_OFFSET, self._moves)
         self._record(applied)
@@ -1121,8 +1089,8 @@ class AttachedTrainer:
     def _publish_theta(self) -> None:
         """Under the lock, the process blocked in a call: θ as it is now (a round that landed in the
         call, a download, a checkpoint loaded)."""
-        if self._shared.theta is not None:
-            self._shared.write_theta(self._outer.theta)
+        if self._shared.theta is not None:  # overlap: DiLoCo's
+            self._shared.write_theta(self.algorithm.outer.theta)
 
     def _settle(self, taken: int) -> None:
         """Under the lock, the process blocked in a call: the vector it wrote accounts for `taken`
@@ -1134,11 +1102,6 @@ class AttachedTrainer:
             self._shared.tensor.add_(self._move)
         self._settled = self._moves
         self._shared.set_count(APPLIED_OFFSET, self._moves)
-
-    async def _round_in(self, vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
-        # restore=False: the outer loop writes again what a lane that did not apply held (from P and
-        # the residual), so the engine backs up only this member's own shard, not the whole vector.
-        return await self.average(vector, weight, round_t, None, restore=False, payload=fmt)
 
     def _catch_up(self) -> bool:
         """Download the run's state when live peers are two rounds ahead or more
@@ -1162,14 +1125,14 @@ class AttachedTrainer:
             return False
         deadline = time.monotonic() + patience
         # Where a download lands (what peers serve: 4 or 8 bytes a parameter), only while downloading.
-        flat = torch.empty(len(self._served()))
+        flat = torch.empty(len(self.algorithm.served()))
         while True:
             if self.peer_steps():
                 result = self.sync(min_step, flat)
                 if not result.ok and result.bytes:
                     deadline = max(deadline, time.monotonic() + patience)
                 if result.ok and result.step >= min_step:
-                    self._adopt(flat)
+                    self.algorithm.adopt(flat)
                     self._snapshot(result.step)
                     self.global_step = max(self.global_step, result.step)
                     self.synced_from = result.step
@@ -1183,7 +1146,12 @@ class AttachedTrainer:
                 return False
 
     def _checkpoint(self) -> None:
-        state = {**self._checkpoint_state(), "samples": self._samples_done, "local_step": self._local_done}
+        state = {
+            **self.algorithm.checkpoint_state(self.local_step),
+            "model_layout": [[t.name, list(t.shape), t.dtype] for t in self.layout],
+            "samples": self._samples_done,
+            "local_step": self._local_done,
+        }
         self.store.save(self.global_step, state, self._identity)
         self._checkpointed = self.global_step
 

@@ -429,11 +429,9 @@ def init_seed(manifest: RunManifest) -> int:
 
 
 def outer_settings(a: AveragingSettings):
-    """The DiLoCo settings of a run, None when its rounds average the state."""
+    """The DiLoCo settings of a run (averaging.algorithm=diloco)."""
     from peerd.daemon.diloco import OuterSettings
 
-    if a.algorithm != "diloco":
-        return None
     return OuterSettings(
         lr=a.outer_lr,
         momentum=a.outer_momentum,

@@ -3,7 +3,7 @@
 this daemon starts it, reaps it and restarts it a bounded number of times (daemon/supervisor.py).
 
 The child attaches like a script (daemon/attached.py: the outer state, rounds, checkpoints and the
-state peers download stay here; for a state run, daemon/statechild.py: the vector is the whole
+state peers download stay here; for a state run, daemon/algorithms.py StateAveraging: the vector is the whole
 state vector, parameters and the inner optimizer's state), except that:
 - its model is the task's, built from the run's manifest: the daemon builds it once to know its
   layout, and accepts an attach only from its own child with exactly that layout;
@@ -51,7 +51,7 @@ STATE_FILE = "taskproc.state"  # the child's inner optimizer state, in the run's
 def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec, ...], dict, object, object]:
     """The layout of the run's task's model as the child's Optimizer sends it, the identity of the
     run's checkpoints, and the model and optimizer built for them (a state
-    run's daemon keeps them: daemon/statechild.py). Builds the model once (blocking)."""
+    run's daemon keeps them: daemon/algorithms.py). Builds the model once (blocking)."""
     from peerd.daemon.checkpoint import identity_of
     from peerd.daemon.joining import hparams_from_text
     from peerd.daemon.tasks import get_task
@@ -59,7 +59,7 @@ def task_model(manifest: RunManifest, init_seed: int) -> tuple[tuple[TensorSpec,
 
     task = get_task(manifest.task)
     hparams = hparams_from_text(task, manifest.hparams)
-    # It gives the parameters' order. Only a state run's daemon uses it further (daemon/statechild.py):
+    # It gives the parameters' order. Only a state run's daemon uses it further (daemon/algorithms.py):
     # its first step, which materializes its state, imports torch._dynamo all the same.
     with optimizer_without_dynamo():
         model, optimizer = task.build(hparams, init_seed)

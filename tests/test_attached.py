@@ -17,6 +17,7 @@ from peerd import PeerdError
 from peerd.attachment import THETA_TRIES, Attachment
 from peerd.daemon.attached import AttachedTrainer, AttachRefused, SharedVector
 from peerd.daemon.checkpoint import CheckpointStore
+from peerd.daemon.algorithms import DiLoCo
 from peerd.daemon.diloco import OuterSettings
 from peerd.peers.averaging import RoundResult
 from peerd.peers.manifest import TensorSpec
@@ -65,7 +66,7 @@ def trainer(tmp_path, round_fn, **overrides) -> AttachedTrainer:
         layout=(TensorSpec("w", (NUMEL,), "torch.float32"),),
         creator=True,
         store=CheckpointStore(tmp_path / "checkpoints"),
-        outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=True),
+        algorithm=DiLoCo(OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=True)),
         phases=Phases(H),
         round_timeout=10.0,
         checkpoint_every=10_000,
@@ -172,7 +173,9 @@ def test_a_renewal_with_samples_that_are_not_a_count_is_refused_and_changes_noth
 def test_a_renewal_of_a_phase_that_has_ended_is_not_taken_for_the_next_ones_progress(tmp_path):
     """A Renew sent before an EndPhase and handled after it carries the ended phase's samples: with
     its boundary, the daemon leaves the new phase's progress alone (samples would count twice)."""
-    t = trainer(tmp_path, HalfMean(), outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False))
+    t = trainer(
+        tmp_path, HalfMean(), algorithm=DiLoCo(OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False))
+    )
     try:
         info = t.attach(pid=0, device="cpu", step=0)
         run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # the upload
@@ -244,7 +247,7 @@ def test_processes_attached_to_one_run_are_one_local_group_led_by_the_first(tmp_
     whose leader leaves before ending the phase is told to regroup (the step unmoved) and, leader
     then, ends it; a Regroup after a break moves the epoch once for all who ask."""
     rounds = HalfMean()
-    t = trainer(tmp_path, rounds, outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False))
+    t = trainer(tmp_path, rounds, algorithm=DiLoCo(OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False)))
     try:
         first = t.attach(pid=0, device="cpu", step=0)
         assert first.upload and (first.group.epoch, first.group.rank, first.group.size) == (1, 0, 1)

@@ -1,7 +1,7 @@
 """`peerd export` (issue 16): a run's weights out of its checkpoints, as a plain state_dict that
 torch.load(weights_only=True) reads and the task's model loads with strict=True.
 
-State checkpoints (a state run's: the task's model and optimizer, daemon/statechild.py) and DiLoCo
+State checkpoints (a state run's: the task's model and optimizer, daemon/algorithms.py) and DiLoCo
 checkpoints of the format the daemon's trainer thread wrote (the inner "model" and the outer state;
 files of older releases) are written here from real inner steps of the task: a state run's exported
 weights are the model, a DiLoCo run's θ, not the inner parameters. A plug-in task with buffers and optimizer

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peerd.daemon.algorithms import DiLoCo
 from peerd.daemon.attached import AttachedTrainer
 from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.diloco import OuterSettings
@@ -41,10 +42,9 @@ ROUND_PATH = {
             "_round_done",
             "_land",
             "_land_locked",
-            "_round_in",
         ]
     },
-    "daemon/statechild.py": {"StateChild": ["_round", "_after_round"]},
+    "daemon/algorithms.py": {"DiLoCo": ["bind", "round"], "StateAveraging": ["round", "_settle"]},
     "daemon/diloco.py": {"OuterLoop": None},
     "daemon/joining.py": {"": ["bounded_round"]},
     "daemon/app.py": {"Daemon": ["_train"]},  # its run_round, the round the trainer awaits
@@ -111,7 +111,7 @@ def test_a_round_and_its_landing_run_on_the_loops_thread(tmp_path, loop_thread, 
         layout=(TensorSpec("w", (4,), "torch.float32"),),
         creator=True,
         store=CheckpointStore(tmp_path / "checkpoints"),
-        outer=OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=overlap),
+        algorithm=DiLoCo(OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=overlap)),
         phases=Phases(2),
         round_timeout=10.0,
         checkpoint_every=10_000,

@@ -1,4 +1,5 @@
-"""A state run's child's daemon half (daemon/statechild.py), driven directly with stand-in rounds:
+"""A state run's child's daemon half (a TaskChild holding daemon/algorithms.py StateAveraging),
+driven directly with stand-in rounds:
 the vector is the thread's state vector, a round that stopped midway leaves it as it was, a
 completed one leaves the mean, and the checkpoints are the thread's, loaded back into the vector.
 (Real daemons and children: tests/test_train_process.py.)"""
@@ -13,10 +14,12 @@ import torch
 
 from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.flat import state_tensors
-from peerd.daemon.statechild import StateChild
+from peerd.daemon.algorithms import StateAveraging
+from peerd.daemon.taskchild import TaskChild
 from peerd.daemon.tasks import get_task
 from peerd.peers.averaging import RoundResult
 from peerd.peers.dear.hierarchy import lane_bounds
+from peerd.peers.manifest import TensorSpec
 from peerd.peers.phases import Phases
 from peerd.torch import from_vector, to_vector
 
@@ -54,19 +57,17 @@ def built():
     return task.build(task.parse_hparams({}), 0)
 
 
-def state_child(tmp_path, average) -> StateChild:
+def state_child(tmp_path, average) -> TaskChild:
     model, optimizer = built()
-    return StateChild(
-        model=model,
-        optimizer=optimizer,
+    return TaskChild(
+        algorithm=StateAveraging(model, optimizer),
         lanes=2,
         argv=["true"],
         max_steps=0,
         run_id="sv",
-        layout=(),
+        layout=tuple(TensorSpec(n, tuple(p.shape), "torch.float32") for n, p in model.named_parameters()),
         identity={"run_id": "sv", "task": "digits-mlp", "hparams": {}, "layout": "x"},
         store=CheckpointStore(tmp_path / "checkpoints"),
-        outer=None,
         phases=Phases(H),
         round_timeout=10.0,
         checkpoint_every=10_000,
