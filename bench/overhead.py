@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -293,6 +294,8 @@ def main() -> int:
         run.run()
     except (SystemFailed, OSError, RuntimeError) as e:
         progress(f"FAILED: {type(e).__name__}: {e}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if len(run.snaps) < 2:
         return 1
     if args.raw:
