@@ -348,8 +348,9 @@ class Daemon:
             return False
         data_dir = self.config.data_dir
         resolved = await run_setup.resolve(self.node, run_id, secret, task, settings, self.reject, data_dir)
-        # A run with something to train announces "idle" until a training process attaches: a peer waiting for --min-peers waits for trainers, not daemons.
-        await self.memberships.join(run_id, secret, role=IDLE if resolved is not None else TRAINER)
+        # Idle until a process trains here (the trainer announces it: on_role), a run with no manifest
+        # yet too: --min-peers counts peers with training (RunMembership.trainers), not daemons.
+        await self.memberships.join(run_id, secret)
         self.memberships.runs[run_id].probe_address = (
             self.prober.announced(self._advertise_host()) if self.prober else ""
         )
@@ -536,10 +537,41 @@ class Daemon:
             argv=argv,
             processes=train.train_processes,
             max_steps=train.max_steps,
+            # Before the child starts, daemons in the run (no child trains before it attaches): a
+            # daemon alone does not start one. What decides its first step is trainers_ready.
             ready=lambda: len(membership.table) + 1 >= train.min_peers,
-            trainers_ready=lambda: sum(e.role != IDLE for e in membership.peers()) + 1 >= train.min_peers,
+            trainers_ready=lambda: self._trainers_ready(membership),
             ready_timeout=train.min_peers_timeout,
         )
+
+    def _trainers_ready(self, membership) -> bool:
+        """--min-peers, the one count of it: whether the run's peers with training
+        (RunMembership.trainers: a process trains there, or a task's child attaches), and this
+        daemon, whose process attaches now, are min_peers or more. A daemon with no process
+        attached, or no manifest yet, does not count."""
+        return len(membership.trainers()) + 1 >= self.config.train.min_peers
+
+    async def _await_trainers(self, handle: RunHandle, membership) -> bool:
+        """--min-peers for a script's first process (a task's child waits in its own attach,
+        daemon/taskchild.py): it waits until _trainers_ready, at most --min-peers-timeout, then
+        trains with whoever is there. It is announced as training from here on, ready or not: the
+        others' first processes wait for this one, and the run's creator waits for the daemons
+        whose attach downloads its first parameters. Nothing to wait for without --min-peers, or
+        where a process is attached already or the run has trained here (a checkpoint's step).
+        Returns whether it announced this daemon."""
+        from peerd.daemon.taskchild import TRAINERS_POLL
+
+        trainer = handle.trainer
+        if self.config.train.min_peers <= 1 or trainer.attached is not None or trainer.global_step:
+            return False
+        membership.role = trainer.role
+        self._announce_soon(membership, asyncio.get_running_loop())
+        if not self._trainers_ready(membership):
+            logger.info("run %s: the process waits for --min-peers daemons training", handle.run_id)
+        deadline = time.monotonic() + self.config.train.min_peers_timeout
+        while not self._trainers_ready(membership) and time.monotonic() < deadline and not handle.stopping:
+            await asyncio.sleep(TRAINERS_POLL)
+        return True
 
     def _attached_trainer(self, manifest, membership, average, sync, loop, cls=None, **kwargs):
         """The daemon's half of a run trained by an attached process (docs/your-loop.md): a script's
@@ -577,7 +609,7 @@ class Daemon:
             shared_dir=shared,
             average=average,
             on_round=lambda result: self.metrics.observe_round(run_id, result),
-            peer_steps=lambda: [e.step for e in membership.peers() if e.role != IDLE],
+            peer_steps=lambda: [e.step for e in membership.trainers()],
             sync=sync,
             on_sync=lambda result: self.metrics.observe_sync(run_id, result),
             on_role=on_role,
@@ -666,7 +698,15 @@ class Daemon:
         trainer = handle.trainer
         if not isinstance(trainer, AttachedTrainer):
             raise AttachRefused(f"run {run_id!r} is not trained by scripts on this daemon")
-        return await asyncio.to_thread(trainer.attach, pid, device, step, group_size)
+        membership = self._membership(run_id)
+        announced = not isinstance(trainer, TaskChild) and await self._await_trainers(handle, membership)
+        try:
+            return await asyncio.to_thread(trainer.attach, pid, device, step, group_size)
+        except BaseException:
+            if announced and trainer.attached is None:  # nothing trains here after all
+                membership.role = IDLE
+                self._announce_soon(membership, asyncio.get_running_loop())
+            raise
 
     def attached_trainers(self) -> list:
         """The AttachedTrainers of this daemon's runs (daemon/attached.py; a task's child's too)."""

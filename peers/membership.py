@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 # A member's role in its heartbeat (ListPeers shows it): "trainer" while something trains the run on
 # it (a task, or an attached process), "follower" while its processes train in a local group that
 # another daemon leads on the WAN (daemon/groupspan.py), "idle" while it only takes part in
-# discovery. Only trainers are round mates.
+# discovery (no process attached, or no manifest yet: a daemon joins idle). Only trainers are round
+# mates; trainers and followers are the peers with training (RunMembership.trainers).
 TRAINER = "trainer"
 FOLLOWER = "follower"
 IDLE = "idle"
@@ -239,6 +240,13 @@ class RunMembership:
     def peers(self) -> list[PeerEntry]:
         return self.table.entries()
 
+    def trainers(self) -> list[PeerEntry]:
+        """The peers with training: those that announce a process training the run there ("trainer"),
+        or in a local group another daemon leads ("follower"). What --min-peers counts and a
+        trainer compares its step with; an "idle" peer (nothing attached, or no manifest yet) is
+        neither, whatever its daemon will train later."""
+        return [e for e in self.table.entries() if e.role in (TRAINER, FOLLOWER)]
+
     def divergence(self) -> Divergence | None:
         """The largest estimated parameter distance between two live peers of the run, this daemon
         included, among their sketches taken at the newest step two of them share: each peer's
@@ -302,8 +310,9 @@ class Memberships:
     async def start(self) -> None:
         await self.node.add_handler(GOODBYE_HANDLER, self._on_goodbye, records_pb2.GoodbyeRequest)
 
-    async def join(self, run_id: str, secret: RunSecret | None, role: str = TRAINER) -> bool:
-        """Join run_id, announcing `role` in the first heartbeats; False if already in it. Raises
+    async def join(self, run_id: str, secret: RunSecret | None, role: str = IDLE) -> bool:
+        """Join run_id, announcing `role` in the first heartbeats (idle: nothing trains here until a
+        process attaches and the trainer says so); False if already in it. Raises
         nothing for network trouble: heartbeats retry."""
         if run_id in self.runs:
             return False

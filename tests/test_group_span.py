@@ -165,10 +165,12 @@ def test_two_daemons_of_one_label_train_as_one_wan_peer_beside_a_third(spawn, tm
     """Daemons a and b with --local-group rack, one script each, and c on the WAN side with its own:
     a and b's processes are one group (the same parameters at every phase's end: the digest check
     raises otherwise), c rounds with the group's leader only, the follower announces itself as such,
-    the loss falls, and at the end all three models are one θ."""
-    a = spawn("span-a", ["--run", "span", "--local-group", "rack"])
-    b = spawn("span-b", ["--run", "span", "--local-group", "rack", "--initial-peers", a.maddrs[0]])
-    c = spawn("span-c", ["--run", "span", "--initial-peers", a.maddrs[0]])
+    the loss falls, and at the end all three models are one θ. The scripts attach seconds apart on a
+    loaded machine: --min-peers 3 holds the first one's first step until all three train."""
+    run = ["--run", "span", "--min-peers", "3"]
+    a = spawn("span-a", [*run, "--local-group", "rack"])
+    b = spawn("span-b", [*run, "--local-group", "rack", "--initial-peers", a.maddrs[0]])
+    c = spawn("span-c", [*run, "--initial-peers", a.maddrs[0]])
     common = ["span", "--steps", 160, "--every", 20]
     procs = [
         script(*common, "--daemon", d.data_dir, "--seed", i, "--save", tmp_path / f"{i}.pt", path=EXAMPLE)

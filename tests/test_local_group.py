@@ -107,9 +107,7 @@ def test_three_daemons_of_a_state_run_train_as_one_local_group_and_survive_a_kil
         *FAST_DISCOVERY,
     ]
     a = spawn("lg-a", [*args, *create])
-    # The joiners name the run's task and settings too: they take a's manifest at start (the same,
-    # or refused), so none announces itself before it has one and --min-peers counts children.
-    b, c = (spawn(f"lg-{n}", [*args, *create, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
+    b, c = (spawn(f"lg-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
     b.wait_ready()
     c.wait_ready()
     daemons = [a, b, c]
@@ -179,7 +177,7 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_daemon_its_own_lan
     ]
     base = ["--run", "hier", "--max-steps", str(STEPS), "--min-peers", "4", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("h-a", [*base, "--local-group", "rack", *create])
-    join = [*create, "--initial-peers", a.maddrs[0]]  # a's manifest at start (as above)
+    join = ["--initial-peers", a.maddrs[0]]
     others = [spawn("h-b", [*base, "--local-group", "rack", *join], wait=False)]
     others += [spawn(f"h-{n}", [*base, *join], wait=False) for n in "cd"]
     for d in others:

@@ -112,8 +112,7 @@ def test_three_daemons_on_loopback_form_a_group_by_measured_links(spawn):
         *FAST_DISCOVERY,
     ]
     a = spawn("la-a", [*args, *create])
-    # The joiners take a's manifest at start (tests/test_local_group.py says why).
-    b, c = (spawn(f"la-{n}", [*args, *create, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
+    b, c = (spawn(f"la-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
     b.wait_ready()
     c.wait_ready()
     daemons = [a, b, c]

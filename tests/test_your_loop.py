@@ -65,9 +65,10 @@ def run_status(daemon, run: str):
 def test_the_example_trains_on_two_daemons_one_under_torchrun_their_models_agree_and_the_loss_falls(spawn, tmp_path):
     """examples/your_loop.py unchanged under `torchrun --nproc-per-node 2` on daemon a (its local
     group: one WAN peer; docs/your-loop.md) and under `python` on daemon b: all three train, the
-    loss falls, and the two daemons' models are one θ."""
-    a = spawn("loop-a", ["--run", "loop"])
-    b = spawn("loop-b", ["--run", "loop", "--initial-peers", a.maddrs[0]])
+    loss falls, and the two daemons' models are one θ. --min-peers 2: neither starts before the other
+    trains (torchrun's two processes start seconds after b's one)."""
+    a = spawn("loop-a", ["--run", "loop", "--min-peers", "2"])
+    b = spawn("loop-b", ["--run", "loop", "--min-peers", "2", "--initial-peers", a.maddrs[0]])
     common = ["loop", "--steps", 120, "--every", 20]
     pa = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE)]
@@ -108,6 +109,38 @@ def test_the_example_trains_on_two_daemons_one_under_torchrun_their_models_agree
     assert exported.step == 120
     weights = torch.load(tmp_path / "export.pt", weights_only=True)
     assert weights.keys() == ma.keys() and all(torch.equal(weights[k], ma[k]) for k in ma)
+
+
+def roles(daemon, run: str) -> dict[str, str]:
+    with ControlClient(daemon.control) as c:
+        return {p.peer_id: p.role for p in c.list_peers(run).peers}
+
+
+@pytest.mark.heavy
+def test_min_peers_counts_daemons_where_a_process_trains_not_daemons_in_the_run(spawn):
+    """--min-peers 2 on two daemons joined to a run that has no manifest yet: neither announces itself
+    as a trainer (nothing trains there). A script on a creates the run; its first step waits, a
+    announced as training, while b, its manifest found, has no process; a script on b lets both go."""
+    args = ["--run", "mp", "--min-peers", "2", "--min-peers-timeout", "120"]
+    a = spawn("mp-a", args)
+    b = spawn("mp-b", [*args, "--initial-peers", a.maddrs[0]])
+    ida, idb = run_status_peer(a), run_status_peer(b)
+    wait_for(lambda: roles(a, "mp") == {idb: "idle"} and roles(b, "mp") == {ida: "idle"}, timeout=30, what="idle")
+    common = ["--run", "mp", "--every", 10, "--steps", 40]
+    procs = [script(*common, "--daemon", a.data_dir)]
+    try:
+        wait_for(lambda: roles(b, "mp") == {ida: "trainer"}, timeout=90, what="a announced training")
+        wait_for(lambda: run_status(b, "mp").algorithm == "diloco", timeout=30, what="b has the run's manifest")
+        assert roles(a, "mp") == {idb: "idle"}
+        assert run_status(a, "mp").attached_pid == 0  # its attach waits for a second trainer
+        procs.append(script(*common, "--daemon", b.data_dir))
+        outs = [lines(finish(p, 180)) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert outs[0][0] == {"attached": 0}, outs[0]
+    for out in outs:
+        assert any(o.get("outcome") == "completed" for o in out), out
 
 
 @pytest.mark.heavy
