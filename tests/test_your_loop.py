@@ -184,10 +184,17 @@ def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
         time.sleep(max(begun + delay - time.monotonic(), 0.0))
         procs.append(script(*common, "--daemon", d.data_dir, "--until", time.time() + 80 - delay))
     outs = [lines(finish(p, 180)) for p in procs]
+    # The first script has a mate from the second's first round on: on a loaded machine the second
+    # attaches well after its 7 s (runs 22, 32, 59, 77), and a round with nobody there has no group.
+    met = [o for o in outs[1] if "phase_end" in o][0]["phase_end"]
     for name, out, d in zip("abc", outs, daemons):
         ends = [o for o in out if "phase_end" in o]
         # Its first round and its last (a peer may have stopped meanwhile) aside, all completed.
-        assert len(ends) >= 4 and all(o["outcome"] == "completed" for o in ends[1:-1]), (name, ends)
+        assert len(ends) >= 4 and all(o["outcome"] == "completed" for o in ends[1:-1] if o["phase_end"] >= met), (
+            name,
+            met,
+            ends,
+        )
         missed = scrape(d.metrics_url).get(("peerd_rounds_missed_total", (("run", "apart"),)), 0.0)
         assert missed <= 1, (name, missed, ends)
 
