@@ -81,8 +81,9 @@ def test_the_example_trains_on_two_daemons_one_under_torchrun_their_models_agree
     )
     pb = script(*common, "--daemon", b.data_dir, "--seed", 2, "--save", tmp_path / "b.pt", path=EXAMPLE)
     wait_for(lambda: run_status(a, "loop").attached_processes == 2, timeout=120, what="a's local group of 2")
-    with ControlClient(b.control) as c:  # the group is one peer of the run
-        assert [p.peer_id for p in c.list_peers("loop").peers] == [run_status_peer(a)]
+    with ControlClient(b.control) as c:  # the group is one peer of the run (once b's table holds a: run 77)
+        seen = lambda: [p.peer_id for p in c.list_peers("loop").peers]  # noqa: E731
+        wait_for(lambda: seen() == [run_status_peer(a)], timeout=60, what="b lists a's group as one peer")
     outs = [finish(pa, 240), finish(pb, 240)]
     assert sorted(re.findall(r"\(rank (\d) of (\d)\)", outs[0])) == [("0", "2"), ("1", "2")], outs[0]
     assert re.findall(r"\(rank (\d) of (\d)\)", outs[1]) == [("0", "1")], outs[1]
