@@ -161,9 +161,10 @@ class SystemRun:
         try:
             self.net.create()
             shape = LinkShape(rate_mbit=self.args.rate_mbit, loss_pct=self.args.loss_pct, rtt_ms=self.args.rtt_ms)
-            # Set up at any rate, trained at --rate-mbit: a peerd joiner downloads the run's state
-            # (8 bytes a parameter: 3.8 MB for charlm) before it trains, which at 1 Mbit/s, two
-            # joiners from one host, outlasts its daemon's wait for it (ATTACH_PATIENCE, 60 s).
+            # Set up at any rate, trained at --rate-mbit: the budget starts with every host of every
+            # system ready (a peerd joiner first downloads the run's state, 8 bytes a parameter: 3.8 MB
+            # for charlm, about a minute at 1 Mbit/s for two joiners; its attach waits on while the
+            # download makes progress, daemon/attached.py ATTACH_PATIENCE).
             unlimited = dataclasses.replace(shape, rate_mbit=0.0)
             for i in range(self.args.hosts):
                 self.hosts.append(HostRun(self.net.add_host(f"h{i}", unlimited, congestion_control="bbr")))
