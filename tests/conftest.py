@@ -77,8 +77,9 @@ def cluster(spawn, secret_file):
 @pytest.fixture
 def loop_thread():
     """An event loop in a thread (tests/helpers.LoopThread), closed after the test."""
-    from tests.helpers import LoopThread
+    from tests import helpers
 
-    running = LoopThread()
+    running = helpers._LOOP = helpers.LoopThread()
     yield running
+    helpers._LOOP = None
     running.close()

@@ -172,3 +172,17 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+_LOOP: LoopThread | None = None  # the loop_thread fixture's (tests/conftest.py) while a test holds it
+
+
+def on_loop(coro, timeout: float = 30.0):
+    """Await `coro` on the loop_thread fixture's loop from the test's thread, as the daemon's worker
+    threads and its control handlers wait (the test asks for the fixture: `usefixtures`)."""
+    return _LOOP.run(coro, timeout)
+
+
+def together(*calls, timeout: float = 30.0) -> list:
+    """LoopThread.together on the loop_thread fixture's loop."""
+    return _LOOP.together(*calls, timeout=timeout)

@@ -25,26 +25,13 @@ from peerd.peers.pace import Pace
 from peerd.peers.phases import Phases
 from peerd.peers.statesync import FetchResult
 from peerd.shared_file import APPLIED_OFFSET, LANDED_OFFSET, THETA_SEQ_OFFSET
+from tests.helpers import on_loop as run
 from tests.helpers import wait_for
 
 H = 2  # inner steps per phase
 NUMEL = 4
 
-LOOP = None  # tests/helpers.LoopThread: the daemon's loop
-
-
-@pytest.fixture(autouse=True)
-def _loop(loop_thread):
-    """The daemon's loop: EndPhase and the rounds run there (control.py awaits trainer.end_phase)."""
-    global LOOP
-    LOOP = loop_thread
-    yield
-    LOOP = None
-
-
-def run(coro):
-    """Await `coro` on the loop from this thread, as the control server's handler does on its own."""
-    return LOOP.run(coro, 30)
+pytestmark = pytest.mark.usefixtures("loop_thread")  # the daemon's loop: end_phase and the rounds run there
 
 
 class HalfMean:

@@ -12,27 +12,10 @@ import torch
 
 from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
 from peerd.peers.averaging import RoundResult
-from tests.helpers import LoopThread
+from tests.helpers import on_loop as run
+from tests.helpers import together
 
-LOOP: LoopThread | None = None  # the daemon's loop, where end_phase and the rounds run
-
-
-@pytest.fixture(autouse=True)
-def _loop(loop_thread):
-    global LOOP
-    LOOP = loop_thread
-    yield
-    LOOP = None
-
-
-def run(coro):
-    """Await `coro` on the loop, from this thread (as a daemon's worker thread would wait)."""
-    return LOOP.run(coro, 10)
-
-
-def together(*calls):
-    """Run the members' end_phase (or landed) calls at once, as two daemons would; their results in order."""
-    return LOOP.together(*calls, timeout=10)
+pytestmark = pytest.mark.usefixtures("loop_thread")  # the daemon's loop: end_phase and the rounds run there
 
 
 def test_the_outer_step_is_nesterov_sgd_with_exact_values():
@@ -213,7 +196,7 @@ def test_land_into_hands_another_process_the_move_that_land_makes_here():
     b.close()
 
 
-def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped():
+def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped(loop_thread):
     """What a detach does (daemon/attached.py): the round in flight lands in the checkpoint."""
     release = asyncio.Event()
 
@@ -230,7 +213,7 @@ def test_land_into_waits_when_asked_and_a_round_that_raised_is_dropped():
     p[0] -= 2.0  # P = 2
     run(loop.end_phase(1, 1.0))
     assert loop.land_into(move) is None  # still on the network
-    threading.Timer(0.2, LOOP.loop.call_soon_threadsafe, (release.set,)).start()
+    threading.Timer(0.2, loop_thread.loop.call_soon_threadsafe, (release.set,)).start()
     assert loop.land_into(move, wait=True).round_t == 1
     assert loop.theta.item() == -1.0 and move.item() == 1.0  # θ = 0 - 1*mean(1); θ - s = -1 - (-2)
     run(loop.end_phase(2, 1.0))

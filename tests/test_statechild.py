@@ -22,6 +22,7 @@ from peerd.peers.dear.hierarchy import lane_bounds
 from peerd.peers.manifest import TensorSpec
 from peerd.peers.phases import Phases
 from peerd.torch import from_vector, to_vector
+from tests.helpers import on_loop as run
 
 H = 5
 
@@ -35,21 +36,7 @@ class Done:
     status = type("Status", (), {"value": "completed"})
 
 
-LOOP = None  # tests/helpers.LoopThread: the daemon's loop
-
-
-@pytest.fixture(autouse=True)
-def _loop(loop_thread):
-    """The daemon's loop: EndPhase and the rounds run there (control.py awaits trainer.end_phase)."""
-    global LOOP
-    LOOP = loop_thread
-    yield
-    LOOP = None
-
-
-def run(coro):
-    """Await `coro` on the loop from this thread, as the control server's handler does on its own."""
-    return LOOP.run(coro, 30)
+pytestmark = pytest.mark.usefixtures("loop_thread")  # the daemon's loop: end_phase and the rounds run there
 
 
 def built():
