@@ -90,8 +90,10 @@ class DiLoCo:
         self.outer.adopt(state["outer"])
         self.outer.residual.copy_(state["residual"])
 
-    def checkpoint_state(self, local_step: int) -> dict:
-        return {"outer": self.outer.outer, "residual": self.outer.residual}
+    def checkpoint_state(self, layout, local_step: int) -> dict:
+        """[θ; m], the error feedback, and the model's layout (`peerd export` cuts θ by it)."""
+        model_layout = [[t.name, list(t.shape), t.dtype] for t in layout]
+        return {"outer": self.outer.outer, "residual": self.outer.residual, "model_layout": model_layout}
 
     async def round(self, round_t: int, weight: float) -> Applied:
         """DiLoCo's outer step on the phase's pseudo-gradient (a repair every repair_every rounds)."""
@@ -157,7 +159,8 @@ class StateAveraging:
             self._tensors, _ = state_tensors(self._optimizer)  # load_state_dict replaced them
         to_flat(self._tensors, self._vector)
 
-    def checkpoint_state(self, local_step: int) -> dict:
+    def checkpoint_state(self, layout, local_step: int) -> dict:
+        """The task's model and optimizer (`layout` unused: the state dicts name their tensors)."""
         from_flat(self._vector, self._tensors)
         # Adam's step count is not in the vector (it stays in the child): the checkpoint counts the
         # steps this daemon's processes took, as the thread's counts its own.

@@ -1147,8 +1147,7 @@ class AttachedTrainer:
 
     def _checkpoint(self) -> None:
         state = {
-            **self.algorithm.checkpoint_state(self.local_step),
-            "model_layout": [[t.name, list(t.shape), t.dtype] for t in self.layout],
+            **self.algorithm.checkpoint_state(self.layout, self.local_step),
             "samples": self._samples_done,
             "local_step": self._local_done,
         }

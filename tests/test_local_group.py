@@ -107,7 +107,10 @@ def test_three_daemons_of_a_state_run_train_as_one_local_group_and_survive_a_kil
         *FAST_DISCOVERY,
     ]
     a = spawn("lg-a", [*args, *create])
-    b, c = (spawn(f"lg-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
+    # The joiners name the run's task and settings too: they take a's manifest at start (the same,
+    # or refused), not from the DHT, so their children start as soon as a's (runs 77, 78: a joiner's
+    # child started after the others' --min-peers-timeout and found the run finished).
+    b, c = (spawn(f"lg-{n}", [*args, *create, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc")
     b.wait_ready()
     c.wait_ready()
     daemons = [a, b, c]
@@ -177,7 +180,7 @@ def test_a_local_group_averages_over_the_wan_as_one_peer_each_daemon_its_own_lan
     ]
     base = ["--run", "hier", "--max-steps", str(STEPS), "--min-peers", "4", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("h-a", [*base, "--local-group", "rack", *create])
-    join = ["--initial-peers", a.maddrs[0]]
+    join = [*create, "--initial-peers", a.maddrs[0]]  # a's manifest at start (as above)
     others = [spawn("h-b", [*base, "--local-group", "rack", *join], wait=False)]
     others += [spawn(f"h-{n}", [*base, *join], wait=False) for n in "cd"]
     for d in others:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from peerd.daemon.checkpoint import CheckpointStore
+from peerd.daemon.export import Kind, checkpoint_weights
 from peerd.daemon.flat import state_tensors
 from peerd.daemon.algorithms import StateAveraging
 from peerd.daemon.taskchild import TaskChild
@@ -108,6 +109,7 @@ def test_a_state_childs_rounds_and_checkpoints_are_the_threads(tmp_path):
 
         t._checkpoint()  # the thread's format: a fresh model and optimizer take it whole
         saved = t.store.load_latest()
+        assert checkpoint_weights(saved)[0] is Kind.STATE  # what `peerd export` reads it as (run 78: not a script's)
         model2, optimizer2 = built()
         model2.load_state_dict(saved.state["model"])
         optimizer2.load_state_dict(saved.state["optimizer"])
