@@ -64,7 +64,7 @@ from peerd.peers.dear.hierarchy import lane_bounds
 logger = logging.getLogger(__name__)
 
 # A phase's round, awaited on the daemon's loop: (vector, weight, round_t, payload format) -> one
-# RoundResult per lane; the trainer's `_round_in` over daemon/joining.bounded_round.
+# RoundResult per lane; daemon/algorithms.py DiLoCo.bind's, over daemon/joining.bounded_round.
 PhaseRound = Callable[[torch.Tensor, float, int, str], Awaitable[list[RoundResult]]]
 
 
