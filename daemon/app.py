@@ -646,6 +646,12 @@ class Daemon:
             group = set(plan_group(me, table, everyone, AUTO_RULES, dht_now()).members) - {me.peer}
             return [(p.peer, p.address) for p in table if p.peer in group]
 
+        def awaited() -> int:  # --min-peers: the label's peers with training, whom the first step waits for
+            if self.config.train.min_peers <= 1:
+                return 0
+            training = {e.peer_id for e in membership.trainers()}
+            return sum(peer in training for peer, _ in peers())
+
         return GroupSpan(
             run_id=run_id,
             peer_id=self.node.peer_id,
@@ -655,6 +661,7 @@ class Daemon:
             local=trainer.spanned,
             placed=trainer.placed,
             failed=self.metrics.local_group_store_failures.labels(run_id).inc,
+            awaited=awaited,
         )
 
     async def attach(

@@ -104,6 +104,7 @@ LEASE_CHECK = 0.5  # seconds between two looks at the lease and the process's pi
 ATTACH_PATIENCE = 60.0  # seconds an attach waits for a peer to serve the run's state (since the last chunk it got)
 GROUP_FORM_WAIT = 30.0  # seconds the first of a group's expected processes waits for the others
 PLACE_WAIT = 30.0  # seconds an attach or regroup waits for a spanning group's coordinator to place the process
+ASSEMBLE_POLL = 0.2  # seconds between two looks at the label's daemons while a run's first step waits for them
 LOCK_POLL = 0.01  # seconds between two tries of the loop at the trainer's lock while a worker thread holds it
 # The shared file's layout (header, counts, θ) is peerd/shared_file.py's, the process's too. END_AT
 # is written by the daemon only: the boundary step of the phase the straggler budget ends now (0:
@@ -536,6 +537,7 @@ class AttachedTrainer:
             gone = self._drop_gone()
             founder = not self.members
             self._founding = founder
+            starts = founder and not self._has_state  # the run's first step is taken here
             if not founder:
                 self.members.append(s)
                 if time.monotonic() < self._forming_until:
@@ -566,6 +568,8 @@ class AttachedTrainer:
                 self._group.notify_all()
             if self.span is not None:
                 self._group.wait_for(lambda: self._placed(s) or s not in self.members, timeout=PLACE_WAIT)
+                if starts and self.global_step == 0:
+                    self._assemble(s)
             if s not in self.members:
                 raise AttachRefused(f"run {self.run_id!r}: the attachment ended while it formed; attach again")
             self._refit()
@@ -640,6 +644,20 @@ class AttachedTrainer:
         if not p.spans:  # this daemon's processes alone: they meet on a file, as without a span
             return GroupSlot(p.epoch, rank, p.size, str(self._shared.store(p.epoch)), hands_over=i == 0)
         return GroupSlot(p.epoch, rank, p.size, p.store, self.span.host, True, hands_over=i == 0)
+
+    def _assemble(self, s: Session) -> None:
+        """The run's first step in a spanning group under --min-peers waits (at most PLACE_WAIT s)
+        until the group's epoch holds every daemon of the label that announces training
+        (`span.awaited`): daemons whose processes attach a beat apart would otherwise train apart,
+        the first alone, until the next phase's regroup. Under _group."""
+        deadline = time.monotonic() + PLACE_WAIT
+        while s in self.members and (left := deadline - time.monotonic()) > 0:
+            p = self._placement
+            if self._placed(s) and len(p.daemons) > self.span.awaited():
+                return
+            self._group.wait(min(left, ASSEMBLE_POLL))
+        if s in self.members:
+            logger.info("run %s: the local group's first epoch did not take every daemon training", self.run_id)
 
     def _placed(self, s: Session) -> bool:
         """Whether member `s` has a rank in the spanning group's current epoch (one after the epoch
@@ -1036,8 +1054,8 @@ class AttachedTrainer:
         round_t = self.phases.round_of(self.global_step)
         sketched = self.algorithm.sketched()[: self._sketch_plan.size]
         self.sketches = (*self.sketches[-(HISTORY - 1) :], self._sketch_plan.take(sketched.numpy(), self.global_step))
-        weight, self._samples_since_round = self._samples_since_round, 0.0
-        applied = await self.algorithm.round(round_t, weight)
+        applied = await self.algorithm.round(round_t, self._samples_since_round)
+        self._samples_since_round = 0.0  # sent (a round that raised sends them with the next)
         if applied.round_t is None:  # overlap: no round landed now (the first, or it landed as a move)
             last = self.last_round.outcome_name if self.last_round is not None else ""
             return PhaseEnd(self.global_step, -1, last, applied.waited, False)

@@ -11,11 +11,16 @@ the daemons only agree on who is in the group, in which order, and where it meet
     beat         Every TICK s each daemon writes `d/<peer ID>` there: a count that moves, its attached
                  processes, the epoch it holds, and the epoch it needs to move past (one of its
                  processes came, went, or saw the group break).
-    epoch        The coordinator lists the daemons whose beat moved within STALE s and that have a
+    epoch        The coordinator lists the daemons whose beat moved within STALE s (seen moving by
+                 this coordinator: a beat written to it long ago is no news) and that have a
                  process: itself first, then by peer ID. Where the list differs from the last
                  epoch's, or a daemon asks to move past it, it writes `e/<E>` (the list) and then
                  `epoch` = E, above every epoch any daemon reported (a new coordinator goes on
-                 from the old one's numbers).
+                 from the old one's numbers). A daemon that has coordinated for less than STALE s
+                 (it started, or the last coordinator left its table) first waits, within those
+                 STALE s, for every label peer in its table to beat to it: the others' tables drop
+                 the last coordinator moments apart, and an epoch of the first to arrive would
+                 train apart from the rest until the next phase.
     placement    Each daemon reads `epoch`. In an epoch that lists it, its first `procs` processes
                  take the ranks base .. base + procs - 1 (base: the processes of the daemons listed
                  before it) of a group of the list's total. The daemon listed first *leads*: its
@@ -102,8 +107,9 @@ class GroupSpan:
     """One run's spanning group on this daemon. `peers()`: (peer ID, store address) of the label's
     peers in this daemon's table; `local()`: (attached processes, the epoch to move past); `placed`
     takes each new Placement; `failed` is called for each tick whose connection to the coordinator's
-    store, or an operation on it, failed. `tick()` blocks (store operations): call it from a worker
-    thread every TICK s."""
+    store, or an operation on it, failed; `awaited()`: the label's peers the run's first step waits
+    for (--min-peers: those that announce training; 0 without --min-peers). `tick()` blocks (store
+    operations): call it from a worker thread every TICK s."""
 
     def __init__(
         self,
@@ -116,9 +122,11 @@ class GroupSpan:
         local: Callable[[], tuple[int, int]],
         placed: Callable[[Placement], None],
         failed: Callable[[], None] = lambda: None,
+        awaited: Callable[[], int] = lambda: 0,
     ):
         self.run_id, self.peer_id, self.label, self.host = run_id, peer_id, label, host
         self.peers, self.local, self.placed, self.failed = peers, local, placed, failed
+        self.awaited = awaited
         self._store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT)
         )
@@ -129,6 +137,7 @@ class GroupSpan:
         self.held = 0  # the epoch of the latest placement
         self._held_from = ""  # ... and its coordinator
         self.coordinator = ""
+        self._since = time.monotonic()  # when this daemon's view of the coordinator last changed
         # The coordinator's side: when each daemon's beat last moved, the last epoch it issued, and
         # its list.
         self._moved: dict[str, tuple[int, float]] = {}
@@ -141,7 +150,8 @@ class GroupSpan:
         coordinator = min([self.peer_id, *addresses])
         if coordinator != self.coordinator:
             logger.info("run %s: local group coordinator %s", self.run_id, coordinator[-8:])
-            self.coordinator = coordinator
+            self.coordinator, self._since = coordinator, time.monotonic()
+            self._moved.clear()  # beats seen while it last coordinated are no news of now
         address = self.address if coordinator == self.peer_id else addresses[coordinator]
         try:
             store = self._connect(coordinator, address)
@@ -187,7 +197,12 @@ class GroupSpan:
                 continue
             b = json.loads(store.get(key))
             moved = self._moved.get(peer)
-            if moved is None or moved[0] != b["beat"]:
+            if peer == self.peer_id:  # its own, written this tick
+                pass
+            elif moved is None:  # first seen: a beat that moves from here on is fresh (it may be old)
+                self._moved[peer] = (b["beat"], now - STALE)
+                continue
+            elif moved[0] != b["beat"]:
                 self._moved[peer] = (b["beat"], now)
             elif now - moved[1] > STALE:
                 continue
@@ -196,6 +211,8 @@ class GroupSpan:
         listed = plan_epoch(beats, self.peer_id)
         if listed == self._listed and ask < self._issued:
             return
+        if now - self._since < STALE and any(peer not in beats for peer in label_peers):
+            return  # it coordinates since moments ago: the label's others may still beat to the last one
         self._issued = max(self._issued, ask) + 1
         self._listed = listed
         store.set(f"e/{self._issued}", json.dumps(listed))

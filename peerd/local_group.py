@@ -199,10 +199,15 @@ class Collective:
             raise GroupBroke(_first_line(e)) from None
 
     def _wait(self, work) -> None:
+        """The op's end; GroupBroke, holding no reference to `work`, where it failed (a traceback
+        that held the op would keep this epoch's Gloo connections open: peerd/torch.py regroups)."""
         try:
             work.wait()
+            return
         except RuntimeError as e:
-            raise GroupBroke(_first_line(e)) from None
+            why = _first_line(e)
+        del work
+        raise GroupBroke(why)
 
     def close(self) -> None:
         if self._nccl is not None:

@@ -247,10 +247,15 @@ class Optimizer(torch.optim.Optimizer):
                 if self._slot.spans and int(landed) > self._landed:
                     self._land_spanning(int(landed))
         except (GroupBroke, CollectiveError) as e:
-            logger.warning("peerd: run %s: the local group broke (%s); forming it again", self.run, e)
-            self._regroup()
-            return None
-        return samples, int(epoch), end_now > 0, int(landed)
+            broke = str(e)
+        else:
+            return samples, int(epoch), end_now > 0, int(landed)
+        # Outside the handler: the error's traceback holds the failed op, and the op the epoch's
+        # connections; a member still inside that op (a send to this process) must see them close
+        # now, not wait out its timeout while this process forms the next epoch (_close_group).
+        logger.warning("peerd: run %s: the local group broke (%s); forming it again", self.run, broke)
+        self._regroup()
+        return None
 
     def _ends_now(self) -> bool:
         """The step under way ends the phase before its boundary: the daemon ended it (END_AT), or it
@@ -305,10 +310,13 @@ class Optimizer(torch.optim.Optimizer):
         if self._dear is not None:  # every bucket's update applied: the parameters are the phase's
             from peerd.peers.dear.backend import CollectiveError
 
+            broke = None
             try:
                 self._dear.flush()
             except CollectiveError as e:
-                logger.warning("peerd: run %s: the local group broke at a phase's end (%s)", self.run, e)
+                broke = str(e)
+            if broke is not None:  # regrouped outside the handler (_group_step says why)
+                logger.warning("peerd: run %s: the local group broke at a phase's end (%s)", self.run, broke)
                 self._regroup()
         if self._collective is not None:
             self._check_same()
@@ -317,18 +325,20 @@ class Optimizer(torch.optim.Optimizer):
             if self._collective is not None and self._slot.spans:
                 from peerd.local_group import GroupBroke
 
-                boundary = self._boundary
+                boundary, broke = self._boundary, None
                 try:
                     self._end_spanning(loss, compute)
                 except GroupBroke as e:
-                    logger.warning("peerd: run %s: the local group broke at a phase's end (%s)", self.run, e)
-                    self._regroup()
-                    if self.run_step >= boundary:  # the new epoch's leader ended it: its counters are taken
-                        return
-                    continue
+                    broke = str(e)
                 except Lost:
                     lost = True
-                break
+                if broke is None:
+                    break
+                logger.warning("peerd: run %s: the local group broke at a phase's end (%s)", self.run, broke)
+                self._regroup()  # outside the handler (_group_step says why)
+                if self.run_step >= boundary:  # the new epoch's leader ended it: its counters are taken
+                    return
+                continue
             if self._slot.rank == 0:  # the leader hands the phase's parameters over (the others hold the same)
                 self._land(self._attachment.landed())
                 self._write()
@@ -482,7 +492,11 @@ class Optimizer(torch.optim.Optimizer):
                 if self._use_dear:
                     self._dear = self._start_dear()
             except GroupBroke as e:
-                logger.warning("peerd: run %s: local group epoch %d: %s; forming it again", self.run, slot.epoch, e)
+                broke = str(e)
+            else:
+                broke = None
+            if broke is not None:  # the next epoch waited for outside the handler (_group_step says why)
+                logger.warning("peerd: run %s: local group epoch %d: %s; forming it again", self.run, slot.epoch, broke)
                 if (slot := self._after(slot.epoch)) is None:
                     return
                 continue

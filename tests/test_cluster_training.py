@@ -231,10 +231,15 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secre
             )
 
         rs = wait_for(agreed, timeout=60, interval=0.05, what="a round all three live peers complete together")
-        for r in rs:
-            # Distance to the group mean just before that round (parameter norm here: about 7-10).
-            # Measured 0.01-0.17 over three runs; the stated bound is 1.0.
-            assert r.param_distance_to_group_mean < 1.0, r
+        distances = {d.data_dir.name: round(r.param_distance_to_group_mean, 3) for d, r in zip((a, b, late), rs)}
+        print(f"distance to the group mean before round {rs[0].last_round}: {distances}")
+        # Distance to the group mean just before that round (parameter norm here: about 7-10).
+        # Measured 0.0-0.17 over nine runs, quiet and with a core held busy; the stated bound is 1.0.
+        # Runs 77 and 80 (loaded) saw 1.09 and 1.005 once each, the daemon unnamed: open (FLAKY.md).
+        if not all(r.param_distance_to_group_mean < 1.0 for r in rs):
+            raise AssertionError(
+                "\n".join([f"distances to the group mean: {distances}", *(d.log_tail(40) for d in (a, b, late))])
+            )
         for d, result in ((late, "ok"), (b, "ok")):
             m = scrape(d.metrics_url)
             assert m.get(("peerd_state_syncs_total", (("result", result), ("run", "churn"))), 0) >= 1, d.log_tail(40)

@@ -40,6 +40,29 @@ def test_a_group_forms_only_when_every_member_was_in_the_round_and_announced_its
     assert alone.members == () and not alone.form, alone  # the only member of its label
 
 
+def test_a_failed_collective_holds_no_reference_to_its_op():
+    """peerd/local_group.Collective._wait: the GroupBroke of a failed op does not keep the op (and
+    through it the epoch's Gloo connections) alive while the process forms the next epoch: a member
+    still inside that op, sending to this process, would wait out its timeout (60 s in a kill test)."""
+    import gc
+    import weakref
+
+    from peerd.local_group import Collective, GroupBroke
+
+    class FailedOp:  # what a Gloo work whose peer died does on wait()
+        def wait(self):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+
+    op = FailedOp()
+    gone = weakref.ref(op)
+    with pytest.raises(GroupBroke, match="Connection closed by peer") as broke:
+        Collective._wait(None, op)
+    del op
+    gc.collect()
+    assert gone() is None, gc.get_referrers(gone())
+    assert broke.value.__context__ is None  # nor the error that held the op's frame
+
+
 STEPS, EVERY, BATCH = 400, 10, 32
 RUN_ARGS = ["--eval-every", "100000", "--checkpoint-every", "100000", "--torch-threads", "1"]
 FAST_DISCOVERY = ["--heartbeat-interval", "1", "--refresh-interval", "0.5", "--peer-ttl", "4", "--dht-timeout", "2"]
@@ -118,6 +141,9 @@ def test_three_daemons_of_a_state_run_train_as_one_local_group_and_survive_a_kil
     rs = wait_group(daemons, "lg", 3, "the local group of three forms")
     assert sorted(r.local_group_rank for r in rs) == [0, 1, 2], rs
     assert all(r.local_group == "rack" and r.algorithm == "state" and r.train_process_state for r in rs), rs
+    # --min-peers: the group's first epoch held all three (AttachedTrainer._assemble), none of them
+    # trained alone first and downloaded the run's state later (runs 68, 77, 78, CI 41).
+    assert all(r.synced_from == 0 for r in rs), rs
     # One lane (the default): the leader averages the whole state over the WAN for the group.
     assert sorted(r.wan_share for r in rs) == [0.0, 0.0, 1.0], rs
     assert all(r.train_state == "TRAINING" for r in rs), rs  # killed mid-run, not after
@@ -133,6 +159,11 @@ def test_three_daemons_of_a_state_run_train_as_one_local_group_and_survive_a_kil
     # The bound is on a hang: on a loaded machine (run 76) the regroup outlasted 60 s.
     rs = wait_group((a, b), "lg", 2, "a and b re-form a group of two", shown=daemons, timeout=120)
     assert sorted(r.local_group_rank for r in rs) == [0, 1], rs
+    # No survivor waited out an op's timeout to get there: the first to see the break closed the
+    # broken epoch's connections as it regrouped (Collective._wait; a Gloo send to it had waited
+    # 60 s for a reply that never came).
+    for d in (a, b):
+        assert "Timed out waiting" not in d.log_path.read_text(errors="replace"), d.log_tail(40)
     wait_for(
         lambda: all(status(d, "lg").step >= min(killed_at + 3 * EVERY, STEPS) for d in (a, b)),
         timeout=60,
