@@ -2,13 +2,16 @@
 JSON line when it attaches, one at each phase's end and one when done."""
 
 import argparse
+import faulthandler
 import json
+import signal
 import time
 
 import torch
 
 import peerd.torch
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waited in vain asks where it is
 p = argparse.ArgumentParser()
 p.add_argument("--run", required=True)
 p.add_argument("--daemon", required=True)

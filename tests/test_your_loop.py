@@ -378,7 +378,16 @@ def test_a_daemon_restarted_under_a_local_group_is_reattached_by_both_processes_
     a.start()
     # Within the connect timeout (15 s: a member caught connecting to the other when the daemon stopped
     # gives up then; peerd/local_group.py CONNECT_TIMEOUT) and the reattach, on a loaded machine.
-    wait_for(lambda: run_status(a, "regrp").attached_processes == 2, timeout=150, what="both attached again")
+    try:
+        wait_for(lambda: run_status(a, "regrp").attached_processes == 2, timeout=150, what="both attached again")
+    except AssertionError as e:  # twice in about 15 runs the second never came back (FLAKY.md): say where it was
+        for p in (first, second):
+            p.send_signal(signal.SIGUSR1)  # tests/attach_script.py: every thread's stack
+        time.sleep(1)
+        for p in (first, second):
+            p.kill()
+        tails = [f"process {p.pid}: {p.communicate(timeout=10)[0][-3000:]}" for p in (first, second)]
+        raise AssertionError("\n".join([str(e), a.log_tail(30), *tails])) from None
     wait_for(lambda: run_status(a, "regrp").step >= before + 30, timeout=120, what="the group trains on")
     outs = [lines(finish(p, 240)) for p in (first, second)]
     for out in outs:
