@@ -482,14 +482,7 @@ def collect(run: SystemRun, evaluate: Evaluator, failure: str | None) -> dict:
         if h.host.name in run.daemon_metrics:
             hosts[h.host.name]["daemon"] = run.daemon_metrics[h.host.name]
     finals = [x["eval"] for x in hosts.values() if x["eval"] is not None]
-    curve = []
-    for tick in sorted(ticks):
-        points = ticks[tick].values()
-        curve.append(
-            (round(statistics.fmean(t for t, _ in points), 1), round(statistics.fmean(e for _, e in points), 4))
-        )
-    if finals:
-        curve.append((float(run.args.seconds), round(statistics.fmean(finals), 4)))
+    curve = curve_of(ticks, finals, float(run.args.seconds))
     return {
         "bench": BENCH,
         "system": run.entrant.name,
@@ -512,6 +505,20 @@ LOOP_FIGURES = ("compute_s", "step_s", "cpu_loop_thread_s", "cpu_loop_process_s"
 def _mean(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return round(statistics.fmean(xs), 4) if xs else None
+
+
+def curve_of(ticks: dict[int, dict[str, tuple[float, float]]], finals: list[float], seconds: float) -> list:
+    """The hosts' mean eval against time from their snapshots (`ticks`: tick -> host -> (t, eval)):
+    a tick's point at the time its last host's snapshot was taken (a host whose long round delayed
+    its snapshot is not credited early; the hosts' mean time put ticks out of order in four of the
+    committed runs), the points in order of time, and the mean final eval at the budget's end."""
+    curve = [
+        (round(max(t for t, _ in points.values()), 1), round(statistics.fmean(e for _, e in points.values()), 4))
+        for points in ticks.values()
+    ]
+    if finals:
+        curve.append((seconds, round(statistics.fmean(finals), 4)))
+    return sorted(curve)
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:

@@ -245,6 +245,18 @@ def test_vs_peers_cpu_split_counts_each_kind_from_its_start_and_the_rest_as_othe
     assert cpu_split(before, after, 20.0) == {"daemon": 0.05, "loop": 1.5, "other": 0.95, "machine": 2.5}
 
 
+def test_vs_peers_curve_is_in_time_order_each_tick_at_its_last_hosts_snapshot():
+    """bench.vs_peers's eval curve: a host whose tick-2 snapshot came late (a long round) and that
+    skipped tick 3 neither puts tick 3 before tick 2 nor credits tick 2 early; time_to reads it in
+    order."""
+    from bench.vs_peers import curve_of, time_to
+
+    ticks = {2: {"a": (20.1, 3.0), "b": (27.0, 2.8)}, 3: {"a": (30.0, 2.6)}, 1: {"a": (10.0, 3.4), "b": (10.2, 3.2)}}
+    curve = curve_of(ticks, [2.5, 2.3], 40.0)
+    assert curve == [(10.2, 3.3), (27.0, 2.9), (30.0, 2.6), (40.0, 2.4)], curve
+    assert time_to(curve, 2.9) == 27.0 and time_to(curve, 2.0) is None
+
+
 def test_diloco_sim_in_process_prints_setups_then_the_headline(capsys):
     """bench.diloco_sim on a tiny model: both setups with the real outer loop, then the headline."""
     from bench import diloco_sim
