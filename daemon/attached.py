@@ -302,6 +302,10 @@ class AttachedTrainer:
     download, a checkpoint, a group that forms): the control server calls them in worker threads.
     One lock orders them all (`_held` takes it from the loop)."""
 
+    # Whether every daemon of the run derives the run's first parameters alike (a task's children):
+    # no daemon's attach waits for another's upload at the start (_assemble may hold any of them).
+    FIRST_ALIKE = False
+
     def __init__(
         self,
         *,
@@ -568,7 +572,8 @@ class AttachedTrainer:
                 self._group.notify_all()
             if self.span is not None:
                 self._group.wait_for(lambda: self._placed(s) or s not in self.members, timeout=PLACE_WAIT)
-                if starts and self.global_step == 0:
+                # Not a script run's creator uploading: the others' attaches wait for its upload.
+                if starts and self.global_step == 0 and (not upload or self.FIRST_ALIKE):
                     self._assemble(s)
             if s not in self.members:
                 raise AttachRefused(f"run {self.run_id!r}: the attachment ended while it formed; attach again")
@@ -649,12 +654,15 @@ class AttachedTrainer:
         """The run's first step in a spanning group under --min-peers waits (at most PLACE_WAIT s)
         until the group's epoch holds every daemon of the label that announces training
         (`span.awaited`): daemons whose processes attach a beat apart would otherwise train apart,
-        the first alone, until the next phase's regroup. Under _group."""
+        the first alone, until the next phase's regroup. The process waits in its attach meanwhile,
+        so its lease is renewed here while it lives. Under _group."""
         deadline = time.monotonic() + PLACE_WAIT
         while s in self.members and (left := deadline - time.monotonic()) > 0:
             p = self._placement
             if self._placed(s) and len(p.daemons) > self.span.awaited():
                 return
+            if not s.pid or pid_alive(s.pid):
+                s.renewed = time.monotonic()
             self._group.wait(min(left, ASSEMBLE_POLL))
         if s in self.members:
             logger.info("run %s: the local group's first epoch did not take every daemon training", self.run_id)

@@ -11,16 +11,16 @@ the daemons only agree on who is in the group, in which order, and where it meet
     beat         Every TICK s each daemon writes `d/<peer ID>` there: a count that moves, its attached
                  processes, the epoch it holds, and the epoch it needs to move past (one of its
                  processes came, went, or saw the group break).
-    epoch        The coordinator lists the daemons whose beat moved within STALE s (seen moving by
-                 this coordinator: a beat written to it long ago is no news) and that have a
-                 process: itself first, then by peer ID. Where the list differs from the last
+    epoch        The coordinator lists the daemons whose beat moved within STALE s (a beat it sees
+                 for the first time counts by the time it was written: one written to it while it
+                 last coordinated is no news) and that have a process: itself first, then by peer ID. Where the list differs from the last
                  epoch's, or a daemon asks to move past it, it writes `e/<E>` (the list) and then
                  `epoch` = E, above every epoch any daemon reported (a new coordinator goes on
-                 from the old one's numbers). A daemon that has coordinated for less than STALE s
-                 (it started, or the last coordinator left its table) first waits, within those
-                 STALE s, for every label peer in its table to beat to it: the others' tables drop
-                 the last coordinator moments apart, and an epoch of the first to arrive would
-                 train apart from the rest until the next phase.
+                 from the old one's numbers). A daemon that took over less than STALE s ago (the
+                 last coordinator left its table) first waits, within those STALE s, for every
+                 label peer in its table to beat to it: the others' tables drop the last
+                 coordinator moments apart, and an epoch of the first to arrive would train apart
+                 from the rest until the next phase.
     placement    Each daemon reads `epoch`. In an epoch that lists it, its first `procs` processes
                  take the ranks base .. base + procs - 1 (base: the processes of the daemons listed
                  before it) of a group of the list's total. The daemon listed first *leads*: its
@@ -137,7 +137,7 @@ class GroupSpan:
         self.held = 0  # the epoch of the latest placement
         self._held_from = ""  # ... and its coordinator
         self.coordinator = ""
-        self._since = time.monotonic()  # when this daemon's view of the coordinator last changed
+        self._took_over = -STALE  # when this daemon last took over as coordinator from another
         # The coordinator's side: when each daemon's beat last moved, the last epoch it issued, and
         # its list.
         self._moved: dict[str, tuple[int, float]] = {}
@@ -150,7 +150,9 @@ class GroupSpan:
         coordinator = min([self.peer_id, *addresses])
         if coordinator != self.coordinator:
             logger.info("run %s: local group coordinator %s", self.run_id, coordinator[-8:])
-            self.coordinator, self._since = coordinator, time.monotonic()
+            if coordinator == self.peer_id and self.coordinator:  # it takes over from another
+                self._took_over = time.monotonic()
+            self.coordinator = coordinator
             self._moved.clear()  # beats seen while it last coordinated are no news of now
         address = self.address if coordinator == self.peer_id else addresses[coordinator]
         try:
@@ -159,7 +161,7 @@ class GroupSpan:
             if self.held and self._held_from != coordinator:  # its numbers may be behind ours: move past ours
                 after = max(after, self.held)
             self._beat += 1
-            beat = {"beat": self._beat, "procs": procs, "held": self.held, "after": after}
+            beat = {"beat": self._beat, "procs": procs, "held": self.held, "after": after, "t": time.time()}
             store.set(f"d/{self.peer_id}", json.dumps(beat))
             if coordinator == self.peer_id:
                 self._coordinate([peer for peer, _ in table])
@@ -197,11 +199,11 @@ class GroupSpan:
                 continue
             b = json.loads(store.get(key))
             moved = self._moved.get(peer)
-            if peer == self.peer_id:  # its own, written this tick
-                pass
-            elif moved is None:  # first seen: a beat that moves from here on is fresh (it may be old)
-                self._moved[peer] = (b["beat"], now - STALE)
-                continue
+            if moved is None:  # first seen: fresh if written within STALE s (one written here long ago is not)
+                age = min(max(time.time() - float(b.get("t", 0.0)), 0.0), STALE + 1.0)
+                self._moved[peer] = (b["beat"], now - age)
+                if age > STALE:
+                    continue
             elif moved[0] != b["beat"]:
                 self._moved[peer] = (b["beat"], now)
             elif now - moved[1] > STALE:
@@ -211,8 +213,8 @@ class GroupSpan:
         listed = plan_epoch(beats, self.peer_id)
         if listed == self._listed and ask < self._issued:
             return
-        if now - self._since < STALE and any(peer not in beats for peer in label_peers):
-            return  # it coordinates since moments ago: the label's others may still beat to the last one
+        if now - self._took_over < STALE and any(peer not in beats for peer in label_peers):
+            return  # it took over moments ago: the label's others may still beat to the last coordinator
         self._issued = max(self._issued, ask) + 1
         self._listed = listed
         store.set(f"e/{self._issued}", json.dumps(listed))

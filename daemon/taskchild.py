@@ -118,6 +118,8 @@ class TaskChild(AttachedTrainer):
     to the attachment's: LOADING until it attaches (and while it restarts), FINISHED once it exited
     at --max-steps, FAILED once it failed more often than `max_restarts` allows."""
 
+    FIRST_ALIKE = True  # creator=True on every daemon: each derives the run's first parameters
+
     def __init__(
         self,
         *,
