@@ -131,6 +131,26 @@ def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store
     b.span.close()
 
 
+def test_a_new_coordinator_waits_for_the_labels_beats_and_takes_no_old_beat_for_a_fresh_one():
+    """A daemon that takes over as coordinator (the last one left its table) issues no epoch while a
+    label peer in its table has not beaten to it (within STALE s), and a beat written to its store
+    long ago (while it coordinated before) does not count: its first epoch lists both daemons, not
+    itself alone (a kill test's survivor trained the run alone that way)."""
+    table = {}
+    a, b = Daemon("a", table), Daemon("b", table)
+    table.update(a=a, b=b)
+    stale = {"beat": 7, "procs": 0, "held": 0, "after": 0, "t": time.time() - 60}
+    a.span._store.set("d/b", json.dumps(stale))  # b's beat from a's first term as coordinator
+    a.span.coordinator = "x"  # x coordinated; it is gone from the table now
+    a.span.tick()
+    assert a.placed is None  # b has not beaten to a since: no epoch of a alone
+    b.span.tick()  # b's table lost x too: it beats to a, with its process
+    a.span.tick()
+    assert a.placed is not None and a.placed.daemons == ("a", "b"), a.placements
+    a.span.close()
+    b.span.close()
+
+
 def test_a_coordinator_whose_store_nobody_listens_at_counts_a_failure_and_places_nothing():
     """The table's smallest peer ID (the coordinator) publishes a store address where a socket is
     bound but does not listen: the tick's connection is refused, nothing is placed, and the daemon's
