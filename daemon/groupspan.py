@@ -13,14 +13,14 @@ the daemons only agree on who is in the group, in which order, and where it meet
                  processes came, went, or saw the group break).
     epoch        The coordinator lists the daemons whose beat moved within STALE s (a beat it sees
                  for the first time counts by the time it was written: one written to it while it
-                 last coordinated is no news) and that have a process: itself first, then by peer ID. Where the list differs from the last
-                 epoch's, or a daemon asks to move past it, it writes `e/<E>` (the list) and then
-                 `epoch` = E, above every epoch any daemon reported (a new coordinator goes on
-                 from the old one's numbers). A daemon that took over less than STALE s ago (the
-                 last coordinator left its table) first waits, within those STALE s, for every
-                 label peer in its table to beat to it: the others' tables drop the last
-                 coordinator moments apart, and an epoch of the first to arrive would train apart
-                 from the rest until the next phase.
+                 last coordinated is no news) and that have a process: itself first, then by peer
+                 ID. Where the list differs from the last epoch's, or a daemon asks to move past
+                 it, it writes `e/<E>` (the list) and then `epoch` = E, above every epoch any
+                 daemon reported (a new coordinator goes on from the old one's numbers). A daemon
+                 that took over less than STALE s ago (the last coordinator left its table) first
+                 waits, within those STALE s, for every label peer in its table to beat to it: the
+                 others' tables drop the last coordinator moments apart, and an epoch of the first
+                 to arrive would train apart from the rest until the next phase.
     placement    Each daemon reads `epoch`. In an epoch that lists it, its first `procs` processes
                  take the ranks base .. base + procs - 1 (base: the processes of the daemons listed
                  before it) of a group of the list's total. The daemon listed first *leads*: its
