@@ -290,6 +290,11 @@ def layout_identity(run_id: str, layout: tuple[TensorSpec, ...]) -> dict:
     return {"run_id": run_id, "task": "", "hparams": {}, "layout": digest}
 
 
+def _alone(result: RoundResult) -> bool:
+    """A round with no mate planned and none met: this daemon alone in the run."""
+    return result.planned == 0 and result.group_size == 1
+
+
 class AttachedTrainer:
     """The daemon's half of a run trained by an attached process (status, metrics and the membership
     read its attributes; the steps are taken in the process).
@@ -1072,7 +1077,24 @@ class AttachedTrainer:
 
     def _record(self, applied) -> None:
         results = applied.results
-        self.last_round = results[0]
+        alone_before = self.last_round is not None and _alone(self.last_round)
+        self.last_round = first = results[0]
+        # A round whose result was not applied (no group, aborted, cancelled) at INFO, with why; the
+        # applied ones and a streak of rounds alone in the run (a tiny task's, many a second) at DEBUG.
+        logger.log(
+            logging.DEBUG if first.applied or (alone_before and _alone(first)) else logging.INFO,
+            "run %s: round %d at step %d: %s, group of %d (%d planned), %.2f s, waited %.2f s%s: %s",
+            self.run_id,
+            first.round_t,
+            self.global_step,
+            first.outcome_name,
+            first.group_size,
+            first.planned,
+            first.seconds,
+            applied.waited,
+            ", owed to the next" if applied.deferred else "",
+            first.reason,
+        )
         if results[0].pace is not None:  # the first lane's group's (with lanes, each lane has a group)
             self._paces[results[0].round_t] = results[0].pace
             for old in [r for r in self._paces if r < results[0].round_t - 2]:

@@ -425,3 +425,37 @@ def test_average_every_auto_answers_each_phase_end_with_the_h_of_the_group_pace_
         assert plain.attach(pid=0, device="cpu", step=0).phase_steps == 0 and plain.fitted is None
     finally:
         plain.stop()
+
+
+class Scripted:
+    """A stand-in round that returns the given results in turn (a round with no outcome changes nothing)."""
+
+    def __init__(self, results: list[RoundResult]):
+        self.results = results
+
+    async def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
+        return [dataclasses.replace(self.results.pop(0), round_t=round_t)]
+
+
+def test_each_round_not_applied_is_logged_with_why_and_a_streak_alone_in_the_run_once(tmp_path, caplog):
+    """docs/operations.md, "Debugging a stuck daemon": a round whose result was not applied at INFO
+    with its group, planned mates and reason; a tiny task alone in the run logs its streak once."""
+    alone = RoundResult(0, 1, None, "alone in the run")
+    missed = RoundResult(0, 1, None, "alone: nobody joined", planned=2)
+    t = trainer(
+        tmp_path,
+        Scripted([alone, alone, alone, missed, alone]),
+        algorithm=DiLoCo(OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False)),
+    )
+    caplog.set_level("DEBUG", logger="peerd.daemon.attached")
+    try:
+        info = t.attach(pid=0, device="cpu", step=0)
+        run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # the upload
+        for _ in range(5):
+            run(t.end_phase(info.session, H, float(H), 1.0, 0.1))
+    finally:
+        t.stop()
+    rounds = [(r.levelname, r.getMessage()) for r in caplog.records if ": round " in r.getMessage()]
+    assert [level for level, _ in rounds] == ["INFO", "DEBUG", "DEBUG", "INFO", "INFO"], rounds
+    assert rounds[3][1].startswith("run settle: round 4 at step 8: no_group, group of 1 (2 planned)"), rounds
+    assert rounds[3][1].endswith(", owed to the next: alone: nobody joined"), rounds

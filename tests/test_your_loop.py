@@ -188,6 +188,9 @@ def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
     # The first script has a mate from the second's first round on: on a loaded machine the second
     # attaches well after its 7 s (runs 22, 32, 59, 77), and a round with nobody there has no group.
     met = [o for o in outs[1] if "phase_end" in o][0]["phase_end"]
+    # Each daemon's line per round (its outcome, group, planned mates and why): runs 22-77 and one
+    # more failed here without them.
+    rounds = "\n".join(line for d in daemons for line in d.log_tail(200).splitlines() if ": round " in line)
     for name, out, d in zip("abc", outs, daemons):
         ends = [o for o in out if "phase_end" in o]
         # Its first round and its last (a peer may have stopped meanwhile) aside, all completed.
@@ -195,6 +198,7 @@ def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
             name,
             met,
             ends,
+            rounds,
         )
         missed = scrape(d.metrics_url).get(("peerd_rounds_missed_total", (("run", "apart"),)), 0.0)
         assert missed <= 1, (name, missed, ends)
