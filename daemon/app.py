@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,18 @@ BANDWIDTH_INTERVAL = 30.0
 AUTO_RULES = LocalGroupRules(both_directions=True)
 MANIFEST_POLL = 5.0  # seconds between two looks for the manifest of a run joined without one
 UNIX_SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+# The daemon's blocking work runs in its loop's default executor (asyncio.to_thread). Most calls
+# are short, but some wait: a local group's followers for their leader's EndPhase, a group's first
+# processes at attach for the others, a lane's question to another daemon of a spanning group.
+# asyncio's own default, min(32, cores + 4) threads, 6 on 2 cores, let seven followers (torchrun
+# --nproc-per-node 8) hold every thread the leader's EndPhase needed until the phase timeout.
+# The pool starts a thread only when a call finds none idle: this is a ceiling, not a cost.
+WORKER_THREADS = 256
+
+
+def worker_threads() -> ThreadPoolExecutor:
+    """The default executor of the daemon's loop (daemon/cli.py sets it)."""
+    return ThreadPoolExecutor(max_workers=WORKER_THREADS, thread_name_prefix="peerd-worker")
 
 
 @dataclass(slots=True)

@@ -154,7 +154,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from peerd.daemon.app import Daemon
+    from peerd.daemon.app import Daemon, worker_threads
     from peerd.daemon.datadir import DataDirError
     from peerd.daemon.joining import RunRefused
     from peerd.peers.run_ids import InvalidSecret
@@ -162,6 +162,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
     async def serve() -> None:
         daemon = Daemon(config)
         loop = asyncio.get_running_loop()
+        loop.set_default_executor(worker_threads())
         signals_seen = 0
 
         starting = asyncio.create_task(daemon.start(), name="start")

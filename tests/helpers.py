@@ -145,7 +145,10 @@ class LoopThread:
     rounds run there), which the test drives from its own thread, as the daemon's worker threads do."""
 
     def __init__(self):
+        from peerd.daemon.app import worker_threads
+
         self.loop = asyncio.new_event_loop()
+        self.loop.set_default_executor(worker_threads())  # as the daemon's (daemon/cli.py)
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-loop", daemon=True)
         self.thread.start()
 

@@ -459,3 +459,34 @@ def test_each_round_not_applied_is_logged_with_why_and_a_streak_alone_in_the_run
     assert [level for level, _ in rounds] == ["INFO", "DEBUG", "DEBUG", "INFO", "INFO"], rounds
     assert rounds[3][1].startswith("run settle: round 4 at step 8: no_group, group of 1 (2 planned)"), rounds
     assert rounds[3][1].endswith(", owed to the next: alone: nobody joined"), rounds
+
+
+def test_a_local_group_larger_than_the_loops_default_executor_ends_its_phase(tmp_path):
+    """Eight processes on one daemon (`torchrun --nproc-per-node 8`): seven followers wait for the
+    leader's EndPhase at once, each in a thread of the loop's default executor. With asyncio's own
+    default, min(32, cores + 4) threads (6 on 2 cores), they held every thread and the leader's
+    EndPhase waited for one until the phase timeout; the daemon's loop has WORKER_THREADS
+    (daemon/app.py; tests/helpers.LoopThread sets it as daemon/cli.py does)."""
+    n = 8
+    t = trainer(
+        tmp_path, HalfMean(), algorithm=DiLoCo(OuterSettings(lr=0.5, momentum=0.0, payload="fp32", overlap=False))
+    )
+    try:
+        infos = [t.attach(pid=0, device="cpu", step=0)]
+        run(t.end_phase(infos[0].session, 0, 0.0, math.nan, 0.0))  # the upload
+        infos += [t.attach(pid=0, device="cpu", step=0) for _ in range(n - 1)]
+        assert [m.token for m in t.members] == [i.session for i in infos]
+        answers: list = []
+        followers = [
+            threading.Thread(target=lambda s=i.session: answers.append(run(t.end_phase(s, H, 8.0, 1.0, 0.1, H))))
+            for i in infos[1:]
+        ]
+        for f in followers:
+            f.start()
+        time.sleep(1.0)  # the followers are in their waits (one not yet there would be answered at once)
+        led = run(t.end_phase(infos[0].session, H, 8.0, 1.0, 0.1, H), timeout=20)
+        for f in followers:
+            f.join(20)
+        assert answers == [led] * (n - 1) and led.step == H, (led, answers)
+    finally:
+        t.stop()

@@ -131,6 +131,7 @@ def test_a_round_and_its_landing_run_on_the_loops_thread(tmp_path, loop_thread, 
         assert on == ["test-loop", "test-loop"]
         assert t.last_round is not None and t.last_round.round_t == 2
         new = [th.name for th in threading.enumerate() if th.ident not in before]
-        assert all(name.startswith("asyncio_") for name in new), new  # the loop's workers, nothing else
+        # The loop's workers (daemon/app.worker_threads), nothing else.
+        assert all(name.startswith("peerd-worker") for name in new), new
     finally:
         t.stop()
