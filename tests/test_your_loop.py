@@ -185,8 +185,11 @@ def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
         time.sleep(max(begun + delay - time.monotonic(), 0.0))
         procs.append(script(*common, "--daemon", d.data_dir, "--until", time.time() + 80 - delay))
     outs = [lines(finish(p, 180)) for p in procs]
-    # The first script has a mate from the second's first round on: on a loaded machine the second
-    # attaches well after its 7 s (runs 22, 32, 59, 77), and a round with nobody there has no group.
+    # The first script has a mate in every round after the second's first: on a loaded machine the
+    # second attaches well after its 7 s (runs 22, 32, 59, 77), and a round with nobody there has no
+    # group. The round of the second's first boundary is excused on both sides: a second that
+    # attached a moment before it ends its phase there (MateWait), while the first's view may not
+    # list it yet (its announcement a heartbeat away), as a joiner's own first round is excused.
     met = [o for o in outs[1] if "phase_end" in o][0]["phase_end"]
     # Each daemon's line per round (its outcome, group, planned mates and why): runs 22-77 and one
     # more failed here without them.
@@ -194,7 +197,7 @@ def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
     for name, out, d in zip("abc", outs, daemons):
         ends = [o for o in out if "phase_end" in o]
         # Its first round and its last (a peer may have stopped meanwhile) aside, all completed.
-        assert len(ends) >= 4 and all(o["outcome"] == "completed" for o in ends[1:-1] if o["phase_end"] >= met), (
+        assert len(ends) >= 4 and all(o["outcome"] == "completed" for o in ends[1:-1] if o["phase_end"] > met), (
             name,
             met,
             ends,
