@@ -20,8 +20,6 @@ bridge, every link limited to --rate Mbit/s, --loss % of the packets delivered t
                 step moves)
   extras:       udp10: (a) with the UDP engine and 10 % loss; sync: (a) with averaging.overlap=false;
                 h_from_start: (a) without the short first phases (averaging.first_phase=0);
-                auto_h: (a) with averaging.average_every=auto (H fitted to the measured round and
-                step times, on the ladder 10, 20, 40, ... 200: docs/algorithms.md, "H that fits the link");
                 local_groups: (a) on half the hosts, each training in two processes (--train-processes 2:
                 a local group, one WAN peer; docs/your-loop.md): the same processes as (a), half the peers;
                 throttled: (a) with host h0 held to 0.35 of a core by a cgroup quota, about half
@@ -263,7 +261,6 @@ def run_setup(
             "steps": s.step,
             "local_steps": s.local_step,
             "compute_fraction": round(s.metrics.get("compute_fraction", math.nan), 3),
-            "average_every": s.average_every,  # the H the run took last (auto_h: the fitted one)
             "mb_per_1000_samples": round(s.metrics.get("sent_bytes", 0.0) / 1e6 / max(samples, 1) * 1000, 4),
             "samples": samples,
             "eval": round(lab.evaluations.get(host, math.nan), 4),
@@ -362,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--extra",
         default="",
-        help="comma-separated: udp10, sync, h_from_start, auto_h, local_groups, throttled",
+        help="comma-separated: udp10, sync, h_from_start, local_groups, throttled",
     )
     p.add_argument("--logs", type=Path, default=None, help="keep each setup's daemon logs under this directory")
     p.add_argument("--skip", default="", help="comma-separated setups not to run: b_state")
@@ -413,9 +410,6 @@ def main(argv: list[str] | None = None) -> int:
                     scenario("a_diloco_h_from_start", args, {**diloco, "averaging.first_phase": 0}),
                 )
             )
-        elif e == "auto_h":
-            auto = {**diloco, "averaging.average_every": "auto"}
-            setups.append(("a_diloco_auto_h", scenario("a_diloco_auto_h", args, auto)))
         elif e == "local_groups":
             groups = scenario(
                 "a_diloco_local_groups",
@@ -476,10 +470,6 @@ def main(argv: list[str] | None = None) -> int:
             _mean(b, "mb_per_1000_samples") / _mean(a, "mb_per_1000_samples"), 1
         )
         summary["eval_b"] = round(_mean(b, "eval"), 4)
-    if "a_diloco_auto_h" in lines:
-        auto = lines["a_diloco_auto_h"]
-        summary["eval_auto_h"] = round(_mean(auto, "eval"), 4)
-        summary["h_auto_h"] = sorted({h["average_every"] for h in auto["hosts"].values()})
     line(summary)
     ours, base = _mean(a, "steps"), _mean(c, "steps")
     emit(result(BENCH, "utilization: steps per host, diloco over alone", ours, base, "steps"))
