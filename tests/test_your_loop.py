@@ -185,26 +185,26 @@ def test_scripts_that_start_apart_meet_at_every_round_after_their_first(spawn):
         time.sleep(max(begun + delay - time.monotonic(), 0.0))
         procs.append(script(*common, "--daemon", d.data_dir, "--until", time.time() + 80 - delay))
     outs = [lines(finish(p, 180)) for p in procs]
-    # The first script has a mate in every round after the second's first: on a loaded machine the
+    # Every script has a mate in every round after the second's first: on a loaded machine the
     # second attaches well after its 7 s (runs 22, 32, 59, 77), and a round with nobody there has no
-    # group. The round of the second's first boundary is excused on both sides: a second that
-    # attached a moment before it ends its phase there (MateWait), while the first's view may not
-    # list it yet (its announcement a heartbeat away), as a joiner's own first round is excused.
+    # group. A joiner's first boundary is excused for every script, as the joiner's own first round
+    # is: a joiner that attached a moment before it ends its phase there (MateWait) while the
+    # others' views may not list it yet, or list it in different places of the grid (its
+    # announcement a heartbeat away): run 88, the third's arrival left the first out of round 2,
+    # planned with the third as its leader while the third met the second ("JOIN_STATUS_LATE").
     met = [o for o in outs[1] if "phase_end" in o][0]["phase_end"]
+    joins = {[o for o in out if "phase_end" in o][0]["phase_end"] for out in outs[1:]}
     # Each daemon's line per round (its outcome, group, planned mates and why): runs 22-77 and one
     # more failed here without them.
     rounds = "\n".join(line for d in daemons for line in d.log_tail(200).splitlines() if ": round " in line)
     for name, out, d in zip("abc", outs, daemons):
         ends = [o for o in out if "phase_end" in o]
         # Its first round and its last (a peer may have stopped meanwhile) aside, all completed.
-        assert len(ends) >= 4 and all(o["outcome"] == "completed" for o in ends[1:-1] if o["phase_end"] > met), (
-            name,
-            met,
-            ends,
-            rounds,
-        )
+        checked = [o for o in ends[1:-1] if o["phase_end"] > met and o["phase_end"] not in joins]
+        assert len(ends) >= 4 and all(o["outcome"] == "completed" for o in checked), (name, met, joins, ends, rounds)
+        # A round with live mates planned and none met: at most one a join.
         missed = scrape(d.metrics_url).get(("peerd_rounds_missed_total", (("run", "apart"),)), 0.0)
-        assert missed <= 1, (name, missed, ends)
+        assert missed <= len(joins), (name, missed, ends, rounds)
 
 
 def test_status_and_metrics_follow_a_scripts_steps_in_the_middle_of_a_phase(spawn, tmp_path):
