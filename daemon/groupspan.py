@@ -325,7 +325,7 @@ async def serve_lanes(
             ]
         for result in results:
             on_round(result)
-        await asyncio.to_thread(span.answer, k, encode_answer(results, vector, lanes))
+        await asyncio.to_thread(span.answer, k, encode_answer(results, vector, lanes, request.payload))
 
     async def guarded(k: int, data: bytes) -> None:
         try:

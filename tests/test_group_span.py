@@ -18,6 +18,7 @@ from peerd.daemon.client import ControlClient
 from peerd.daemon.groupspan import GroupSpan, Placement, place, plan_epoch, serve_lanes
 from peerd.daemon.metrics import DaemonMetrics
 from peerd.peers.averaging import RoundResult
+from peerd.peers.collective.codec import Codec
 from peerd.peers.collective.outcome import Outcome, Status
 from peerd.peers.dear.delegate import Refused, decode_answer, encode_request
 from peerd.peers.dear.hierarchy import lane_bounds
@@ -99,6 +100,9 @@ def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store
     a, b = Daemon("a", table), Daemon("b", table)
     table.update(a=a, b=b)
     n, lanes, rounds, refused, at = 10, 2, [], [], []
+    on_grid = np.arange(5, dtype=np.float32)
+    Codec("int8").roundtrip(on_grid)  # as DiLoCo's error feedback leaves a lane: it travels as int8
+    ok = encode_request("a", 4, [1], 2.0, "int8", [on_grid])
 
     async def average(vector, weight, round_t, which, payload):
         (s, e), done = (
@@ -113,20 +117,20 @@ def test_the_leader_asks_another_daemon_for_its_lanes_through_that_daemons_store
             serve_lanes(b.span, lambda: (1,), n, lanes, average, at.append, rounds.append, refused.append, 5)
         )
         try:
-            ok = encode_request("a", 4, [1], 2.0, "fp32", np.arange(5, dtype=np.float32))
             answered = await asyncio.to_thread(a.span.ask, b.span.address, ok, 10.0)
-            wrong = encode_request("a", 4, [0], 2.0, "fp32", np.arange(5, dtype=np.float32))
+            wrong = encode_request("a", 4, [0], 2.0, "int8", [on_grid])
             return answered, await asyncio.to_thread(a.span.ask, b.span.address, wrong, 10.0)
         finally:
             served.cancel()
 
     answered, refusal = asyncio.run(main())
-    ((result, values),) = decode_answer(answered, n, lanes, [1], 4)
-    assert result.delegated and result.applied and values.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    ((result, values),) = decode_answer(answered, n, lanes, [1], 4, "int8")
+    assert result.delegated and result.applied and values.tolist() == (2 * on_grid).tolist()
+    assert b'"values": "int8"' in ok and b'"values": "int8"' in answered
     assert [r.lane for r in rounds] == [1] and len(refused) == 1 and "not among the lanes" in refused[0]
     assert at == [4]  # the daemon announced round 4's boundary before averaging its lane
     with pytest.raises(Refused, match="refused: lanes \\[0\\]"):
-        decode_answer(refusal, n, lanes, [0], 4)
+        decode_answer(refusal, n, lanes, [0], 4, "int8")
     a.span.close()
     b.span.close()
 
