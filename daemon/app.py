@@ -453,7 +453,7 @@ class Daemon:
         async def run_round(vector, weight, round_t, lanes, restore, payload):
             # This daemon's pace goes in its matchmaking entries: the group agrees on average_every=auto's
             # figures from them (peers/pace.py).
-            pace = Pace(_step_seconds(trainer), self.metrics.round_seconds(run_id))
+            pace = Pace(trainer.step_seconds, self.metrics.round_seconds(run_id))
             group = trainer.delegation[1]
             owners = trainer.lane_owners() if lanes is None else []
             if not owners:
@@ -855,7 +855,7 @@ class Daemon:
                 r.compute_fraction, r.train_wait_seconds = tr.compute_fraction, tr.train_wait_seconds
                 r.dear_overlap_ratio = tr.dear_overlap_ratio
                 r.parameters = tr.parameters
-                r.step_seconds = _step_seconds(tr)
+                r.step_seconds = tr.step_seconds
                 if tr.fitted is not None:  # average_every=auto's decision
                     r.average_every, r.average_every_reason = tr.fitted.every, tr.fitted.reason
                     r.average_every_round = tr.fitted_round
@@ -894,12 +894,6 @@ class Daemon:
         if self.memberships is None:
             return {}
         return {run_id: len(m.table) for run_id, m in self.memberships.runs.items()}
-
-
-def _step_seconds(trainer) -> float:
-    """The mean seconds of one inner step of the trainer's process or thread (RunStatus.step_seconds);
-    NaN before its first phase ends."""
-    return trainer.compute_seconds / trainer.compute_steps if trainer.compute_steps else math.nan
 
 
 def _auto_bounds(averaging) -> tuple[int, int] | None:

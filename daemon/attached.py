@@ -402,7 +402,11 @@ class AttachedTrainer:
         self._loss_done = math.nan  # the latest phase's mean loss, from its EndPhase
         self.samples_per_second = 0.0
         self.compute_seconds = self.train_wait_seconds = 0.0
-        self.compute_steps = 0  # the steps compute_seconds covers (the checkpoint's local_step does not count)
+        # Seconds of one inner step in the latest phase that took steps (RunStatus.step_seconds, the
+        # pace average_every=auto fits H with): that phase's compute seconds over its steps. The latest
+        # phase, not the mean since the start: the first phase's compute also holds what the script did
+        # between its attach and its first step (data, warm-up), seconds a mean would carry for long.
+        self.step_seconds = math.nan
         self.error = self._passed_over = ""  # _passed_over: checkpoints load() left on disk
         self.last_round: RoundResult | None = None
         self.param_distance_to_group_mean = math.nan
@@ -901,7 +905,9 @@ class AttachedTrainer:
             return await asyncio.to_thread(self._take_group, group_step, steps, loss, compute_seconds)
         began = time.monotonic()
         async with self._held():
-            early, end = await asyncio.to_thread(self._phase_ends, token, steps, samples, loss, boundary)
+            early, end = await asyncio.to_thread(
+                self._phase_ends, token, steps, samples, loss, boundary, compute_seconds
+            )
             if early:
                 return end
             if end is None:
@@ -910,7 +916,6 @@ class AttachedTrainer:
         self._phase_began = time.monotonic()
         wall = self._phase_began - began
         self.compute_seconds += compute_seconds
-        self.compute_steps += steps
         self.train_wait_seconds += wall
         self.samples_per_second = samples / max(compute_seconds + wall, 1e-9)
         self._refit()
@@ -938,11 +943,12 @@ class AttachedTrainer:
         return None
 
     def _phase_ends(
-        self, token: str, steps: int, samples: float, loss: float, boundary: int
+        self, token: str, steps: int, samples: float, loss: float, boundary: int, compute_seconds: float
     ) -> tuple[bool, PhaseEnd | None]:
         """Under the lock, the leader's phase end up to its round: (True, the answer) where the
         phase ended already or was the upload; (False, the answer) where the run's state was
-        downloaded instead of a round; (False, None) where the round is to run."""
+        downloaded instead of a round; (False, None) where the round is to run (the phase's step
+        time is this daemon's pace in it)."""
         self.renew(token)
         done, last = self._ended
         if boundary and boundary <= done:  # ended already (by a leader that left since): the same answer
@@ -955,6 +961,7 @@ class AttachedTrainer:
             return True, PhaseEnd(self.global_step, -1, "", 0.0, False)
         self._settle(taken=self._shared.count(APPLIED_OFFSET))
         self._shared.set_count(PHASE_STEPS_OFFSET, 0)  # the phase's steps are in global_step now
+        self._count_steps(steps, compute_seconds)
         self._local_done += steps
         self._samples_done += int(samples)
         self._live = (0.0, math.nan)
@@ -983,6 +990,10 @@ class AttachedTrainer:
         or fewer where the schedule's boundary comes first; 0 without auto."""
         return self.fitted.every if self.fitted is not None else 0
 
+    def _count_steps(self, steps: int, compute_seconds: float) -> None:
+        if steps > 0:
+            self.step_seconds = compute_seconds / steps
+
     def _refit(self) -> None:
         """average_every=auto: decide H for the phase that begins now (daemon/plan.py fit_every). A
         phase ending at round r's boundary takes the pace its group agreed in round r - 1 (peers/pace.py),
@@ -997,8 +1008,7 @@ class AttachedTrainer:
             fit = fit_every(pace.step_seconds, pace.round_seconds, *self._auto_every)
             fit = Fit(fit.every, f"round {source}'s group of {pace.members}: {fit.reason}")
         elif self.fitted is None:
-            step_s = self.compute_seconds / self.compute_steps if self.compute_steps else math.nan
-            fit, source = fit_every(step_s, self._round_seconds(), *self._auto_every), 0
+            fit, source = fit_every(self.step_seconds, self._round_seconds(), *self._auto_every), 0
             fit = Fit(fit.every, f"this daemon's figures: {fit.reason}")
         else:
             return
@@ -1013,7 +1023,7 @@ class AttachedTrainer:
         the leader's phase end for whatever of the phase's wall time it did not compute."""
         if steps:  # not an adoption at a regroup (peerd/torch.py _take_leaders)
             self.compute_seconds += compute_seconds
-            self.compute_steps += steps
+            self._count_steps(steps, compute_seconds)
             self.train_wait_seconds += max(time.monotonic() - self._phase_began - compute_seconds, 0.0)
         with self._lock:
             self._shared.set_count(PHASE_STEPS_OFFSET, 0)

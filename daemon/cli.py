@@ -459,7 +459,7 @@ def _add_plan(sub) -> None:
         "duration is a model fitted to the lab's bench.round_cost: fixed "
         f"{plan_mod.FIXED_S} s + {plan_mod.FIXED_RTTS} RTTs + 2(g-1)/g of the payload at the link's rate; "
         "loss and slower peers make real rounds longer (docs/benchmarks.md). With --run RUN_ID, the local "
-        "daemon gives what it measured of that run: the parameter count, the mean step time of its training "
+        "daemon gives what it measured of that run: the parameter count, the step time of its training "
         "process, the run's H and overlap, and the last round's group size (a flag given overrides each), "
         "and the plan ends with the run's measured round duration against the model's for its payload. "
         "The link (--mbit, --rtt-ms) is always by hand: the daemon shows no link figures per peer.",

@@ -89,7 +89,7 @@ class Member(NamedTuple):
     weight: float  # samples since its last round
     gather_timeout: float = 0.0  # seconds it proposes for the round's all-gather; 0: none
     #                              (peers/collective/gather_timeout.py)
-    step_seconds: float = 0.0  # its pace: mean inner step time and recent round duration; 0: none
+    step_seconds: float = 0.0  # its pace: inner step time (latest phase) and recent round duration; 0: none
     round_seconds: float = 0.0  # (peers/pace.py)
 
 

@@ -1,8 +1,9 @@
 """A round's pace: the figures from which a run under `averaging.average_every=auto` fits its H
 (daemon/plan.py fit_every), agreed by the round's group.
 
-Each member puts its own pace in its signed matchmaking entry (peers/matchmaking.py): its mean inner
-step time and the median duration of its recent completed rounds, 0 where it has not measured one.
+Each member puts its own pace in its signed matchmaking entry (peers/matchmaking.py): its inner
+step time in its latest phase and the median duration of its recent completed rounds, 0 where it
+has not measured one.
 Every member of a decided group receives the same members with the same entries (the matchmaking
 contract), so `group_pace` of them is the same on every member: the round's RoundResult.pace. The
 group's pace is the slowest member's step and the longest member's round: a phase long enough for

@@ -380,8 +380,11 @@ class Paced(HalfMean):
     def __init__(self, round_s: dict[int, float | None]):
         super().__init__()
         self.round_s = round_s
+        self.trainer: AttachedTrainer | None = None
+        self.own_steps: list[float] = []  # the trainer's step time as each round began: its pace there
 
     async def __call__(self, vector, weight, round_t, live, restore=True, payload="fp32"):
+        self.own_steps.append(self.trainer.step_seconds)
         (result,) = await super().__call__(vector, weight, round_t, live, restore, payload)
         seconds = self.round_s[round_t]
         return [dataclasses.replace(result, pace=None if seconds is None else Pace(0.1, seconds, 2))]
@@ -389,25 +392,26 @@ class Paced(HalfMean):
 
 def test_average_every_auto_answers_each_phase_end_with_the_h_of_the_group_pace_a_round_before(tmp_path):
     """average_every=auto on the daemon's side (overlap: round r lands by the EndPhase of phase
-    r + 1). Before any group pace, this daemon's own figures: no step time, the schedule's 16. The
+    r + 1). This daemon's step time is its latest phase's. Before any group pace, this daemon's own
+    figures: no step time, the schedule's 16. The
     phase after round r's boundary takes round r - 1's group pace: 1.2 x 0.5 s / 0.1 s = 6, so 8 on
     the ladder 2, 4, 8, 16; a slower round moves H one phase later; a round without a group leaves
     it as it was."""
-    t = trainer(
-        tmp_path,
-        Paced({1: 0.5, 2: 0.5, 3: 2.0, 4: None}),  # round 3: 1.2 x 2.0 / 0.1 = 24, past the top
-        phases=Phases(16),
-        auto_every=(2, 16),
-        round_seconds=lambda: math.nan,
-    )
+    paced = Paced({1: 0.5, 2: 0.5, 3: 2.0, 4: None})  # round 3: 1.2 x 2.0 / 0.1 = 24, past the top
+    t = trainer(tmp_path, paced, phases=Phases(16), auto_every=(2, 16), round_seconds=lambda: math.nan)
+    paced.trainer = t
     try:
         info = t.attach(pid=0, device="cpu", step=0)
         assert info.phase_steps == 16, t.fitted
         assert t.fitted.reason == "this daemon's figures: no step time yet: the schedule's phases"
         run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # the upload
-        run(t.end_phase(info.session, 16, 16.0, 1.0, 1.6))  # round 1 starts: no group pace yet
-        assert t.fitted_steps == 16
+        assert math.isnan(t.step_seconds)
+        # round 1 starts: no group pace yet. The first phase also held the script's start (32 s)
+        run(t.end_phase(info.session, 16, 16.0, 1.0, 32.0))
+        assert t.fitted_steps == 16 and t.step_seconds == 2.0
         run(t.end_phase(info.session, 16, 16.0, 1.0, 1.6))  # round 1 landed: its pace decides
+        assert t.step_seconds == 0.1  # this daemon's pace: the latest phase's, not the mean (1.05 s)
+        assert paced.own_steps == [2.0, 0.1]  # each round went with the step time of the phase it ends
         assert (t.fitted_steps, t.fitted_round) == (8, 1), t.fitted
         assert t.fitted.reason.startswith("round 1's group of 2: 1.2 x a 0.5 s round over 0.1 s steps needs H >= 6")
         run(t.end_phase(info.session, 8, 8.0, 1.0, 0.8))  # round 2 (0.5 s) landed
