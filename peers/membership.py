@@ -13,7 +13,10 @@ Timing contract (defaults in daemon/config.py, DiscoveryConfig):
 * a peer that timed out is pinged every REJOIN_INTERVAL for LOST_MEMORY seconds: after a partition
   the two sides' DHT routing tables have dropped each other and would never dial across again, so
   without this a healed partition stays two runs. An answer puts each node in the other's routing
-  table; the next refresh then reads the other side's heartbeats.
+  table; the next refresh then reads the other side's heartbeats. Before its first ping the peer's
+  connections are closed (PeerNode.disconnect), so that the pings dial afresh: over the connection
+  that outlived the cut, a heal was noticed 3-7 s after it in the lab (6-13 s in bench.churn), with
+  fresh dials 1-2 s (docs/benchmarks.md, "Goodput under churn").
 """
 
 from __future__ import annotations
@@ -110,6 +113,7 @@ class RunMembership:
         self._tasks: list[asyncio.Task] = []
         self._maddrs: tuple[str, ...] = ()
         self._lost: dict[str, float] = {}  # peer ID -> when it timed out, until it is back or forgotten
+        self._redialed: set[str] = set()  # lost peers whose connections were closed (PeerNode.disconnect)
         self.local_group = ""  # this daemon's --local-group label, put into each heartbeat
         self.probe_address = ""  # where this daemon answers link probes, put into each heartbeat
         # What the heartbeat says of this daemon's training, asked at each heartbeat (daemon/app.py's
@@ -186,6 +190,10 @@ class RunMembership:
         t, live = self.clock(), {e.peer_id for e in self.table.entries()}
         self._lost = {p: at for p, at in self._lost.items() if p not in live and t - at < LOST_MEMORY}
         targets = sorted(self._lost, key=self._lost.__getitem__, reverse=True)[:REJOIN_MAX]
+        stale = [p for p in targets if p not in self._redialed]
+        if stale:
+            await asyncio.gather(*(self.node.disconnect(p) for p in stale))
+        self._redialed = set(targets)
         if targets:
             answered = await asyncio.gather(*(self.node.ping(p) for p in targets))
             if any(answered):

@@ -162,6 +162,20 @@ class PeerNode:
             self.dht.blacklist.register_success(peer)
         return answered
 
+    async def disconnect(self, peer_id: str) -> None:
+        """Close p2pd's connections to a peer, so that the next request dials it afresh.
+
+        A peer cut off (a partition, a freeze) keeps its connection open on both sides: nothing
+        closes it while no write fails, and every request to the peer, the rejoin ping included,
+        goes over it. After the link is back such requests went unanswered for seconds more (the
+        likely cause: TCP resends what is queued at doubling intervals, so after a 15 s cut the
+        next resend can come 10 s after the heal); a fresh dial is answered at the link's RTT."""
+        try:
+            async with asyncio.timeout(self.settings.request_timeout):
+                await self.p2p._client.disconnect(PeerID.from_base58(peer_id))  # hivemind's P2P has no public call
+        except Exception as e:  # a peer with no connection, or p2pd busy: the next ping dials as before
+            logger.debug("disconnect from %s failed: %r", peer_id, e)
+
     async def _request(self, op: str, coro) -> Any:
         try:
             async with asyncio.timeout(self.settings.request_timeout):

@@ -15,6 +15,7 @@ class FakeNode:
 
     def __init__(self, identity: Identity, store: dict, answering: set[str]):
         self.identity, self._store, self.answering, self.pinged = identity, store, answering, []
+        self.disconnected: list[str] = []
 
     @property
     def peer_id(self) -> str:
@@ -33,6 +34,9 @@ class FakeNode:
     async def ping(self, peer_id: str) -> bool:
         self.pinged.append(peer_id)
         return peer_id in self.answering
+
+    async def disconnect(self, peer_id: str) -> None:
+        self.disconnected.append(peer_id)
 
 
 def test_a_silent_peer_times_out_on_the_clock_is_redialed_and_then_forgotten(tmp_path):
@@ -60,17 +64,26 @@ def test_a_silent_peer_times_out_on_the_clock_is_redialed_and_then_forgotten(tmp
         await a.heartbeat()
         await a.refresh()
         assert a.peers() == []
-        # Re-dialed (it does not answer) while LOST_MEMORY lasts, then forgotten.
+        # Re-dialed (it does not answer) while LOST_MEMORY lasts, then forgotten; its connections
+        # are closed once, before the first ping (a stale one would hold every ping after a heal).
         await a.rejoin()
-        assert a_node.pinged == [b_id.peer_id]
+        assert a_node.pinged == [b_id.peer_id] and a_node.disconnected == [b_id.peer_id]
+        await a.rejoin()
+        assert a_node.pinged == [b_id.peer_id] * 2 and a_node.disconnected == [b_id.peer_id]
         t[0] += LOST_MEMORY + 1
         await a.rejoin()
-        assert a_node.pinged == [b_id.peer_id] and a._lost == {}
+        assert a_node.pinged == [b_id.peer_id] * 2 and a._lost == {}
         # b's heartbeat resumes: it is back at the next refresh.
         await a.heartbeat()
         await b.heartbeat()
         await a.refresh()
         assert [e.peer_id for e in a.peers()] == [b_id.peer_id]
+        # Lost again: its connections are closed again.
+        t[0] += 11.0
+        await a.heartbeat()
+        await a.refresh()
+        await a.rejoin()
+        assert a_node.disconnected == [b_id.peer_id] * 2
 
     asyncio.run(main())
 

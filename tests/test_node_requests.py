@@ -84,3 +84,23 @@ def test_a_ping_answered_lifts_the_dht_ban_on_that_peer(tmp_path):
             assert a.dht.blacklist.ban_counter[peer] == 0  # the next failure bans for 5 s again
 
     asyncio.run(scenario())
+
+
+def test_a_disconnected_peer_is_dialed_afresh_by_the_next_request(tmp_path):
+    """The membership closes its connections to a peer that timed out (PeerNode.disconnect): a
+    connection that outlived a cut waits for TCP's next resend, up to seconds after the link is back.
+    The connection is gone from p2pd afterwards, and the next ping dials the peer again and is answered;
+    a peer with no connection is no error."""
+
+    async def scenario():
+        async with started(2, tmp_path) as (a, b):
+            assert await a.ping(b.peer_id)
+            connected = lambda peers: b.peer_id in {str(p.peer_id) for p in peers}  # noqa: E731
+            assert connected(await a.p2p.list_peers())
+            await a.disconnect(b.peer_id)
+            assert not connected(await a.p2p.list_peers())
+            await a.disconnect(b.peer_id)  # nothing left to close
+            assert await a.ping(b.peer_id)
+            assert connected(await a.p2p.list_peers())
+
+    asyncio.run(scenario())
