@@ -15,8 +15,8 @@ Timing contract (defaults in daemon/config.py, DiscoveryConfig):
   without this a healed partition stays two runs. An answer puts each node in the other's routing
   table; the next refresh then reads the other side's heartbeats. Before its first ping the peer's
   connections are closed (PeerNode.disconnect), so that the pings dial afresh: over the connection
-  that outlived the cut, a heal was noticed 2.6-7.0 s after it in the lab (6-13 s in bench.churn), with
-  fresh dials 1-2 s (docs/benchmarks.md, "Goodput under churn").
+  that outlived the cut, a heal was noticed 2.6-7.0 s after it (deploy/lab/cuts.toml; 6-13 s in
+  bench.churn), with fresh dials 0.6-1.9 s (docs/lab.md).
 """
 
 from __future__ import annotations
