@@ -21,9 +21,9 @@ and compute waits only when the round takes longer than a phase: H s / max(H s, 
 
 From a run's figures (`peerd plan --run RUN_ID`): the local daemon's status gives the model's
 parameter count, the step time its training process measured in its latest phase, the run's H
-and overlap, and the last round's group size (control.proto RunStatus); a flag given by hand overrides each
-(`inputs`). The link stays by hand: the daemon measures links only for loss-tolerant runs and local
-groups, and shows no figure per peer. Beside the plan, the run's measured round duration against
+and overlap, and the last round's group size (control.proto RunStatus); a flag given by hand
+overrides each (`inputs`). The link stays by hand: the daemon measures links only for loss-tolerant
+runs and local groups, and shows no figure per peer. Beside the plan, the run's measured round duration against
 this model's for its payload (`compare`): how far the model is from the user's link.
 """
 
