@@ -346,6 +346,7 @@ class AttachedTrainer:
             on_sync,
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
+        self._announced = IDLE  # the role last handed to on_role: what the peers see
         self.lanes = lanes  # the run's averaging.lanes
         # The run's averaging.algorithm (daemon/algorithms.py): what the vector holds (the parameters,
         # or a whole state vector), what peers download and checkpoints keep, and the round.
@@ -634,7 +635,7 @@ class AttachedTrainer:
             self.error = self._passed_over
             self._publish_theta()
         self._phase_began = time.monotonic()
-        self.on_role(self.role)
+        self._announce(self.role)
         logger.info(
             "run %s: process %d attached (%s) at step %d%s",
             self.run_id,
@@ -768,7 +769,7 @@ class AttachedTrainer:
     def placed(self, p: Placement) -> None:
         """The span's coordinator placed this daemon in epoch `p` (from the span's thread)."""
         with self._group:
-            was, lanes = self.follows, self.delegation
+            lanes = self.delegation
             self._placement, self.group_epoch = p, p.epoch
             self._shared.set_group_epoch(p.epoch)
             self._shared.store(p.epoch - 2).unlink(missing_ok=True)
@@ -776,8 +777,12 @@ class AttachedTrainer:
             active = bool(self.members)
         if self.follows:
             self.snapshot = None  # a follower holds θ without the run's momentum: not served to joiners
-        if active and (self.follows != was or self.delegation != lanes):
-            self.on_role(self.role)  # announced now: peers plan this round's lanes from it
+        # Against the role announced, not the one `follows` gave a moment ago: before the first
+        # placement that follows the coordinator, which may have changed since the attach announced
+        # (a group whose first epoch holds two daemons at once: the follower stayed a "trainer" to
+        # its peers, who planned it as a mate at every round and waited for it).
+        if active and (self.role != self._announced or self.delegation != lanes):
+            self._announce(self.role)  # announced now: peers plan this round's lanes from it
         logger.info(
             "run %s: local group epoch %d: ranks %d..%d of %d, %s",
             self.run_id,
@@ -1236,7 +1241,11 @@ class AttachedTrainer:
             self._checkpoint()
         self.state = TrainState.STOPPED
         logger.info("run %s: process %d detached (%s) at step %d", self.run_id, s.pid, why, self.global_step)
-        self.on_role(IDLE)
+        self._announce(IDLE)
+
+    def _announce(self, role: str) -> None:
+        self._announced = role
+        self.on_role(role)
 
     async def _beat(self) -> None:
         """The span's beat, every groupspan.TICK s (its store operations block: in a worker thread)."""

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -16,11 +17,13 @@ import torch
 from peerd import PeerdError
 from peerd.attachment import THETA_TRIES, Attachment
 from peerd.daemon.attached import AttachedTrainer, AttachRefused, SharedVector
+from peerd.daemon.groupspan import Placement
 from peerd.daemon.checkpoint import CheckpointStore
 from peerd.daemon.algorithms import DiLoCo
 from peerd.daemon.diloco import OuterSettings
 from peerd.peers.averaging import RoundResult
 from peerd.peers.manifest import TensorSpec
+from peerd.peers.membership import FOLLOWER, IDLE, TRAINER
 from peerd.peers.pace import Pace
 from peerd.peers.phases import Phases
 from peerd.peers.statesync import FetchResult
@@ -494,3 +497,25 @@ def test_a_local_group_larger_than_the_loops_default_executor_ends_its_phase(tmp
         assert answers == [led] * (n - 1) and led.step == H, (led, answers)
     finally:
         t.stop()
+
+
+def test_a_daemon_placed_as_a_follower_announces_it_though_its_coordinator_changed_since_its_attach(tmp_path):
+    """A spanning group whose first epoch holds two daemons at once: this daemon's process attached
+    while it still coordinated itself (announced: trainer), the coordinator moved to b a moment
+    later, then the epoch placed this daemon second. Its peers must see it follow: a "trainer" that
+    never rounds was planned as a mate at every round and waited for (FLAKY.md, run 91)."""
+    roles = []
+    t = trainer(tmp_path, HalfMean(), on_role=roles.append)
+    try:
+        t.attach(pid=0, device="cpu", step=0)
+        assert roles == [TRAINER]
+        t.span = types.SimpleNamespace(coordinator="b", peer_id="a", label="rack", host="127.0.0.1", close=lambda: None)
+        t.placed(Placement(2, 1, 1, 2, "tcp://127.0.0.1:1", ("b", "a")))
+        assert roles == [TRAINER, FOLLOWER]
+        t.placed(Placement(3, 1, 1, 2, "tcp://127.0.0.1:1", ("b", "a")))  # the same role: not again
+        assert roles == [TRAINER, FOLLOWER]
+        t.placed(Placement(4, 0, 1, 1, "tcp://127.0.0.1:1", ("a",)))  # b left: this daemon leads
+        assert roles == [TRAINER, FOLLOWER, TRAINER]
+    finally:
+        t.stop()
+    assert roles[-1] == IDLE
