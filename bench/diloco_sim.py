@@ -38,10 +38,10 @@ compute waits for each; with overlap a phase shorter than the round in flight wa
 alone's model is sampled every N steps. `--first-phase N` makes the phases N, 2N, 4N, ... inner
 steps up to H; with several values and `alone`, the headline is the first sample time from which
 θ stays at or below alone's model, the last value listed (ours) against the first (baseline).
-`--payload arctopk` sends each round as ARC-Top-K (peers/collective/arctopk.py; not yet a run's
-payload): the members' sketches averaged, then `--density` of the rows (`--row` values each) in
-`--values` format, error feedback in each member's residual, weighted by `--decay` each round (β: 1,
-the residual whole, diverges; docs/benchmarks.md); repair rounds stay dense.
+`--payload arctopk` sends each round as ARC-Top-K, a run's `averaging.payload = "arctopk"`
+(peers/collective/arctopk.py): the members' sketches averaged, then `--density` of the rows in
+`--values` format (a run's: int8); what a member did not send stays in its parameters (daemon/diloco.py);
+repair rounds stay dense.
 Nothing of the WAN is emulated: this measures the algorithm, not the daemons
 (bench/wan_training.py does).
 """
@@ -55,7 +55,6 @@ import functools
 import json
 import time
 
-import numpy as np
 import torch
 
 from bench.common import emit, progress, result
@@ -63,6 +62,7 @@ from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
 from peerd.daemon.flat import from_flat
 from peerd.daemon.tasks.charlm import CharLM, CharLMHparams
 from peerd.peers.averaging import RoundResult
+from peerd.peers.collective.outcome import Outcome, Status
 from peerd.peers.collective import arctopk, codec
 from peerd.peers.phases import Phases
 
@@ -114,35 +114,36 @@ class Rounds:
 
 
 class ArcTopK:
-    """`--payload arctopk`: each member's round as ARC-Top-K sends it (peers/collective/arctopk.py):
-    the sketch of its vector plus residual averaged first (fp32: exact), then the k rows every member
-    derives from it, in `--values` format, averaged; the member's OuterLoop sees the mean at those
-    rows and zeros elsewhere (its own payload is fp32: this class keeps the error feedback)."""
+    """`--payload arctopk`: the round as a daemon's ArcTopKRound runs it (peers/collective/arctopk.py),
+    emulated: the members' sketches averaged (float32, exact), the k rows every member selects from
+    the mean, their values as `--values` delivers them averaged (and the owner's encoding of the
+    mean), the vector left with the mean at those rows and zeros elsewhere. Each member's OuterLoop
+    (payload arctopk) keeps what it did not send in its parameters, as a daemon's does. Repair rounds
+    average θ densely."""
 
     def __init__(self, n: int, numel: int, args):
-        self.sketches, self.values = Rounds(n), Rounds(n)
-        self.v = arctopk.sketch_matrix(args.seed, args.row, args.rank)
-        self.k = arctopk.keep(numel, args.density, args.row)
-        self.residuals = [np.zeros(numel, np.float32) for _ in range(n)]
-        self.row, self.fmt, self.repair_every, self.decay = args.row, args.values, args.repair_every, args.decay
+        self.n, self.sketches, self.values = n, Rounds(n), Rounds(n)
+        self.v = arctopk.sketch_matrix(args.seed)
+        self.k, self.fmt = arctopk.keep(numel, args.density), args.values
         self.own: dict[int, torch.Tensor] = {}  # each member's payload of the latest round, before the round
 
     def member(self, i: int):
         to_sketches, to_values = self.sketches.member(i), self.values.member(i)
 
         async def average(vector: torch.Tensor, weight: float, round_t: int, fmt: str) -> list:
-            if self.repair_every and round_t % self.repair_every == 0:  # a repair round averages θ, densely
+            if fmt != arctopk.PAYLOAD:
                 return await to_values(vector, weight, round_t, fmt)
             self.own[i] = vector.clone()
             x = vector.numpy()
-            owed = arctopk.owe(x, self.residuals[i], self.decay)
-            mine = torch.from_numpy(arctopk.sketch(owed, self.v).reshape(-1))
+            mine = torch.from_numpy(arctopk.sketch(x, self.v).reshape(-1))
             await to_sketches(mine, weight, round_t, "fp32")
-            rows = arctopk.select(mine.numpy().reshape(-1, self.v.shape[1]), self.k)
-            values = torch.from_numpy(arctopk.split(owed, rows, self.fmt, self.residuals[i], self.row))
-            results = await to_values(values, weight, round_t, self.fmt)  # the mean, encoded as an owner does
-            arctopk.scatter(values.numpy(), rows, x, self.row)
-            return results
+            rows = arctopk.select(mine.numpy().reshape(-1, arctopk.RANK), self.k)
+            values = arctopk.gather(x, rows)
+            codec.Codec(self.fmt).roundtrip(values)
+            await to_values(torch.from_numpy(values), weight, round_t, self.fmt)
+            arctopk.scatter(values, rows, x)
+            done = Outcome(Status.COMPLETED, "emulated", 1, (), (1.0,), 0, 0, 0.0, b"")
+            return [RoundResult(round_t, self.n, done, "emulated", selected=arctopk.Selected(rows, self.fmt))]
 
         return average
 
@@ -201,9 +202,8 @@ async def _simulate(args, overlap: bool, momentum: float, first_phase: int) -> d
     data = [task.data(hparams, PEER_SEED + 10 * args.seed + i) for i in range(args.workers)]
     numel = sum(p.numel() for p in built[0][0].parameters())
     rounds = ArcTopK(args.workers, numel, args) if args.payload == "arctopk" else Rounds(args.workers)
-    payload = "fp32" if args.payload == "arctopk" else args.payload
     settings = OuterSettings(
-        lr=args.outer_lr, momentum=momentum, payload=payload, overlap=overlap, repair_every=args.repair_every
+        lr=args.outer_lr, momentum=momentum, payload=args.payload, overlap=overlap, repair_every=args.repair_every
     )
     loops = [OuterLoop(list(m.parameters()), settings, rounds.member(i), f"w{i}") for i, (m, _) in enumerate(built)]
     curve = []
@@ -337,11 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     formats = [f.value for f in codec.Format]  # a run's payloads, as peers/collective/group.py's PAYLOADS
     p.add_argument("--payload", default="int8", choices=[*formats, "arctopk"])
     p.add_argument("--density", type=float, default=0.01, help="arctopk: the fraction of rows a round sends")
-    p.add_argument("--row", type=int, default=arctopk.ROW, help="arctopk: values per row, the unit of selection")
-    p.add_argument("--rank", type=int, default=arctopk.RANK, help="arctopk: sketch values per row")
     row_formats = [f for f in formats if f != codec.Format.FP16.value]  # all but fp16, which was never offered
     p.add_argument("--values", default="int8", choices=row_formats, help="arctopk: the rows' format")
-    p.add_argument("--decay", type=float, default=1.0, help="arctopk: β, each round's weight of the residual")
     p.add_argument("--repair-every", type=int, default=25)
     p.add_argument(
         "--land-after",
@@ -384,11 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "every": args.every,
         "outer_lr": args.outer_lr,
         "payload": args.payload,
-        **(
-            {"density": args.density, "row": args.row, "rank": args.rank, "values": args.values, "decay": args.decay}
-            if args.payload == "arctopk"
-            else {}
-        ),
+        **({"density": args.density, "values": args.values} if args.payload == "arctopk" else {}),
         "repair_every": args.repair_every,
         "land_after": args.land_after,
         "d_model": args.d_model,

@@ -438,6 +438,7 @@ class Daemon:
                 membership, manifest.averaging.phases, manifest.averaging.round_timeout
             ),
             lanes=manifest.averaging.lanes,
+            density=manifest.averaging.density,
         )
 
         def live() -> dict[str, tuple[int, str]]:
@@ -823,6 +824,7 @@ class Daemon:
                 average_every=manifest.averaging.phases.every if manifest else 0,
                 average_every_auto=manifest.averaging.average_every_auto if manifest else False,
                 payload=payload,
+                density=manifest.averaging.density if payload == "arctopk" else 0.0,
                 overlap=overlap,
                 round_seconds=self.metrics.round_seconds(m.run_id),
                 step_seconds=math.nan,

@@ -489,6 +489,12 @@ def _add_plan(sub) -> None:
         "(default: the run's with --run, else on)",
     )
     p.add_argument(
+        "--density",
+        type=float,
+        help="arctopk's share of rows a round sends (default: the run's with --run, else "
+        f"{plan_mod.arctopk.DENSITY:g}, the run default)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="one JSON line per payload instead of the table; with --run, then one line of the inputs and rounds",
@@ -511,8 +517,17 @@ def _cmd_plan(args) -> int:
             overlap=args.overlap,
             run=run,
         )
+        density = args.density if args.density is not None else (run.density if run and run.density else None)
+        density = plan_mod.arctopk.DENSITY if density is None else density
         plans = plan_mod.plan(
-            given.params, given.step_seconds, given.mbit, given.rtt_ms, given.every, given.group, given.overlap
+            given.params,
+            given.step_seconds,
+            given.mbit,
+            given.rtt_ms,
+            given.every,
+            given.group,
+            given.overlap,
+            density,
         )
     except ValueError as e:  # an input missing or out of range, or a run the daemon is not in
         return _fail(2, str(e))
@@ -533,7 +548,7 @@ def _cmd_plan(args) -> int:
         return 0
     if run is not None:
         print(plan_mod.header(given, run))
-    print(plan_mod.table(plans, given.every, given.overlap))
+    print(plan_mod.table(plans, given.every, given.overlap, density))
     if measured is not None:
         print(plan_mod.comparison_line(measured, given, run.algorithm))
     return 0
@@ -558,6 +573,7 @@ def _run_figures(args) -> plan_mod.RunFigures:
         payload=r.payload,
         overlap=r.overlap,
         algorithm=r.algorithm,
+        density=r.density,
     )
 
 

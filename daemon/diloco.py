@@ -58,7 +58,7 @@ import torch
 
 from peerd.daemon.flat import from_flat, to_flat
 from peerd.peers.averaging import RoundResult
-from peerd.peers.collective import codec
+from peerd.peers.collective import arctopk, codec
 from peerd.peers.dear.hierarchy import lane_bounds
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,9 @@ class OuterLoop:
         self.progress = torch.empty(n) if settings.overlap else None
         self._chunk = None if settings.overlap else torch.empty(min(CHUNK, n))
         self._kept = torch.empty(min(CHUNK, n))  # a chunk of the residual or of P, for the codec
-        self._codec = codec.Codec(settings.payload)  # its scratch serves every chunk
+        self._top_k = settings.payload == arctopk.PAYLOAD  # rows selected per round, carried (`_carry`)
+        # its scratch serves every chunk; ARC-Top-K's payload is float32 (the round encodes the rows)
+        self._codec = codec.Codec("fp32" if self._top_k else settings.payload)
         self._y = None  # y of the phase whose round runs (the parameters' vector, or the scratch copy)
         self.payload = torch.empty(n)  # what the round averages, in place
         # Error feedback: quantization error carried to the next phase, and a deferred round's vector.
@@ -314,6 +316,11 @@ class OuterLoop:
             self._apply(repair)
         from_flat(self.theta, self.params)
         self.start.copy_(self.theta)
+        if self._top_k and not repair and not cancelled(results):
+            if self._flat:
+                self._carry(self.params[0])
+            else:
+                from_flat(self._carry(self.scratch.copy_(self.theta)), self.params)
         return Applied(round_t, results, waited, repair, weight)
 
     def _round_ended(self, task: asyncio.Task) -> None:
@@ -376,6 +383,8 @@ class OuterLoop:
             self._apply(repair)
             torch.sub(self.theta, self.start, out=move)
             self.start.copy_(self.theta)
+            if self._top_k and not repair:
+                self._carry(move)
         return Applied(round_t, results, 0.0, repair, weight)
 
     @staticmethod
@@ -397,6 +406,9 @@ class OuterLoop:
         if repair:
             torch.sub(self.theta[a:b], self._progress(a, b), out=self.payload[a:b])
             return
+        if self._top_k:  # P + residual, exactly: the round sends its rows (peers/collective/arctopk.py)
+            torch.add(self._progress(a, b), self.residual[a:b], out=self.payload[a:b])
+            return
         self.payload[a:b].copy_(self._progress(a, b))
         kept = self._kept[: b - a].copy_(self.residual[a:b])
         codec.with_feedback(self.payload[a:b].numpy(), kept.numpy(), self.settings.payload, self._codec)
@@ -410,9 +422,36 @@ class OuterLoop:
             self._fill(a, b, repair)
         if repair or deferred:
             return
+        if self._top_k:
+            self._owe(results)
+            return
         for a, b in self._lane_spans():
             sent = self._kept[: b - a].copy_(self._progress(a, b))
             codec.with_feedback(sent.numpy(), self.residual[a:b].numpy(), self.settings.payload, self._codec)
+
+    def _owe(self, results: list[RoundResult]) -> None:
+        """ARC-Top-K's error feedback: the residual becomes what this member owed (P + residual) less
+        what it sent, its rows as their format delivers them (arctopk.split); nothing where no rows
+        were averaged (alone, no group, a round that failed and is not owed: the outer step takes
+        the member's own P + residual whole)."""
+        selected = next((r.selected for r in results if r.selected is not None and r.applied), None)
+        if selected is None:
+            self.residual.zero_()
+            return
+        owed = torch.empty(self.n)
+        for a, b in self._spans(0, self.n):
+            torch.add(self._progress(a, b), self.residual[a:b], out=owed[a:b])
+        arctopk.split(owed.numpy(), selected.rows, selected.fmt, self.residual.numpy())
+
+    def _carry(self, into: torch.Tensor) -> torch.Tensor:
+        """ARC-Top-K: what this member did not send stays in its inner parameters, not in the
+        residual: `into` (θ's move, or θ) takes it off (x := θ − (s − x) − residual), and the residual
+        empties. The next phase's progress, counted from θ, then holds it, where a residual added to
+        the next round makes the next phase, starting again from θ, learn it a second time
+        (docs/benchmarks.md, "ARC-Top-K"). Returns `into`."""
+        into.sub_(self.residual)
+        self.residual.zero_()
+        return into
 
     def _progress(self, a: int, b: int) -> torch.Tensor:
         """P[a:b] of the phase whose round runs: a view of P where it is kept (the caller may write

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from peerd.peers.collective import arctopk
 from peerd.peers.collective.codec import Format
 from peerd.peers.collective.wire import payload_size
 
@@ -65,6 +66,7 @@ class RunFigures:
     payload: str  # "" without a manifest
     overlap: bool  # false without a manifest
     algorithm: str
+    density: float = 0.0  # payload arctopk: the share of rows a round sends
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,9 +162,17 @@ def compare(run: RunFigures, given: Inputs) -> Comparison | None:
     without a manifest (no payload)."""
     if not run.payload:
         return None
-    size = payload_size(Format(run.payload).dtype, given.params)
+    size = vector_bytes(run.payload, given.params, run.density)
     model = round_seconds(size, given.group, given.mbit, given.rtt_ms)
     return Comparison(run.payload, run.round_seconds, round(model, 3))
+
+
+def vector_bytes(payload: str, params: int, density: float = arctopk.DENSITY) -> int:
+    """Bytes of what a round all-reduces for `params` values in `payload` (arctopk: both its vectors,
+    at `density`)."""
+    if payload == arctopk.PAYLOAD:
+        return arctopk.round_bytes(params, density)
+    return payload_size(Format(payload).dtype, params)
 
 
 def member_sends(vector_bytes: int, group: int) -> float:
@@ -177,9 +187,18 @@ def round_seconds(vector_bytes: int, group: int, mbit: float, rtt_ms: float) -> 
 
 
 def plan(
-    params: int, step_s: float, mbit: float, rtt_ms: float, every: int, group: int = 2, overlap: bool = True
+    params: int,
+    step_s: float,
+    mbit: float,
+    rtt_ms: float,
+    every: int,
+    group: int = 2,
+    overlap: bool = True,
+    density: float = arctopk.DENSITY,
 ) -> list[PayloadPlan]:
-    """One PayloadPlan per payload of the codec, smallest bytes first."""
+    """One PayloadPlan per payload of the codec and arctopk at `density`, smallest bytes first.
+    arctopk's round is modelled as one round of its two vectors' bytes: its second all-reduce's
+    exchanges (a few RTTs) are not in the model."""
     for name, value, low in (("params", params, 1), ("every", every, 1), ("group", group, 2)):
         if value < low:
             raise ValueError(f"{name} must be at least {low}, not {value}")
@@ -188,14 +207,16 @@ def plan(
             raise ValueError(f"{name} must be a positive number, not {value}")
     if not (math.isfinite(rtt_ms) and rtt_ms >= 0):
         raise ValueError(f"rtt_ms must be 0 or more, not {rtt_ms}")
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], not {density}")
     out = []
-    for fmt in Format:
-        size = payload_size(fmt.dtype, params)
+    for payload in (*(f.value for f in Format), arctopk.PAYLOAD):
+        size = vector_bytes(payload, params, density)
         took = round_seconds(size, group, mbit, rtt_ms)
         phase = every * step_s
         fraction = phase / max(phase, took) if overlap else phase / (phase + took)
         sent = math.ceil(member_sends(size, group))
-        out.append(PayloadPlan(fmt.value, sent, round(took, 3), round(fraction, 4), hiding_every(took, step_s)))
+        out.append(PayloadPlan(payload, sent, round(took, 3), round(fraction, 4), hiding_every(took, step_s)))
     return sorted(out, key=lambda p: p.bytes_per_outer_step)
 
 
@@ -238,8 +259,8 @@ def fit_every(step_s: float, round_s: float, low: int, high: int) -> Fit:
     return Fit(rung, f"{figures}: {rung} on the ladder {low}, {2 * low}, ... {high}")
 
 
-def table(plans: list[PayloadPlan], every: int, overlap: bool) -> str:
-    """The plans as the CLI prints them."""
+def table(plans: list[PayloadPlan], every: int, overlap: bool, density: float = arctopk.DENSITY) -> str:
+    """The plans as the CLI prints them (`density`: arctopk's, for the note under them)."""
     head = f"{'PAYLOAD':<8}  {'BYTES/OUTER STEP':>16}  {'ROUND':>9}  {f'COMPUTE AT H={every}':>16}  H THAT HIDES IT"
     lines = [head]
     for p in plans:
@@ -247,7 +268,10 @@ def table(plans: list[PayloadPlan], every: int, overlap: bool) -> str:
             f"{p.payload:<8}  {_bytes(p.bytes_per_outer_step):>16}  {p.round_s:>8.1f}s  "
             f"{p.compute_fraction:>16.2f}  {p.hiding_every}"
         )
-    lines.append(f"(overlap {'on' if overlap else 'off'}; the round's duration is a model: `peerd plan --help`)")
+    lines.append(
+        f"(overlap {'on' if overlap else 'off'}; arctopk at density {density:g}; "
+        "the round's duration is a model: `peerd plan --help`)"
+    )
     return "\n".join(lines)
 
 

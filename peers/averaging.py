@@ -53,6 +53,7 @@ import torch
 from hivemind.p2p import P2P
 
 from peerd.peers.collective import AllReduceSettings, Group, GroupAllReduce, LossyAllReduce, Outcome, UdpTransport
+from peerd.peers.collective import arctopk, arctopk_round
 from peerd.peers.collective.codec import Format
 from peerd.peers.collective.fallback import FallbackTransport, member_address
 from peerd.peers.collective.gather_timeout import FLOOR, GatherTimeout, agreed, with_gather_timeout
@@ -103,6 +104,9 @@ class RoundResult:
     # The group's pace (peers/pace.py): the same on every member of the group, from their entries;
     # None where no group formed.
     pace: Pace | None = None
+    # An ARC-Top-K round that completed: the rows it averaged (the vector holds their mean and zeros
+    # elsewhere), from which the member's error feedback takes what it did not send (daemon/diloco.py).
+    selected: arctopk.Selected | None = None
 
     @property
     def completed(self) -> bool:
@@ -193,6 +197,7 @@ class MoshpitAverager:
         events: PeerEvents | None = None,
         rendezvous: Callable[[int, list[str]], Awaitable[Roll]] | None = None,
         lanes: int = 1,
+        density: float = 0.1,
     ):
         """`rendezvous(round_t, mates)` waits (bounded) for the mates of round_t's group and returns
         where those that will not be there stand (peers/membership.Roll); matchmaking meets the
@@ -216,6 +221,7 @@ class MoshpitAverager:
         self.gather_timeout = GatherTimeout(ceiling, floor=min(FLOOR, ceiling))
         self.events = events or PeerEvents()
         self.lanes = lanes
+        self.density = density  # ARC-Top-K's share of the rows (payload "arctopk")
         # Each round builds its own engine (its transport is keyed by the round's group), but the
         # receive buffers (a full-size backup and one buffer per other member) carry over.
         self.buffers = BufferPool(keep=2 * lanes)
@@ -334,6 +340,9 @@ class MoshpitAverager:
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
             if self.loss_tolerant:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
+            if payload == arctopk.PAYLOAD:  # the run's manifest keeps it to the reliable engine
+                gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
+                return await self._top_k(vector, weight, round_t, group, transport, gather, lane, agreed_pace)
             engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
             if -(-vector.numel() // Format(payload).alignment) < group.size:
                 # Fewer blocks than members (a tiny model): every member owns a shard only in float32,
@@ -348,8 +357,8 @@ class MoshpitAverager:
                         lane=lane,
                         pace=agreed_pace,
                     )
-            buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
             gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
+            buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
             settings = dataclasses.replace(with_gather_timeout(self.settings, gather), payload=payload)
             engine = engine_type(
                 group, transport, vector.numel(), settings=settings, events=self.events, buffers=buffers
@@ -375,6 +384,37 @@ class MoshpitAverager:
             await transport.close()
             if buffers is not None:  # only now: a closed transport writes into nothing
                 self.buffers.give(buffers)
+
+    async def _top_k(
+        self, vector: torch.Tensor, weight: float, round_t: int, group: Group, transport, gather: float, lane, pace
+    ) -> RoundResult:
+        """An ARC-Top-K round of the formed group on its transport (peers/collective/arctopk.py)."""
+        two = arctopk_round.ArcTopKRound(
+            self.run_id,
+            group,
+            transport,
+            vector.numel(),
+            self.density,
+            with_gather_timeout(self.settings, gather),
+            self.events,
+        )
+        try:
+            outcome, selected = await two.all_reduce(vector, float(weight))
+        finally:
+            await two.close()
+        if outcome.completed:
+            self.gather_timeout.observe(outcome.duration, gather)
+        return RoundResult(
+            round_t,
+            group.size,
+            outcome,
+            outcome.reason,
+            self._links(transport, group),
+            transport.bytes_by_transport(),
+            lane=lane,
+            pace=pace,
+            selected=selected,
+        )
 
     async def _listen(self, key: str) -> tuple[FallbackTransport | UdpTransport, str]:
         """A started listener for this round and its address. The UDP engine needs one port free for

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from peerd.peers.envelope import RecordKind, RecordRejected, open_payload, parse, seal
 from peerd.peers.clock import now
+from peerd.peers.collective import arctopk
 from peerd.peers.collective.group import PAYLOADS
 from peerd.peers.identity import Identity
 from peerd.peers.phases import Phases
@@ -74,8 +75,11 @@ class AveragingSettings:
     # How a pseudo-gradient travels: "int8" (8-bit values with a float32 scale per block of 64),
     # "int4" and "int2" (4 and 2 bits a value, the same blocks), "fp16" or "fp32"; with error
     # feedback, so quantization loses nothing over time (peers/collective/codec.py). The engines'
-    # AllReduceSettings.payload.
+    # AllReduceSettings.payload. Or "arctopk": `density` of the rows of 1,024 values, the same rows
+    # on every member of a group, in int8, after a sketch of the vector (peers/collective/arctopk.py;
+    # a member keeps what it did not send in its own parameters); reliable engine, one lane.
     payload: str = "int8"
+    density: float = arctopk.DENSITY  # arctopk: the share of rows a round sends (docs/benchmarks.md, "ARC-Top-K")
     # A round runs on the network while the next inner steps compute, and its result lands as soon
     # as it ends (Streaming DiLoCo; daemon/diloco.py): compute waits only for a round longer than a
     # phase. On by default: in the lab its model was better than without and than a host alone, in
@@ -95,8 +99,17 @@ class AveragingSettings:
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "state"):
             raise ValueError(f"algorithm must be diloco or state, got {self.algorithm!r}")
-        if self.payload not in PAYLOADS:
-            raise ValueError(f"payload must be one of {', '.join(PAYLOADS)}, got {self.payload!r}")
+        if self.payload not in (*PAYLOADS, arctopk.PAYLOAD):
+            raise ValueError(f"payload must be one of {', '.join(PAYLOADS)} or arctopk, got {self.payload!r}")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+        if self.payload == arctopk.PAYLOAD and self.algorithm == "diloco":
+            if self.engine != "reliable":
+                raise ValueError(
+                    "payload=arctopk needs engine=reliable (its rows are chosen from a mean every member must hold alike)"
+                )
+            if self.lanes != 1:
+                raise ValueError("payload=arctopk averages one lane (lanes=1): rows across lanes are not built")
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -260,6 +273,7 @@ def encode_manifest(manifest: RunManifest, identity: Identity, secret: RunSecret
             average_every_auto=a.average_every_auto,
             average_every_min=a.average_every_min,
             average_every_max=a.average_every_max,
+            density=a.density,
         ),
         creator=manifest.creator,
         created_at=manifest.created_at,
@@ -315,6 +329,7 @@ def _diloco_fields(a: records_pb2.AveragingSettings) -> dict:
         inner_budget=a.inner_budget,
         repair_every=a.repair_every,
         average_every_auto=a.average_every_auto,
+        **({"density": a.density} if a.density else {}),  # 0 in manifests made before arctopk: the default
     )
 
 

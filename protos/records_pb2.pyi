@@ -121,7 +121,7 @@ class Envelope(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., sealed: _Optional[bool] = ..., nonce: _Optional[bytes] = ..., payload: _Optional[bytes] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., kind: _Optional[_Union[RecordKind, str]] = ...) -> None: ...
 
 class AveragingSettings(_message.Message):
-    __slots__ = ("average_every", "max_group_size", "round_timeout", "engine", "datagram_bytes", "lanes", "algorithm", "outer_lr", "outer_momentum", "payload", "overlap", "inner_budget", "repair_every", "first_phase", "average_every_auto", "average_every_min", "average_every_max")
+    __slots__ = ("average_every", "max_group_size", "round_timeout", "engine", "datagram_bytes", "lanes", "algorithm", "outer_lr", "outer_momentum", "payload", "overlap", "inner_budget", "repair_every", "first_phase", "average_every_auto", "average_every_min", "average_every_max", "density")
     AVERAGE_EVERY_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class AveragingSettings(_message.Message):
     AVERAGE_EVERY_AUTO_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_EVERY_MIN_FIELD_NUMBER: _ClassVar[int]
     AVERAGE_EVERY_MAX_FIELD_NUMBER: _ClassVar[int]
+    DENSITY_FIELD_NUMBER: _ClassVar[int]
     average_every: int
     max_group_size: int
     round_timeout: float
@@ -156,7 +157,8 @@ class AveragingSettings(_message.Message):
     average_every_auto: bool
     average_every_min: int
     average_every_max: int
-    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., engine: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ..., algorithm: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., inner_budget: _Optional[float] = ..., repair_every: _Optional[int] = ..., first_phase: _Optional[int] = ..., average_every_auto: _Optional[bool] = ..., average_every_min: _Optional[int] = ..., average_every_max: _Optional[int] = ...) -> None: ...
+    density: float
+    def __init__(self, average_every: _Optional[int] = ..., max_group_size: _Optional[int] = ..., round_timeout: _Optional[float] = ..., engine: _Optional[str] = ..., datagram_bytes: _Optional[int] = ..., lanes: _Optional[int] = ..., algorithm: _Optional[str] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ..., payload: _Optional[str] = ..., overlap: _Optional[bool] = ..., inner_budget: _Optional[float] = ..., repair_every: _Optional[int] = ..., first_phase: _Optional[int] = ..., average_every_auto: _Optional[bool] = ..., average_every_min: _Optional[int] = ..., average_every_max: _Optional[int] = ..., density: _Optional[float] = ...) -> None: ...
 
 class RunManifest(_message.Message):
     __slots__ = ("format_version", "run_id", "task", "hparams", "averaging", "creator", "created_at", "model")

@@ -294,14 +294,14 @@ def test_diloco_sim_arctopk_keeps_every_worker_on_one_theta(capsys):
     same θ, and θ moved (the rows sent are applied)."""
     from bench import diloco_sim
 
-    argv = ["--setups", "sync,overlap", "--payload", "arctopk", "--density", "0.25", "--row", "128", "--steps", "8"]
+    argv = ["--setups", "sync,overlap", "--payload", "arctopk", "--density", "0.25", "--values", "int4", "--steps", "8"]
     argv += ["--every", "4", "--land-after", "1", "--workers", "2", "--d-model", "16", "--n-layers", "1"]
-    argv += ["--context", "8", "--batch", "4", "--eval-every", "1", "--decay", "0.9"]
+    argv += ["--context", "8", "--batch", "4", "--eval-every", "1"]
     assert diloco_sim.main(argv) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r.get("setup") for r in records] == ["sync", "overlap", None]
     for r in records[:2]:
-        assert r["density"] == 0.25 and r["row"] == 128 and r["decay"] == 0.9 and len(set(r["evals"])) == 1, r
+        assert r["density"] == 0.25 and r["values"] == "int4" and len(set(r["evals"])) == 1, r
         assert r["curve"][0][1] != r["curve"][-1][1], r
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from peerd.daemon.diloco import OuterLoop, OuterSettings, outer_step
 from peerd.peers.averaging import RoundResult
+from peerd.peers.collective import arctopk
+from peerd.peers.collective.outcome import Outcome, Status
 from tests.helpers import on_loop as run
 from tests.helpers import together
 
@@ -466,4 +469,72 @@ def test_without_overlap_p_is_read_again_a_chunk_at_a_time_with_the_same_arithme
     assert torch.equal(loop.residual, residual) and torch.equal(loop.momentum, m)
     assert torch.equal(loop.theta, theta) and torch.equal(vector[0], theta)
     assert np.isclose(loop.distance, distance, rtol=1e-5)
+    loop.close()
+
+
+def top_k_round(rows, fmt="fp32"):
+    """A stand-in ARC-Top-K round of a group whose mean is half this member's values at `rows` (of
+    arctopk.ROW values each) and that sent nothing elsewhere: what ArcTopKRound leaves in the vector."""
+
+    def step(round_t, vector):
+        sent = arctopk.gather(vector.numpy(), rows)
+        arctopk.Codec(fmt).roundtrip(sent)
+        arctopk.scatter(sent * np.float32(0.5), rows, vector.numpy())
+        done = Outcome(Status.COMPLETED, "emulated", 1, ("a", "b"), (1.0,), 0, 0, 0.1, b"d")
+        return [RoundResult(round_t, 2, done, "emulated", selected=arctopk.Selected(np.array(rows), fmt))]
+
+    return step
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_arctopk_keeps_what_a_member_did_not_send_in_its_parameters_not_in_a_residual(overlap):
+    """Two rows; the round averages row 0 only. θ moves at row 0; the member's parameters keep row
+    1's progress (θ − residual: nothing of it lost, nothing owed twice), the residual is empty, and
+    the next phase's P, counted from θ, holds row 1's progress plus the new."""
+    n, row = 2 * arctopk.ROW, arctopk.ROW
+    script = Script({1: top_k_round([0]), 2: top_k_round([1]), 3: top_k_round([1])})
+    p = [torch.zeros(n)]
+    loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="arctopk", overlap=overlap), script, "k")
+    p[0] -= 0.25  # P = 0.25 everywhere
+    run(loop.end_phase(1, 1.0))
+    if overlap:  # the round lands at the next phase's end, after another 0.25
+        p[0] -= 0.25
+        run(loop.end_phase(2, 1.0))
+    assert torch.equal(loop.theta[:row], torch.full((row,), -0.125))  # the mean 0.125 at row 0, lr 1
+    assert torch.equal(loop.theta[row:], torch.zeros(row))  # row 1 was not sent: θ stays
+    assert torch.equal(loop.residual, torch.zeros(n))
+    ahead = -0.25 if overlap else 0.0  # with overlap, phase 2's own progress since the round began
+    assert torch.equal(p[0][:row], loop.theta[:row] + ahead)
+    assert torch.equal(p[0][row:], torch.full((row,), -0.25 + ahead))  # θ − row 1's unsent 0.25
+    p[0] -= 0.5
+    run(loop.end_phase(3 if overlap else 2, 1.0))
+    (_, sent, _) = script.seen[-1]  # the next round's P + residual: what was held back goes out once
+    if overlap:  # round 2 (phase 2's P, 0.25 a row) sent row 1: row 0's 0.25 waited, in the parameters
+        expected = [0.25 + 0.5, 0.5]
+    else:  # round 1 left row 1's 0.25
+        expected = [0.5, 0.25 + 0.5]
+    assert torch.equal(sent, torch.tensor(expected).repeat_interleave(row))
+    loop.close()
+
+
+def test_arctopk_carries_the_rows_rounding_error_and_a_round_without_rows_takes_everything():
+    n, row = 2 * arctopk.ROW, arctopk.ROW
+    alone_round = [RoundResult(2, 1, None, "alone in the run")]
+    script = Script({1: top_k_round([0], "int8"), 2: alone_round})
+    p = [torch.zeros(n)]
+    loop = OuterLoop(p, OuterSettings(lr=1.0, momentum=0.0, payload="arctopk"), script, "k")
+    progress = torch.linspace(0.001, 0.9, n)
+    p[0] -= progress
+    run(loop.end_phase(1, 1.0))
+    delivered = progress[:row].numpy().copy()
+    arctopk.Codec("int8").roundtrip(delivered)
+    assert not np.array_equal(delivered, progress[:row].numpy())  # int8 lost something of row 0
+    # What was not delivered of row 0 (its rounding error) and all of row 1 stay in the parameters.
+    assert torch.allclose(p[0][:row], loop.theta[:row] - (progress[:row] - torch.from_numpy(delivered)), atol=1e-7)
+    assert torch.equal(p[0][row:], -progress[row:]) and torch.equal(loop.residual, torch.zeros(n))
+    theta = loop.theta.clone()
+    p[0] -= 0.125
+    run(loop.end_phase(2, 1.0))  # alone: the outer step takes the member's own P whole
+    assert torch.allclose(loop.theta, p[0]) and torch.equal(loop.residual, torch.zeros(n))
+    assert not torch.equal(loop.theta, theta)
     loop.close()

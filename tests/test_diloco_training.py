@@ -26,11 +26,14 @@ def status(d, run: str):
         return next(r for r in c.status().runs if r.run_id == run)
 
 
-def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn):
+@pytest.mark.parametrize("payload", ["int8", "arctopk"])
+def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn, payload):
+    """int8, the default, and ARC-Top-K at its default density (half the rows a round)."""
     steps, batch = 600, 32
     # The default schedule: 15 rounds (H = 50, first phases 5, 10, 20, 15).
     rounds = AveragingSettings().phases.round_of(steps)
     create = ["--task", "digits-mlp", "--set", "optimizer=sgd", "--set", "lr=0.05"]
+    create += ["--set", f"averaging.payload={payload}"]
     args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("dl-a", [*args, *create])
     others = [spawn(f"dl-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]
@@ -51,7 +54,8 @@ def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(
         )
         assert r.step == steps, r
         # Within 3 % of one process (the issue's bound). Measured at H = 50: 0.9722 without overlap,
-        # 0.9639 and 0.9750 with it (now the default), against 0.9676 (one test image is 0.28 points).
+        # 0.9639 and 0.9750 with it (now the default), against 0.9676 (one test image is 0.28 points);
+        # arctopk at density 0.5: 0.9778 (all 15 rounds completed; int8 in the same session 0.9694).
         assert r.eval_score >= 0.97 * single, (r.eval_score, single)
         m = scrape(d.metrics_url)
         completed.append(m[("peerd_rounds_total", (("outcome", "completed"), ("run", "dl")))])

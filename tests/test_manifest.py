@@ -112,8 +112,25 @@ def test_every_payload_of_the_codec_is_a_runs_choice_and_travels_in_its_manifest
     for payload in ("fp32", "fp16", "int8", "int4", "int2"):
         m = manifest(a, averaging=AveragingSettings(payload=payload))
         assert decode_manifest(encode_manifest(m, a, None), run_id=m.run_id, secret=None, subkey=a.peer_id) == m
-    with pytest.raises(ValueError, match="int4, int2"):
+    with pytest.raises(ValueError, match="int4, int2 or arctopk"):
         AveragingSettings(payload="int3")
+
+
+def test_arctopk_travels_with_its_density_and_refuses_what_it_cannot_run_with(ids):
+    a, _ = ids
+    for density in (0.5, 0.01, 1.0):
+        m = manifest(a, averaging=AveragingSettings(payload="arctopk", density=density))
+        assert decode_manifest(encode_manifest(m, a, None), run_id=m.run_id, secret=None, subkey=a.peer_id) == m
+    assert AveragingSettings().density == 0.5  # also what a manifest made before arctopk decodes to
+    for kw, message in (
+        ({"density": 0.0}, "density must be in"),
+        ({"density": 1.5}, "density must be in"),
+        ({"engine": "loss-tolerant"}, "needs engine=reliable"),
+        ({"lanes": 2}, "one lane"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            AveragingSettings(payload="arctopk", **kw)
+    AveragingSettings(payload="arctopk", algorithm="state", lanes=2)  # a state run sends float32: no check
 
 
 def test_choose_the_earliest(ids):

@@ -33,13 +33,21 @@ def test_a_1b_model_at_100_mbit_exact_values():
     (a 4-byte scale per 64 values), each member sends half of it twice, and the round takes the
     fixed cost plus 85 s."""
     plans = {p.payload: p for p in plan(10**9, 1.0, 100.0, 50.0, every=50)}
-    assert list(plans) == ["int2", "int4", "int8", "fp16", "fp32"]  # smallest bytes first
+    assert list(plans) == ["int2", "arctopk", "int4", "int8", "fp16", "fp32"]  # smallest bytes first
     int8 = plans["int8"]
     assert int8.bytes_per_outer_step == 1_062_500_000
     assert int8.round_s == round(FIXED_S + FIXED_RTTS * 0.05 + 85.0, 3) == 85.655
     assert int8.compute_fraction == round(50 / 85.655, 4)  # overlap: compute waits for the rest
     assert int8.hiding_every == 103  # 1.2 x 85.655 s of 1 s steps
     assert plans["fp32"].bytes_per_outer_step == 4 * 10**9 and plans["int2"].bytes_per_outer_step == 312_500_000
+    # arctopk at density 0.5: 976,563 rows of 1,024; the sketch, 4 float32 values a row; 488,282 rows
+    # and a check block of 64 values in int8, 68 bytes per 64 values (a 4-byte scale).
+    rows, k = 976_563, 488_282
+    assert plans["arctopk"].bytes_per_outer_step == 16 * rows + (k * 1024 + 64) * 68 // 64 == 546_875_892
+    sparse = {p.payload: p for p in plan(10**9, 1.0, 100.0, 50.0, every=50, density=0.01)}
+    assert sparse["arctopk"].bytes_per_outer_step == 16 * rows + (9_766 * 1024 + 64) * 68 // 64 == 26_250_484
+    with pytest.raises(ValueError, match="density"):
+        plan(10**9, 1.0, 100.0, 50.0, every=50, density=0.0)
     without = {p.payload: p for p in plan(10**9, 1.0, 100.0, 50.0, every=50, overlap=False)}
     assert without["int8"].compute_fraction == round(50 / (50 + 85.655), 4)
     assert all(p.compute_fraction == 1.0 for p in plan(10**9, 1.0, 100.0, 50.0, every=400) if p.payload != "fp32")
@@ -77,7 +85,15 @@ def test_members_with_figures_a_little_apart_pick_the_same_rung():
 
 def test_a_group_of_g_sends_2_g_minus_1_over_g_of_the_vector():
     assert round_seconds(10**6, 4, 8.0, 0.0) == pytest.approx(FIXED_S + 1.5)  # 1.5 MB at 1 MB/s
-    assert plan(64, 1.0, 1.0, 0.0, every=1, group=4)[-1].bytes_per_outer_step == 384  # fp32: 256 x 1.5
+    plans = {p.payload: p for p in plan(64, 1.0, 1.0, 0.0, every=1, group=4)}
+    assert plans["fp32"].bytes_per_outer_step == 384  # 256 x 1.5
+    # arctopk pads a vector to whole rows: 1,024 values and the check in int8 (1,156 bytes) and a
+    # sketch of 16: the largest payload of a model this small.
+    assert (
+        plans["arctopk"].bytes_per_outer_step
+        == math.ceil(1.5 * (16 + 1156))
+        == max(plans.values(), key=lambda p: p.bytes_per_outer_step).bytes_per_outer_step
+    )
 
 
 @pytest.mark.parametrize(
@@ -107,17 +123,20 @@ def test_the_command_prints_a_table_or_json_lines_and_refuses_bad_input():
     out = peerd(*base)
     assert out.returncode == 0, out.stderr
     rows = out.stdout.splitlines()
-    assert rows[0].split()[:2] == ["PAYLOAD", "BYTES/OUTER"] and rows[3].split()[:3] == ["int8", "1.06", "GB"]
+    assert rows[0].split()[:2] == ["PAYLOAD", "BYTES/OUTER"] and rows[4].split()[:3] == ["int8", "1.06", "GB"]
+    assert rows[2].split()[:3] == ["arctopk", "546.88", "MB"] and "arctopk at density 0.5" in rows[-1]
+    sparse = peerd(*base, "--density", "0.01").stdout.splitlines()
+    assert sparse[1].split()[:3] == ["arctopk", "26.25", "MB"] and "arctopk at density 0.01" in sparse[-1]
     out = peerd(*base, "--json")
     lines = [json.loads(line) for line in out.stdout.splitlines()]
-    assert lines[2] == {
+    assert lines[3] == {
         "payload": "int8",
         "bytes_per_outer_step": 1_062_500_000,
         "round_s": 85.655,
         "compute_fraction": round(50 / 85.655, 4),
         "hiding_every": 103,
     }
-    for bad in (["--params", "1.5"], ["--mbit", "0"], ["--group", "1"]):
+    for bad in (["--params", "1.5"], ["--mbit", "0"], ["--group", "1"], ["--density", "0"]):
         out = peerd(*base, *bad)
         assert out.returncode == 2 and "Traceback" not in out.stderr and out.stderr.strip(), out
 
@@ -242,7 +261,14 @@ def test_plan_from_a_daemons_run_takes_its_parameter_count_and_step_time(spawn):
     out = peerd("plan", "--run", "plan-run", "--mbit", "100", "--json", *where)
     assert out.returncode == 0, out.stderr
     *payloads, run = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [p["payload"] for p in payloads] == ["int2", "int4", "int8", "fp16", "fp32"]
+    assert [p["payload"] for p in payloads] == [
+        "int2",
+        "int4",
+        "int8",
+        "fp16",
+        "fp32",
+        "arctopk",
+    ]  # 9 values: a row pads
     assert run["run_id"] == "plan-run" and run["from_daemon"] == ["params", "step_seconds", "every", "overlap"]
     assert run["inputs"]["params"] == 9 and run["inputs"]["step_seconds"] > 0, run
     assert run["inputs"]["every"] == 10 and run["inputs"]["group"] == DEFAULT_GROUP and not run["inputs"]["overlap"]

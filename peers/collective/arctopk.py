@@ -1,52 +1,57 @@
 """ARC-Top-K: a top-k compressor whose k indices every member derives alike, so that the k values
 travel as one dense vector through an ordinary all-reduce (no indices on the wire, no all-gather).
+A run's `averaging.payload = "arctopk"`, with `averaging.density` of the rows.
 
-    V = sketch_matrix(seed, ROW, r)                # the same on every member (a seed the run shares)
-    owed = owe(x, residual, decay)                 # this phase's vector and what earlier rounds kept
-    s = sketch(owed, V)                            # rows x r: this member's sketch
-    ...all-reduce s (mean)...
+    V = sketch_matrix(seed)                        # the same on every member (a seed the run shares)
+    s = sketch(x, V)                               # rows x r: this member's sketch of P + residual
+    ...all-reduce s (mean, float32)...
     rows = select(mean_s, k)                       # the same k rows on every member
-    v = split(owed, rows, "int8", residual)        # k x ROW values as the codec delivers them
+    v = gather(x, rows), as VALUES delivers them   # k x ROW values, then the selection check
     ...all-reduce v (mean)...
-    scatter(v, rows, out)                          # the mean where it was sent, zeros elsewhere
+    scatter(v, rows, x)                            # the mean where it was sent, zeros elsewhere
+    split(x_before, rows, VALUES, residual)        # daemon/diloco.py: what this member did not send
 
 After Chen et al., "Communication-Efficient Distributed Learning with All-Reduce Compatible Top-K
-Compressor": a vector is cut into rows of `row` values (the last one padded with zeros); a row's
-sketch is its product with a random Gaussian matrix V (row x r) that every member draws from the
+Compressor": a vector is cut into rows of ROW values (the last one padded with zeros); a row's
+sketch is its product with a random Gaussian matrix V (ROW x RANK) that every member draws from the
 same seed; the group averages the sketches, and every member ranks the rows by the squared norm of
 the averaged sketch and keeps the k largest. Rows, not single values, are the unit: a row is a
-whole number of the codec's blocks (peers/collective/codec.py), so the dense k-vector is encoded,
-cut into packets and lost by blocks as any other payload. Ties in the ranking go to the lower row,
-so members that hold the same averaged sketch derive the same rows (`select`; the engines give
-every member the same bytes of a mean).
+whole number of the codec's blocks (peers/collective/codec.py), so the dense k-vector is encoded
+and cut as any other payload. Ties in the ranking go to the lower row, so members that hold the
+same averaged sketch derive the same rows (`select`); the reliable engine's verdict makes every
+completer's mean the same bytes, and the values' all-reduce carries a check (`check_values`) that
+fails on every member if one selected other rows (arctopk_round.py, the round; this module is numpy
+only: the manifest names its payload in daemons that never load torch). A run's rounds use the reliable
+engine: the loss-tolerant engine's PARTIAL means differ between members, and so would the rows.
 
-Error feedback is the residual's (codec.with_feedback's, as the dense payloads use it): what a member
-did not send, its rows outside the k and the quantization error of those inside, stays in its
-residual (`split`) and is added to the next round's vector times `decay`, β (`owe`: SparseLoCo's
-decayed error feedback). β = 1, the whole residual, diverges under DiLoCo (docs/benchmarks.md): θ
-does not move at a row left out, so each next phase, starting again from θ, learns the row's
-progress again and adds it to the residual once more, and a row that waits n rounds goes out with
-n copies of it. β < 1 keeps at most 1 / (1 - β) copies: in bench.diloco_sim β = 0.5 with outer
-momentum 0 trains at every density tried (0.01 to 0.5), though behind dense int8, and β = 0.95
-(SparseLoCo's) still overshoots at 0.05 and 0.1. The paper's EF21M (momentum error feedback) is not
-used (nor tried).
+Error feedback (daemon/diloco.py, OuterLoop): what a member did not send, its rows outside the k and
+the rounding error of those inside (`split`), stays in its own parameters, which start the next
+phase from θ minus it, not in a residual added to the next round's vector. The residual's way
+diverged under DiLoCo (docs/benchmarks.md, "ARC-Top-K"): θ does not move at a row left out, so the
+next phase, starting again from θ, learned the row's progress again and added it once more, and a
+row that waited n rounds went out with n copies of it. Kept in the parameters, it is learned once.
 
-Bytes per value, for `density` d of the rows: the sketch, r values per row, plus d of the values,
-each in the format its all-reduce uses. bench.diloco_sim (the one caller yet) averages the sketch as
-fp32 (4 r / row bytes per value) and the rows in `--values` format: with row 1024, r 4 and int8 rows
-(1 + 4/64 bytes a value), about 0.016 + d x 1.06 bytes; at d = 0.01, 0.026 bytes per value, 150x
-fewer than float32's 4 (an int8 sketch would make it 0.004 + d x 1.06: 270x at d = 0.01).
+Bytes per value, for `density` d of the rows: the sketch, RANK float32 values per ROW values
+(0.016 bytes per value), plus d x VALUES' 1 + 4/64 bytes, plus a block for the check: about
+0.016 + 1.06 d bytes per value, against int8's 1.06 and float32's 4.
 """
 
 from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
 
 import numpy as np
 
 from peerd.peers.collective.codec import Codec, Format, with_feedback
 from peerd.peers.collective.wire import BLOCK
 
+PAYLOAD = "arctopk"  # its name as a run's payload (averaging.payload)
 ROW = 1024  # values per row, the unit of selection: 16 codec blocks
 RANK = 4  # r: the sketch's values per row
+VALUES = Format.INT8  # the rows' format in a run's rounds
+DENSITY = 0.5  # a run's averaging.density unless its manifest says otherwise
+CHECK = BLOCK  # values of the selection check sent after the rows: one codec block
 
 
 def rows_of(n: int, row: int = ROW) -> int:
@@ -59,6 +64,12 @@ def keep(n: int, density: float, row: int = ROW) -> int:
     if not 0 < density <= 1:
         raise ValueError(f"density must be in (0, 1], not {density!r}")
     return min(rows_of(n, row), max(1, round(density * rows_of(n, row))))
+
+
+def round_bytes(n: int, density: float) -> int:
+    """The bytes of the two vectors a round all-reduces for a vector of n values: the sketch in
+    float32 and the k rows in VALUES with the check (peers/collective/wire.payload_size's)."""
+    return 4 * rows_of(n) * RANK + Codec(VALUES).size(keep(n, density) * ROW + CHECK)
 
 
 def sketch_matrix(seed: int, row: int = ROW, rank: int = RANK) -> np.ndarray:
@@ -104,15 +115,6 @@ def scatter(values: np.ndarray, rows: np.ndarray, out: np.ndarray, row: int = RO
         out[:] = grid.reshape(-1)[: len(out)]
 
 
-def owe(x: np.ndarray, residual: np.ndarray, decay: float = 1.0) -> np.ndarray:
-    """What a member sketches and sends from: this phase's vector plus `decay` (SparseLoCo's β) times
-    its residual. Below 1, progress a row kept for n rounds counts β^n, so a row that waits is not
-    sent with every phase's re-learned copy of the same progress; 1: the whole residual."""
-    if not 0 <= decay <= 1:
-        raise ValueError(f"decay must be in [0, 1], not {decay!r}")
-    return x + np.float32(decay) * residual
-
-
 def split(owed: np.ndarray, rows: np.ndarray, fmt: Format | str, residual: np.ndarray, row: int = ROW) -> np.ndarray:
     """Error feedback for one round, after `select`: `owed` is this phase's vector plus the residual
     (float32, what was sketched); returns the values this member sends (gathered at `rows`, as the
@@ -125,3 +127,26 @@ def split(owed: np.ndarray, rows: np.ndarray, fmt: Format | str, residual: np.nd
     scatter(values, rows, sent, row)
     np.subtract(owed, sent, out=residual)  # outside rows: owed; inside: owed - delivered
     return values
+
+
+class Selected(NamedTuple):
+    """The rows a round averaged, and the format their values went in (what this member sent of
+    them is `split`'s values for that format)."""
+
+    rows: np.ndarray
+    fmt: str
+
+
+def check_values(rows: np.ndarray) -> np.ndarray:
+    """CHECK values of ±1, the bits of a digest of `rows`: averaged with the rows' values, they stay
+    ±1 only where every member selected the same rows (`agree`)."""
+    digest = hashlib.blake2b(np.ascontiguousarray(rows, np.int64).tobytes(), digest_size=CHECK // 8).digest()
+    bits = np.unpackbits(np.frombuffer(digest, np.uint8))
+    return np.where(bits == 1, np.float32(1), np.float32(-1))
+
+
+def agree(mean: np.ndarray, mine: np.ndarray) -> bool:
+    """Whether the group's mean of the check values is this member's own: a member that selected
+    other rows pulls some of them off ±1 by twice its share of the weight (int8 keeps a share of
+    1/254 and more)."""
+    return bool(np.abs(mean - mine).max() < 1 / 254)

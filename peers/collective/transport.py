@@ -161,3 +161,64 @@ class _FilteredLink(WrappedLink):
 
     def send(self, header: Header, payload: memoryview | None = None) -> int:
         return 0 if self.drop(header) else self.inner.send(header, payload)
+
+
+class Shared:
+    """One started transport for several engines of one group at once, each under a run tag of its
+    own (its Group's run_id): ARC-Top-K's round runs the sketch's engine and the rows' engine on the
+    one listener the group was formed with (arctopk_round.py). `view(tag)` is the transport an engine
+    is given: its `attach` registers the engine's sink for that tag; once every engine is built,
+    `open()` attaches this router to the transport (connections that arrived before wait for it, and
+    a faster member's may already have), and every message goes to the sink of its header's run tag
+    (a tag of none: the first sink's, whose rule refuses and counts it), and a connection that is
+    lost, to every sink that had a message of it. The owner closes the transport."""
+
+    def __init__(self, inner: Transport):
+        self.inner = inner
+        self.sinks: dict[bytes, Sink] = {}
+        self._seen: dict[Inbound, list[Sink]] = {}
+
+    def open(self) -> None:
+        """Deliver to the sinks registered by now (every engine's: call it once they are built)."""
+        if not self.sinks:
+            raise RuntimeError("no engine is attached to this shared transport")
+        self.inner.attach(self)
+
+    def view(self, tag: bytes) -> Transport:
+        return _View(self, tag)
+
+    def _sink(self, link: Inbound, header: Header) -> Sink:
+        sink = self.sinks.get(header.run_tag) or next(iter(self.sinks.values()))
+        seen = self._seen.setdefault(link, [])
+        if sink not in seen:
+            seen.append(sink)
+        return sink
+
+    def on_header(self, link: Inbound, header: Header) -> memoryview | Action:
+        return self._sink(link, header).on_header(link, header)
+
+    def on_payload(self, link: Inbound, header: Header) -> None:
+        self._sink(link, header).on_payload(link, header)
+
+    def on_lost(self, link: Inbound) -> None:
+        for sink in self._seen.pop(link, None) or list(self.sinks.values())[:1]:
+            sink.on_lost(link)
+
+
+class _View(Transport):
+    def __init__(self, shared: Shared, tag: bytes):
+        self.shared, self.tag = shared, tag
+
+    async def start(self) -> str:
+        raise RuntimeError("a shared transport is started by its owner")
+
+    def attach(self, sink: Sink) -> None:
+        if self.tag in self.shared.sinks:
+            raise RuntimeError("this run tag already has a sink")
+        self.shared.sinks[self.tag] = sink
+
+    async def connect(self, address: str) -> Link:
+        return await self.shared.inner.connect(address)
+
+    async def close(self) -> None:
+        """Nothing: the transport is its owner's to close."""
