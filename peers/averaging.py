@@ -197,7 +197,7 @@ class MoshpitAverager:
         events: PeerEvents | None = None,
         rendezvous: Callable[[int, list[str]], Awaitable[Roll]] | None = None,
         lanes: int = 1,
-        density: float = 0.1,
+        density: float = arctopk.DENSITY,
     ):
         """`rendezvous(round_t, mates)` waits (bounded) for the mates of round_t's group and returns
         where those that will not be there stand (peers/membership.Roll); matchmaking meets the
@@ -357,8 +357,8 @@ class MoshpitAverager:
                         lane=lane,
                         pace=agreed_pace,
                     )
-            gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
             buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
+            gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
             settings = dataclasses.replace(with_gather_timeout(self.settings, gather), payload=payload)
             engine = engine_type(
                 group, transport, vector.numel(), settings=settings, events=self.events, buffers=buffers
@@ -386,9 +386,18 @@ class MoshpitAverager:
                 self.buffers.give(buffers)
 
     async def _top_k(
-        self, vector: torch.Tensor, weight: float, round_t: int, group: Group, transport, gather: float, lane, pace
+        self,
+        vector: torch.Tensor,
+        weight: float,
+        round_t: int,
+        group: Group,
+        transport: FallbackTransport,
+        gather: float,
+        lane: int,
+        pace: Pace,
     ) -> RoundResult:
-        """An ARC-Top-K round of the formed group on its transport (peers/collective/arctopk.py)."""
+        """An ARC-Top-K round of the formed group on its transport (peers/collective/arctopk_round.py);
+        `gather`: the group's gather timeout, each of its two all-reduces'."""
         two = arctopk_round.ArcTopKRound(
             self.run_id,
             group,
