@@ -54,6 +54,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from peerd.daemon.flat import from_flat, to_flat
@@ -117,7 +118,7 @@ def cancelled(results: list[RoundResult]) -> bool:
 MAX_OWED = 2  # rounds in a row a member may owe; the next takes its own outer step (it still trains)
 # Elements a pass over the vector takes at a time where it would otherwise need a model-sized
 # temporary (P read again, the codec's error feedback, a distance): 4 MiB of float32, whole codec blocks.
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # a whole number of ARC-Top-K's rows too (arctopk.ROW)
 ENDED_POLL = 0.05  # seconds between two looks of a worker thread at a round in flight that it waits for
 
 
@@ -182,6 +183,7 @@ class OuterLoop:
         self._chunk = None if settings.overlap else torch.empty(min(CHUNK, n))
         self._kept = torch.empty(min(CHUNK, n))  # a chunk of the residual or of P, for the codec
         self._top_k = settings.payload == arctopk.PAYLOAD  # rows selected per round, carried (`_carry`)
+        self._rows = None  # ARC-Top-K: the rows the round being applied averaged (None: every value is own)
         # its scratch serves every chunk; ARC-Top-K's payload is float32 (the round encodes the rows)
         self._codec = codec.Codec("fp32" if self._top_k else settings.payload)
         self._y = None  # y of the phase whose round runs (the parameters' vector, or the scratch copy)
@@ -435,6 +437,7 @@ class OuterLoop:
         were averaged (alone, no group, a round that failed and is not owed: the outer step takes
         the member's own P + residual whole)."""
         selected = next((r.selected for r in results if r.selected is not None and r.applied), None)
+        self._rows = None if selected is None else selected.rows
         if selected is None:
             self.residual.zero_()
             return
@@ -477,11 +480,20 @@ class OuterLoop:
     def _apply(self, repaired: bool) -> None:
         """The round's result is in `payload` (its mean where it applied, this member's own values
         elsewhere): a repair adopts it as θ, a pseudo-gradient takes an outer step. Before that,
-        how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|)."""
+        how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|; for
+        ARC-Top-K, over the rows averaged: the others hold no mean)."""
         self._before_change()
         squares = 0.0
+        averaged = None
+        if self._top_k and self._rows is not None and not repaired:
+            averaged = np.zeros(arctopk.rows_of(self.n), bool)
+            averaged[self._rows] = True
         for a, b in self._spans(0, self.n):
-            if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
+            if averaged is not None:  # spans are whole rows but the vector's last
+                apart = torch.sub(self._progress(a, b), self.payload[a:b]).numpy()
+                rows = np.repeat(averaged[a // arctopk.ROW : -(-b // arctopk.ROW)], arctopk.ROW)[: b - a]
+                squares += float(np.square(apart[rows], dtype=np.float64).sum())
+            elif repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
                 squares += float(self._progress(a, b).sub_(self.theta[a:b]).add_(self.payload[a:b]).norm()) ** 2
             else:
                 squares += float(torch.dist(self._progress(a, b), self.payload[a:b])) ** 2

@@ -502,6 +502,7 @@ def test_arctopk_keeps_what_a_member_did_not_send_in_its_parameters_not_in_a_res
         run(loop.end_phase(2, 1.0))
     assert torch.equal(loop.theta[:row], torch.full((row,), -0.125))  # the mean 0.125 at row 0, lr 1
     assert torch.equal(loop.theta[row:], torch.zeros(row))  # row 1 was not sent: θ stays
+    assert loop.distance == pytest.approx(0.125 * row**0.5)  # |P − P̄| over row 0 only: row 1 had no mean
     assert torch.equal(loop.residual, torch.zeros(n))
     ahead = -0.25 if overlap else 0.0  # with overlap, phase 2's own progress since the round began
     assert torch.equal(p[0][:row], loop.theta[:row] + ahead)
