@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -118,7 +119,7 @@ def cancelled(results: list[RoundResult]) -> bool:
 MAX_OWED = 2  # rounds in a row a member may owe; the next takes its own outer step (it still trains)
 # Elements a pass over the vector takes at a time where it would otherwise need a model-sized
 # temporary (P read again, the codec's error feedback, a distance): 4 MiB of float32, whole codec blocks.
-CHUNK = 1 << 20  # a whole number of ARC-Top-K's rows too (arctopk.ROW)
+CHUNK = 1 << 20
 ENDED_POLL = 0.05  # seconds between two looks of a worker thread at a round in flight that it waits for
 
 
@@ -183,7 +184,7 @@ class OuterLoop:
         self._chunk = None if settings.overlap else torch.empty(min(CHUNK, n))
         self._kept = torch.empty(min(CHUNK, n))  # a chunk of the residual or of P, for the codec
         self._top_k = settings.payload == arctopk.PAYLOAD  # rows selected per round, carried (`_carry`)
-        self._rows = None  # ARC-Top-K: the rows the round being applied averaged (None: every value is own)
+        self._distance = math.nan  # ARC-Top-K: the distance `_owe` measured, over the rows averaged
         # its scratch serves every chunk; ARC-Top-K's payload is float32 (the round encodes the rows)
         self._codec = codec.Codec("fp32" if self._top_k else settings.payload)
         self._y = None  # y of the phase whose round runs (the parameters' vector, or the scratch copy)
@@ -432,19 +433,26 @@ class OuterLoop:
             codec.with_feedback(sent.numpy(), self.residual[a:b].numpy(), self.settings.payload, self._codec)
 
     def _owe(self, results: list[RoundResult]) -> None:
-        """ARC-Top-K's error feedback: the residual becomes what this member owed (P + residual) less
-        what it sent, its rows as their format delivers them (arctopk.split); nothing where no rows
-        were averaged (alone, no group, a round that failed and is not owed: the outer step takes
-        the member's own P + residual whole)."""
-        selected = next((r.selected for r in results if r.selected is not None and r.applied), None)
-        self._rows = None if selected is None else selected.rows
-        if selected is None:
-            self.residual.zero_()
-            return
-        owed = torch.empty(self.n)
-        for a, b in self._spans(0, self.n):
-            torch.add(self._progress(a, b), self.residual[a:b], out=owed[a:b])
-        arctopk.split(owed.numpy(), selected.rows, selected.fmt, self.residual.numpy())
+        """ARC-Top-K's error feedback, per lane: the residual becomes what this member owed there
+        (P + residual) less what it sent, its rows as their format delivers them (arctopk.split);
+        nothing in a lane where no rows were averaged (alone, no group, a round that failed and is
+        not owed: the outer step takes the member's own P + residual whole). And this member's
+        distance to the group's mean over the rows averaged (NaN where none was)."""
+        selected = {r.lane: r.selected for r in results if r.selected is not None and r.applied}
+        squares = 0.0
+        for lane, (a, b) in enumerate(lane_bounds(self.n, self.settings.lanes)):
+            if lane not in selected:
+                self.residual[a:b].zero_()
+                continue
+            rows, fmt = selected[lane]
+            p = torch.empty(b - a)  # P of the lane (read again a chunk at a time where it is not kept)
+            for c, d in self._spans(a, b):
+                p[c - a : d - a] = self._progress(c, d)
+            apart = arctopk.gather(p.numpy(), rows) - arctopk.gather(self.payload[a:b].numpy(), rows)
+            squares += float(np.square(apart, dtype=np.float64).sum())
+            owed = p.add_(self.residual[a:b])
+            arctopk.split(owed.numpy(), rows, fmt, self.residual[a:b].numpy())
+        self._distance = squares**0.5 if selected else math.nan
 
     def _carry(self, into: torch.Tensor) -> torch.Tensor:
         """ARC-Top-K: what this member did not send stays in its inner parameters, not in the
@@ -483,21 +491,16 @@ class OuterLoop:
         how far this member was from the group's mean: |P − P̄| (for a repair, |θ − P − mean|; for
         ARC-Top-K, over the rows averaged: the others hold no mean)."""
         self._before_change()
-        squares = 0.0
-        averaged = None
-        if self._top_k and self._rows is not None and not repaired:
-            averaged = np.zeros(arctopk.rows_of(self.n), bool)
-            averaged[self._rows] = True
-        for a, b in self._spans(0, self.n):
-            if averaged is not None:  # spans are whole rows but the vector's last
-                apart = torch.sub(self._progress(a, b), self.payload[a:b]).numpy()
-                rows = np.repeat(averaged[a // arctopk.ROW : -(-b // arctopk.ROW)], arctopk.ROW)[: b - a]
-                squares += float(np.square(apart[rows], dtype=np.float64).sum())
-            elif repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
-                squares += float(self._progress(a, b).sub_(self.theta[a:b]).add_(self.payload[a:b]).norm()) ** 2
-            else:
-                squares += float(torch.dist(self._progress(a, b), self.payload[a:b])) ** 2
-        self.distance = squares**0.5
+        if self._top_k and not repaired:
+            self.distance = self._distance  # `_owe` measured it
+        else:
+            squares = 0.0
+            for a, b in self._spans(0, self.n):
+                if repaired:  # |P − θ + mean| = |θ − P − mean|, in P's buffer: P is not needed once applied
+                    squares += float(self._progress(a, b).sub_(self.theta[a:b]).add_(self.payload[a:b]).norm()) ** 2
+                else:
+                    squares += float(torch.dist(self._progress(a, b), self.payload[a:b])) ** 2
+            self.distance = squares**0.5
         if repaired:
             self.theta.copy_(self.payload)
         else:

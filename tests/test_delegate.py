@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from peerd.peers.averaging import RoundResult
+from peerd.peers.collective import arctopk
 from peerd.peers.collective.codec import Codec
 from peerd.peers.collective.outcome import Outcome, Status
 from peerd.peers.dear.delegate import (
@@ -167,3 +168,39 @@ def test_the_leader_averages_its_lanes_and_takes_each_owners_mean_or_keeps_its_o
             assert "no answer (RuntimeError: connection refused)" in results[2].reason and not rejected
         else:  # the results of lane 1 where lane 2 was asked
             assert "no answer (Refused: results for lanes [1]" in results[2].reason and len(rejected) == 1
+
+
+def test_an_arctopk_answer_carries_each_lanes_rows_and_their_mean_in_int8():
+    """The owner's ARC-Top-K round of lane 0 averaged rows 0 and 2 of its 3 (their mean in int8
+    blocks, zeros elsewhere: exact in int8); lane 1 met no group. The answer carries lane 0's rows
+    as a bit mask after the values, and the asker gets them back as the result's `selected`."""
+    n, lanes, row = 6144, 2, arctopk.ROW  # lanes of 3,072 values: 3 rows each
+    vector = torch.zeros(n)
+    mean = np.random.default_rng(1).standard_normal(2 * row).astype(np.float32)
+    Codec("int8").roundtrip(mean)
+    arctopk.scatter(mean, np.array([0, 2]), vector[: 3 * row].numpy())
+    results = [
+        RoundResult(7, 2, outcome(7), "done", lane=0, selected=arctopk.Selected(np.array([0, 2]), "int8")),
+        RoundResult(7, 1, None, "no group: gone", planned=1, lane=1),
+    ]
+    data = encode_answer(results, vector, lanes, "arctopk")
+    header, rest = body(data)
+    assert header["values"] == "int8" and header["results"][0]["rows"] == "int8" and "rows" not in header["results"][1]
+    assert len(rest) == Codec("int8").size(3 * row) + 1  # the values, then one byte of mask for 3 rows
+    (r0, v0), (r1, v1) = decode_answer(data, n, lanes, [0, 1], 7, "arctopk")
+    assert r0.selected.rows.tolist() == [0, 2] and r0.selected.fmt == "int8" and r1.selected is None and v1 is None
+    assert np.array_equal(v0, vector[: 3 * row].numpy())
+    # A request's P + residual is off the int8 grid: it goes in float32, and decodes for an arctopk round.
+    p = np.random.default_rng(2).standard_normal(3 * row).astype(np.float32)
+    request = encode_request("lead", 7, [1], 3.0, "arctopk", [p])
+    assert body(request)[0]["values"] == "fp32"
+    assert np.array_equal(decode_request(request, n, lanes, owned=(1,)).values, p)
+    for bad, why in (
+        (data[:-1] + bytes([0b11110000]), "bits past its 3 rows"),
+        (data[:-1] + bytes([0]), "a mask with no row"),
+        (data[:-2] + data[-1:], "bytes of values where"),  # a value byte short
+    ):
+        with pytest.raises(Refused, match=why):
+            decode_answer(bad, n, lanes, [0, 1], 7, "arctopk")
+    with pytest.raises(Refused, match="rows in 'int8' for lane 0 of a int8 round"):
+        decode_answer(data, n, lanes, [0, 1], 7, "int8")

@@ -539,3 +539,32 @@ def test_arctopk_carries_the_rows_rounding_error_and_a_round_without_rows_takes_
     assert torch.allclose(loop.theta, p[0]) and torch.equal(loop.residual, torch.zeros(n))
     assert not torch.equal(loop.theta, theta)
     loop.close()
+
+
+def test_arctopk_with_lanes_takes_each_lanes_rows_from_its_own_start():
+    """Two lanes of two rows each: lane 0's round averaged its row 1, lane 1's its row 0 (rows count
+    from each lane's start). θ moves at the vector's rows 1 and 2; rows 0 and 3 stay in the
+    parameters, and the distance is over the two rows averaged."""
+    row = arctopk.ROW
+
+    def step(round_t, vector):
+        results = []
+        for lane, own_row in ((0, 1), (1, 0)):
+            part = vector[2 * row * lane : 2 * row * (lane + 1)].numpy()
+            sent = arctopk.gather(part, np.array([own_row]))
+            arctopk.scatter(sent * np.float32(0.5), np.array([own_row]), part)
+            done = Outcome(Status.COMPLETED, "emulated", 1, ("a", "b"), (1.0,), 0, 0, 0.1, b"d")
+            chosen = arctopk.Selected(np.array([own_row]), "fp32")
+            results.append(RoundResult(round_t, 2, done, "emulated", lane=lane, selected=chosen))
+        return results
+
+    p = [torch.zeros(4 * row)]
+    settings = OuterSettings(lr=1.0, momentum=0.0, payload="arctopk", lanes=2)
+    loop = OuterLoop(p, settings, Script({1: step}), "k")
+    p[0] -= torch.tensor([1.0, 2.0, 3.0, 4.0]).repeat_interleave(row)  # P: 1, 2, 3, 4 by row
+    run(loop.end_phase(1, 1.0))
+    assert torch.equal(loop.theta, torch.tensor([0.0, -1.0, -1.5, 0.0]).repeat_interleave(row))
+    assert torch.equal(p[0], loop.theta - torch.tensor([1.0, 0.0, 0.0, 4.0]).repeat_interleave(row))
+    assert torch.equal(loop.residual, torch.zeros(4 * row))
+    assert loop.distance == pytest.approx(((1.0**2 + 1.5**2) * row) ** 0.5)
+    loop.close()

@@ -242,8 +242,8 @@ def check(a, b, c, procs, tmp_path):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("label", ["rack", "auto"])
-def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wan_peer(spawn, label):
+@pytest.mark.parametrize("label, payload", [("rack", "int8"), ("auto", "int8"), ("rack", "arctopk")])
+def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wan_peer(spawn, label, payload):
     """A built-in task's run with --local-group on two daemons trains in their children (no thread),
     under DiLoCo, as one WAN peer beside a third daemon, each of the group's daemons averaging one of
     the run's two lanes over its own link (peers/dear/delegate.py): the follower announces itself
@@ -251,9 +251,9 @@ def test_a_task_run_with_a_local_group_trains_under_diloco_in_children_as_one_wa
     only mate, both of the group's daemons complete rounds (lane 1's are the follower's), and every
     daemon ends at the run's last step with a trained model. The group by its label, or by the links
     its daemons measured between them (`auto`: loopback passes the thresholds; c, unlabelled, is no
-    member)."""
+    member). With ARC-Top-K (`arctopk`) each lane's rows travel back with its mean."""
     task = ["--run", "spantask", "--task", "digits-mlp", "--set", "averaging.average_every=10", "--max-steps", "120"]
-    task += ["--set", "averaging.lanes=2"]
+    task += ["--set", "averaging.lanes=2", "--set", f"averaging.payload={payload}"]
     common = [*task, "--min-peers", "3", "--eval-every", "1000", "--torch-threads", "1"]
     a = spawn("spant-a", [*common, "--local-group", label])
     b = spawn("spant-b", [*common, "--local-group", label, "--initial-peers", a.maddrs[0]])

@@ -30,6 +30,10 @@ format the header's `values` names: the round's payload (int8: 1 + 4/64 bytes a 
 than float32) where every lane's values are on that format's grid already (a codec roundtrip gives
 them back exactly, as DiLoCo's error feedback and the engines' outputs leave them), else float32.
 So the group's own link carries what the WAN does, and the values arrive exactly as they were.
+ARC-Top-K rounds (payload "arctopk"): a request's P + residual goes in float32, an answer's mean in
+the rows' format (int8: its rows as delivered, zeros elsewhere), and after the values, for each
+lane whose round averaged rows, a bit mask of them (one bit per row of the lane; the result's
+`rows` names their format), from which the leader's error feedback takes what it did not send.
 Every field is checked before it is used, and what does not check out is refused with a reason
 (`Refused`).
 """
@@ -37,6 +41,7 @@ Every field is checked before it is used, and what does not check out is refused
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -47,6 +52,7 @@ import numpy as np
 import torch
 
 from peerd.peers.averaging import RoundResult
+from peerd.peers.collective import arctopk
 from peerd.peers.collective.codec import Codec, Format
 from peerd.peers.collective.outcome import Outcome, Status
 from peerd.peers.collective.wire import WireError
@@ -93,10 +99,17 @@ def _split(data: bytes) -> tuple[dict, memoryview]:
     return header, memoryview(data)[end + 1 :]
 
 
+def _format_of(payload: str) -> str:
+    """The codec format a round's lanes may travel in: the payload's, or for arctopk its rows' (an
+    answer's mean, the rows' values as they were delivered and zeros, is exact in it; a request's
+    P + residual is not, and goes in float32)."""
+    return arctopk.VALUES.value if payload == arctopk.PAYLOAD else payload
+
+
 def _pack(parts: Sequence[np.ndarray], payload: str) -> tuple[str, bytes]:
     """The lanes' values (one float32 array per lane) as (their format, their bytes): each lane in
     the payload's format where that loses nothing for every lane, else all in float32."""
-    codec = Codec(payload)
+    codec = Codec(_format_of(payload))
     if codec.format is not Format.FP32:
         encoded, exact = [], True
         for values in parts:
@@ -161,10 +174,11 @@ def decode_request(data: bytes, n: int, lanes: int, owned: Sequence[int]) -> Lan
     if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
         raise Refused(f"weight {weight!r} is not a sample count")
     try:
-        Format(payload)
+        fmt = _format_of(payload)
+        Format(fmt)
     except ValueError:
         raise Refused(f"payload {payload!r} is not a format") from None
-    values = _values(body, header.get("values"), _lane_sizes(n, lanes, which), ("fp32", payload))
+    values = _values(body, header.get("values"), _lane_sizes(n, lanes, which), ("fp32", fmt))
     return LaneRequest(leader, round_t, tuple(which), float(weight), payload, values)
 
 
@@ -179,17 +193,25 @@ def _result_json(r: RoundResult) -> dict:
         "interrupted": r.interrupted,
         "cancelled": r.cancelled,
         "outcome": None if o is None else {**o.as_dict(), "duration": o.duration, "digest": o.digest.hex()},
+        **({} if r.selected is None else {"rows": r.selected.fmt}),  # the rows' format; their mask ends the body
     }
 
 
 def encode_answer(results: Sequence[RoundResult], vector: torch.Tensor, lanes: int, payload: str) -> bytes:
     """The results of the lanes averaged here and, for each lane that applied, its values (in lane
-    order; `vector` is the whole vector those lanes were averaged in, in `payload`'s rounds)."""
+    order; `vector` is the whole vector those lanes were averaged in, in `payload`'s rounds); after
+    them, for each ARC-Top-K lane that averaged rows, its rows as a bit mask (`_masks`)."""
     bounds = lane_bounds(vector.numel(), lanes)
     parts = [vector[bounds[r.lane][0] : bounds[r.lane][1]].numpy() for r in results if r.applied]
     fmt, body = _pack(parts, payload)
+    masks = b""
+    for r in results:
+        if r.selected is not None:
+            rows = np.zeros(arctopk.rows_of(bounds[r.lane][1] - bounds[r.lane][0]), bool)
+            rows[r.selected.rows] = True
+            masks += np.packbits(rows).tobytes()
     header = {"results": [_result_json(r) for r in results], "values": fmt}
-    return json.dumps(header).encode() + b"\n" + body
+    return json.dumps(header).encode() + b"\n" + body + masks
 
 
 def encode_refusal(why: str) -> bytes:
@@ -216,13 +238,15 @@ def decode_answer(
     data: bytes, n: int, lanes: int, asked: Sequence[int], round_t: int, payload: str
 ) -> list[tuple[RoundResult, np.ndarray | None]]:
     """Each asked lane's result (marked `delegated`: the other daemon counted it as its round) and,
-    where it applied, its values. Raises Refused: a lane not asked or missing, sizes that differ."""
+    where it applied, its values; an ARC-Top-K lane's result says which rows it averaged (`selected`).
+    Raises Refused: a lane not asked or missing, sizes that differ, rows of a lane that did not apply."""
     header, body = _split(data)
     if "refused" in header:
         raise OwnerRefused(f"refused: {header['refused']}")
     try:
-        results = []
+        results, formats = [], []
         for r in header["results"]:
+            formats.append(r.get("rows"))
             outcome = None if r["outcome"] is None else _outcome(r["outcome"])
             results.append(
                 RoundResult(
@@ -242,8 +266,9 @@ def decode_answer(
         raise Refused(f"a result that does not parse: {type(e).__name__}: {e}") from None
     if [r.lane for r in results] != list(asked):
         raise Refused(f"results for lanes {[r.lane for r in results]} where lanes {list(asked)} were asked")
+    body, results = _rows(body, results, formats, n, lanes, payload)
     applied = [r.lane for r in results if r.applied]
-    values = _values(body, header.get("values"), _lane_sizes(n, lanes, applied), ("fp32", payload))
+    values = _values(body, header.get("values"), _lane_sizes(n, lanes, applied), ("fp32", _format_of(payload)))
     out, offset = [], 0
     sizes = dict(zip(applied, _lane_sizes(n, lanes, applied)))
     for r in results:
@@ -253,6 +278,35 @@ def decode_answer(
         else:
             out.append((r, None))
     return out
+
+
+def _rows(
+    body: memoryview, results: list[RoundResult], formats: list, n: int, lanes: int, payload: str
+) -> tuple[memoryview, list[RoundResult]]:
+    """The body's values, and the results with the rows each ARC-Top-K lane averaged: a bit mask per
+    such lane (in result order) ends the body, one bit per row of the lane."""
+    which = [r.lane for r in results]
+    sizes = dict(zip(which, _lane_sizes(n, lanes, which)))
+    spans, end = [], len(body)
+    for r, fmt in reversed(list(zip(results, formats))):
+        if fmt is None:
+            continue
+        if payload != arctopk.PAYLOAD or fmt not in ("fp32", _format_of(payload)) or not r.applied:
+            raise Refused(f"rows in {fmt!r} for lane {r.lane} of a {payload} round that applied={r.applied}")
+        rows = arctopk.rows_of(sizes[r.lane])
+        start = end - -(-rows // 8)
+        if start < 0:
+            raise Refused(f"no room for lane {r.lane}'s rows in {len(body)} bytes")
+        spans.append((r, fmt, rows, body[start:end]))
+        end = start
+    chosen = {}
+    for r, fmt, rows, mask in spans:
+        bits = np.unpackbits(np.frombuffer(mask, np.uint8))
+        if bits[rows:].any() or not bits[:rows].any():
+            raise Refused(f"lane {r.lane}'s rows: a mask with no row, or bits past its {rows} rows")
+        chosen[r.lane] = arctopk.Selected(np.flatnonzero(bits[:rows]), fmt)
+    out = [r if r.lane not in chosen else dataclasses.replace(r, selected=chosen[r.lane]) for r in results]
+    return body[:end], out
 
 
 Own = Callable[[list[int]], Awaitable[list[RoundResult]]]  # this daemon's rounds of these lanes
