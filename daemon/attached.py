@@ -347,6 +347,10 @@ class AttachedTrainer:
         )
         self.on_role, self.lease_seconds = on_role, lease_seconds
         self._announced = IDLE  # the role last handed to on_role: what the peers see
+        # Announcements one at a time, each of the role this daemon has when it is made: an attach
+        # (its thread) and a placement (the span's beat) each announce, and the later must not hand
+        # on_role a role read before the other changed it (`_announce`).
+        self._roles = threading.Lock()
         self.lanes = lanes  # the run's averaging.lanes
         # The run's averaging.algorithm (daemon/algorithms.py): what the vector holds (the parameters,
         # or a whole state vector), what peers download and checkpoints keep, and the round.
@@ -635,7 +639,7 @@ class AttachedTrainer:
             self.error = self._passed_over
             self._publish_theta()
         self._phase_began = time.monotonic()
-        self._announce(self.role)
+        self._announce()
         logger.info(
             "run %s: process %d attached (%s) at step %d%s",
             self.run_id,
@@ -782,7 +786,7 @@ class AttachedTrainer:
         # (a group whose first epoch holds two daemons at once: the follower stayed a "trainer" to
         # its peers, who planned it as a mate at every round and waited for it).
         if active and (self.role != self._announced or self.delegation != lanes):
-            self._announce(self.role)  # announced now: peers plan this round's lanes from it
+            self._announce()  # announced now: peers plan this round's lanes from it
         logger.info(
             "run %s: local group epoch %d: ranks %d..%d of %d, %s",
             self.run_id,
@@ -1243,9 +1247,16 @@ class AttachedTrainer:
         logger.info("run %s: process %d detached (%s) at step %d", self.run_id, s.pid, why, self.global_step)
         self._announce(IDLE)
 
-    def _announce(self, role: str) -> None:
-        self._announced = role
-        self.on_role(role)
+    def _announce(self, role: str | None = None) -> None:
+        """Hand the peers `role`, or (None) this daemon's role now, read under the lock that orders
+        the announcements: nothing while no process is attached (a detach announces IDLE itself)."""
+        with self._roles:
+            if role is None:
+                if not self.members:
+                    return
+                role = self.role
+            self._announced = role
+            self.on_role(role)
 
     async def _beat(self) -> None:
         """The span's beat, every groupspan.TICK s (its store operations block: in a worker thread)."""

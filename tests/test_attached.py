@@ -519,3 +519,34 @@ def test_a_daemon_placed_as_a_follower_announces_it_though_its_coordinator_chang
     finally:
         t.stop()
     assert roles[-1] == IDLE
+
+
+def test_a_placement_during_the_attachs_announcement_is_announced_after_it_not_before(tmp_path):
+    """The attach (its thread) read its role, trainer, and was handing it to the peers when the
+    span's beat placed the daemon as a follower: the placement's announcement waits for the attach's
+    and then says follower, where before it went first and the attach's stale trainer stayed until
+    the next epoch (the peers planned this daemon as a round mate meanwhile)."""
+    roles, handing, release = [], threading.Event(), threading.Event()
+
+    def on_role(role):
+        if not roles and not handing.is_set():  # the attach's: held until the placement is under way
+            handing.set()
+            release.wait(10)
+        roles.append(role)
+
+    t = trainer(tmp_path, HalfMean(), on_role=on_role)
+    try:
+        attaching = threading.Thread(target=t.attach, kwargs=dict(pid=0, device="cpu", step=0))
+        attaching.start()
+        assert handing.wait(10)
+        t.span = types.SimpleNamespace(coordinator="b", peer_id="a", label="rack", host="127.0.0.1", close=lambda: None)
+        placing = threading.Thread(target=t.placed, args=(Placement(2, 1, 1, 2, "tcp://127.0.0.1:1", ("b", "a")),))
+        placing.start()
+        placing.join(0.3)  # it reached the announcement, or is about to
+        release.set()
+        attaching.join(10)
+        placing.join(10)
+        assert roles == [TRAINER, FOLLOWER]
+    finally:
+        release.set()
+        t.stop()
