@@ -28,6 +28,8 @@ from peerd.peers.collective.arctopk import (
 )
 from peerd.peers.collective.arctopk_round import ArcTopKRound
 from peerd.peers.collective.codec import Codec
+from peerd.peers.collective.transport import Action, Shared
+from peerd.peers.collective.wire import Header, Kind
 from peerd.peers.events import PeerEvents
 
 ROW = 128  # two codec blocks: small vectors in these tests
@@ -243,3 +245,63 @@ def test_the_check_values_are_the_rows_digest_and_agree_only_with_the_same_selec
     mixed = (2 * a + b) / 3  # one member of three selected other rows
     Codec("int8").roundtrip(mixed)
     assert not agree(mixed, a) and not agree(mixed, b)
+
+
+def test_a_shared_transport_hands_each_message_to_the_sink_of_its_run_tag():
+    """transport.Shared, the router of ARC-Top-K's two engines: by the header's run tag (a tag of
+    neither: the first sink, whose rule refuses it), a lost connection to the sinks that had its
+    messages, and nothing attached to the transport until `open`."""
+
+    class Sink:
+        def __init__(self):
+            self.seen = []
+
+        def on_header(self, link, header):
+            self.seen.append(("header", link, header.run_tag))
+            return Action.SKIP
+
+        def on_payload(self, link, header):
+            self.seen.append(("payload", link, header.run_tag))
+
+        def on_lost(self, link):
+            self.seen.append(("lost", link))
+
+    class Inner:
+        sink = None
+
+        def attach(self, sink):
+            self.sink = sink
+
+    inner, sketches, rows = Inner(), Sink(), Sink()
+    shared = Shared(inner)
+    with pytest.raises(RuntimeError, match="no engine"):
+        shared.open()
+    shared.view(b"sketch..").attach(sketches)
+    shared.view(b"rows....").attach(rows)
+    with pytest.raises(RuntimeError, match="already has a sink"):
+        shared.view(b"rows....").attach(Sink())
+    assert inner.sink is None  # not before both engines are there
+    shared.open()
+    assert inner.sink is shared
+    one, two, three = object(), object(), object()
+    for link, tag in ((one, b"sketch.."), (two, b"rows...."), (three, b"other..."), (one, b"rows....")):
+        h = Header(Kind.CONTRIBUTION, tag, 1, 0, 0)
+        assert shared.on_header(link, h) is Action.SKIP
+        shared.on_payload(link, h)
+    shared.on_lost(one)
+    shared.on_lost(two)
+    assert sketches.seen == [
+        ("header", one, b"sketch.."),
+        ("payload", one, b"sketch.."),
+        ("header", three, b"other..."),
+        ("payload", three, b"other..."),
+        ("lost", one),
+    ]
+    assert rows.seen == [
+        ("header", two, b"rows...."),
+        ("payload", two, b"rows...."),
+        ("header", one, b"rows...."),
+        ("payload", one, b"rows...."),
+        ("lost", one),
+        ("lost", two),
+    ]
