@@ -340,7 +340,7 @@ class MoshpitAverager:
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
             if self.loss_tolerant:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
-            if payload == arctopk.PAYLOAD:  # the run's manifest keeps it to the reliable engine
+            if payload == arctopk.PAYLOAD:
                 gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
                 return await self._top_k(vector, weight, round_t, group, transport, gather, lane, agreed_pace)
             engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
@@ -391,7 +391,7 @@ class MoshpitAverager:
         weight: float,
         round_t: int,
         group: Group,
-        transport: FallbackTransport,
+        transport: FallbackTransport | UdpTransport,
         gather: float,
         lane: int,
         pace: Pace,
@@ -406,6 +406,7 @@ class MoshpitAverager:
             self.density,
             with_gather_timeout(self.settings, gather),
             self.events,
+            lossy=self.loss_tolerant,
         )
         try:
             outcome, selected = await two.all_reduce(vector, float(weight))

@@ -77,7 +77,7 @@ class AveragingSettings:
     # feedback, so quantization loses nothing over time (peers/collective/codec.py). The engines'
     # AllReduceSettings.payload. Or "arctopk": `density` of the rows of 1,024 values, the same rows
     # on every member of a group, in int8, after a sketch of the vector (peers/collective/arctopk.py;
-    # a member keeps what it did not send in its own parameters); reliable engine only.
+    # a member keeps what it did not send in its own parameters).
     payload: str = "int8"
     density: float = arctopk.DENSITY  # arctopk: the share of rows a round sends (docs/benchmarks.md, "ARC-Top-K")
     # A round runs on the network while the next inner steps compute, and its result lands as soon
@@ -103,10 +103,6 @@ class AveragingSettings:
             raise ValueError(f"payload must be one of {', '.join(PAYLOADS)} or arctopk, got {self.payload!r}")
         if not 0 < self.density <= 1:
             raise ValueError(f"density must be in (0, 1], got {self.density}")
-        if self.payload == arctopk.PAYLOAD and self.algorithm == "diloco" and self.engine != "reliable":
-            raise ValueError(
-                "payload=arctopk needs engine=reliable (its rows come from a mean every member holds alike)"
-            )
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from peerd.peers.collective import AllReduceSettings, Group, Status, TcpTransport, arctopk
+from peerd.peers.collective import AllReduceSettings, Group, Status, TcpTransport, UdpTransport, arctopk
 from peerd.peers.collective.arctopk import (
     CHECK,
     agree,
@@ -305,3 +305,50 @@ def test_a_shared_transport_hands_each_message_to_the_sink_of_its_run_tag():
         ("lost", one),
         ("lost", two),
     ]
+
+
+def test_at_10_percent_loss_the_sketch_arrives_whole_and_the_rows_where_their_packets_do():
+    """A loss-tolerant round (UdpTransport, LossyAllReduce for the rows): one datagram in ten that
+    carries the rows' values is dropped, none of the sketch's (it goes over the reliable control
+    links). Every member selects the same rows; each holds the group's mean of them where its
+    packets arrived and its own values elsewhere (PARTIAL), zeros outside them."""
+    rng = np.random.default_rng(8)
+    n, rows = 12 * WIDE, np.array([2, 5, 9])
+    xs = [rng.standard_normal(n).astype(np.float32) * 0.01 for _ in range(3)]
+    for x in xs:
+        x[rows[0] * WIDE : (rows[0] + 1) * WIDE] += 1.0
+        x[rows[1] * WIDE : (rows[1] + 1) * WIDE] -= 2.0
+        x[rows[2] * WIDE : (rows[2] + 1) * WIDE] += 3.0
+    sent = [gather(x, rows) for x in xs]
+    for s in sent:
+        Codec("int8").roundtrip(s)
+    losses = [lambda address, header, r=np.random.default_rng(i): r.random() < 0.1 for i in range(3)]
+
+    async def run():
+        transports = [
+            UdpTransport("127.0.0.1", 0, secret=b"s" * 32, session=b"arctopk", drop=losses[i]) for i in range(3)
+        ]
+        addresses = [await t.start() for t in transports]
+        members = [f"m{i}" for i in range(3)]
+        two = [
+            ArcTopKRound("lossy", Group("lossy", members, addresses, i), t, n, 0.25, SETTINGS, lossy=True)
+            for i, t in enumerate(transports)
+        ]
+        try:
+            return await asyncio.gather(*(r.all_reduce(torch.from_numpy(x), 1.0) for r, x in zip(two, xs)))
+        finally:
+            for r in two:
+                await r.close()
+            for t in transports:
+                await t.close()
+
+    done = asyncio.run(run())
+    assert all(o.applied for o, _ in done), [o.reason for o, _ in done]
+    assert all(s is not None and np.array_equal(s.rows, rows) for _, s in done)
+    mean = np.mean(sent, axis=0)
+    for (o, _), x, own in zip(done, xs, sent):
+        mine = gather(x, rows)
+        near_mean = np.abs(mine - mean) < 2.5 * 3 / 127  # the owner's int8 encoding of the mean
+        assert np.all(near_mean | (mine == own)), o.reason  # the mean, or its own values where lost
+        assert np.count_nonzero(x) <= 3 * WIDE
+    assert any(o.status is Status.PARTIAL for o, _ in done), [o.reason for o, _ in done]  # 10 %: some lost

@@ -26,14 +26,17 @@ def status(d, run: str):
         return next(r for r in c.status().runs if r.run_id == run)
 
 
-@pytest.mark.parametrize("payload", ["int8", "arctopk"])
-def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn, payload):
-    """int8, the default, and ARC-Top-K at its default density (half the rows a round)."""
+@pytest.mark.parametrize(
+    "payload, engine", [("int8", "reliable"), ("arctopk", "reliable"), ("arctopk", "loss-tolerant")]
+)
+def test_three_daemons_with_the_default_algorithm_reach_single_process_accuracy(spawn, payload, engine):
+    """int8, the default, and ARC-Top-K at its default density (half the rows a round), also with
+    the loss-tolerant engine (its rows as UDP datagrams, its sketch over the reliable links)."""
     steps, batch = 600, 32
     # The default schedule: 15 rounds (H = 50, first phases 5, 10, 20, 15).
     rounds = AveragingSettings().phases.round_of(steps)
     create = ["--task", "digits-mlp", "--set", "optimizer=sgd", "--set", "lr=0.05"]
-    create += ["--set", f"averaging.payload={payload}"]
+    create += ["--set", f"averaging.payload={payload}", "--set", f"averaging.engine={engine}"]
     args = ["--run", "dl", "--max-steps", str(steps), "--min-peers", "3", *RUN_ARGS, *FAST_DISCOVERY]
     a = spawn("dl-a", [*args, *create])
     others = [spawn(f"dl-{n}", [*args, "--initial-peers", a.maddrs[0]], wait=False) for n in "bc"]

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from peerd.peers.collective.allreduce import GroupAllReduce
+from peerd.peers.collective.lossy_allreduce import LossyAllReduce
 from peerd.peers.collective.arctopk import (
     CHECK,
     RANK,
@@ -40,8 +41,10 @@ class ArcTopKRound:
     engine's verdict makes every completer's mean the same bytes); (2) each member selects the same
     k rows from it, and the group averages their values, as `VALUES` (float32 where a group has
     more members than the vector has blocks), followed by the selection check. The vector takes the
-    rows' mean and zeros elsewhere only if both completed and the check holds; otherwise it is left
-    as it was. Members whose selections differ all abort the round ("rows_differ", counted)."""
+    rows' mean and zeros elsewhere only if the sketch's round completed, the rows' applied (in a
+    loss-tolerant round, PARTIAL: the mean where its packets arrived, this member's own values
+    elsewhere) and the check holds; otherwise it is left as it was. Members whose selections differ
+    all abort the round ("rows_differ", counted)."""
 
     def __init__(
         self,
@@ -52,7 +55,11 @@ class ArcTopKRound:
         density: float,
         settings: AllReduceSettings,
         events: PeerEvents | None = None,
+        lossy: bool = False,
     ):
+        """`lossy`: `transport` is a loss-tolerant round's UdpTransport: the sketch goes over its
+        reliable control links (every member must hold the same mean), the rows as datagrams
+        (LossyAllReduce: a lost packet is a lost block, the member's own values there)."""
         self.n, self.k = n, keep(n, density)
         self.v = sketch_matrix(int.from_bytes(hashlib.blake2b(run_id.encode(), digest_size=8).digest(), "little"))
         self.events = events or PeerEvents()
@@ -63,9 +70,11 @@ class ArcTopKRound:
         for stage, fmt in (("sketch", Format.FP32.value), ("rows", self.fmt)):
             g = Group(f"{run_id}/{stage}", group.members, group.addresses, group.me)
             stage_settings = dataclasses.replace(settings, payload=fmt)
-            self.engines[stage] = GroupAllReduce(
-                g, shared.view(g.tag), sizes[stage], settings=stage_settings, events=self.events
-            )
+            if lossy and stage == "rows":
+                engine, view = LossyAllReduce, shared.view(g.tag)
+            else:
+                engine, view = GroupAllReduce, shared.view(g.tag, transport.control if lossy else None)
+            self.engines[stage] = engine(g, view, sizes[stage], settings=stage_settings, events=self.events)
         shared.open()
 
     async def all_reduce(self, vector: torch.Tensor, weight: float) -> tuple[Outcome, Selected | None]:
@@ -89,7 +98,7 @@ class ArcTopKRound:
             bytes_received=first.bytes_received + second.bytes_received,
             duration=first.duration + second.duration,
         )
-        if not second.completed:
+        if not second.applied:  # COMPLETED, or PARTIAL (loss-tolerant: the mean where it arrived)
             return dataclasses.replace(outcome, reason=f"rows: {outcome.reason}"), None
         if not agree(values[self.k * ROW :], mine):
             self.events.rejected("rows_differ")

@@ -184,8 +184,11 @@ class Shared:
             raise RuntimeError("no engine is attached to this shared transport")
         self.inner.attach(self)
 
-    def view(self, tag: bytes) -> Transport:
-        return _View(self, tag)
+    def view(self, tag: bytes, dial: Transport | None = None) -> Transport:
+        """The transport of the engine whose Group has run tag `tag`; it dials through `dial` (a
+        loss-tolerant round's reliable control transport, for an engine whose messages must all
+        arrive), else through the shared transport. Its other attributes are the shared one's."""
+        return _View(self, tag, dial or self.inner)
 
     def _sink(self, link: Inbound, header: Header) -> Sink:
         sink = self.sinks.get(header.run_tag) or next(iter(self.sinks.values()))
@@ -206,8 +209,11 @@ class Shared:
 
 
 class _View(Transport):
-    def __init__(self, shared: Shared, tag: bytes):
-        self.shared, self.tag = shared, tag
+    def __init__(self, shared: Shared, tag: bytes, dial: Transport):
+        self.shared, self.tag, self.dial = shared, tag, dial
+
+    def __getattr__(self, name: str):  # packet_elements, datagrams, ...: the shared transport's
+        return getattr(self.shared.inner, name)
 
     async def start(self) -> str:
         raise RuntimeError("a shared transport is started by its owner")
@@ -218,7 +224,7 @@ class _View(Transport):
         self.shared.sinks[self.tag] = sink
 
     async def connect(self, address: str) -> Link:
-        return await self.shared.inner.connect(address)
+        return await self.dial.connect(address)
 
     async def close(self) -> None:
         """Nothing: the transport is its owner's to close."""
