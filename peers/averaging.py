@@ -106,7 +106,8 @@ class RoundResult:
     pace: Pace | None = None
     # An ARC-Top-K round that completed: the rows it averaged (the vector holds their mean and zeros
     # elsewhere), from which the member's error feedback takes what it did not send (daemon/diloco.py).
-    selected: arctopk.Selected | None = None
+    # Not compared: its rows are an array.
+    selected: arctopk.Selected | None = field(default=None, compare=False)
 
     @property
     def completed(self) -> bool:

@@ -18,11 +18,12 @@ same seed; the group averages the sketches, and every member ranks the rows by t
 the averaged sketch and keeps the k largest. Rows, not single values, are the unit: a row is a
 whole number of the codec's blocks (peers/collective/codec.py), so the dense k-vector is encoded
 and cut as any other payload. Ties in the ranking go to the lower row, so members that hold the
-same averaged sketch derive the same rows (`select`); the reliable engine's verdict makes every
-completer's mean the same bytes, and the values' all-reduce carries a check (`check_values`) that
-fails on every member if one selected other rows (arctopk_round.py, the round; this module is numpy
-only: the manifest names its payload in daemons that never load torch). A run's rounds use the reliable
-engine: the loss-tolerant engine's PARTIAL means differ between members, and so would the rows.
+same averaged sketch derive the same rows (`select`); the sketch always goes through the reliable
+engine, whose verdict makes every completer's mean the same bytes (in a loss-tolerant run, over the
+round's reliable control links: a PARTIAL mean differs between members, and so would the rows),
+and the values' all-reduce (loss-tolerant in such a run) carries a check (`check_values`) that fails
+on every member if one selected other rows (arctopk_round.py, the round; this module is numpy only:
+the manifest names its payload in daemons that never load torch).
 
 Error feedback (daemon/diloco.py, OuterLoop): what a member did not send, its rows outside the k and
 the rounding error of those inside (`split`), stays in its own parameters, which start the next
