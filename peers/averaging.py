@@ -341,34 +341,35 @@ class MoshpitAverager:
             group = Group(self.run_id, [m.peer_id for m in g.members], addresses, g.my_index)
             if self.loss_tolerant:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
-            if payload == arctopk.PAYLOAD:
-                gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
-                return await self._top_k(vector, weight, round_t, group, transport, gather, lane, agreed_pace)
-            engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
-            if -(-vector.numel() // Format(payload).alignment) < group.size:
-                # Fewer blocks than members (a tiny model): every member owns a shard only in float32,
-                # which all members decide alike from the same size and group.
-                payload = "fp32"
-                if vector.numel() < group.size:
-                    return RoundResult(
-                        round_t,
-                        group.size,
-                        None,
-                        f"{vector.numel()} values cannot be shared among {group.size} members",
-                        lane=lane,
-                        pace=agreed_pace,
-                    )
-            buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
             gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
-            settings = dataclasses.replace(with_gather_timeout(self.settings, gather), payload=payload)
-            engine = engine_type(
-                group, transport, vector.numel(), settings=settings, events=self.events, buffers=buffers
-            )
-            try:
-                # A fresh engine's first round is number 1; the group key already names round_t.
-                outcome = await engine.all_reduce(vector, float(weight), 1, restore=restore)
-            finally:
-                await engine.close()
+            if payload == arctopk.PAYLOAD:
+                outcome, selected = await self._top_k(vector, weight, group, transport, gather)
+            else:
+                engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce
+                if -(-vector.numel() // Format(payload).alignment) < group.size:
+                    # Fewer blocks than members (a tiny model): every member owns a shard only in float32,
+                    # which all members decide alike from the same size and group.
+                    payload = "fp32"
+                    if vector.numel() < group.size:
+                        return RoundResult(
+                            round_t,
+                            group.size,
+                            None,
+                            f"{vector.numel()} values cannot be shared among {group.size} members",
+                            lane=lane,
+                            pace=agreed_pace,
+                        )
+                buffers = self.buffers.take(vector.numel(), group.size, self.settings.chunk_elements)
+                settings = dataclasses.replace(with_gather_timeout(self.settings, gather), payload=payload)
+                engine = engine_type(
+                    group, transport, vector.numel(), settings=settings, events=self.events, buffers=buffers
+                )
+                selected = None
+                try:
+                    # A fresh engine's first round is number 1; the group key already names round_t.
+                    outcome = await engine.all_reduce(vector, float(weight), 1, restore=restore)
+                finally:
+                    await engine.close()
             if outcome.completed:
                 self.gather_timeout.observe(outcome.duration, gather)
             return RoundResult(
@@ -380,6 +381,7 @@ class MoshpitAverager:
                 transport.bytes_by_transport(),
                 lane=lane,
                 pace=agreed_pace,
+                selected=selected,
             )
         finally:
             await transport.close()
@@ -390,13 +392,10 @@ class MoshpitAverager:
         self,
         vector: torch.Tensor,
         weight: float,
-        round_t: int,
         group: Group,
         transport: FallbackTransport | UdpTransport,
         gather: float,
-        lane: int,
-        pace: Pace,
-    ) -> RoundResult:
+    ) -> tuple[Outcome, arctopk.Selected | None]:
         """An ARC-Top-K round of the formed group on its transport (peers/collective/arctopk_round.py);
         `gather`: the group's gather timeout, each of its two all-reduces'."""
         two = arctopk_round.ArcTopKRound(
@@ -410,22 +409,9 @@ class MoshpitAverager:
             lossy=self.loss_tolerant,
         )
         try:
-            outcome, selected = await two.all_reduce(vector, float(weight))
+            return await two.all_reduce(vector, float(weight))
         finally:
             await two.close()
-        if outcome.completed:
-            self.gather_timeout.observe(outcome.duration, gather)
-        return RoundResult(
-            round_t,
-            group.size,
-            outcome,
-            outcome.reason,
-            self._links(transport, group),
-            transport.bytes_by_transport(),
-            lane=lane,
-            pace=pace,
-            selected=selected,
-        )
 
     async def _listen(self, key: str) -> tuple[FallbackTransport | UdpTransport, str]:
         """A started listener for this round and its address. The UDP engine needs one port free for
