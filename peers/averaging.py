@@ -343,6 +343,9 @@ class MoshpitAverager:
                 transport.datagrams = self._datagrams({a: m.peer_id for a, m in zip(addresses, g.members)})
             gather = agreed((m.gather_timeout for m in g.members), self.settings.gather_timeout)
             if payload == arctopk.PAYLOAD:
+                if (sketched := arctopk.rows_of(vector.numel()) * arctopk.RANK) < group.size:
+                    why = f"a sketch of {sketched} values cannot be shared among {group.size} members"
+                    return RoundResult(round_t, group.size, None, why, lane=lane, pace=agreed_pace)
                 outcome, selected = await self._top_k(vector, weight, group, transport, gather)
             else:
                 engine_type = LossyAllReduce if self.loss_tolerant else GroupAllReduce

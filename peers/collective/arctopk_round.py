@@ -79,7 +79,7 @@ class ArcTopKRound:
 
     async def all_reduce(self, vector: torch.Tensor, weight: float) -> tuple[Outcome, Selected | None]:
         """The round on `vector` (n float32 values: this member's pseudo-gradient plus what it owes):
-        the outcome (bytes and duration of both stages) and, where it completed, the rows."""
+        the outcome (bytes and duration of both stages) and, where it applied, the rows."""
         x = vector.numpy()
         mean_sketch = torch.from_numpy(sketch(x, self.v).reshape(-1))
         first = await self.engines["sketch"].all_reduce(mean_sketch, weight, 1)
