@@ -664,7 +664,23 @@ class Daemon:
             if self.config.train.min_peers <= 1:
                 return 0
             training = {e.peer_id for e in membership.trainers()}
-            return sum(peer in training for peer, _ in peers())
+            grouped = sum(peer in training for peer, _ in peers())
+            if label != AUTO:
+                return grouped
+            # By links: a training peer labelled auto whose link with this daemon is not in both
+            # records yet may still be in the group by links; the first step waits for it too (at
+            # most the attach's PLACE_WAIT). Else each daemon's process trained alone first, its
+            # own group, and the run of test_group_span's auto case was over before they grouped.
+            _, links = membership.published_links
+            mine = {r.peer_id for r in links}
+            unmeasured = [
+                e
+                for e in membership.peers()
+                if e.local_group == AUTO
+                and e.peer_id in training
+                and (e.peer_id not in mine or self.node.peer_id not in {r.peer_id for r in e.links})
+            ]
+            return grouped + len(unmeasured)
 
         return GroupSpan(
             run_id=run_id,
