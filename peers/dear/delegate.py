@@ -200,7 +200,7 @@ def _result_json(r: RoundResult) -> dict:
 def encode_answer(results: Sequence[RoundResult], vector: torch.Tensor, lanes: int, payload: str) -> bytes:
     """The results of the lanes averaged here and, for each lane that applied, its values (in lane
     order; `vector` is the whole vector those lanes were averaged in, in `payload`'s rounds); after
-    them, for each ARC-Top-K lane that averaged rows, its rows as a bit mask (`_masks`)."""
+    them, for each ARC-Top-K lane that averaged rows, its rows as a bit mask (read by `_rows`)."""
     bounds = lane_bounds(vector.numel(), lanes)
     parts = [vector[bounds[r.lane][0] : bounds[r.lane][1]].numpy() for r in results if r.applied]
     fmt, body = _pack(parts, payload)
