@@ -517,8 +517,7 @@ def _cmd_plan(args) -> int:
             overlap=args.overlap,
             run=run,
         )
-        density = args.density if args.density is not None else (run.density if run and run.density else None)
-        density = plan_mod.arctopk.DENSITY if density is None else density
+        density = args.density if args.density is not None else (run and run.density) or plan_mod.arctopk.DENSITY
         plans = plan_mod.plan(
             given.params,
             given.step_seconds,

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ from peerd.peers.collective.codec import Codec, Format
 from peerd.peers.collective.group import AllReduceSettings, Group
 from peerd.peers.collective.outcome import Outcome, Status
 from peerd.peers.collective.transport import Shared, Transport
-from peerd.peers.collective.wire import BLOCK
+from peerd.peers.collective.wire import BLOCK, run_tag
 from peerd.peers.events import PeerEvents
 
 
@@ -61,7 +60,7 @@ class ArcTopKRound:
         reliable control links (every member must hold the same mean), the rows as datagrams
         (LossyAllReduce: a lost packet is a lost block, the member's own values there)."""
         self.n, self.k = n, keep(n, density)
-        self.v = sketch_matrix(int.from_bytes(hashlib.blake2b(run_id.encode(), digest_size=8).digest(), "little"))
+        self.v = sketch_matrix(int.from_bytes(run_tag(run_id), "little"))  # the run's: the same everywhere
         self.events = events or PeerEvents()
         shared = Shared(transport)
         sizes = {"sketch": rows_of(n) * RANK, "rows": self.k * ROW + CHECK}
