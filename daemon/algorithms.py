@@ -142,7 +142,10 @@ class StateAveraging:
         return Snapshot(step, self._vector.clone())
 
     def adopt(self, flat: torch.Tensor) -> None:
+        """Peers' or a checkpoint's state replaces this member's: the samples its rounds that applied
+        nothing carried are not in it any more, and do not weigh on its next round (as DiLoCo's adopt)."""
         self._vector.copy_(flat)
+        self._carried = 0.0
 
     def take_vector(self) -> None:
         """The vector is the state itself: nothing to take."""

@@ -126,3 +126,29 @@ def test_a_state_childs_rounds_and_checkpoints_are_the_threads(tmp_path):
         assert resumed.step == 2 * H and torch.equal(resumed._shared.tensor, again)
     finally:
         resumed.stop()
+
+
+def test_a_state_that_replaces_the_vector_drops_the_weight_its_rounds_alone_carried():
+    """A round that applies nothing carries its samples to the next; a download (adopt) replaces the
+    vector, and with it what those samples trained: the next round weighs its own phase only. (Run
+    99: a thawed daemon's stale phase weighed in the round after its download.)"""
+    weights = []
+
+    async def average(vector, weight, round_t, lanes, restore=True, payload="fp32"):
+        weights.append(weight)
+        if round_t in (1, 4):
+            return [RoundResult(round_t, 1, None, "alone")]
+        return [RoundResult(round_t, 2, Done(), "")]
+
+    model, optimizer = built()
+    algorithm = StateAveraging(model, optimizer)
+    vector = torch.zeros(algorithm.numel(0))
+    algorithm.bind(vector, average, "sv", None, 1)
+    run(algorithm.round(1, 32.0))
+    run(algorithm.round(2, 32.0))
+    assert weights == [32.0, 64.0]  # the first round's samples counted in the second
+    run(algorithm.round(3, 32.0))  # nothing carried after a round that applied
+    run(algorithm.round(4, 16.0))  # alone again: carried...
+    algorithm.adopt(torch.ones(len(vector)))  # ...until the state is replaced
+    run(algorithm.round(5, 32.0))
+    assert weights == [32.0, 64.0, 32.0, 16.0, 32.0] and torch.equal(vector, torch.ones(len(vector)))
