@@ -174,9 +174,20 @@ class Optimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable | None = None, samples: float | None = None, loss=None):
         """One inner step; at the phase's end, the run's outer step (blocks for the round unless the
-        run overlaps them). Returns what the inner optimizer's step returns."""
+        run overlaps them). Returns what the inner optimizer's step returns. A step that attaches
+        again (the daemon restarted, or dropped this process) takes the run's parameters into the
+        model: the gradient computed before, at the parameters it held, is not applied to them
+        (without a closure, which computes it after the attach; in a local group the group's step
+        decides), and the step is not counted."""
         if self._attachment.lost.is_set():
             self._reattach()
+            if closure is None and self._collective is None and not self._attached.upload:
+                logger.info(
+                    "peerd: run %s: attached again; this step's gradient, of the parameters held before, is dropped",
+                    self.run,
+                )
+                self.inner.zero_grad()
+                return None
         samples = 1.0 if samples is None else float(samples)
         a = self._attachment
         if self._collective is None:

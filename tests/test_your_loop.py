@@ -361,7 +361,9 @@ def test_a_daemon_restarted_under_a_script_is_reattached_and_the_step_goes_on(sp
     out = lines(finish(p, 180))
     steps = [x["run_step"] for x in out if "run_step" in x]
     assert steps == sorted(steps), steps  # the run's step never goes backwards for the script
-    assert out[-1]["local_step"] == 400 and out[-1]["done"] >= before
+    # A step whose gradient was computed before the attach that followed the restart is dropped
+    # (peerd.torch.Optimizer.step): at most one of the 400; none where a phase's end noticed it.
+    assert out[-1]["local_step"] in (399, 400) and out[-1]["done"] >= before
     status = run_status(a, "again")
     assert status.step == out[-1]["done"] and status.attached_pid == 0
 
