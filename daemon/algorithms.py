@@ -28,6 +28,7 @@ import torch
 from peerd.daemon.diloco import Applied, OuterLoop, OuterSettings, lanes_to_put_back
 from peerd.daemon.flat import from_flat, state_tensors, to_flat
 from peerd.peers.averaging import RoundResult
+from peerd.peers.collective import arctopk
 from peerd.peers.dear.hierarchy import lane_bounds
 from peerd.peers.statesync import Snapshot
 
@@ -41,6 +42,10 @@ class DiLoCo:
     def __init__(self, settings: OuterSettings):
         self.settings = settings
         self.overlap = settings.overlap
+        # Whether the process's parameters differ from θ at a phase's end, so that the shared file
+        # carries θ beside them (peerd.torch.Optimizer.run_parameters reads it; 4 bytes a value):
+        # with overlap they hold its progress since, with ARC-Top-K the rows it did not send.
+        self.theta_apart = settings.overlap or settings.payload == arctopk.PAYLOAD
         self.outer: OuterLoop | None = None  # once bound to the trainer's vector
 
     def numel(self, parameters: int) -> int:
@@ -108,7 +113,7 @@ class StateAveraging:
     """averaging.algorithm=state: `model` and `optimizer` are the task's, as built from the run's
     manifest (daemon/taskchild.py task_model)."""
 
-    overlap = False
+    overlap = theta_apart = False
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self._model, self._optimizer = model, optimizer

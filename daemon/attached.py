@@ -202,7 +202,8 @@ class SharedVector:
     daemon left (remove_stale)."""
 
     def __init__(self, directory: Path, numel: int, theta: bool = False):
-        """`theta`: with θ and the landing counts (format 2, a run with overlap): 4 bytes more per value."""
+        """`theta`: with θ and the landing counts (format 2: a run whose process's parameters are
+        not θ at a phase's end, daemon/algorithms.py `theta_apart`): 4 bytes more per value."""
         self.path = directory / f"{SHARED_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         size = file_size(numel, theta)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -361,7 +362,7 @@ class AttachedTrainer:
         # own child's, daemon/taskchild.py: the identity older releases' trainer thread wrote too).
         self._identity = identity if identity is not None else layout_identity(run_id, layout)
         overlap = algorithm.overlap
-        self._shared = SharedVector(shared_dir, self.numel, theta=overlap)
+        self._shared = SharedVector(shared_dir, self.numel, theta=algorithm.theta_apart)
         algorithm.bind(self._shared.tensor, average, run_id, self._round_done, lanes)
         # Rounds landed between EndPhases (LANDED), how many of them the vector accounts for, and the
         # latest one's move θ − s (for an EndPhase to add where the process did not).
@@ -1156,7 +1157,7 @@ class AttachedTrainer:
     def _publish_theta(self) -> None:
         """Under the lock, the process blocked in a call: θ as it is now (a round that landed in the
         call, a download, a checkpoint loaded)."""
-        if self._shared.theta is not None:  # overlap: DiLoCo's
+        if self._shared.theta is not None:  # DiLoCo's, where the parameters are not θ (`theta_apart`)
             self._shared.write_theta(self.algorithm.outer.theta)
 
     def _settle(self, taken: int) -> None:

@@ -96,7 +96,7 @@ class Slot:
 class Attached:
     session: str
     vector: torch.Tensor  # float32, numel values in layout order, over the shared file
-    theta: torch.Tensor | None  # with overlap (format 2): the run's parameters θ, as the daemon last wrote them
+    theta: torch.Tensor | None  # format 2 (overlap, ARC-Top-K): the run's parameters θ, as the daemon last wrote them
     step: int
     phases: Phases  # where the run's phases end (its average_every and first_phase)
     lease_seconds: float

@@ -685,7 +685,8 @@ class Optimizer(torch.optim.Optimizer):
     def run_parameters(self):
         """Within the block the model holds the run's parameters θ, as of the latest round that
         landed (to evaluate the run's model, as the daemon's checkpoints and `peerd export` hold it);
-        then its own again. Right after a phase's end without overlap the model holds θ already;
+        then its own again. Right after a phase's end without overlap the model holds θ already
+        (but with ARC-Top-K: θ minus the rows it did not send, which its later rounds send);
         otherwise it holds θ plus its own progress since. Costs a copy of the parameters on their
         device and a copy of θ into them."""
         with torch.no_grad():

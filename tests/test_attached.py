@@ -550,3 +550,40 @@ def test_a_placement_during_the_attachs_announcement_is_announced_after_it_not_b
     finally:
         release.set()
         t.stop()
+
+
+def test_an_arctopk_run_without_overlap_puts_theta_beside_the_parameters_it_leaves_apart(tmp_path):
+    """ARC-Top-K leaves the rows a member did not send in its process's parameters (θ minus them), so
+    the shared file carries θ too, as with overlap: what `run_parameters` evaluates and a spanning
+    group hands over. Two rows; the round averages row 0."""
+    import numpy as np
+
+    from peerd.peers.collective import arctopk
+    from peerd.peers.collective.outcome import Outcome, Status
+
+    row = arctopk.ROW
+
+    async def top_k(vector, weight, round_t, live, restore=True, payload="fp32"):
+        sent = arctopk.gather(vector.numpy(), np.array([0]))
+        arctopk.scatter(sent * np.float32(0.5), np.array([0]), vector.numpy())
+        done = Outcome(Status.COMPLETED, "emulated", 1, ("a", "b"), (1.0,), 0, 0, 0.1, b"d")
+        return [RoundResult(round_t, 2, done, "emulated", selected=arctopk.Selected(np.array([0]), "fp32"))]
+
+    settings = OuterSettings(lr=1.0, momentum=0.0, payload="arctopk", overlap=False)
+    t = trainer(tmp_path, top_k, algorithm=DiLoCo(settings), layout=(TensorSpec("w", (2 * row,), "torch.float32"),))
+    assert DiLoCo(dataclasses.replace(settings, payload="int8")).theta_apart is False  # θ is the vector there
+    try:
+        info = t.attach(pid=0, device="cpu", step=0)
+        process = process_side(t._shared, 2 * row)
+        vector = t._shared.tensor
+        vector.zero_()
+        run(t.end_phase(info.session, 0, 0.0, math.nan, 0.0))  # the upload: θ = 0
+        vector.sub_(0.25)  # a phase: P = 0.25 everywhere
+        run(t.end_phase(info.session, H, 32.0, 0.5, 0.1))
+        theta = torch.empty(2 * row)
+        process.copy_theta(theta.copy_)
+        assert torch.equal(theta, t.algorithm.outer.theta)  # θ as the daemon holds it
+        assert torch.equal(theta[:row], torch.full((row,), -0.125)) and not theta[row:].any()
+        assert torch.equal(vector[row:], torch.full((row,), -0.25))  # row 1's progress, kept to send
+    finally:
+        t.stop()
