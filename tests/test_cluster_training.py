@@ -235,8 +235,10 @@ def test_training_goes_on_through_a_kill_a_freeze_and_a_late_joiner(spawn, secre
         print(f"distance to the group mean before round {rs[0].last_round}: {distances}")
         # Distance to the group mean just before that round (parameter norm here: about 7-10).
         # Measured 0.0-0.17 over nine runs, quiet and with a core held busy; the stated bound is 1.0.
-        # Runs 77, 80 and 99 (loaded) saw 1.09, 1.005 and 1.048 once each; run 99's was b, the thawed
-        # daemon, against a mean that is nearly a's (a's weight holds its rounds alone): open (FLAKY.md).
+        # Runs 77, 80 and 99 (loaded) saw 1.09, 1.005 and 1.048 once each: the thawed b's process
+        # applied a gradient of its pre-freeze parameters to the run's, right after attaching again
+        # (fixed in peerd.torch.Optimizer.step; tests/FLAKY.md). The mean is nearly a's there (a's
+        # weight holds its rounds alone), so b's distance is its distance to a.
         if not all(r.param_distance_to_group_mean < 1.0 for r in rs):
             where = {
                 d.data_dir.name: f"step {r.step} local {r.local_step} synced from {r.synced_from} round {r.last_round}"
