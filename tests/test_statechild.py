@@ -130,8 +130,9 @@ def test_a_state_childs_rounds_and_checkpoints_are_the_threads(tmp_path):
 
 def test_a_state_that_replaces_the_vector_drops_the_weight_its_rounds_alone_carried():
     """A round that applies nothing carries its samples to the next; a download (adopt) replaces the
-    vector, and with it what those samples trained: the next round weighs its own phase only. (Run
-    99: a thawed daemon's stale phase weighed in the round after its download.)"""
+    vector, and with it what those samples trained: the next round weighs its own phase only. (Read
+    in the code for run 99's failure: a thawed daemon's stale phase weighed in the round after its
+    download.)"""
     weights = []
 
     async def average(vector, weight, round_t, lanes, restore=True, payload="fp32"):
