@@ -368,6 +368,41 @@ def test_a_daemon_restarted_under_a_script_is_reattached_and_the_step_goes_on(sp
     assert status.step == out[-1]["done"] and status.attached_pid == 0
 
 
+def test_the_step_that_attaches_again_drops_the_gradient_of_the_parameters_held_before(spawn):
+    """After a restart the step that attaches again takes the run's parameters (the checkpoint the
+    daemon wrote as it stopped) and does not apply the gradient computed before it, at the
+    parameters the model held then: the model holds the run's θ exactly, and the step is not
+    counted (before: θ − lr·g, the cause of the kill/freeze test's distance, tests/FLAKY.md run 99)."""
+    a = spawn("stale", ["--run", "stale"])
+    model = torch.nn.Linear(4, 1)
+    opt = peerd.torch.Optimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        run="stale",
+        daemon=a.data_dir,
+        model=model,
+        settings={"average_every": "2"},
+        reconnect_timeout=60,
+    )
+    try:
+        for _ in range(2):  # one phase; its round (alone) applied: the model holds θ
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step(samples=8)
+            opt.zero_grad()
+        theta = [p.detach().clone() for p in model.parameters()]
+        assert a.stop() == 0  # checkpoints θ
+        wait_for(opt._attachment.lost.is_set, timeout=30, what="the process sees its daemon gone")
+        a.start()
+        (model(torch.randn(8, 4)).sum() * 1000).backward()  # at the parameters held before the attach
+        opt.step(samples=8)
+        assert all(torch.equal(p, t) for p, t in zip(model.parameters(), theta)), (list(model.parameters()), theta)
+        assert opt.local_step == 2 and all(p.grad is None for p in model.parameters())
+        model(torch.randn(8, 4)).sum().backward()  # the next step is an ordinary one
+        opt.step(samples=8)
+        assert opt.local_step == 3 and not all(torch.equal(p, t) for p, t in zip(model.parameters(), theta))
+    finally:
+        opt.close()
+
+
 @pytest.mark.heavy
 def test_a_daemon_restarted_under_a_local_group_is_reattached_by_both_processes_as_one_group(spawn):
     """The new daemon's epochs start over: the processes must not wait for an epoch after their old one.
