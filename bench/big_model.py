@@ -16,9 +16,10 @@ asked for once none has for peers/statesync.HOLD_IDLE s):
   with the script), bytes per parameter, and the model-sized buffers (anonymous or shared mappings
   of at least a byte a parameter: torch allocates each such tensor as a mapping of its own, so their
   RSS over 4 bytes a parameter counts float32 copies, an int8 one as 1/4); the daemon's tree (daemon
-  and p2pd) minus those
-  buffers: the cost of the daemon that does not grow with the model (issue 28: at most 300 MiB);
-  the daemon's bytes per parameter against the issue's 20;
+  and p2pd) minus those buffers: the cost of the daemon that does not grow with the model (issue
+  28: at most 300 MiB), in RSS and beside its script (`beside_script_mib`: without the pages of
+  library files its script holds too, which the kernel keeps once); the daemon's bytes per
+  parameter against the issue's 20;
 * **state download**, b's: bytes and seconds (peerd_state_sync_bytes_total,
   peerd_state_sync_seconds_total), MB/s. Baseline, in the same run: one plain TCP connection on
   loopback moving the same number of bytes (a thread sends, this process receives into a buffer).
@@ -31,6 +32,7 @@ process started here is killed on exit. Figures: docs/benchmarks.md, "A model of
 from __future__ import annotations
 
 import argparse
+import collections
 import math
 import os
 import queue
@@ -109,40 +111,75 @@ def large_mapping(params: int) -> int:
     return max(params, 65 << 20)
 
 
-def proc_memory(pid: int, large: int) -> dict[str, float]:
-    """MiB of one process: RSS and its anonymous and shared-memory parts (/proc/PID/status), and
-    the RSS of its mappings of at least `large` bytes (the model-sized buffers)."""
+def proc_memory(pid: int, large: int) -> dict:
+    """MiB of one process: RSS and its anonymous and shared-memory parts (/proc/PID/status), the
+    RSS of its mappings of at least `large` bytes (the model-sized buffers), the pages of its other
+    mappings that only it holds (`own`: anonymous memory, and its own copies of a file's pages such
+    as a library's relocated data), and (`files`, not printed) the rest of each file's resident
+    pages, in MiB by path: those the kernel keeps once for every process that maps the file."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
     kib = {k: int(status[k].split()[0]) for k in ("VmRSS", "RssAnon", "RssShmem")}
-    big, size, counted = 0, 0, False
+    big, own, files = 0, 0, collections.Counter()
+
+    def add(path: str, fields: dict[str, int]) -> None:
+        nonlocal big, own
+        if (path == "" or path.startswith("/dev/shm/")) and fields["Size"] >= large:
+            big += fields["Rss"]
+        elif path.startswith("/"):
+            own += fields["Anonymous"]
+            files[path] += (fields["Rss"] - fields["Anonymous"]) / 2**20
+        else:  # anonymous: the heap, the stacks, mappings with no file
+            own += fields["Rss"]
+
+    path, fields = None, {}
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0]:  # a mapping's first line: counted if anonymous or in shared memory
-            path = fields[5] if len(fields) > 5 else ""
-            counted = path == "" or path.startswith("/dev/shm/")
-        elif fields[0] == "Size:":
-            size = int(fields[1]) * 1024
-        elif fields[0] == "Rss:" and counted and size >= large:
-            big += int(fields[1]) * 1024
+        parts = line.split()
+        if not parts[0].endswith(":"):  # a mapping's first line: the address range, ..., its path
+            if path is not None:
+                add(path, fields)
+            path, fields = parts[5] if len(parts) > 5 else "", {}
+        elif parts[0] in ("Size:", "Rss:", "Anonymous:"):
+            fields[parts[0][:-1]] = int(parts[1]) * 1024
+    if path is not None:
+        add(path, fields)
     return {
         "rss": round(kib["VmRSS"] / 1024, 1),
         "anon": round(kib["RssAnon"] / 1024, 1),
         "shmem": round(kib["RssShmem"] / 1024, 1),
         "model_buffers": round(big / 2**20, 1),
+        "own": round(own / 2**20, 1),
+        "files": files,
     }
 
 
-def daemon_memory(d: LocalDaemon, params: int) -> dict:
-    me = proc_memory(d.pid, large_mapping(params))
-    p2pd = sum(
-        p.memory_info().rss for p in psutil.Process(d.pid).children(recursive=True) if p.name().startswith("p2pd")
-    )
-    tree = me["rss"] + p2pd / 2**20
+def beside(own: float, files: dict[str, float], script_files: dict[str, float]) -> float:
+    """MiB that processes add to a machine where a script runs: the pages only they hold (`own`),
+    and of each file's clean resident pages the part beyond the script's of the same file."""
+    return round(own + sum(max(0.0, mib - script_files.get(path, 0.0)) for path, mib in files.items()), 1)
+
+
+def daemon_memory(d: LocalDaemon, params: int, script_pid: int) -> dict:
+    """The daemon's and its p2pd's memory; `beside_script_mib`: what they add to a machine where
+    their script runs: the pages only they hold outside the model-sized buffers, and of each file
+    they map (torch's, Python's, p2pd's libraries) the clean resident pages beyond those the script
+    has of it."""
+    large = large_mapping(params)
+    me = proc_memory(d.pid, large)
+    p2pds = [
+        proc_memory(p.pid, large) for p in psutil.Process(d.pid).children(recursive=True) if p.name().startswith("p2pd")
+    ]
+    p2pd = sum(p["rss"] for p in p2pds)
+    script_files = proc_memory(script_pid, large)["files"]
+    files = collections.Counter(me.pop("files"))
+    for p in p2pds:
+        files.update(p.pop("files"))
+    tree = me["rss"] + p2pd
     return {
         "daemon_mib": me,
-        "p2pd_rss_mib": round(p2pd / 2**20, 1),
+        "p2pd_rss_mib": round(p2pd, 1),
         "tree_rss_mib": round(tree, 1),
         "tree_minus_model_mib": round(tree - me["model_buffers"], 1),
+        "beside_script_mib": beside(me["own"] + sum(p["own"] for p in p2pds), files, script_files),
         "daemon_bytes_per_param": round(me["rss"] * 2**20 / params, 2),
         "daemon_float32_copies": round(me["model_buffers"] * 2**20 / (4 * params), 2),
     }
@@ -150,6 +187,7 @@ def daemon_memory(d: LocalDaemon, params: int) -> dict:
 
 def script_memory(s: Script, params: int) -> dict:
     me = proc_memory(s.proc.pid, large_mapping(params))
+    del me["files"]
     return {
         "script_mib": me,
         "script_bytes_per_param": round(me["rss"] * 2**20 / params, 2),
@@ -217,14 +255,14 @@ def measure(base: Path, args) -> list[dict]:
         progress(BENCH, f"b's script attached {attach_s:.1f} s after its start (torch import, state download)")
         for s in scripts:
             s.wait_for("phase_end", args.phases, PHASE_TIMEOUT)
-        early = [daemon_memory(d, params)["daemon_mib"]["rss"] for d in daemons]
+        early = [daemon_memory(d, params, s.proc.pid)["daemon_mib"]["rss"] for d, s in zip(daemons, scripts)]
         settle_until = time.monotonic() + args.settle
         while time.monotonic() < settle_until:  # the scripts go on training; their lines pile up unread
             time.sleep(1.0)
             for s in scripts:
                 if s.proc.poll() is not None:
                     raise RuntimeError(f"a script exited; output:\n{''.join(s.tail)}")
-        memory = [daemon_memory(d, params) | script_memory(s, params) for d, s in zip(daemons, scripts)]
+        memory = [daemon_memory(d, params, s.proc.pid) | script_memory(s, params) for d, s in zip(daemons, scripts)]
         for m, rss in zip(memory, early):
             m["daemon_rss_after_phases_mib"] = rss
         got = scrape(b, "peerd_state_sync_bytes_total")
@@ -260,7 +298,10 @@ def measure(base: Path, args) -> list[dict]:
             OVERHEAD_TARGET_MIB,
             "MiB",
             params=params,
-            note="the larger of the two: daemon + p2pd RSS minus the daemon's model-sized buffers",
+            beside_script_mib=max(m["beside_script_mib"] for m in memory),
+            note="the larger of the two: daemon + p2pd RSS minus the daemon's model-sized buffers; "
+            "beside_script_mib: what they add to a machine where their script runs (their anonymous "
+            "pages outside those buffers, and of each library the pages beyond the script's)",
         )
     )
     lines.append(
