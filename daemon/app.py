@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from peerd.daemon import __version__
+from peerd.daemon import SOURCE_ROOT, __version__
 from peerd.daemon.config import DaemonConfig
 from peerd.daemon.control import ControlServer, TooManyRuns, UnknownRun
 from peerd.daemon.datadir import DataDir
 from peerd.daemon.lifecycle import ALLOWED, DaemonState
 from peerd.daemon.metrics import DaemonMetrics, MetricsServer
 from peerd.daemon.progress import ProgressLog
+from peerd.daemon.supervisor import TASK_PROGRAM, Preloaded
 from peerd.daemon import joining as run_setup
 from peerd.daemon.joining import RunHandle
 from peerd.peers.collective.group import MAX_GROUP
@@ -125,6 +126,9 @@ class Daemon:
         self.maddrs: list[str] = []
         self._stop = asyncio.Event()
         self._stop_reason = ""
+        # A --task run's training process, started with the daemon so that it imports torch while the
+        # daemon starts (a restart's, too); its first Supervisor takes it (daemon/supervisor.py).
+        self._preloaded: Preloaded | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -146,6 +150,8 @@ class Daemon:
         secret = self._secret_for_start()
         self.data_dir.open()
         try:
+            if cfg.train.task and cfg.run:
+                self._preloaded = await Preloaded(TASK_PROGRAM, SOURCE_ROOT).start()
             await self.metrics_server.start()
             events = self.metrics.peer_events()
             self.node = await PeerNode.start(
@@ -188,6 +194,7 @@ class Daemon:
             self._probing = asyncio.create_task(self._probe_links(), name="link-probes")
             for run_id in cfg.run:
                 await self._join(run_id, secret(run_id) if secret else None, cfg.train.task, cfg.train.set_dict())
+            await self._drop_preloaded()  # none of the runs took it
             await self._start_control()
             self._set_state(DaemonState.READY)
             await self.control.set_serving(True)
@@ -287,8 +294,19 @@ class Daemon:
             self._stop_reason = reason
             self._stop.set()
 
+    def _take_preloaded(self) -> Preloaded | None:
+        """The preloaded training process, for the first task run that starts one (its own then)."""
+        preloaded, self._preloaded = self._preloaded, None
+        return preloaded
+
+    async def _drop_preloaded(self) -> None:
+        if self._preloaded is not None:
+            preloaded, self._preloaded = self._preloaded, None
+            await preloaded.close()
+
     async def _teardown(self, grace: float) -> None:
         """Stop whatever started, in reverse order. Safe to call more than once."""
+        await self._drop_preloaded()
         await self.progress.stop()
         if self.control is not None:
             await self.control.stop(grace)
@@ -538,25 +556,32 @@ class Daemon:
             await asyncio.to_thread(state_tensors, optimizer)
             # No straggler budget: a state run's phases all take H steps.
             state = {"algorithm": StateAveraging(model, optimizer), "inner_budget": 0.0}
-        return self._attached_trainer(
-            manifest,
-            membership,
-            average,
-            sync,
-            loop,
-            TaskChild,
-            **state,
-            layout=layout,
-            identity=identity,
-            argv=argv,
-            processes=train.train_processes,
-            max_steps=train.max_steps,
-            # Before the child starts, daemons in the run (no child trains before it attaches): a
-            # daemon alone does not start one. What decides its first step is trainers_ready.
-            ready=lambda: len(membership.table) + 1 >= train.min_peers,
-            trainers_ready=lambda: self._trainers_ready(membership),
-            ready_timeout=train.min_peers_timeout,
-        )
+        preloaded = self._take_preloaded()
+        try:
+            return self._attached_trainer(
+                manifest,
+                membership,
+                average,
+                sync,
+                loop,
+                TaskChild,
+                **state,
+                layout=layout,
+                identity=identity,
+                argv=argv,
+                processes=train.train_processes,
+                max_steps=train.max_steps,
+                preloaded=preloaded,
+                # Before the child starts, daemons in the run (no child trains before it attaches): a
+                # daemon alone does not start one. What decides its first step is trainers_ready.
+                ready=lambda: len(membership.table) + 1 >= train.min_peers,
+                trainers_ready=lambda: self._trainers_ready(membership),
+                ready_timeout=train.min_peers_timeout,
+            )
+        except BaseException:
+            if preloaded is not None:
+                await preloaded.close()
+            raise
 
     def _trainers_ready(self, membership) -> bool:
         """--min-peers, the one count of it: whether the run's peers with training

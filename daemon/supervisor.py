@@ -5,15 +5,22 @@ DESIGN.md, "Processes").
 The child dies with the daemon: it is started with PEERD_PARENT_PID, and die_with_parent() (called
 first thing in the child) asks Linux to kill it when its parent goes (PR_SET_PDEATHSIG), closing
 the race with a parent that died before the call.
+
+A child's first start may take a process started earlier with the same program and no arguments
+yet (`Preloaded`: it imports its libraries while the daemon starts, and reads its arguments from
+stdin as one JSON line; daemon/taskproc.py `--preload`); a restart starts a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
+import sys
 import time
 from collections import deque
 from enum import Enum
@@ -23,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 STOP_GRACE = 30.0  # seconds a child has after SIGTERM (it detaches: the daemon checkpoints) before SIGKILL
 PARENT_ENV = "PEERD_PARENT_PID"
+PRELOAD_FLAG = "--preload"  # a child's argument: read the others from stdin (Preloaded)
+TASK_PROGRAM = [sys.executable, "-m", "peerd.daemon.taskproc"]  # a --task run's training process
 PR_SET_PDEATHSIG = 1
 TAIL_LINES = 20  # lines of the child's stderr kept for the error a failure shows
 STABLE_AFTER = 600.0  # seconds a child runs before a failure no longer counts toward the bound with earlier ones
@@ -47,6 +56,62 @@ def after_exit(returncode: int, failures: int, max_restarts: int) -> tuple[Child
     return ChildState.RESTARTING, f"{how}; restart {failures} of {max_restarts}"
 
 
+class Preloaded:
+    """A child started ahead of its arguments: `program` (argv's first elements) plus PRELOAD_FLAG,
+    waiting for the rest of argv on stdin. Taken once, by the Supervisor whose argv starts with
+    `program`; close() ends it unused. Its stdin closed unread (the daemon gone), it exits."""
+
+    def __init__(self, program: list[str], cwd: Path | None = None):
+        self.program, self.cwd = program, cwd
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> "Preloaded":
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.program,
+            PRELOAD_FLAG,
+            cwd=self.cwd,
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        return self
+
+    async def take(self, argv: list[str], cwd: Path | None) -> asyncio.subprocess.Process | None:
+        """The process, given the rest of `argv`; None where it does not fit argv or has exited."""
+        proc, self.proc = self.proc, None
+        if proc is None or argv[: len(self.program)] != self.program or cwd != self.cwd or proc.returncode is not None:
+            await _end(proc)
+            return None
+        try:
+            proc.stdin.write(json.dumps(argv[len(self.program) :]).encode() + b"\n")
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):  # it exited meanwhile
+            await _end(proc)
+            return None
+        except BaseException:  # cancelled: the supervisor stops
+            proc.kill()
+            raise
+        return proc
+
+    async def close(self) -> None:
+        proc, self.proc = self.proc, None
+        await _end(proc)
+
+
+async def _end(proc: asyncio.subprocess.Process | None) -> None:
+    """End a preloaded process that was not given its arguments (it has nothing to save)."""
+    if proc is None:
+        return
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    await proc.wait()
+    with contextlib.suppress(Exception):  # its stderr, unread (the pipe is at its end)
+        await proc.stderr.read()
+
+
 class Supervisor:
     """Runs `argv` until it exits with status 0, restarting it after a failure (back-off doubling
     from `backoff` seconds) at most `max_restarts` times in a row: a child that ran `stable_after`
@@ -63,8 +128,10 @@ class Supervisor:
         max_restarts: int = 3,
         backoff: float = 1.0,
         stable_after: float = STABLE_AFTER,
+        preloaded: Preloaded | None = None,
     ):
         self.name, self.argv, self.cwd = name, argv, cwd
+        self._preloaded = preloaded  # the first start's process, if it fits (Preloaded.take)
         self.max_restarts, self.backoff, self.stable_after = max_restarts, backoff, stable_after
         self.state = ChildState.RUNNING
         self.failures = 0  # in a row: since the start, or since a failure after a stable run
@@ -93,6 +160,8 @@ class Supervisor:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._preloaded is not None:  # never started
+            await self._preloaded.close()
         proc = self._proc
         if proc is not None and proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
@@ -110,14 +179,17 @@ class Supervisor:
         delay = self.backoff
         while not self._stopping:
             self.state = ChildState.RUNNING
-            self._proc = await asyncio.create_subprocess_exec(
-                *self.argv,
-                cwd=self.cwd,
-                env={**os.environ, PARENT_ENV: str(os.getpid())},
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-            )
+            preloaded, self._preloaded = self._preloaded, None
+            self._proc = preloaded and await preloaded.take(self.argv, self.cwd)
+            if self._proc is None:
+                self._proc = await asyncio.create_subprocess_exec(
+                    *self.argv,
+                    cwd=self.cwd,
+                    env={**os.environ, PARENT_ENV: str(os.getpid())},
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
+                )
             self.pid, began = self._proc.pid, time.monotonic()
             logger.info("%s: started (pid %d)", self.name, self.pid)
             async for line in self._proc.stderr:  # until the child closes it: it exits

@@ -26,7 +26,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -34,7 +33,7 @@ from typing import Callable, Iterator
 from peerd.daemon import SOURCE_ROOT
 from peerd.daemon.attached import AttachedTrainer, TrainState
 from peerd.daemon.joining import RunRefused
-from peerd.daemon.supervisor import ChildState, Supervisor
+from peerd.daemon.supervisor import TASK_PROGRAM, ChildState, Preloaded, Supervisor
 from peerd.peers.manifest import RunManifest, TensorSpec, layout_mismatch
 from peerd.peers.membership import IDLE
 
@@ -96,7 +95,7 @@ def optimizer_without_dynamo() -> Iterator[None]:
 def child_argv(manifest: RunManifest, data_dir: Path, train, init_seed: int) -> list[str]:
     """The child's command line: the run's task, hyper-parameters and seed, this daemon's limits
     (each of --train-processes adds its --rank: TaskChild)."""
-    argv = [sys.executable, "-m", "peerd.daemon.taskproc", "--run", manifest.run_id, "--task", manifest.task]
+    argv = [*TASK_PROGRAM, "--run", manifest.run_id, "--task", manifest.task]
     argv += ["--daemon", str(data_dir), "--seed", str(init_seed)]
     argv += ["--average-every", str(manifest.averaging.average_every), "--max-steps", str(train.max_steps)]
     argv += ["--eval-every", str(train.eval_every), "--checkpoint-every", str(train.checkpoint_every)]
@@ -130,6 +129,7 @@ class TaskChild(AttachedTrainer):
         ready_timeout: float = 0.0,
         max_restarts: int = MAX_RESTARTS,
         processes: int = 1,
+        preloaded: Preloaded | None = None,
         **attached,
     ):
         self.max_steps = max_steps
@@ -144,6 +144,7 @@ class TaskChild(AttachedTrainer):
                 argv + (["--rank", str(rank)] if processes > 1 else []),
                 cwd=SOURCE_ROOT,
                 max_restarts=max_restarts,
+                preloaded=preloaded if rank == 0 else None,  # the daemon's, started with it
             )
             for rank in range(processes)
         ]

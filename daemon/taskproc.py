@@ -12,11 +12,17 @@ parameters and the inner optimizer's state); the run's parameters θ are evaluat
 `--eval-every` run steps (at a phase's end, through Optimizer.run_parameters) and reported to the
 daemon (ReportEval); the inner optimizer's state and the model's buffers are saved next to the
 daemon's checkpoints (`--state`), so that a restarted process resumes them.
+
+    python -m peerd.daemon.taskproc --preload
+
+imports torch and what training needs, then reads the other arguments from stdin (one JSON list):
+a daemon starts its first child so while it starts itself (daemon/supervisor.py, Preloaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -165,7 +171,7 @@ def report(task, hparams, model: torch.nn.Module, opt) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from peerd.daemon.supervisor import PARENT_ENV, die_with_parent
+    from peerd.daemon.supervisor import PARENT_ENV, PRELOAD_FLAG, die_with_parent
 
     die_with_parent()  # started by a daemon (daemon/supervisor.py): it goes when the daemon goes
     # The supervisor's stop: leave through `finally` (Detach: the daemon checkpoints at once).
@@ -177,6 +183,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == [PRELOAD_FLAG]:  # started while the daemon starts (supervisor.Preloaded): the rest comes on stdin
+        import torch._dynamo  # noqa: F401  (the inner optimizer's first call imports it: 1 s of CPU)
+
+        import peerd.daemon.checkpoint  # noqa: F401  (what train() imports)
+        import peerd.daemon.joining  # noqa: F401
+        import peerd.daemon.tasks  # noqa: F401
+        import peerd.torch  # noqa: F401
+
+        line = sys.stdin.readline()
+        if not line:  # not needed after all
+            return 0
+        argv = json.loads(line)
     return train(parse_args(argv))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from peerd.daemon.client import ControlClient
-from peerd.daemon.supervisor import ChildState, Supervisor, after_exit
+from peerd.daemon.supervisor import TASK_PROGRAM, ChildState, Preloaded, Supervisor, after_exit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,5 +123,70 @@ def test_a_stopped_child_detaches_and_is_reaped(spawn):
             os.kill(pid, 0)  # reaped
         status = run_status(a, "sv")
         assert status.attached_pid == 0 and status.train_state == "STOPPED"  # it detached on SIGTERM
+
+    asyncio.run(scenario())
+
+
+# A program that, started with --preload, reads its other arguments from stdin (as taskproc does),
+# then prints them with its pid and exits with the status its first argument names.
+PRELOADING = [
+    sys.executable,
+    "-c",
+    "import json, os, sys\n"
+    "args = sys.argv[1:]\n"
+    "if args == ['--preload']:\n"
+    "    line = sys.stdin.readline()\n"
+    "    if not line: raise SystemExit(0)\n"
+    "    args = json.loads(line)\n"
+    "print(os.getpid(), *args, file=sys.stderr)\n"
+    "raise SystemExit(int(args[0]))",
+]
+
+
+def test_the_first_start_takes_the_preloaded_process_and_a_restart_starts_a_new_one():
+    async def scenario() -> None:
+        preloaded = await Preloaded(PRELOADING).start()
+        early = preloaded.proc.pid
+        sup = Supervisor("pre", [*PRELOADING, "3", "x"], max_restarts=1, backoff=0.05, preloaded=preloaded)
+        sup.start()
+        await until(lambda: sup.state is ChildState.FAILED, 30, "FAILED")
+        # Two runs: the preloaded process given "3 x" on stdin, then a fresh one with them as arguments.
+        assert [line.split()[1:] for line in sup.tail] == [["3", "x"], ["3", "x"]], list(sup.tail)
+        assert int(sup.tail[0].split()[0]) == early and sup.pid != early
+
+    asyncio.run(scenario())
+
+
+def test_a_preloaded_process_of_another_program_or_never_started_is_ended():
+    async def scenario() -> None:
+        other = await Preloaded(PRELOADING).start()
+        early = other.proc
+        sup = Supervisor(
+            "pre", [sys.executable, "-c", "import os, sys; print(os.getpid(), file=sys.stderr)"], preloaded=other
+        )
+        sup.start()
+        await until(lambda: sup.state is ChildState.EXITED, 30, "EXITED")
+        assert early.returncode == -signal.SIGKILL and int(sup.tail[0]) == sup.pid != early.pid  # a new one
+        unused = await Preloaded(PRELOADING).start()
+        proc = unused.proc
+        await Supervisor("pre", [*PRELOADING, "0"], preloaded=unused).stop()  # stopped before it started
+        assert proc.returncode == -signal.SIGKILL
+
+    asyncio.run(scenario())
+
+
+def test_taskproc_preloaded_imports_torch_and_trains_with_the_arguments_it_reads(spawn):
+    """The real training process started with --preload (as a --task daemon starts it) attaches and
+    trains with the arguments it reads from stdin."""
+    a = spawn("sv-pre", ["--run", "sv"])
+
+    async def scenario() -> None:
+        preloaded = await Preloaded(TASK_PROGRAM, ROOT).start()
+        early = preloaded.proc.pid
+        sup = Supervisor("task sv", child(a, "digits-mlp", 60), cwd=ROOT, preloaded=preloaded)
+        sup.start()
+        await until(lambda: sup.state is ChildState.EXITED, 120, "60 steps")
+        assert sup.pid == early and sup.failures == 0, list(sup.tail)
+        assert run_status(a, "sv").step == 60
 
     asyncio.run(scenario())

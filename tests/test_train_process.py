@@ -48,6 +48,9 @@ def test_a_killed_training_process_is_restarted_and_training_goes_on(spawn):
     )
     assert (first.train_state, first.train_process_state, first.train_process_restarts) == ("TRAINING", "RUNNING", 0)
     assert first.attached_pid not in (0, d.pid)  # a process of its own
+    # The one the daemon started with itself, which imported torch while the daemon started
+    # (supervisor.Preloaded); a restart starts a new one with its arguments.
+    assert _argv(first.attached_pid)[-1] == "--preload", _argv(first.attached_pid)
 
     os.kill(first.attached_pid, signal.SIGKILL)
     again = wait_for(
@@ -56,6 +59,7 @@ def test_a_killed_training_process_is_restarted_and_training_goes_on(spawn):
         what="a new process attached",
     )
     assert again.train_process_restarts == 1 and again.train_state == "TRAINING", again
+    assert "--preload" not in _argv(again.attached_pid) and "--run" in _argv(again.attached_pid)
     assert again.step >= first.step  # it attached at the run's step, which the daemon kept
     m = scrape(d.metrics_url)
     assert m[("peerd_train_process_restarts_total", (("run", "kc"),))] == 1
@@ -190,6 +194,10 @@ def test_a_state_run_trains_in_children_resumes_and_a_late_peer_downloads_its_st
     assert m[("peerd_state_sync_bytes_total", (("run", "sc"),))] >= 3 * 4 * params
     for d in (a, b, c):
         assert d.stop() == 0
+
+
+def _argv(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().rstrip("\0").split("\0")
 
 
 def _alive(pid: int) -> bool:
