@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import json
 import logging
 import math
 import multiprocessing
@@ -54,7 +52,7 @@ from pathlib import Path
 import torch
 
 import peerd.torch
-from bench.common import checkout_commit, emit, progress, result
+from bench.common import append_results, emit, progress, result
 from peerd.daemon.flat import from_flat, to_flat
 from peerd.daemon.procs import LocalDaemon
 
@@ -442,15 +440,6 @@ def measure(args, base: Path) -> list[dict]:
     return records
 
 
-def _save(records: list[dict]) -> None:
-    at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    commit = checkout_commit() or None
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS, "a") as f:
-        for r in records:
-            f.write(json.dumps({**r, "at": at, "commit": commit}) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 1M-value vector, 3 phases: a smoke run")
@@ -487,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         emit(r)
     if not args.quick:
-        _save(records)
+        append_results(RESULTS, records)
     return 0
 
 

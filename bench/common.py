@@ -7,6 +7,7 @@ prints is its headline.
 
 from __future__ import annotations
 
+import datetime
 import json
 import signal
 import statistics
@@ -69,3 +70,13 @@ def checkout_commit() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+def append_results(path: Path, lines: list[dict]) -> None:
+    """Append a run's result lines to a results file, each with the time and the checkout's commit."""
+    at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    commit = checkout_commit() or None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for line in lines:
+            f.write(json.dumps({**line, "at": at, "commit": commit}) + "\n")

@@ -151,7 +151,10 @@ class Daemon:
         self.data_dir.open()
         try:
             if cfg.train.task and cfg.run:
-                self._preloaded = await Preloaded(TASK_PROGRAM, SOURCE_ROOT).start()
+                try:
+                    self._preloaded = await Preloaded(TASK_PROGRAM, SOURCE_ROOT).start()
+                except OSError as e:  # the child is started the usual way, once the run is set up
+                    logger.warning("could not start the training process ahead of the run: %s", e)
             await self.metrics_server.start()
             events = self.metrics.peer_events()
             self.node = await PeerNode.start(
